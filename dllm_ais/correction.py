@@ -1,0 +1,428 @@
+"""Rollout-mismatch corrections: importance weights between the rollout engine and the trainer.
+
+The rollout engine (e.g. FP8) samples from a behaviour policy μ that differs slightly from the
+trainer's policy π_old (BF16). The functions here turn per-token log-probs ℓ^old and ℓ^ro into
+per-token weights w_t that the GRPO loss multiplies into its per-token terms
+(ALGORITHMS.md §4), together with diagnostics (python floats) to log every step.
+
+Conventions: token tensors are [B, L]; `mask` (bool or 0/1) marks valid completion tokens;
+advantages are [B], one per sequence. Every returned weight tensor is detached float32 and 0 at
+invalid positions. Per token, log ρ_t = clamp(ℓ^old_t − ℓ^ro_t, −20, 20) and ρ_t = exp(log ρ_t).
+
+`ais_weights` is **this project's formulation** of Adaptive Importance Sampling: the AIS paper
+describes the idea (three batch diagnostics mixed into one coefficient α) but not its formula.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Union
+
+import torch
+from torch import Tensor
+
+LOG_RATIO_BOUND = 20.0
+CORRECTION_METHODS = ("none", "tis", "mis", "acr", "ais")
+IS_LEVELS = ("token", "sequence", "geometric")
+IS_MODES = ("truncate", "mask")
+ALPHA_RULES = ("gate", "oracle")
+
+AlphaRule = Union[str, Callable[[dict[str, float]], float]]
+
+_NEUTRAL_RATIO_DIAGNOSTICS = {
+    "is_ratio/min": 1.0,
+    "is_ratio/mean": 1.0,
+    "is_ratio/max": 1.0,
+    "is_ratio/std": 0.0,
+    "k3_kl": 0.0,
+    "kl": 0.0,
+    "chi2_token": 0.0,
+    "chi2_seq": 0.0,
+    "ppl_ratio": 1.0,
+    "ess": 1.0,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared tensor helpers (also used by dllm_ais.loss)
+# ---------------------------------------------------------------------------------------------
+def check_choice(name: str, value: str, options: tuple[str, ...]) -> None:
+    """Raise ValueError naming `name`, the bad value and the valid options unless value ∈ options."""
+    if value not in options:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, options))}; got {value!r}")
+
+
+def as_token_mask(mask: Tensor, *token_tensors: Tensor) -> Tensor:
+    """Return `mask` as bool after checking it is [B, L] and every token tensor has its shape."""
+    if mask.dim() != 2:
+        raise ValueError(f"mask must be [batch, length]; got shape {tuple(mask.shape)}")
+    for tensor in token_tensors:
+        if tensor.shape != mask.shape:
+            raise ValueError(
+                f"token tensors must match the mask's shape {tuple(mask.shape)}; "
+                f"got {tuple(tensor.shape)}"
+            )
+    return mask.bool()
+
+
+def masked_sum(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Σ_{i: m_i} x_i over all entries (dim=None) or along `dim`; invalid entries never enter the
+    sum, even when they are inf or NaN."""
+    selected = torch.where(mask.bool(), values, 0.0)
+    return selected.sum() if dim is None else selected.sum(dim=dim)
+
+
+def masked_mean(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Σ_i m_i x_i / max(1, Σ_i m_i): the mean over valid entries, 0 where there are none."""
+    count = mask.to(values.dtype).sum() if dim is None else mask.to(values.dtype).sum(dim=dim)
+    return masked_sum(values, mask, dim) / count.clamp(min=1)
+
+
+def scalars_to_floats(scalars: dict[str, Tensor]) -> dict[str, float]:
+    """Turn 0-d tensors into python floats with a single device synchronisation."""
+    values = torch.stack([value.float() for value in scalars.values()]).tolist()
+    return dict(zip(scalars, values))
+
+
+def broadcast_advantages(advantages: Tensor, mask: Tensor) -> Tensor:
+    """Â_t = A_b for every token t of sequence b: detached float32 [B, L], 0 at invalid positions."""
+    valid = mask.bool()
+    if advantages.shape != valid.shape[:1]:
+        raise ValueError(
+            f"advantages must be [batch] = ({valid.shape[0]},), one per sequence; "
+            f"got shape {tuple(advantages.shape)}"
+        )
+    return torch.where(valid, advantages.detach().float().unsqueeze(1), 0.0)
+
+
+def normalised_effective_sample_size(weights: Tensor, mask: Tensor) -> Tensor:
+    """(Σ w)² / (N · Σ w²) = mean(w)² / mean(w²) over the N valid entries, in (0, 1];
+    1 when there is nothing to weigh (N = 0 or all weights 0)."""
+    second_moment = masked_mean(weights.square(), mask)
+    return torch.where(
+        second_moment > 0, masked_mean(weights, mask).square() / second_moment, 1.0
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Ratios and their diagnostics
+# ---------------------------------------------------------------------------------------------
+def log_importance_ratio(logp_old: Tensor, logp_rollout: Tensor, mask: Tensor) -> Tensor:
+    """log ρ_t = clamp(ℓ^old_t − ℓ^ro_t, −20, 20) at valid tokens, 0 elsewhere (detached float32).
+
+    Raises ValueError when a valid token's log-ratio is NaN (a NaN log-prob, or −inf in both).
+    """
+    valid = as_token_mask(mask, logp_old, logp_rollout)
+    log_ratio = logp_old.detach().float() - logp_rollout.detach().float()
+    num_nan = int((torch.isnan(log_ratio) & valid).sum())
+    if num_nan:
+        raise ValueError(
+            f"{num_nan} valid completion tokens have a NaN log-ratio (logp_old or logp_rollout is "
+            "NaN there, or both are -inf): check the likelihood estimator and the completion mask"
+        )
+    return torch.where(valid, log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND), 0.0)
+
+
+def ratio_diagnostics(log_ratio: Tensor, mask: Tensor) -> dict[str, float]:
+    """Pre-truncation statistics of ρ_t = exp(log ρ_t) over the N valid tokens.
+
+    - `is_ratio/{min,mean,max,std}` of ρ (population std);
+    - `k3_kl` = mean(ρ − log ρ − 1) and `kl` = mean(−log ρ), two estimates of KL(μ ‖ π_old);
+    - `chi2_token` = mean(ρ²) − 1; `chi2_seq` = mean over sequences with a valid token of
+      ρ_seq² − 1, with log ρ_seq = clamp(Σ_t m_t log ρ_t, −20, 20);
+    - `ppl_ratio` = exp(mean log ρ); `ess` = (Σ ρ)² / (N Σ ρ²).
+    With N = 0 the neutral values are returned (ratios 1, divergences 0, ess 1).
+    """
+    valid = as_token_mask(mask, log_ratio)
+    if not bool(valid.any()):
+        return dict(_NEUTRAL_RATIO_DIAGNOSTICS)
+    log_ratio = log_ratio.detach().float()
+    ratio = log_ratio.exp()
+    mean_ratio = masked_mean(ratio, valid)
+    sequence_log_ratio = masked_sum(log_ratio, valid, dim=1).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    return scalars_to_floats({
+        "is_ratio/min": torch.where(valid, ratio, math.inf).amin(),
+        "is_ratio/mean": mean_ratio,
+        "is_ratio/max": torch.where(valid, ratio, -math.inf).amax(),
+        "is_ratio/std": masked_mean((ratio - mean_ratio).square(), valid).sqrt(),
+        "k3_kl": masked_mean(ratio - log_ratio - 1.0, valid),
+        "kl": masked_mean(-log_ratio, valid),
+        "chi2_token": masked_mean(ratio.square(), valid) - 1.0,
+        "chi2_seq": masked_mean((2.0 * sequence_log_ratio).exp(), valid.any(dim=1)) - 1.0,
+        "ppl_ratio": masked_mean(log_ratio, valid).exp(),
+        "ess": normalised_effective_sample_size(ratio, valid),
+    })
+
+
+def _level_log_ratio(log_ratio: Tensor, valid: Tensor, level: str) -> Tensor:
+    """The log-ratio at `level`, broadcast to every token of its sequence:
+    token: log ρ_t; sequence: clamp(Σ_t m_t log ρ_t, ±20); geometric: mean_t log ρ_t."""
+    if level == "token":
+        return log_ratio
+    if level == "sequence":
+        per_sequence = masked_sum(log_ratio, valid, dim=1).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    else:
+        per_sequence = masked_mean(log_ratio, valid, dim=1)
+    return torch.where(valid, per_sequence.unsqueeze(1), 0.0)
+
+
+def _weight_summary(weights: Tensor, valid: Tensor) -> dict[str, Tensor]:
+    """Mean over valid tokens and maximum of non-negative weights that are 0 at invalid tokens."""
+    return {"is_weight/mean": masked_mean(weights, valid), "is_weight/max": weights.amax()}
+
+
+# ---------------------------------------------------------------------------------------------
+# TIS / MIS / sequence / geometric importance weights, ACR
+# ---------------------------------------------------------------------------------------------
+def importance_weights(
+    logp_old: Tensor,
+    logp_rollout: Tensor,
+    mask: Tensor,
+    *,
+    level: str = "token",
+    mode: str = "truncate",
+    clip: float = 2.0,
+    clip_low: float | None = None,
+    normalize: bool = False,
+) -> tuple[Tensor, dict[str, float]]:
+    """Importance weights w_t from the ratio ρ at `level` (token ρ_t, sequence
+    ρ_seq = exp(Σ_t m_t log ρ_t), or geometric ρ_geo = exp(mean_t log ρ_t), each broadcast to
+    the sequence's tokens), with C = `clip` and C_low = `clip_low` (0 when None):
+
+    - mode "truncate" (TIS): w = min(ρ, C), and max(·, C_low) when clip_low is given;
+    - mode "mask" (MIS): w = ρ · 1[C_low ≤ ρ ≤ C].
+    With `normalize`, w ← w / mean_valid(w) afterwards, so the mean weight over valid tokens is 1.
+
+    Returns (weights, diagnostics): `ratio_diagnostics` of the token ratios plus
+    `is_weight/{mean,max}` of the returned weights and `is_fraction_truncated` /
+    `is_fraction_masked`: the fraction of valid tokens whose (level) ratio lies outside
+    [C_low, C], reported under the mode's key (the other one is 0).
+    """
+    check_choice("level", level, IS_LEVELS)
+    check_choice("mode", mode, IS_MODES)
+    if not clip > 0:
+        raise ValueError(f"clip must be > 0; got {clip}")
+    lower = 0.0 if clip_low is None else clip_low
+    if not 0 <= lower <= clip:
+        raise ValueError(f"clip_low must lie in [0, clip={clip}]; got {clip_low}")
+    valid = as_token_mask(mask, logp_old, logp_rollout)
+    log_ratio = log_importance_ratio(logp_old, logp_rollout, valid)
+    ratio = _level_log_ratio(log_ratio, valid, level).exp()
+    outside = valid & ((ratio > clip) | (ratio < lower))
+    if mode == "truncate":
+        weights = ratio.clamp(min=lower, max=clip)
+    else:
+        weights = torch.where(outside, 0.0, ratio)
+    weights = torch.where(valid, weights, 0.0)
+    if normalize:
+        mean_weight = masked_mean(weights, valid)
+        weights = torch.where(mean_weight > 0, weights / mean_weight, weights)
+    fraction_outside = masked_mean(outside.float(), valid)
+    no_fraction = torch.zeros_like(fraction_outside)
+    diagnostics = ratio_diagnostics(log_ratio, valid)
+    diagnostics.update(scalars_to_floats({
+        **_weight_summary(weights, valid),
+        "is_fraction_truncated": fraction_outside if mode == "truncate" else no_fraction,
+        "is_fraction_masked": fraction_outside if mode == "mask" else no_fraction,
+    }))
+    return weights, diagnostics
+
+
+def acr_clip_scale(log_ratio: Tensor, mask: Tensor, clip: float = 2.0) -> Tensor:
+    """QuRL adaptive clipping range: c_t = min(1, C/ρ_t) = exp(min(0, log C − log ρ_t)),
+    detached float32, 1 at invalid positions. The loss widens its upper clip bound to
+    (1 + ε_high)/c_t, so TIS truncation at C does not also shrink the trust region."""
+    if not clip > 0:
+        raise ValueError(f"clip must be > 0; got {clip}")
+    valid = as_token_mask(mask, log_ratio)
+    scale = (math.log(clip) - log_ratio.detach().float()).clamp(max=0.0).exp()
+    return torch.where(valid, scale, 1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# AIS (this project's formulation)
+# ---------------------------------------------------------------------------------------------
+def gate_alpha(
+    reliability: float,
+    severity: float,
+    variance_amplification: float,
+    kl_scale: float = 1e-3,
+    alpha_max: float = 1.0,
+) -> float:
+    """Default AIS mixing rule: α = α_max · (1 − exp(−D/κ)) · R / max(1, V), with R the weight
+    reliability, D the divergence severity, V the variance amplification and κ = kl_scale."""
+    return alpha_max * -math.expm1(-severity / kl_scale) * reliability / max(1.0, variance_amplification)
+
+
+def oracle_alpha(uncorrected_bias: float, correction_variance: float) -> float:
+    """Plug-in MSE-optimal mix of a biased and an unbiased estimate: α = b̂² / (b̂² + σ̂²), with
+    b̂ = mean_t d_t and σ̂² = var_t(d_t)/N for d_t = (w_t − 1)Â_t; α = 0 when both are 0."""
+    bias_squared = uncorrected_bias**2
+    total = bias_squared + correction_variance
+    return bias_squared / total if total > 0 else 0.0
+
+
+def _check_rule(rule: AlphaRule) -> None:
+    if not callable(rule):
+        check_choice("rule", rule, ALPHA_RULES)
+
+
+def _mixing_coefficient(rule: AlphaRule, rule_inputs: dict[str, float]) -> float:
+    """α from the rule (built-in name or user callable on the diagnostics), clamped to [0, 1]."""
+    if rule == "gate":
+        raw = gate_alpha(
+            rule_inputs["reliability"], rule_inputs["severity"],
+            rule_inputs["variance_amplification"], rule_inputs["kl_scale"], rule_inputs["alpha_max"],
+        )
+    elif rule == "oracle":
+        raw = oracle_alpha(rule_inputs["uncorrected_bias"], rule_inputs["correction_variance"])
+    else:
+        raw = rule(dict(rule_inputs))
+    rule_name = rule if isinstance(rule, str) else getattr(rule, "__name__", repr(rule))
+    try:
+        alpha = float(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"AIS rule {rule_name} returned {raw!r}; it must return a number") from None
+    if not math.isfinite(alpha):
+        raise ValueError(f"AIS rule {rule_name} returned a non-finite alpha ({alpha})")
+    return min(max(alpha, 0.0), 1.0)
+
+
+def ais_weights(
+    logp_old: Tensor,
+    logp_rollout: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip: float = 2.0,
+    kl_scale: float = 1e-3,
+    rule: AlphaRule = "gate",
+    alpha_max: float = 1.0,
+    previous_alpha: float | None = None,
+    alpha_ema: float = 0.0,
+) -> tuple[Tensor, dict[str, float]]:
+    """AIS effective weights ŵ_t = (1 − α) + α · w_t at valid tokens (0 elsewhere), with
+    w_t = min(ρ_t, C) the TIS weight — this project's formulation of AIS (ALGORITHMS.md §4).
+
+    Batch diagnostics over the N valid tokens (Â_t = advantage of token t's sequence):
+    reliability R = (Σ w)²/(N Σ w²); severity D = mean(ρ − log ρ − 1);
+    variance_amplification V = Σ (w Â)² / Σ Â² (1 when all Â are 0); and, for the oracle rule,
+    uncorrected_bias b̂ = mean(d) and correction_variance σ̂² = var(d)/N (population variance)
+    with d_t = (w_t − 1)Â_t.
+
+    α comes from `rule`: "gate" (`gate_alpha`), "oracle" (`oracle_alpha`), or a callable taking
+    the diagnostics dict (plus `clip`, `kl_scale`, `alpha_max`) and returning a number; it is
+    clamped to [0, 1] (`alpha_max` is the gate's ceiling). With previous_alpha given and
+    alpha_ema > 0, α ← alpha_ema · previous_alpha + (1 − alpha_ema) · α (`alpha_raw` is the
+    value before smoothing). ŵ lies between 1 and w_t, so ŵ ≤ max(1, C); α = 0 gives ŵ = 1 and
+    α = 1 gives exactly the TIS weights.
+    """
+    if not clip > 0:
+        raise ValueError(f"clip must be > 0; got {clip}")
+    if not kl_scale > 0:
+        raise ValueError(f"kl_scale must be > 0; got {kl_scale}")
+    if not 0 <= alpha_max <= 1:
+        raise ValueError(f"alpha_max must lie in [0, 1]; got {alpha_max}")
+    if not 0 <= alpha_ema < 1:
+        raise ValueError(f"alpha_ema must lie in [0, 1); got {alpha_ema}")
+    if previous_alpha is not None and not 0 <= previous_alpha <= 1:
+        raise ValueError(f"previous_alpha must lie in [0, 1] or be None; got {previous_alpha}")
+    _check_rule(rule)
+    valid = as_token_mask(mask, logp_old, logp_rollout)
+    token_advantages = broadcast_advantages(advantages, valid)
+
+    tis_weights, diagnostics = importance_weights(logp_old, logp_rollout, valid, clip=clip)
+    shift = (tis_weights - 1.0) * token_advantages
+    shift_mean = masked_mean(shift, valid)
+    num_tokens = valid.sum().float()
+    advantage_energy = masked_sum(token_advantages.square(), valid)
+    diagnostics.update(scalars_to_floats({
+        "reliability": normalised_effective_sample_size(tis_weights, valid),
+        "variance_amplification": torch.where(
+            advantage_energy > 0,
+            masked_sum((tis_weights * token_advantages).square(), valid) / advantage_energy,
+            1.0,
+        ),
+        "uncorrected_bias": shift_mean,
+        "correction_variance": masked_mean((shift - shift_mean).square(), valid)
+        / num_tokens.clamp(min=1),
+        "num_tokens": num_tokens,
+    }))
+    diagnostics["severity"] = diagnostics["k3_kl"]
+
+    alpha = _mixing_coefficient(
+        rule, {**diagnostics, "clip": clip, "kl_scale": kl_scale, "alpha_max": alpha_max}
+    )
+    diagnostics["alpha_raw"] = alpha
+    if previous_alpha is not None and alpha_ema > 0:
+        alpha = alpha_ema * previous_alpha + (1.0 - alpha_ema) * alpha
+    diagnostics["alpha"] = alpha
+
+    # lerp is exact at both ends: α = 0 → 1, α = 1 → w, and w = 1 → 1 for every α.
+    effective = torch.where(valid, torch.lerp(torch.ones_like(tis_weights), tis_weights, alpha), 0.0)
+    diagnostics.update(scalars_to_floats(_weight_summary(effective, valid)))
+    return effective, diagnostics
+
+
+# ---------------------------------------------------------------------------------------------
+# The dispatcher the trainer calls
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Correction:
+    """A correction's output for the loss: detached float32 per-token weights [B, L] (0 at
+    invalid positions), the ACR clip scale c_t [B, L] (None unless method "acr"), and the
+    diagnostics to log."""
+
+    weights: Tensor
+    clip_scale: Tensor | None
+    diagnostics: dict[str, float]
+
+
+def correct(
+    method: str,
+    logp_old: Tensor,
+    logp_rollout: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip: float = 2.0,
+    clip_low: float | None = None,
+    level: str = "token",
+    normalize: bool = False,
+    kl_scale: float = 1e-3,
+    rule: AlphaRule = "gate",
+    alpha_max: float = 1.0,
+    previous_alpha: float | None = None,
+    alpha_ema: float = 0.0,
+) -> Correction:
+    """Apply the rollout-mismatch correction `method` (one of CORRECTION_METHODS):
+
+    - "none": w = mask, but the ratio diagnostics are still computed and logged;
+    - "tis" / "mis": `importance_weights` at `level` with mode truncate / mask;
+    - "acr": token-level TIS weights plus clip_scale = `acr_clip_scale`;
+    - "ais": `ais_weights` (token level; no clip_low, no normalize).
+    Options a method cannot honour raise ValueError instead of being silently ignored
+    (except for "none", which ignores every option).
+    """
+    check_choice("method", method, CORRECTION_METHODS)
+    if method in ("acr", "ais") and level != "token":
+        raise ValueError(f"method {method!r} works on token ratios; level must be 'token', got {level!r}")
+    if method == "ais" and (clip_low is not None or normalize):
+        raise ValueError("method 'ais' supports neither clip_low nor normalize; leave them unset")
+    valid = as_token_mask(mask, logp_old, logp_rollout)
+    if method == "none":
+        log_ratio = log_importance_ratio(logp_old, logp_rollout, valid)
+        return Correction(valid.float(), None, ratio_diagnostics(log_ratio, valid))
+    if method == "ais":
+        weights, diagnostics = ais_weights(
+            logp_old, logp_rollout, advantages, valid, clip=clip, kl_scale=kl_scale, rule=rule,
+            alpha_max=alpha_max, previous_alpha=previous_alpha, alpha_ema=alpha_ema,
+        )
+        return Correction(weights, None, diagnostics)
+    weights, diagnostics = importance_weights(
+        logp_old, logp_rollout, valid, level=level, mode="mask" if method == "mis" else "truncate",
+        clip=clip, clip_low=clip_low, normalize=normalize,
+    )
+    clip_scale = None
+    if method == "acr":
+        clip_scale = acr_clip_scale(log_importance_ratio(logp_old, logp_rollout, valid), valid, clip)
+    return Correction(weights, clip_scale, diagnostics)

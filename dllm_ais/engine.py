@@ -1,0 +1,229 @@
+"""The rollout engine: a low-precision (FP8) inference copy of the trainer's policy, synced in place each step.
+
+The engine generates rollouts and computes the rollout-side log-probs ℓ_rollout. Its weights are the
+trainer's weights with every LoRA adapter merged in (W + ΔW), cast to the engine dtype and, for the fp8
+modes, quantized (dllm_ais.quantization); the LM head, embeddings and norms stay in high precision.
+`sync_from` refreshes the engine after each optimizer step by copying the merged weights into the
+existing (FP8) parameters, so the engine never re-allocates.
+
+Works for any transformers model (LLaDA, causal LMs such as Qwen3), trained with LoRA through peft or
+fully fine-tuned, bare or wrapped by DDP / DataParallel / DeepSpeed / torch.compile.
+"""
+from __future__ import annotations
+
+import copy
+import time
+from typing import Iterator, NamedTuple
+
+import torch
+from accelerate.utils import extract_model_from_parallel
+from peft import PeftModel
+from peft.tuners.lora import LoraLayer
+from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
+from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
+from torch import Tensor, nn
+
+from dllm_ais.quantization import SkipRule, check_precision, quantize_model_, requantize_
+
+__all__ = ["RolloutEngine", "adapter_host", "load_merged_weights_", "lm_head_skip_rule", "merged_state_items"]
+
+# Module names (a full name or its dotted suffix) of LM heads that `get_output_embeddings` may not report:
+# LLaDA's untied head is the top-level `transformer.ff_out` (the per-block `blocks.N.ff_out` is an MLP layer).
+LM_HEAD_NAMES = ("lm_head", "embed_out", "transformer.ff_out")
+
+
+class RolloutEngine:
+    """An inference copy of the trainer's policy in one of the precision modes "bf16", "fp8", "fp8_weight_only".
+
+    Attributes:
+        model: the engine's own model (plain transformers model, eval mode, no gradients); call it like
+            the trainer's model to sample rollouts and compute rollout-side log-probs.
+        precision: the precision mode.
+        quantized_modules: names of the linear layers stored in FP8 (empty for "bf16").
+    """
+
+    def __init__(self, trainer_model: nn.Module, precision: str = "fp8", dtype: torch.dtype | None = None):
+        """Copy `trainer_model` (LoRA adapters merged in, the trainer's model left untouched), cast it to
+        `dtype` (None keeps the trainer's parameter dtypes, so "bf16" reproduces the trainer bit for bit)
+        and quantize its linear layers to `precision`.
+        """
+        check_precision(precision)
+        # The copy drops the LoRA layers without merging them: the merged weights are loaded below by the
+        # code `sync_from` uses, so a fresh engine and a synced one agree bit for bit.
+        model = _without_adapters(copy.deepcopy(adapter_host(trainer_model)))
+        model.eval()
+        for param in model.parameters():
+            param.requires_grad_(False)
+            param.grad = None
+        if dtype is not None:
+            model.to(dtype)
+        load_merged_weights_(model, trainer_model)
+        self.model = model
+        self.precision = precision
+        self.quantized_modules = quantize_model_(model, precision, skip=lm_head_skip_rule(model))
+
+    def sync_from(self, trainer_model: nn.Module) -> float:
+        """Copy the trainer's current (LoRA-merged) weights into the engine in place; return the seconds it took."""
+        start = time.perf_counter()
+        load_merged_weights_(self.model, trainer_model)
+        if any(param.is_cuda for param in self.model.parameters()):
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+
+def adapter_host(trainer_model: nn.Module) -> nn.Module:
+    """The transformers model inside the trainer's wrappers (DDP / DataParallel / DeepSpeed / torch.compile, then
+    peft's PeftModel or LoraModel); its LoRA-wrapped layers, if any, are still in place.
+    """
+    model = extract_model_from_parallel(trainer_model, keep_torch_compile=False)
+    if isinstance(model, PeftModel):
+        return model.get_base_model()
+    return model.model if isinstance(model, BaseTuner) else model
+
+
+def lm_head_skip_rule(model: nn.Module) -> SkipRule:
+    """A `skip(name, module)` rule for quantize_model_ that keeps the LM head in high precision: the module
+    `get_output_embeddings()` returns, and any module named like an LM head (LM_HEAD_NAMES).
+    """
+    output_embeddings = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+
+    def is_lm_head(name: str, module: nn.Module) -> bool:
+        return module is output_embeddings or any(name == head or name.endswith("." + head) for head in LM_HEAD_NAMES)
+
+    return is_lm_head
+
+
+class _ParameterSource(NamedTuple):
+    """One parameter of the engine's plain model, as stored in the trainer's model.
+
+    `parameter` is the trainer's tensor (for a LoRA-wrapped layer its base-layer tensor); `lora_layer` is
+    set for the weight of a LoRA-wrapped layer, whose active adapters add their ΔW.
+    """
+
+    name: str
+    parameter: Tensor
+    lora_layer: LoraLayer | None
+
+    @torch.no_grad()
+    def merged(self) -> Tensor:
+        """W + Σ_adapters ΔW_adapter, each sum rounded to W's dtype as peft's merge does; W for other parameters."""
+        value = self.parameter.detach()
+        if self.lora_layer is not None:
+            for adapter in _adapters_to_merge(self.lora_layer):
+                value = (value + self.lora_layer.get_delta_weight(adapter)).to(self.parameter.dtype)
+        return value
+
+
+def merged_state_items(trainer_model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """Yield (name, tensor) for every parameter of the trainer's model with LoRA merged in, under the names of
+    the plain model: `base_model.model.<name>.base_layer.weight` of a peft model becomes `<name>.weight` with
+    value W + ΔW of its active, unmerged adapters (none when adapters are disabled); LoRA matrices are left out;
+    a `modules_to_save` copy replaces its original. Tied parameters appear once. Values are computed lazily,
+    one at a time, and share storage with the trainer where no merging is needed (do not modify them).
+    """
+    for source in _parameter_sources(trainer_model):
+        yield source.name, source.merged()
+
+
+@torch.no_grad()
+def load_merged_weights_(engine_model: nn.Module, trainer_model: nn.Module) -> None:
+    """Copy `merged_state_items(trainer_model)` into the parameters of `engine_model` in place (FP8 ones requantized).
+
+    Raises ValueError, before copying anything, if the two models' parameter names or shapes differ.
+    """
+    engine_params = dict(engine_model.named_parameters())
+    sources = list(_parameter_sources(trainer_model))
+    _check_same_parameters(engine_params, sources)
+    for source in sources:
+        requantize_(engine_params[source.name], source.merged())
+
+
+def _parameter_sources(trainer_model: nn.Module) -> Iterator[_ParameterSource]:
+    yield from _module_parameter_sources(adapter_host(trainer_model), prefix="", seen=set())
+
+
+def _module_parameter_sources(module: nn.Module, prefix: str, seen: set[int]) -> Iterator[_ParameterSource]:
+    module, lora_layer = _plain_module(module, prefix.rstrip("."))
+    for name, param in module.named_parameters(recurse=False):
+        if id(param) in seen:  # tied weights: listed once, like nn.Module.named_parameters()
+            continue
+        seen.add(id(param))
+        yield _ParameterSource(prefix + name, param, lora_layer if name == "weight" else None)
+    for name, child in module.named_children():
+        yield from _module_parameter_sources(child, f"{prefix}{name}.", seen)
+
+
+def _without_adapters(module: nn.Module, name: str = "") -> nn.Module:
+    """`module` with every LoRA layer replaced by its (unmerged) base layer and every modules_to_save wrapper by the
+    module it runs, recursively; edits `module` in place.
+    """
+    module, _ = _plain_module(module, name)
+    for child_name, child in list(module.named_children()):
+        setattr(module, child_name, _without_adapters(child, f"{name}.{child_name}".lstrip(".")))
+    return module
+
+
+def _plain_module(module: nn.Module, name: str) -> tuple[nn.Module, LoraLayer | None]:
+    """The module of the plain model that `module` (named `name`) stands for, and the LoRA layer wrapping it if any.
+
+    A LoRA layer stands for its base layer, a peft modules_to_save wrapper for the module it runs; other peft
+    adapter types are rejected.
+    """
+    if isinstance(module, LoraLayer):
+        return module.get_base_layer(), module
+    if isinstance(module, ModulesToSaveWrapper):
+        return _module_in_effect(module), None
+    if isinstance(module, (BaseTunerLayer, AuxiliaryTrainingWrapper)):
+        raise NotImplementedError(
+            f"RolloutEngine merges LoRA adapters and modules_to_save only; {name or 'the model'} is a "
+            f"{type(module).__name__}. Merge that adapter into the model (merge_and_unload) or train with LoRA."
+        )
+    return module, None
+
+
+def _module_in_effect(wrapper: ModulesToSaveWrapper) -> nn.Module:
+    """The module a peft `modules_to_save` wrapper runs: the active adapter's trained copy, else the original."""
+    adapter = None if wrapper.disable_adapters or not wrapper.active_adapters else wrapper.active_adapters[0]
+    return wrapper.modules_to_save[adapter] if adapter in wrapper.modules_to_save else wrapper.original_module
+
+
+def _adapters_to_merge(layer: LoraLayer) -> list[str]:
+    """The active adapters of `layer` whose ΔW is not yet in its base weight (none when adapters are disabled)."""
+    if layer.disable_adapters:
+        return []
+    adapters = [
+        adapter for adapter in layer.active_adapters
+        if adapter not in layer.merged_adapters and (adapter in layer.lora_A or adapter in layer.lora_embedding_A)
+    ]
+    unsupported = [adapter for adapter in adapters if adapter in layer.lora_variant or layer.lora_bias.get(adapter)]
+    if unsupported:
+        raise NotImplementedError(
+            f"RolloutEngine merges plain LoRA (W + B·A·scaling); adapter(s) {unsupported} use a LoRA variant "
+            f"(e.g. DoRA) or lora_bias. Train without them, or merge the adapter (merge_and_unload) before building "
+            f"the engine."
+        )
+    return adapters
+
+
+def _check_same_parameters(engine_params: dict[str, Tensor], sources: list[_ParameterSource]) -> None:
+    trainer_shapes = {source.name: tuple(source.parameter.shape) for source in sources}
+    engine_shapes = {name: tuple(param.shape) for name, param in engine_params.items()}
+    problems = []
+    missing = sorted(engine_shapes.keys() - trainer_shapes.keys())
+    if missing:
+        problems.append(f"{len(missing)} engine parameter(s) absent from the trainer, e.g. {missing[:3]}")
+    unexpected = sorted(trainer_shapes.keys() - engine_shapes.keys())
+    if unexpected:
+        problems.append(f"{len(unexpected)} trainer parameter(s) absent from the engine, e.g. {unexpected[:3]}")
+    mismatched = [
+        f"{name}: trainer {trainer_shapes[name]} vs engine {engine_shapes[name]}"
+        for name in sorted(trainer_shapes.keys() & engine_shapes.keys())
+        if trainer_shapes[name] != engine_shapes[name]
+    ]
+    if mismatched:
+        problems.append(f"{len(mismatched)} shape mismatch(es), e.g. {mismatched[:3]}")
+    if problems:
+        raise ValueError(
+            "The trainer's model does not match the rollout engine's: " + "; ".join(problems)
+            + ". Sync the engine only from the model (same architecture and config) it was built from."
+        )

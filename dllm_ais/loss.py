@@ -1,0 +1,232 @@
+"""GRPO loss for diffusion and autoregressive policies (ALGORITHMS.md §3), with the cumulative
+token ratio of CTPO (§4) as an alternative policy ratio.
+
+Conventions: token tensors are [B, L]; `mask` (bool or 0/1) marks valid completion tokens;
+advantages are [B], one per sequence. Invalid positions contribute exactly zero to the loss and
+to its gradient, whatever the log-probs hold there (−inf, NaN): inputs are replaced with
+`torch.where` before any arithmetic.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from dllm_ais.correction import (
+    LOG_RATIO_BOUND,
+    as_token_mask,
+    broadcast_advantages,
+    check_choice,
+    masked_mean,
+    scalars_to_floats,
+)
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+RATIO_TYPES = ("token", "ctpo")
+REWARD_SCALINGS = ("none", "group", "batch")
+REWARD_STD_EPSILON = 1e-4
+
+
+def group_advantages(rewards: Tensor, num_generations: int, scale_rewards: str = "none") -> Tensor:
+    """Group-relative advantages A_i = r_i − mean_{j ∈ group(i)} r_j for rewards [N] laid out as
+    consecutive groups of G = num_generations completions of the same prompt.
+
+    scale_rewards (TRL semantics): "none" (d1 default); "group": A_i / (std_group(r) + 1e-4);
+    "batch": A_i / (std_batch(r) + 1e-4), std being the unbiased standard deviation.
+    Returns float32 [N].
+    """
+    check_choice("scale_rewards", scale_rewards, REWARD_SCALINGS)
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D [N]; got shape {tuple(rewards.shape)}")
+    if num_generations < 1 or rewards.numel() % num_generations:
+        raise ValueError(
+            f"the number of rewards ({rewards.numel()}) must be a positive multiple of "
+            f"num_generations ({num_generations})"
+        )
+    if scale_rewards == "group" and num_generations < 2:
+        raise ValueError("scale_rewards='group' needs num_generations >= 2 to estimate a std")
+    if scale_rewards == "batch" and rewards.numel() < 2:
+        raise ValueError("scale_rewards='batch' needs at least 2 rewards to estimate a std")
+    grouped = rewards.float().view(-1, num_generations)
+    advantages = (grouped - grouped.mean(dim=1, keepdim=True)).flatten()
+    if scale_rewards == "group":
+        return advantages / (grouped.std(dim=1).repeat_interleave(num_generations) + REWARD_STD_EPSILON)
+    if scale_rewards == "batch":
+        return advantages / (rewards.float().std() + REWARD_STD_EPSILON)
+    return advantages
+
+
+def k3_kl(logp: Tensor, logp_ref: Tensor) -> Tensor:
+    """Elementwise k3 estimate of KL(π_θ ‖ π_ref): exp(ℓ_ref − ℓ_θ) − (ℓ_ref − ℓ_θ) − 1 ≥ 0."""
+    log_ratio = logp_ref - logp
+    return log_ratio.exp() - log_ratio - 1.0
+
+
+class CTPORatio(NamedTuple):
+    """CTPO's cumulative policy ratio and its position-scaled clip range, all [B, L]."""
+
+    log_ratio: Tensor  # log R_t: value of the capped prefix sum, gradient through ℓ^θ_t only
+    log_lower: Tensor  # −c_low · t^p
+    log_upper: Tensor  # c_high · t^p
+    position_scale: Tensor  # t^p; the dual-clip bound for A < 0 is exp(c_dual · t^p)
+
+
+def ctpo_log_ratio(
+    logp: Tensor,
+    logp_old: Tensor,
+    mask: Tensor,
+    c_low: float = 0.025,
+    c_high: float = 0.05,
+    power: float = 0.5,
+    cap: float = 10.0,
+) -> CTPORatio:
+    """CTPO cumulative token ratio:
+    log R_t = min(sg(Σ_{j≤t} m_j δ_j), cap) + ℓ^θ_t − sg(ℓ^θ_t), δ_j = clamp(ℓ^θ_j − ℓ^old_j, ±20),
+    so its value is the (capped) log-ratio of the whole prefix while its gradient is ∇ℓ^θ_t.
+    The clip range is log R_t ∈ [−c_low · t^p, c_high · t^p] with t the 1-based count of valid
+    tokens up to and including t. Every returned tensor is 0 at invalid positions.
+    """
+    if not (c_low > 0 and c_high > 0 and power >= 0 and cap > 0):
+        raise ValueError(
+            f"CTPO needs c_low > 0, c_high > 0, power >= 0 and cap > 0; got c_low={c_low}, "
+            f"c_high={c_high}, power={power}, cap={cap}"
+        )
+    valid = as_token_mask(mask, logp, logp_old)
+    logp = torch.where(valid, logp.float(), 0.0)
+    log_delta = (logp.detach() - logp_old.detach().float()).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    prefix_log_ratio = torch.where(valid, log_delta, 0.0).cumsum(dim=1).clamp(max=cap)
+    log_ratio = prefix_log_ratio + (logp - logp.detach())
+    position_scale = torch.where(valid, valid.float().cumsum(dim=1).pow(power), 0.0)
+    return CTPORatio(
+        log_ratio=torch.where(valid, log_ratio, 0.0),
+        log_lower=-c_low * position_scale,
+        log_upper=c_high * position_scale,
+        position_scale=position_scale,
+    )
+
+
+def _aggregate(
+    per_token_loss: Tensor,
+    valid: Tensor,
+    loss_type: str,
+    max_completion_length: int | None,
+    num_items_in_batch: int | float | Tensor | None,
+) -> Tensor:
+    """Reduce per-token losses (0 at invalid tokens) to the scalar loss as TRL does."""
+    if loss_type == "grpo":
+        return masked_mean(per_token_loss, valid, dim=1).mean()
+    total = per_token_loss.sum()
+    if loss_type == "dr_grpo":
+        return total / (per_token_loss.shape[0] * max_completion_length)
+    if loss_type == "dapo" and num_items_in_batch is not None:
+        return total / num_items_in_batch
+    return total / valid.sum().clamp(min=1)
+
+
+def grpo_loss(
+    logp: Tensor,
+    logp_old: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    weights: Tensor | None = None,
+    clip_scale: Tensor | None = None,
+    logp_ref: Tensor | None = None,
+    beta: float = 0.0,
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+    loss_type: str = "dapo",
+    max_completion_length: int | None = None,
+    num_items_in_batch: int | float | Tensor | None = None,
+    ratio_type: str = "token",
+    ctpo_c_low: float = 0.025,
+    ctpo_c_high: float = 0.05,
+    ctpo_c_dual: float = 0.05,
+    ctpo_power: float = 0.5,
+) -> tuple[Tensor, dict[str, float]]:
+    """Clipped GRPO surrogate with per-token correction weights.
+
+    Per valid token, with r_t the policy ratio, A the sequence's advantage and w_t the weight:
+        L_t = −min(r_t A, clip(r_t, lo_t, hi_t) A) · w_t + β · KL_t,  KL_t = k3_kl(ℓ^θ, ℓ^ref).
+    ratio_type "token": r_t = exp(ℓ^θ_t − ℓ^old_t), lo = 1 − ε, hi = 1 + ε_high (ε_high defaults
+    to ε). ratio_type "ctpo": r_t = R_t of `ctpo_log_ratio`, lo_t = exp(−c_low·t^p),
+    hi_t = exp(c_high·t^p), and for A < 0 the dual clip floors the surrogate at exp(c_dual·t^p)·A.
+    ACR: with clip_scale c_t the upper bound becomes hi_t / c_t (for either ratio type).
+    Everything is computed in float32; weights, clip_scale and the old/ref log-probs are detached.
+
+    Aggregation (TRL): "grpo" mean over sequences of the per-sequence token mean; "bnpo" sum over
+    the number of valid tokens here; "dr_grpo" sum / (B · max_completion_length); "dapo" sum /
+    num_items_in_batch — the valid-token count of the whole global batch across gradient
+    accumulation (under DDP, which averages gradients, divide it by the number of processes) —
+    or the local valid-token count when None.
+
+    Metrics (python floats, over valid tokens): `clip_ratio/{low,high,region}_mean` (clipped
+    below with A < 0, above with A > 0, either), `clip_ratio/dual_mean` (ctpo only),
+    `policy_ratio/mean`, and `kl` (mean k3) when logp_ref is given.
+    """
+    check_choice("loss_type", loss_type, LOSS_TYPES)
+    check_choice("ratio_type", ratio_type, RATIO_TYPES)
+    epsilon_high = epsilon if epsilon_high is None else epsilon_high
+    if not (epsilon >= 0 and epsilon_high >= 0):
+        raise ValueError(f"epsilon and epsilon_high must be >= 0; got {epsilon}, {epsilon_high}")
+    if not beta >= 0:
+        raise ValueError(f"beta must be >= 0; got {beta}")
+    if beta > 0 and logp_ref is None:
+        raise ValueError("beta > 0 needs logp_ref (reference-policy log-probs); pass it or set beta=0")
+    if loss_type == "dr_grpo" and not (max_completion_length and max_completion_length > 0):
+        raise ValueError("loss_type='dr_grpo' needs a positive max_completion_length")
+    if num_items_in_batch is not None and not num_items_in_batch > 0:
+        raise ValueError(f"num_items_in_batch must be > 0 or None; got {num_items_in_batch}")
+    optional_token_tensors = [t for t in (weights, clip_scale, logp_ref) if t is not None]
+    valid = as_token_mask(mask, logp, logp_old, *optional_token_tensors)
+
+    logp = torch.where(valid, logp.float(), 0.0)
+    logp_old = torch.where(valid, logp_old.detach().float(), 0.0)
+    token_advantages = broadcast_advantages(advantages, valid)
+    token_weights = valid.float() if weights is None else torch.where(valid, weights.detach().float(), 0.0)
+
+    dual_bound = None
+    if ratio_type == "token":
+        log_ratio = logp - logp_old
+        lower_bound = torch.full_like(log_ratio, 1.0 - epsilon)
+        upper_bound = torch.full_like(log_ratio, 1.0 + epsilon_high)
+    else:
+        ctpo = ctpo_log_ratio(logp, logp_old, valid, ctpo_c_low, ctpo_c_high, ctpo_power)
+        log_ratio = ctpo.log_ratio
+        lower_bound = ctpo.log_lower.exp()
+        upper_bound = ctpo.log_upper.exp()
+        dual_bound = (ctpo_c_dual * ctpo.position_scale).exp()
+    if clip_scale is not None:
+        upper_bound = upper_bound / torch.where(valid, clip_scale.detach().float(), 1.0)
+
+    ratio = log_ratio.exp()
+    clipped_ratio = ratio.clamp(min=lower_bound, max=upper_bound)
+    surrogate = torch.minimum(ratio * token_advantages, clipped_ratio * token_advantages)
+    if dual_bound is not None:
+        surrogate = torch.where(
+            token_advantages < 0, torch.maximum(surrogate, dual_bound * token_advantages), surrogate
+        )
+    per_token_loss = -surrogate * token_weights
+    if logp_ref is not None:
+        kl = k3_kl(logp, torch.where(valid, logp_ref.detach().float(), 0.0))
+        if beta > 0:
+            per_token_loss = per_token_loss + beta * kl
+    per_token_loss = torch.where(valid, per_token_loss, 0.0)
+    loss = _aggregate(per_token_loss, valid, loss_type, max_completion_length, num_items_in_batch)
+
+    ratio = ratio.detach()
+    clipped_low = (ratio < lower_bound) & (token_advantages < 0)
+    clipped_high = (ratio > upper_bound) & (token_advantages > 0)
+    metrics = {
+        "clip_ratio/low_mean": masked_mean(clipped_low.float(), valid),
+        "clip_ratio/high_mean": masked_mean(clipped_high.float(), valid),
+        "clip_ratio/region_mean": masked_mean((clipped_low | clipped_high).float(), valid),
+        "policy_ratio/mean": masked_mean(ratio, valid),
+    }
+    if dual_bound is not None:
+        clipped_dual = (ratio > dual_bound) & (token_advantages < 0)
+        metrics["clip_ratio/dual_mean"] = masked_mean(clipped_dual.float(), valid)
+    if logp_ref is not None:
+        metrics["kl"] = masked_mean(kl.detach(), valid)
+    return loss, scalars_to_floats(metrics)

@@ -1,0 +1,335 @@
+"""Native LLaDA: the masked-diffusion transformer of GSAI-ML/LLaDA-8B, registered with transformers' Auto classes.
+
+The module tree mirrors the official checkpoints so their safetensors load unchanged and what we save loads
+in the official code::
+
+    model.transformer.wte                     token embedding
+    model.transformer.blocks.{i}.attn_norm    RMSNorm
+    model.transformer.blocks.{i}.{q,k,v}_proj / attn_out
+    model.transformer.blocks.{i}.ff_norm      RMSNorm
+    model.transformer.blocks.{i}.{ff_proj,up_proj,ff_out}   SwiGLU: ff_out(silu(ff_proj(x)) * up_proj(x))
+    model.transformer.ln_f                    final RMSNorm
+    model.transformer.ff_out                  untied LM head (absent with weight_tying)
+
+Unlike a causal LM every position attends to every other (bidirectional); padding is excluded through the
+attention mask only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import CausalLMOutput
+
+__all__ = ["LLaDAConfig", "LLaDAModel", "LLaDAModelLM"]
+
+
+@dataclass(repr=False)
+class LLaDAConfig(PreTrainedConfig):
+    """Configuration of a LLaDA model, with the OLMo field names of the official config.json.
+
+    Defaults are those of LLaDA-8B-Instruct. Fields the official schema carries but this implementation
+    does not support (ALiBi, QK layer norm, QKV clipping, non-llama blocks, ...) are kept so configs
+    round-trip, and rejected at model construction with a message naming the field.
+    """
+
+    model_type = "llada"
+
+    d_model: int = 4096
+    n_heads: int = 32
+    n_kv_heads: int | None = None
+    n_layers: int = 32
+    mlp_hidden_size: int | None = 12288
+    mlp_ratio: int = 4
+    vocab_size: int = 126464
+    embedding_size: int | None = 126464
+    block_type: str = "llama"
+    activation_type: str = "silu"
+    layer_norm_type: str = "rms"
+    rms_norm_eps: float = 1e-5
+    rope: bool = True
+    rope_theta: float = 500000.0
+    rope_full_precision: bool = True
+    weight_tying: bool = False
+    include_bias: bool = False
+    include_qkv_bias: bool = False
+    bias_for_layer_norm: bool | None = None
+    attention_layer_norm: bool = False
+    attention_layer_norm_with_affine: bool = True
+    layer_norm_with_affine: bool = True
+    alibi: bool = False
+    alibi_bias_max: float = 8.0
+    clip_qkv: float | None = None
+    multi_query_attention: bool | None = None
+    scale_logits: bool = False
+    input_emb_norm: bool = False
+    max_sequence_length: int = 4096
+    init_std: float = 0.02
+    init_fn: str = "mitchell"
+    attention_dropout: float = 0.0
+    residual_dropout: float = 0.0
+    embedding_dropout: float = 0.0
+    mask_token_id: int | None = 126336
+    eos_token_id: int | None = 126081
+    pad_token_id: int | None = 126081
+    use_cache: bool = False
+
+    def __post_init__(self, **kwargs):
+        if self.n_kv_heads is None:
+            self.n_kv_heads = 1 if self.multi_query_attention else self.n_heads
+        super().__post_init__(**kwargs)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.d_model
+
+    @property
+    def num_attention_heads(self) -> int:
+        return self.n_heads
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return self.n_layers
+
+    @property
+    def ffn_hidden_size(self) -> int:
+        return self.mlp_hidden_size if self.mlp_hidden_size is not None else self.mlp_ratio * self.d_model
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return self.embedding_size if self.embedding_size is not None else self.vocab_size
+
+    def check_supported(self) -> None:
+        """Raise ValueError naming every config value this implementation does not support."""
+        unsupported = {
+            "block_type": (self.block_type, self.block_type == "llama", '"llama"'),
+            "activation_type": (self.activation_type, self.activation_type in ("silu", "swiglu"), '"silu"'),
+            "layer_norm_type": (self.layer_norm_type, self.layer_norm_type in ("rms", "rmsnorm"), '"rms"'),
+            "rope": (self.rope, self.rope, "true"),
+            "alibi": (self.alibi, not self.alibi, "false"),
+            "attention_layer_norm": (self.attention_layer_norm, not self.attention_layer_norm, "false"),
+            "clip_qkv": (self.clip_qkv, self.clip_qkv is None, "null"),
+        }
+        problems = [f"{key}={value!r} (supported: {want})" for key, (value, ok, want) in unsupported.items() if not ok]
+        if self.d_model % self.n_heads:
+            problems.append(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            problems.append(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
+        if problems:
+            raise ValueError(
+                "This LLaDA config uses options dllm_ais does not implement: " + "; ".join(problems)
+                + ". Edit config.json or use the official remote code (trust_remote_code=True)."
+            )
+
+
+class RMSNorm(nn.Module):
+    """y = w * x / sqrt(mean(x^2) + eps), normalised in float32 and cast back (OLMo's RMSLayerNorm)."""
+
+    def __init__(self, size: int, eps: float, affine: bool = True, bias: bool = False):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size)) if affine else None
+        self.bias = nn.Parameter(torch.zeros(size)) if affine and bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            dtype = x.dtype
+            xf = x.float()
+            x = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
+        if self.weight is not None:
+            x = self.weight * x
+        if self.bias is not None:
+            x = x + self.bias
+        return x
+
+
+def rotary_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [seq_len, head_dim] in float32: angle(p, i) = p / theta^(2i/head_dim), halves concatenated."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, with rotate_half([a, b]) = [-b, a] over the last dim."""
+    a, b = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-b, a), dim=-1) * sin
+
+
+class LLaDABlock(GradientCheckpointingLayer):
+    """Pre-norm transformer block with bidirectional SDPA attention and a SwiGLU MLP."""
+
+    def __init__(self, config: LLaDAConfig):
+        super().__init__()
+        d, heads, kv_heads = config.d_model, config.n_heads, config.n_kv_heads
+        self.n_heads, self.n_kv_heads, self.head_dim = heads, kv_heads, d // heads
+        self.rope_full_precision = config.rope_full_precision
+        self.attention_dropout = config.attention_dropout
+        qkv_bias = config.include_bias or config.include_qkv_bias
+        norm_bias = bool(config.bias_for_layer_norm if config.bias_for_layer_norm is not None else config.include_bias)
+        self.attn_norm = RMSNorm(d, config.rms_norm_eps, config.layer_norm_with_affine, norm_bias)
+        self.q_proj = nn.Linear(d, d, bias=qkv_bias)
+        self.k_proj = nn.Linear(d, kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(d, kv_heads * self.head_dim, bias=qkv_bias)
+        self.attn_out = nn.Linear(d, d, bias=config.include_bias)
+        self.ff_norm = RMSNorm(d, config.rms_norm_eps, config.layer_norm_with_affine, norm_bias)
+        self.ff_proj = nn.Linear(d, config.ffn_hidden_size, bias=config.include_bias)
+        self.up_proj = nn.Linear(d, config.ffn_hidden_size, bias=config.include_bias)
+        self.ff_out = nn.Linear(config.ffn_hidden_size, d, bias=config.include_bias)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        batch, length, _ = x.shape
+        h = self.attn_norm(x)
+        q = self.q_proj(h).view(batch, length, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(h).view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(h).view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if self.rope_full_precision:
+            q, k = apply_rotary(q.float(), cos, sin).to(v.dtype), apply_rotary(k.float(), cos, sin).to(v.dtype)
+        else:
+            q, k = apply_rotary(q, cos.to(q.dtype), sin.to(q.dtype)), apply_rotary(k, cos.to(k.dtype), sin.to(k.dtype))
+        attn = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, is_causal=False,
+            dropout_p=self.attention_dropout if self.training else 0.0,
+            enable_gqa=self.n_kv_heads != self.n_heads,
+        )
+        x = x + self.attn_out(attn.transpose(1, 2).reshape(batch, length, -1))
+        h = self.ff_norm(x)
+        return x + self.ff_out(F.silu(self.ff_proj(h)) * self.up_proj(h))
+
+
+class LLaDAPreTrainedModel(PreTrainedModel):
+    config_class = LLaDAConfig
+    config: LLaDAConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["LLaDABlock"]
+    _supports_sdpa = True
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.init_std
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, RMSNorm):
+            if module.weight is not None:
+                nn.init.ones_(module.weight)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+
+class LLaDAModel(LLaDAPreTrainedModel):
+    """The LLaDA transformer under the official module names: returns logits over the (padded) vocabulary."""
+
+    def __init__(self, config: LLaDAConfig):
+        super().__init__(config)
+        config.check_supported()
+        modules = {
+            "wte": nn.Embedding(config.padded_vocab_size, config.d_model),
+            "blocks": nn.ModuleList(LLaDABlock(config) for _ in range(config.n_layers)),
+            "ln_f": RMSNorm(config.d_model, config.rms_norm_eps, config.layer_norm_with_affine,
+                            bool(config.bias_for_layer_norm if config.bias_for_layer_norm is not None else config.include_bias)),
+        }
+        if not config.weight_tying:
+            modules["ff_out"] = nn.Linear(config.d_model, config.padded_vocab_size, bias=config.include_bias)
+        self.transformer = nn.ModuleDict(modules)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.transformer.wte
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.transformer.wte = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
+    ) -> torch.Tensor:
+        """Logits [B, T', V] where T' = T, or the last `logits_to_keep` positions when it is > 0.
+
+        `attention_mask` [B, T] (1 = real token, 0 = padding) hides padded keys from every query.
+        Positions are absolute indices 0..T-1; RoPE makes real-token scores depend only on relative
+        distance, so left padding with a mask leaves the real tokens' logits unchanged.
+        """
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
+        x = self.transformer.wte(input_ids) if inputs_embeds is None else inputs_embeds
+        if self.config.input_emb_norm:
+            x = x * self.config.d_model**0.5
+        length = x.shape[1]
+        if length > self.config.max_sequence_length:
+            raise ValueError(
+                f"Sequence length {length} exceeds max_sequence_length={self.config.max_sequence_length}."
+            )
+        cos, sin = rotary_cos_sin(length, self.config.d_model // self.config.n_heads, self.config.rope_theta, x.device)
+        attn_mask = None
+        if attention_mask is not None and not bool(attention_mask.all()):
+            attn_mask = attention_mask.bool()[:, None, None, :]
+        for block in self.transformer.blocks:
+            x = block(x, cos, sin, attn_mask)
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
+        x = self.transformer.ln_f(x)
+        head = self.transformer.wte.weight if self.config.weight_tying else self.transformer.ff_out.weight
+        bias = None if self.config.weight_tying else self.transformer.ff_out.bias
+        logits = F.linear(x, head, bias)
+        if self.config.scale_logits:
+            logits = logits * (1.0 / self.config.d_model**0.5)
+        return logits
+
+
+class LLaDAModelLM(LLaDAPreTrainedModel):
+    """LLaDA for masked-diffusion language modelling; `forward` returns `CausalLMOutput(logits=...)`.
+
+    Registered for `AutoModel` and `AutoModelForCausalLM` (as the official `auto_map` does), so
+    `AutoModelForCausalLM.from_pretrained("GSAI-ML/LLaDA-8B-Instruct")` needs no trust_remote_code.
+    """
+
+    def __init__(self, config: LLaDAConfig):
+        super().__init__(config)
+        self.model = LLaDAModel(config)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.transformer.wte
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.transformer.wte = value
+
+    def get_output_embeddings(self) -> nn.Module | None:
+        return None if self.config.weight_tying else self.model.transformer.ff_out
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
+        **kwargs,
+    ) -> CausalLMOutput:
+        unexpected = {k for k, v in kwargs.items() if v is not None and k not in ("use_cache", "return_dict")}
+        if unexpected:
+            raise TypeError(f"LLaDAModelLM.forward got unsupported arguments: {sorted(unexpected)}")
+        logits = self.model(input_ids, attention_mask, inputs_embeds, logits_to_keep)
+        return CausalLMOutput(logits=logits)
+
+
+def register_with_auto_classes() -> None:
+    """Make `AutoConfig`/`AutoModel`/`AutoModelForCausalLM` resolve model_type "llada" to this implementation."""
+    AutoConfig.register(LLaDAConfig.model_type, LLaDAConfig, exist_ok=True)
+    AutoModel.register(LLaDAConfig, LLaDAModelLM, exist_ok=True)
+    AutoModelForCausalLM.register(LLaDAConfig, LLaDAModelLM, exist_ok=True)

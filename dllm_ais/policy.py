@@ -1,0 +1,119 @@
+"""The one seam between diffusion and autoregressive policies: how to sample, and how to score a rollout.
+
+Everything downstream — rewards, correction, loss, metrics, the trainer loop — sees only a `Rollout` and
+per-token log-probs [B, L], so both policy families share one correction path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from dllm_ais.likelihood import causal_logprobs, one_step_logprobs, trajectory_logprobs
+from dllm_ais.sampling.autoregressive import AutoregressiveSampler, AutoregressiveSamplerConfig
+from dllm_ais.sampling.diffusion import DiffusionSamplerConfig, MaskedDiffusionSampler
+from dllm_ais.sampling.rollout import Rollout
+
+LORA_TARGET_PRESETS: dict[str, str | list[str]] = {
+    # `ff_out` names both each block's down-projection and LLaDA's LM head: the regex pins it to blocks.N.
+    "llada": r".*\.blocks\.\d+\.(q_proj|k_proj|v_proj|attn_out|ff_proj|up_proj|ff_out)",
+    "qwen3": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "qwen2": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+}
+
+
+def lora_target_modules(model_type: str) -> str | list[str]:
+    """The LoRA target preset for a transformers `model_type` (ValueError naming the fix if none exists)."""
+    if model_type not in LORA_TARGET_PRESETS:
+        raise ValueError(f"No LoRA target preset for model_type {model_type!r}; set lora_target_modules explicitly "
+                         f"(presets exist for {', '.join(LORA_TARGET_PRESETS)}).")
+    return LORA_TARGET_PRESETS[model_type]
+
+
+class Policy(Protocol):
+    """What the trainer needs from a policy family.
+
+    `num_estimator_seeds(μ)` tells how many distinct estimator draws one generation batch uses: the one-step
+    diffusion surrogate draws fresh masks per inner iteration, exact estimators need one.
+    """
+
+    def sample(self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+               generator: torch.Generator | None) -> Rollout: ...
+
+    def logprobs(self, model: nn.Module, rollout: Rollout, seed: int) -> torch.Tensor: ...
+
+    def rollout_logprobs(self, engine_model: nn.Module, rollout: Rollout, seed: int) -> torch.Tensor: ...
+
+    def num_estimator_seeds(self, num_iterations: int) -> int: ...
+
+
+@dataclass
+class DiffusionPolicy:
+    """Masked-diffusion policy (LLaDA): the LLaDA sampler plus a diffusion likelihood estimator.
+
+    Rollout-side and trainer-side log-probs use the same estimator with the same seed, so their ratio measures
+    the precision mismatch and nothing else. For the trajectory estimator the rollout side is free: it is the
+    sampler's recorded per-step unmasking log-prob.
+    """
+
+    sampler_config: DiffusionSamplerConfig
+    estimator: str = "one_step"
+    p_mask_prompt: float = 0.15
+
+    def __post_init__(self):
+        if self.estimator not in ("one_step", "trajectory"):
+            raise ValueError(f"Unknown likelihood estimator {self.estimator!r}; choose one_step or trajectory.")
+        if self.estimator == "trajectory" and self.sampler_config.cfg_scale:
+            raise ValueError("The trajectory estimator does not replay classifier-free guidance; set cfg_scale=0 "
+                             "or use likelihood_estimator=one_step.")
+        self.sampler = MaskedDiffusionSampler(self.sampler_config)
+
+    def sample(self, model, input_ids, attention_mask, generator) -> Rollout:
+        return self.sampler.sample(model, input_ids, attention_mask=attention_mask, generator=generator)
+
+    def logprobs(self, model, rollout: Rollout, seed: int) -> torch.Tensor:
+        if self.estimator == "trajectory":
+            return trajectory_logprobs(model, rollout, self.sampler_config.mask_token_id, self.sampler_config.temperature)
+        return one_step_logprobs(model, rollout.sequences, rollout.attention_mask, rollout.prompt_length,
+                                 self.sampler_config.mask_token_id, seed, p_mask_prompt=self.p_mask_prompt)
+
+    def rollout_logprobs(self, engine_model, rollout: Rollout, seed: int) -> torch.Tensor:
+        if self.estimator == "trajectory":
+            return rollout.step_logprobs
+        return self.logprobs(engine_model, rollout, seed)
+
+    def num_estimator_seeds(self, num_iterations: int) -> int:
+        return num_iterations if self.estimator == "one_step" else 1
+
+
+@dataclass
+class AutoregressivePolicy:
+    """Causal-LM policy (Qwen3, Llama, ...): KV-cached decoding and teacher-forced log-probs.
+
+    Both sides apply the same temperature/top-k/top-p processing. The rollout side is recomputed by a teacher-forced
+    forward of the engine model rather than taken from the decoding loop, so that with the bf16 engine the ratio is
+    exactly 1 (incremental KV-cache decoding is not bit-identical to a full forward).
+    """
+
+    sampler_config: AutoregressiveSamplerConfig
+
+    def __post_init__(self):
+        self.sampler = AutoregressiveSampler(self.sampler_config)
+
+    def sample(self, model, input_ids, attention_mask, generator) -> Rollout:
+        return self.sampler.sample(model, input_ids, attention_mask=attention_mask, generator=generator)
+
+    def logprobs(self, model, rollout: Rollout, seed: int) -> torch.Tensor:
+        c = self.sampler_config
+        return causal_logprobs(model, rollout.sequences, rollout.attention_mask, rollout.prompt_length,
+                               temperature=c.temperature, top_k=c.top_k, top_p=c.top_p)
+
+    def rollout_logprobs(self, engine_model, rollout: Rollout, seed: int) -> torch.Tensor:
+        return self.logprobs(engine_model, rollout, seed)
+
+    def num_estimator_seeds(self, num_iterations: int) -> int:
+        return 1

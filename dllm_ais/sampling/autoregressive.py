@@ -1,0 +1,233 @@
+"""Autoregressive sampler: token-by-token decoding of a transformers causal LM (Qwen3, Llama, ...) into a `Rollout`.
+
+Supported: ancestral sampling from softmax(shape_logits(logits)) with temperature, top-k and top-p
+(transformers' own warpers, in `generate`'s order), greedy decoding (temperature 0), several EOS ids,
+left-padded batches with an attention mask, the model's KV cache. Not supported, and rejected by
+`AutoregressiveSamplerConfig.from_generation_kwargs`: beam search, repetition/length penalties,
+min-p/typical-p, n-gram blocking, several return sequences per prompt (repeat the prompt instead).
+
+The recorded `step_logprobs` are log-probs under the distribution actually sampled (after processing),
+so `dllm_ais.likelihood.causal_logprobs(model, rollout.sequences, rollout.attention_mask, P, τ, top_k,
+top_p)` reproduces them on the same model: their ratio measures only a difference between models.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from dllm_ais.likelihood import (
+    causal_position_ids,
+    check_sampling_parameters,
+    is_plain_int,
+    require_causal_lm,
+    selective_log_softmax,
+    shape_logits,
+)
+from dllm_ais.sampling.rollout import Rollout, completion_mask_through_first_eos
+
+__all__ = ["AutoregressiveSampler", "AutoregressiveSamplerConfig"]
+
+_GENERATE_KWARGS_WITH_NEUTRAL_VALUE = {
+    "num_beams": 1,
+    "num_beam_groups": 1,
+    "num_return_sequences": 1,
+    "repetition_penalty": 1.0,
+    "length_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "min_p": None,
+    "typical_p": 1.0,
+    "use_cache": True,
+}
+
+
+@dataclass
+class AutoregressiveSamplerConfig:
+    """Decoding settings.
+
+    Attributes:
+        max_new_tokens: completion length L; every rollout is padded to exactly L.
+        temperature: τ > 0 samples from softmax(logits / τ); 0 decodes greedily.
+        top_k: keep the k most likely tokens (0 = off; note `generate` defaults to 50, this to 0).
+        top_p: keep the smallest set of tokens with probability ≥ top_p (1 = off).
+        eos_token_ids: ids that end a completion; empty = the model's generation_config / config EOS.
+        pad_token_id: emitted after EOS; None = the model config's pad id, else the first EOS id.
+    """
+
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if not is_plain_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive int; got {self.max_new_tokens!r}")
+        check_sampling_parameters(self.temperature, self.top_k, self.top_p)
+        self.eos_token_ids = _as_id_tuple(self.eos_token_ids)
+        if self.pad_token_id is not None and not is_plain_int(self.pad_token_id):
+            raise ValueError(f"pad_token_id must be an int or None; got {self.pad_token_id!r}")
+
+    @classmethod
+    def from_generation_kwargs(cls, **generation_kwargs: Any) -> "AutoregressiveSamplerConfig":
+        """Build a config from `model.generate`-style keywords, rejecting what this sampler cannot do.
+
+        Understood: max_new_tokens, temperature, top_k, top_p, do_sample (False = greedy), eos_token_id
+        (int or list), pad_token_id. Accepted only at their neutral value: num_beams=1,
+        num_return_sequences=1, repetition_penalty=1.0, length_penalty=1.0, no_repeat_ngram_size=0,
+        min_p=None, typical_p=1.0, use_cache=True, num_beam_groups=1. Anything else raises ValueError.
+        """
+        kwargs = dict(generation_kwargs)
+        unsupported = []
+        for key, neutral in _GENERATE_KWARGS_WITH_NEUTRAL_VALUE.items():
+            if key in kwargs and kwargs.pop(key) != neutral:
+                unsupported.append(f"{key}={generation_kwargs[key]!r} (only {neutral!r} is supported)")
+        fields = {}
+        if "eos_token_id" in kwargs:
+            fields["eos_token_ids"] = kwargs.pop("eos_token_id")
+        if kwargs.pop("do_sample", True) is False:
+            fields["temperature"] = 0.0
+            kwargs.pop("temperature", None)
+        for key in ("max_new_tokens", "temperature", "top_k", "top_p", "pad_token_id"):
+            if key in kwargs:
+                fields[key] = kwargs.pop(key)
+        unsupported += [f"{key}={value!r}" for key, value in kwargs.items()]
+        if unsupported:
+            raise ValueError(
+                "AutoregressiveSampler does not support: " + ", ".join(unsupported)
+                + ". It samples with temperature/top_k/top_p (or greedily) only; remove these settings."
+            )
+        return cls(**fields)
+
+
+def _as_id_tuple(ids: int | list[int] | tuple[int, ...] | None) -> tuple[int, ...]:
+    """Normalise an id or a sequence of ids to a tuple of ints (None → ())."""
+    if ids is None:
+        return ()
+    ids = (ids,) if isinstance(ids, int) else tuple(ids)
+    if not all(is_plain_int(i) for i in ids):
+        raise ValueError(f"token ids must be ints; got {ids!r}")
+    return ids
+
+
+class AutoregressiveSampler:
+    """Decodes completions from a causal LM with its KV cache; see the module docstring for what is supported."""
+
+    def __init__(self, config: AutoregressiveSamplerConfig | None = None):
+        self.config = config if config is not None else AutoregressiveSamplerConfig()
+
+    def special_tokens(self, model: nn.Module) -> tuple[tuple[int, ...], int]:
+        """(EOS ids, pad id): from the config, else model.generation_config / model.config; pad falls back to EOS."""
+        eos_ids = self.config.eos_token_ids
+        for source in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+            if not eos_ids:
+                eos_ids = _as_id_tuple(getattr(source, "eos_token_id", None))
+        pad_id = self.config.pad_token_id
+        if pad_id is None:
+            pad_id = getattr(getattr(model, "config", None), "pad_token_id", None)
+        if pad_id is None and eos_ids:
+            pad_id = eos_ids[0]
+        if pad_id is None:
+            raise ValueError(
+                "AutoregressiveSampler needs a pad token id to fill finished rows: set "
+                "AutoregressiveSamplerConfig(pad_token_id=...) or eos_token_ids, or model.config.pad_token_id."
+            )
+        return eos_ids, pad_id
+
+    @torch.no_grad()
+    def sample(
+        self,
+        model: nn.Module,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Rollout:
+        """Decode `max_new_tokens` steps after left-padded prompts `input_ids` [B, P].
+
+        Step k: s = shape_logits(f(x)_{last}, τ, top_k, top_p) in float32; token ~ softmax(s) drawn with
+        `torch.multinomial(generator=generator)` (argmax for τ = 0); step_logprobs[:, k] = log softmax(s)[token];
+        commit_step[:, k] = k. Rows that have emitted an EOS emit `pad` (log-prob 0) from then on; decoding
+        stops when every row has finished, and the completion is padded to exactly max_new_tokens.
+        Draws happen on the generator's device (pass one on the model's device to avoid a copy per step).
+        """
+        require_causal_lm(model, "AutoregressiveSampler")
+        cfg = self.config
+        eos_ids, pad_id = self.special_tokens(model)
+        attention_mask = self._check_prompts(model, input_ids, attention_mask)
+        batch, prompt_length = input_ids.shape
+        device = input_ids.device
+        eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
+
+        tokens, logprobs = [], []
+        finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        step_input, positions, cache = input_ids, causal_position_ids(attention_mask), None
+        for _ in range(cfg.max_new_tokens):
+            output = model(
+                input_ids=step_input, attention_mask=attention_mask, position_ids=positions,
+                past_key_values=cache, use_cache=True, logits_to_keep=1,
+            )
+            cache = output.past_key_values
+            scores = shape_logits(output.logits[:, -1].float(), cfg.temperature, cfg.top_k, cfg.top_p)
+            token = self._choose(scores, generator)
+            logprob = selective_log_softmax(scores, token)
+            token = token.masked_fill(finished, pad_id)
+            tokens.append(token)
+            logprobs.append(logprob.masked_fill(finished, 0.0))
+            finished |= torch.isin(token, eos)
+            if bool(finished.all()):
+                break
+            step_input = token.unsqueeze(1)
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=1)
+            positions = positions[:, -1:] + 1
+
+        missing = cfg.max_new_tokens - len(tokens)
+        completion = torch.nn.functional.pad(torch.stack(tokens, dim=1), (0, missing), value=pad_id)
+        step_logprobs = torch.nn.functional.pad(torch.stack(logprobs, dim=1), (0, missing), value=0.0)
+        return Rollout(
+            sequences=torch.cat([input_ids, completion], dim=1),
+            attention_mask=torch.cat(
+                [attention_mask[:, :prompt_length], attention_mask.new_ones(batch, cfg.max_new_tokens)], dim=1
+            ),
+            completion_mask=completion_mask_through_first_eos(completion, eos_ids),
+            step_logprobs=step_logprobs,
+            commit_step=torch.arange(cfg.max_new_tokens, device=device).expand(batch, -1).clone(),
+            prompt_length=prompt_length,
+        )
+
+    def _choose(self, scores: Tensor, generator: torch.Generator | None) -> Tensor:
+        """argmax(scores) for τ = 0, else one draw per row from softmax(scores) on the generator's device."""
+        if self.config.temperature == 0:
+            return scores.argmax(dim=-1)
+        probs = scores.softmax(dim=-1)
+        if generator is not None:
+            probs = probs.to(generator.device)
+        return torch.multinomial(probs, 1, generator=generator).squeeze(1).to(scores.device)
+
+    def _check_prompts(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
+        """Validate left-padded prompts and the canvas length; return the attention mask (all ones if None)."""
+        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+            raise ValueError(
+                f"input_ids must be [batch, prompt_length] with prompt_length ≥ 1; got {tuple(input_ids.shape)}"
+            )
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}; got {tuple(attention_mask.shape)}"
+            )
+        real = attention_mask.bool()
+        if not bool(real[:, -1].all()) or bool((real[:, 1:] < real[:, :-1]).any()):
+            raise ValueError(
+                "prompts must be left-padded (padding first, every prompt ending in a real token); "
+                "tokenize with tokenizer.padding_side = 'left'."
+            )
+        max_positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        if max_positions is not None and input_ids.shape[1] + self.config.max_new_tokens > max_positions:
+            raise ValueError(
+                f"prompt length {input_ids.shape[1]} + max_new_tokens {self.config.max_new_tokens} exceeds the model's "
+                f"max_position_embeddings={max_positions}; shorten the prompts or lower max_new_tokens."
+            )
+        return attention_mask

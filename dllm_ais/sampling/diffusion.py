@@ -1,0 +1,451 @@
+"""Masked-diffusion sampling: the LLaDA generation algorithm (ALGORITHMS.md §1), recording the behaviour policy.
+
+The canvas starts as ``[left-padded prompt | MASK x gen_length]`` and is filled in semi-autoregressive blocks of
+``block_length`` positions, left to right, ``steps / n_blocks`` denoising steps per block. Each step runs one
+forward over the whole canvas, proposes a token for every still-masked position of the current block (Gumbel-max at
+temperature τ, plain argmax at τ = 0), scores those positions with a remasking rule, and commits the top-scored ones.
+With τ = 0 and ``remasking="low_confidence"`` the committed tokens are those of the official LLaDA ``generate``.
+
+Besides the tokens, every committed token's step index and log-probability under the distribution it was drawn
+from are recorded in the returned `Rollout` (``commit_step``, ``step_logprobs``): these are the behaviour-policy
+probabilities that the importance-sampling correction compares with the trainer's.
+
+Extension points:
+
+- a remasking rule: any callable ``rule(block_logits [B, Lb, V], candidates [B, Lb], generator) -> scores [B, Lb]``
+  passed as ``DiffusionSamplerConfig(remasking=rule)`` or registered by name with `register_remasking_rule`;
+  higher scores are committed first.
+- a whole sampler: subclass `MaskedDiffusionSampler` and override one of the per-step stages
+  `block_logits` (the forward pass(es) and logit processing: e.g. a KV cache or another guidance),
+  `propose_tokens` (how candidates are drawn and their log-probs: e.g. top-p; the log-prob must be that of the
+  distribution actually sampled) or `choose_positions` (which scored positions are committed).
+
+Speed: apart from the forward, every per-step operation touches only the current block's logits
+``[B, block_length, V]``, and the float64 Gumbel noise and float32 log-probs only its still-masked positions; the
+only host synchronisation is one per block (the commit counts that ``torch.topk`` needs as Python ints), plus one
+per step in confidence-threshold mode (to stop a block once it is filled).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from dllm_ais.sampling.rollout import Rollout, completion_mask_through_first_eos
+
+__all__ = [
+    "DiffusionSamplerConfig",
+    "MaskedDiffusionSampler",
+    "REMASKING_RULES",
+    "RemaskingRule",
+    "SpecialTokenIds",
+    "gumbel_argmax",
+    "low_confidence_scores",
+    "masked_positions_first",
+    "random_scores",
+    "register_remasking_rule",
+    "resolve_remasking_rule",
+    "sampling_logprobs",
+    "transfer_schedule",
+]
+
+RemaskingRule = Callable[[torch.Tensor, torch.Tensor, "torch.Generator | None"], torch.Tensor]
+
+
+def low_confidence_scores(
+    block_logits: torch.Tensor, candidates: torch.Tensor, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """score = softmax(logits)[x̂]: the model's probability of its own candidate, without temperature.
+
+    Computed in the logits' dtype, as the official implementation does (in bf16 this decides ties).
+    """
+    return F.softmax(block_logits, dim=-1).gather(-1, candidates.unsqueeze(-1)).squeeze(-1)
+
+
+def random_scores(
+    block_logits: torch.Tensor, candidates: torch.Tensor, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """score ~ U(0, 1) i.i.d. per position (float32, drawn from `generator`): commits positions in random order."""
+    return torch.rand(candidates.shape, generator=generator, device=candidates.device)
+
+
+REMASKING_RULES: dict[str, RemaskingRule] = {"low_confidence": low_confidence_scores, "random": random_scores}
+
+
+def register_remasking_rule(name: str, rule: RemaskingRule, *, replace: bool = False) -> None:
+    """Make `rule` selectable as ``DiffusionSamplerConfig(remasking=name)`` (and from YAML recipes)."""
+    if not callable(rule):
+        raise TypeError(f"Remasking rule {name!r} must be callable as rule(block_logits, candidates, generator).")
+    if name in REMASKING_RULES and not replace:
+        raise ValueError(f"A remasking rule named {name!r} is already registered; pass replace=True to override it.")
+    REMASKING_RULES[name] = rule
+
+
+def resolve_remasking_rule(remasking: str | RemaskingRule) -> RemaskingRule:
+    """The callable for a registered rule name, or `remasking` itself when it is already a callable."""
+    if callable(remasking):
+        return remasking
+    if remasking not in REMASKING_RULES:
+        raise ValueError(
+            f"Unknown remasking rule {remasking!r}; valid names: {sorted(REMASKING_RULES)}. "
+            "Register your own with dllm_ais.sampling.diffusion.register_remasking_rule(name, fn) or pass the callable."
+        )
+    return REMASKING_RULES[remasking]
+
+
+def transfer_schedule(masked_counts: torch.Tensor, steps: int) -> torch.LongTensor:
+    """[B, steps] number of tokens to commit at each step of a block holding `masked_counts` [B] masked positions.
+
+    The count n_b is split evenly, the remainder going one each to the first steps:
+    ``schedule[b, s] = n_b // steps + (s < n_b % steps)``, so each row sums to n_b.
+    """
+    counts = masked_counts.long().reshape(-1, 1)
+    step_index = torch.arange(steps, device=counts.device)
+    return counts // steps + (step_index < counts % steps).long()
+
+
+def gumbel_argmax(logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None) -> torch.LongTensor:
+    """A sample from softmax(logits / τ) over the last dim by the Gumbel-max trick; argmax of logits at τ = 0.
+
+    With u ~ U(0, 1) drawn in float64 from `generator`, the official LLaDA form ``argmax_v exp(l_v) / (-log u_v)^τ``
+    is evaluated through its logarithm, ``argmax_v l_v - τ log(-log u_v)``: the same argmax for the same u, without
+    the overflow of exp(l) for large (e.g. guided) logits, and cheaper (no float64 exp or pow over the vocabulary).
+    At τ = 0 no noise is drawn.
+    """
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    noise = torch.rand(logits.shape, generator=generator, dtype=torch.float64, device=logits.device)
+    return noise.log_().neg_().log_().mul_(-temperature).add_(logits).argmax(dim=-1)
+
+
+def sampling_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """float32 log-prob of `tokens` under the distribution they were drawn from.
+
+    ``log softmax(l / τ)[token] = l[token] / τ - logsumexp(l / τ)`` for τ > 0, and ``log softmax(l)[token]`` for
+    τ = 0 (greedy decoding is scored by the untempered model distribution).
+    """
+    scaled = logits.float() / temperature if temperature > 0 else logits.float()
+    return scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
+
+
+def masked_positions_first(still_masked: torch.Tensor, count: int) -> torch.LongTensor:
+    """[B, count] indices into the block: each row's still-masked positions in ascending order, then committed ones."""
+    return torch.sort((~still_masked).to(torch.uint8), dim=1, stable=True).indices[:, :count]
+
+
+def _pad_equals_mask_problem(pad_token_id: int | None, mask_token_id: int | None) -> str | None:
+    if pad_token_id is not None and pad_token_id == mask_token_id:
+        return (
+            f"pad_token_id equals mask_token_id ({mask_token_id}): padded prompt positions would be taken for masked "
+            "positions and overwritten. Left-pad prompts with another id (LLaDA pads with its EOS id)."
+        )
+    return None
+
+
+def _as_id_tuple(ids: int | list[int] | tuple[int, ...] | None) -> tuple[int, ...]:
+    if ids is None:
+        return ()
+    return (int(ids),) if isinstance(ids, int) else tuple(int(i) for i in ids)
+
+
+@dataclass
+class DiffusionSamplerConfig:
+    """Settings of the masked-diffusion sampler (LLaDA's `generate` arguments plus the behaviour-policy options).
+
+    Attributes:
+        gen_length: completion positions L; a multiple of `block_length`.
+        block_length: positions per semi-autoregressive block.
+        steps: denoising steps (= forward passes without CFG) in all; a multiple of the number of blocks.
+        temperature: τ of the Gumbel-max candidate draw; 0 = greedy.
+        remasking: which masked positions to commit: a name in `REMASKING_RULES` ("low_confidence", "random")
+            or a callable ``rule(block_logits, candidates, generator) -> scores`` (higher commits first).
+        mask_token_id: the model's mask token (126336 for LLaDA-8B); None = ``model.config.mask_token_id``.
+        eos_token_ids: tokens ending a completion (its mask runs through the first of them);
+            empty = ``model.config.eos_token_id``.
+        pad_token_id: the id prompts are left-padded with, checked to differ from the mask id;
+            None = ``model.config.pad_token_id``.
+        cfg_scale: classifier-free guidance s; logits = u + (s + 1)(c − u) with u from the prompt fully masked.
+        suppress_eos: set the EOS logits to −∞ before choosing candidates (no completion ends early).
+        confidence_threshold: Fast-dLLM-style parallel decoding: each step also commits every masked position of the
+            block whose score exceeds the threshold (at least the scheduled count, and at least one), and a block
+            stops as soon as it is filled, saving forwards. This changes the behaviour policy — the committed
+            tokens' recorded log-probs stay exact, and the correction treats the change like quantization.
+    """
+
+    gen_length: int = 256
+    block_length: int = 32
+    steps: int = 128
+    temperature: float = 0.0
+    remasking: str | RemaskingRule = "low_confidence"
+    mask_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    cfg_scale: float = 0.0
+    suppress_eos: bool = False
+    confidence_threshold: float | None = None
+
+    def __post_init__(self) -> None:
+        self.eos_token_ids = _as_id_tuple(self.eos_token_ids)
+        problems = [
+            f"{name}={value} must be a positive integer"
+            for name, value in (("gen_length", self.gen_length), ("block_length", self.block_length), ("steps", self.steps))
+            if value <= 0
+        ]
+        if not problems and self.gen_length % self.block_length:
+            problems.append(
+                f"gen_length={self.gen_length} is not a multiple of block_length={self.block_length}: "
+                "choose a block_length that divides gen_length"
+            )
+        if not problems and self.steps % (self.gen_length // self.block_length):
+            n_blocks = self.gen_length // self.block_length
+            problems.append(
+                f"steps={self.steps} is not a multiple of the number of blocks gen_length/block_length={n_blocks}: "
+                f"use e.g. steps={max(n_blocks, self.steps // n_blocks * n_blocks)} or {(self.steps // n_blocks + 1) * n_blocks}"
+            )
+        if self.temperature < 0:
+            problems.append(f"temperature={self.temperature} must be >= 0 (0 = greedy decoding)")
+        if self.cfg_scale < 0:
+            problems.append(f"cfg_scale={self.cfg_scale} must be >= 0 (0 = no classifier-free guidance)")
+        if self.confidence_threshold is not None and not math.isfinite(self.confidence_threshold):
+            problems.append(f"confidence_threshold={self.confidence_threshold} must be a finite number or None")
+        pad_problem = _pad_equals_mask_problem(self.pad_token_id, self.mask_token_id)
+        if pad_problem:
+            problems.append(pad_problem)
+        if problems:
+            raise ValueError("Invalid DiffusionSamplerConfig: " + "; ".join(problems) + ".")
+        resolve_remasking_rule(self.remasking)
+
+
+@dataclass(frozen=True)
+class SpecialTokenIds:
+    """The token ids a sampling run uses, resolved from the sampler config with the model config as fallback."""
+
+    mask: int
+    eos: tuple[int, ...]
+    pad: int | None
+
+
+def _checked_scores(scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """The remasking rule's scores as a floating tensor (−∞ marks unavailable positions), after a shape check."""
+    if scores.shape != candidates.shape:
+        raise ValueError(
+            f"The remasking rule returned scores of shape {tuple(scores.shape)}; it must return one score per block "
+            f"position, shape {tuple(candidates.shape)} like its `candidates` argument."
+        )
+    return scores if scores.is_floating_point() else scores.float()
+
+
+def _forward_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    output = model(input_ids, attention_mask=attention_mask)
+    return output.logits if hasattr(output, "logits") else output
+
+
+class MaskedDiffusionSampler:
+    """The LLaDA masked-diffusion sampler, returning a `Rollout` with per-step unmasking log-probs.
+
+    Usage::
+
+        sampler = MaskedDiffusionSampler(DiffusionSamplerConfig(gen_length=256, block_length=32, steps=128,
+                                                                temperature=0.9, mask_token_id=126336))
+        rollout = sampler.sample(model, input_ids, attention_mask, generator=torch.Generator("cuda").manual_seed(0))
+
+    To change one stage of a step, subclass and override `block_logits`, `propose_tokens` or `choose_positions`.
+    """
+
+    def __init__(self, config: DiffusionSamplerConfig):
+        self.config = config
+        self.remasking_rule = resolve_remasking_rule(config.remasking)
+
+    def resolve_token_ids(self, model: Any) -> SpecialTokenIds:
+        """Mask, EOS and pad ids from the sampler config, falling back to ``model.config``; raises when unusable."""
+        model_config = getattr(model, "config", None)
+        mask = self.config.mask_token_id
+        if mask is None:
+            mask = getattr(model_config, "mask_token_id", None)
+        if mask is None:
+            raise ValueError(
+                "No mask token id: set DiffusionSamplerConfig(mask_token_id=...) (126336 for LLaDA-8B) "
+                "or model.config.mask_token_id."
+            )
+        eos = self.config.eos_token_ids or _as_id_tuple(getattr(model_config, "eos_token_id", None))
+        if not eos:
+            raise ValueError(
+                "No EOS token id, so completions could not be cut at their end: set "
+                "DiffusionSamplerConfig(eos_token_ids=(...)) or model.config.eos_token_id."
+            )
+        pad = self.config.pad_token_id
+        if pad is None:
+            pad = getattr(model_config, "pad_token_id", None)
+        pad_problem = _pad_equals_mask_problem(pad, mask)
+        if pad_problem:
+            raise ValueError(pad_problem)
+        return SpecialTokenIds(mask=int(mask), eos=eos, pad=pad)
+
+    def check_inputs(
+        self,
+        model: Any,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        generator: torch.Generator | None,
+        token_ids: SpecialTokenIds,
+    ) -> None:
+        """Raise ValueError, before any forward pass, for prompts this sampler cannot complete."""
+        if input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
+            raise ValueError(f"input_ids must be a [batch, prompt_length] integer tensor, got {tuple(input_ids.shape)} {input_ids.dtype}.")
+        if attention_mask is not None and attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has {tuple(input_ids.shape)}: "
+                "pass the mask the tokenizer returned with the left-padded prompts."
+            )
+        model_config = getattr(model, "config", None)
+        max_length = getattr(model_config, "max_sequence_length", None) or getattr(model_config, "max_position_embeddings", None)
+        canvas_length = input_ids.shape[1] + self.config.gen_length
+        if max_length is not None and canvas_length > max_length:
+            raise ValueError(
+                f"prompt length {input_ids.shape[1]} + gen_length {self.config.gen_length} = {canvas_length} exceeds the "
+                f"model's max_sequence_length={max_length}: truncate the prompts or lower gen_length."
+            )
+        rows_with_mask = (input_ids == token_ids.mask).any(dim=1).nonzero().flatten().tolist()
+        if rows_with_mask:
+            raise ValueError(
+                f"Prompts {rows_with_mask} contain the mask token id {token_ids.mask}, which the sampler would overwrite: "
+                "remove it from the prompt text or check that mask_token_id is the model's mask token."
+            )
+        if generator is not None and generator.device.type != input_ids.device.type:
+            raise ValueError(
+                f"The generator is on {generator.device} but the prompts are on {input_ids.device}: create it with "
+                f"torch.Generator(device={input_ids.device.type!r})."
+            )
+
+    @torch.no_grad()
+    def sample(
+        self,
+        model: Any,
+        input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Rollout:
+        """Complete left-padded prompts `input_ids` [B, P] by masked diffusion; all randomness from `generator`.
+
+        `attention_mask` [B, P] marks real prompt tokens (1) against padding (0); it is extended with ones over the
+        completion and given to every forward. Without it the model attends to every position, as LLaDA does.
+        """
+        config = self.config
+        token_ids = self.resolve_token_ids(model)
+        self.check_inputs(model, input_ids, attention_mask, generator, token_ids)
+        batch, prompt_length = input_ids.shape
+        canvas = torch.cat([input_ids, input_ids.new_full((batch, config.gen_length), token_ids.mask)], dim=1)
+        canvas_attention = None
+        if attention_mask is not None:
+            canvas_attention = torch.cat([attention_mask, attention_mask.new_ones((batch, config.gen_length))], dim=1)
+        step_logprobs = torch.zeros(batch, config.gen_length, dtype=torch.float32, device=input_ids.device)
+        commit_step = torch.full((batch, config.gen_length), -1, dtype=torch.long, device=input_ids.device)
+
+        rows = torch.arange(batch, device=input_ids.device).unsqueeze(1)
+        n_blocks = config.gen_length // config.block_length
+        steps_per_block = config.steps // n_blocks
+        for block_index in range(n_blocks):
+            block_start = prompt_length + block_index * config.block_length
+            block = slice(block_start, block_start + config.block_length)
+            completion_block = slice(block.start - prompt_length, block.stop - prompt_length)
+            still_masked = canvas[:, block] == token_ids.mask
+            schedule = transfer_schedule(still_masked.sum(dim=1), steps_per_block).tolist()
+            masked_left = [sum(row) for row in schedule]  # per row, an upper bound on its still-masked positions
+            for step_in_block in range(steps_per_block):
+                step = block_index * steps_per_block + step_in_block
+                counts = [row[step_in_block] for row in schedule]
+                if config.confidence_threshold is not None:
+                    counts = [max(count, 1) for count in counts]
+                logits = self.block_logits(model, canvas, canvas_attention, prompt_length, block, token_ids)
+                # Tokens are drawn only for still-masked positions, gathered to the front of a [B, M, V] tensor.
+                active = masked_positions_first(still_masked, max(masked_left))
+                drawn, drawn_logprobs = self.propose_tokens(logits[rows, active], generator)
+                candidates = canvas[:, block].scatter(1, active, drawn)
+                scores = _checked_scores(self.remasking_rule(logits, candidates, generator), candidates)
+                row_scores = scores.new_full(canvas.shape, -math.inf)
+                row_scores[:, block] = scores.masked_fill(~still_masked, -math.inf)
+                commit = self.choose_positions(row_scores, counts)[:, block] & still_masked
+                canvas[:, block] = torch.where(commit, candidates, canvas[:, block])
+                logprobs = torch.zeros_like(step_logprobs[:, completion_block]).scatter(1, active, drawn_logprobs)
+                step_logprobs[:, completion_block] = torch.where(commit, logprobs, step_logprobs[:, completion_block])
+                commit_step[:, completion_block].masked_fill_(commit, step)
+                still_masked &= ~commit
+                masked_left = [max(left - count, 0) for left, count in zip(masked_left, counts)]
+                if config.confidence_threshold is not None and not bool(still_masked.any()):
+                    break
+
+        return Rollout(
+            sequences=canvas,
+            attention_mask=canvas_attention if canvas_attention is not None else torch.ones_like(canvas),
+            completion_mask=completion_mask_through_first_eos(canvas[:, prompt_length:], token_ids.eos),
+            step_logprobs=step_logprobs,
+            commit_step=commit_step,
+            prompt_length=prompt_length,
+        )
+
+    def block_logits(
+        self,
+        model: Any,
+        canvas: torch.LongTensor,
+        attention_mask: torch.Tensor | None,
+        prompt_length: int,
+        block: slice,
+        token_ids: SpecialTokenIds,
+    ) -> torch.Tensor:
+        """Logits [B, Lb, V] of the current block's positions, from one forward over the whole canvas.
+
+        With cfg_scale s > 0 the canvas and a copy with every prompt position (padding included) set to the mask id
+        run as one [2B] forward, and ``logits = u + (s + 1)(c − u)``. With suppress_eos the EOS logits are −∞.
+        """
+        scale = self.config.cfg_scale
+        if scale > 0:
+            prompt_masked = canvas.clone()
+            prompt_masked[:, :prompt_length] = token_ids.mask
+            doubled_attention = None if attention_mask is None else attention_mask.repeat(2, 1)
+            both = _forward_logits(model, torch.cat([canvas, prompt_masked]), doubled_attention)[:, block]
+            conditional, unconditional = both.chunk(2)
+            logits = unconditional + (scale + 1) * (conditional - unconditional)
+        else:
+            logits = _forward_logits(model, canvas, attention_mask)[:, block]
+        if self.config.suppress_eos:
+            for eos in token_ids.eos:
+                logits[..., eos] = -math.inf  # in place: the forward's output is not used elsewhere
+        return logits
+
+    def propose_tokens(self, logits: torch.Tensor, generator: torch.Generator | None) -> tuple[torch.LongTensor, torch.Tensor]:
+        """Candidate x̂ [B, M] drawn from softmax(logits / τ) (argmax at τ = 0) and its float32 log-prob [B, M].
+
+        `logits` [B, M, V] are those of the block's still-masked positions (rows with fewer than M masked positions
+        are completed with committed ones, whose candidates are ignored).
+        """
+        temperature = self.config.temperature
+        candidates = gumbel_argmax(logits, temperature, generator)
+        return candidates, sampling_logprobs(logits, candidates, temperature)
+
+    def choose_positions(self, row_scores: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """[B, T] bool: per row b, the `counts[b]` top-scored positions of the full canvas row.
+
+        `row_scores` [B, T] is −∞ everywhere but the current block's masked positions. Selection is
+        ``torch.topk(row_scores[b], counts[b])`` over the full row, as in the official implementation, so ties are
+        broken identically; rows sharing a count go through one batched topk (each row is an independent slice).
+        With a confidence threshold, positions scoring above it are added.
+        An override must choose at least `counts[b]` positions per row (while that many are masked): the schedule
+        fills each block in its steps on that assumption.
+        """
+        chosen = torch.zeros_like(row_scores, dtype=torch.bool)
+        distinct_counts = set(counts)
+        for count in distinct_counts - {0}:
+            if len(distinct_counts) == 1:
+                chosen.scatter_(1, row_scores.topk(count, dim=1).indices, True)
+            else:
+                rows = torch.tensor([b for b, c in enumerate(counts) if c == count], device=row_scores.device)
+                top = row_scores.index_select(0, rows).topk(count, dim=1).indices
+                chosen[rows] = chosen[rows].scatter(1, top, True)
+        if self.config.confidence_threshold is not None:
+            chosen |= row_scores > self.config.confidence_threshold
+        return chosen

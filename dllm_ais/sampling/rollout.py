@@ -1,0 +1,65 @@
+"""The `Rollout`: what every sampler (diffusion or autoregressive) hands to the rest of the pipeline."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+
+@dataclass
+class Rollout:
+    """A batch of sampled completions on a fixed canvas `[left-padded prompt | completion]`.
+
+    Shapes: B sequences, P prompt positions (left padded), L completion positions.
+
+    Attributes:
+        sequences: [B, P + L] prompt and completion token ids.
+        attention_mask: [B, P + L] 1 for real tokens, 0 for left padding of the prompt.
+        completion_mask: [B, L] True for completion tokens that count: up to and including the first EOS.
+        step_logprobs: [B, L] float32 log-probability of each completion token under the sampling
+            distribution at the moment it was committed (after temperature and any other processing).
+        commit_step: [B, L] index of the denoising step (diffusion) or decoding step (autoregressive)
+            at which each completion token was committed.
+        prompt_length: P.
+    """
+
+    sequences: torch.LongTensor
+    attention_mask: torch.Tensor
+    completion_mask: torch.Tensor
+    step_logprobs: torch.Tensor
+    commit_step: torch.LongTensor
+    prompt_length: int
+
+    @property
+    def completion_ids(self) -> torch.LongTensor:
+        """[B, L] completion token ids."""
+        return self.sequences[:, self.prompt_length :]
+
+    @property
+    def prompt_ids(self) -> torch.LongTensor:
+        """[B, P] left-padded prompt ids."""
+        return self.sequences[:, : self.prompt_length]
+
+    @property
+    def gen_length(self) -> int:
+        return self.sequences.shape[1] - self.prompt_length
+
+    def to(self, device: torch.device | str) -> "Rollout":
+        return self._map_tensors(lambda t: t.to(device))
+
+    def select(self, rows: slice | torch.Tensor) -> "Rollout":
+        """The rollout restricted to some sequences (a slice or an index tensor over the batch)."""
+        return self._map_tensors(lambda t: t[rows])
+
+    def _map_tensors(self, fn) -> "Rollout":
+        return Rollout(**{f.name: fn(v) if torch.is_tensor(v := getattr(self, f.name)) else v for f in fields(self)})
+
+
+def completion_mask_through_first_eos(completion_ids: torch.Tensor, eos_token_ids: list[int] | tuple[int, ...]) -> torch.Tensor:
+    """[B, L] bool mask that is True up to and including the first token in `eos_token_ids` (all True if none)."""
+    is_eos = torch.zeros_like(completion_ids, dtype=torch.bool)
+    for eos in eos_token_ids:
+        is_eos |= completion_ids == eos
+    eos_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()
+    return eos_before == 0

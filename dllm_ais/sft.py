@@ -1,0 +1,109 @@
+"""Supervised fine-tuning to warm-start policies before RL: the LLaDA masked-diffusion objective, and plain
+next-token cross-entropy for causal LMs, on the same `[left-padded prompt | answer + EOS padding]` canvas.
+
+Masked-diffusion loss per sequence with answer length |a|:  t ~ U(0, 1),  p = (1 − ε)·t + ε,  each answer token masked i.i.d. with
+probability p (the prompt never), and
+
+    L = (1/|a|) · Σ_{masked i} −log p_θ(x_i | x_masked) / p
+
+averaged over the batch. EOS padding after the answer is part of the target, so the model learns to stop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from dllm_ais.data import apply_chat_template
+
+
+def masked_diffusion_sft_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, answer_mask: torch.Tensor,
+                              mask_token_id: int, generator: torch.Generator | None = None, eps: float = 1e-3) -> torch.Tensor:
+    """The LLaDA SFT loss above for a batch [B, T]; `answer_mask` marks the positions that may be masked and scored."""
+    batch = input_ids.shape[0]
+    t = torch.rand(batch, generator=generator, device=input_ids.device)
+    p_mask = (1 - eps) * t + eps
+    masked = (torch.rand(input_ids.shape, generator=generator, device=input_ids.device) < p_mask[:, None]) & answer_mask
+    noisy = torch.where(masked, torch.full_like(input_ids, mask_token_id), input_ids)
+    logits = model(noisy, attention_mask=attention_mask).logits
+    token_loss = F.cross_entropy(logits[masked].float(), input_ids[masked], reduction="none")
+    rows = masked.nonzero()[:, 0]
+    answer_length = answer_mask.sum(1).clamp(min=1)
+    return (token_loss / (p_mask[rows] * answer_length[rows])).sum() / batch
+
+
+def causal_sft_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, answer_mask: torch.Tensor,
+                    generator: torch.Generator | None = None) -> torch.Tensor:
+    """Mean next-token cross-entropy over answer tokens; positions count real tokens only (left padding)."""
+    position_ids = (attention_mask.long().cumsum(1) - 1).clamp(min=0)
+    logits = model(input_ids, attention_mask=attention_mask, position_ids=position_ids).logits[:, :-1]
+    targets = answer_mask[:, 1:]
+    return F.cross_entropy(logits[targets].float(), input_ids[:, 1:][targets])
+
+
+def build_sft_batch(tokenizer, prompts: list, answers: list[str], gen_length: int, device="cpu"):
+    """Canvas `[left-padded chat prompt | answer <eot> EOS…]` with the answer padded to `gen_length` by EOS.
+
+    Returns input_ids, attention_mask and answer_mask [B, P + gen_length], the RL rollout layout exactly.
+    """
+    texts = [apply_chat_template(tokenizer, p) if isinstance(p, list) else p for p in prompts]
+    prompt = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    end_of_turn = tokenizer.get_vocab().get("<|eot_id|>")
+    answer_rows = []
+    for answer in answers:
+        ids = tokenizer(answer, add_special_tokens=False).input_ids + ([end_of_turn] if end_of_turn is not None else [])
+        if len(ids) > gen_length:
+            raise ValueError(f"Answer of {len(ids)} tokens does not fit gen_length={gen_length}.")
+        answer_rows.append(ids + [tokenizer.eos_token_id] * (gen_length - len(ids)))
+    answer_ids = torch.tensor(answer_rows)
+    input_ids = torch.cat([prompt.input_ids, answer_ids], dim=1)
+    attention_mask = torch.cat([prompt.attention_mask, torch.ones_like(answer_ids)], dim=1)
+    answer_mask = torch.zeros_like(input_ids, dtype=torch.bool)
+    answer_mask[:, prompt.input_ids.shape[1]:] = True
+    return input_ids.to(device), attention_mask.to(device), answer_mask.to(device)
+
+
+@dataclass
+class SFTConfig:
+    steps: int = 1000
+    batch_size: int = 64
+    learning_rate: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 50
+    gen_length: int = 16
+    seed: int = 0
+
+
+def run_sft(model, tokenizer, dataset, config: SFTConfig, mask_token_id: int | None,
+            answer_column: str = "answer") -> list[float]:
+    """Train `model` in place on `dataset` (`prompt` + answer column); returns the losses.
+
+    With a `mask_token_id` the model is a masked-diffusion LM (LLaDA SFT loss); without, a causal LM.
+    """
+    device = next(model.parameters()).device
+    generator = torch.Generator(device).manual_seed(config.seed)
+    order = torch.Generator().manual_seed(config.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(config.warmup_steps, 1))
+                                                 * max(0.0, 1 - s / config.steps))
+    model.train()
+    losses = []
+    for _ in (bar := tqdm(range(config.steps), desc="SFT")):
+        rows = dataset.select(torch.randint(len(dataset), (config.batch_size,), generator=order).tolist())
+        batch = build_sft_batch(tokenizer, rows["prompt"], rows[answer_column], config.gen_length, device)
+        if mask_token_id is None:
+            loss = causal_sft_loss(model, *batch)
+        else:
+            loss = masked_diffusion_sft_loss(model, *batch, mask_token_id=mask_token_id, generator=generator)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+    model.eval()
+    return losses

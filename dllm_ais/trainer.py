@@ -1,0 +1,393 @@
+"""The GRPO trainer: wires sampling → rewards → likelihood → correction → loss → update, nothing more.
+
+One generation batch (per device: `per_device_train_batch_size × gradient_accumulation_steps` completions):
+
+1. sync the rollout engine (FP8 copy of the policy) from the trainer, in place;
+2. sample G completions per prompt with the engine;
+3. score them with the reward functions; group advantages over the batch gathered from every process;
+4. log-probs with one estimator on both sides, per estimator seed: ℓ_rollout (engine), ℓ_old (trainer, no grad),
+   ℓ_ref (adapter disabled, if β > 0);
+5. correction weights (AIS by default) from ℓ_old vs ℓ_rollout;
+6. `num_iterations` passes of the clipped GRPO loss × weights, one optimizer step per pass.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from peft import LoraConfig, PeftModel, get_peft_model
+from tqdm.auto import tqdm
+from transformers import get_scheduler
+
+from dllm_ais.checkpoint import (atomic_directory, load_model, load_model_config, load_tokenizer, resolve_dtype,
+                                 special_tokens)
+from dllm_ais.config import GRPOConfig, save_config
+from dllm_ais.correction import correct
+from dllm_ais.data import apply_chat_template, load_task_dataset
+from dllm_ais.engine import RolloutEngine
+from dllm_ais.loss import grpo_loss, group_advantages
+from dllm_ais.metrics import MetricsLog, console_line, plot_metrics
+from dllm_ais.policy import AutoregressivePolicy, DiffusionPolicy, Policy, lora_target_modules
+from dllm_ais.rewards import TASK_REWARDS, compute_rewards, resolve_reward_functions
+from dllm_ais.sampling.autoregressive import AutoregressiveSamplerConfig
+from dllm_ais.sampling.diffusion import DiffusionSamplerConfig
+from dllm_ais.sampling.rollout import Rollout
+
+logger = logging.getLogger("dllm_ais")
+
+
+def is_diffusion(config: GRPOConfig, model_config) -> bool:
+    if config.policy == "auto":
+        return getattr(model_config, "model_type", None) == "llada"
+    return config.policy == "diffusion"
+
+
+def build_policy(config: GRPOConfig, model_config, tokenizer, temperature: float | None = None) -> Policy:
+    """The diffusion or autoregressive policy for this config (`temperature` overrides, e.g. 0 for greedy eval)."""
+    diffusion = is_diffusion(config, model_config)
+    tokens = special_tokens(tokenizer, model_config, diffusion)
+    temperature = config.temperature if temperature is None else temperature
+    if diffusion:
+        sampler = DiffusionSamplerConfig(
+            gen_length=config.max_completion_length, block_length=config.block_length, steps=config.diffusion_steps,
+            temperature=temperature, remasking=config.remasking, mask_token_id=tokens.mask_token_id,
+            eos_token_ids=tokens.eos_token_ids, pad_token_id=tokens.pad_token_id, cfg_scale=config.cfg_scale)
+        return DiffusionPolicy(sampler, estimator=config.likelihood_estimator, p_mask_prompt=config.p_mask_prompt)
+    sampler = AutoregressiveSamplerConfig(
+        max_new_tokens=config.max_completion_length, temperature=temperature, top_k=config.top_k, top_p=config.top_p,
+        eos_token_ids=tokens.eos_token_ids, pad_token_id=tokens.pad_token_id)
+    return AutoregressivePolicy(sampler)
+
+
+def tokenize_prompts(tokenizer, prompts: list, max_prompt_length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chat-template and left-pad prompts; a prompt longer than `max_prompt_length` is an error, never silently cut."""
+    texts = [apply_chat_template(tokenizer, p) if isinstance(p, list) else p for p in prompts]
+    encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    if encoded.input_ids.shape[1] > max_prompt_length:
+        raise ValueError(f"A prompt has {encoded.input_ids.shape[1]} tokens > max_prompt_length={max_prompt_length}; "
+                         "raise max_prompt_length or filter long prompts from the dataset.")
+    return encoded.input_ids.to(device), encoded.attention_mask.to(device)
+
+
+def completion_texts(tokenizer, rollout: Rollout) -> list[str]:
+    """Decoded completions, cut at the completion mask (first EOS), special tokens dropped."""
+    ids = rollout.completion_ids.masked_fill(~rollout.completion_mask, tokenizer.pad_token_id)
+    return tokenizer.batch_decode(ids, skip_special_tokens=True)
+
+
+def as_trl_completions(prompts: list, texts: list[str]) -> list:
+    """TRL convention: conversational prompts get completions as assistant-message lists, plain prompts get strings."""
+    return [[{"role": "assistant", "content": t}] if isinstance(p, list) else t for p, t in zip(prompts, texts)]
+
+
+def score_rollout(tokenizer, reward_funcs, columns: dict[str, list], rollout: Rollout,
+                  reward_weights: list[float] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Rewards [B] (float32) of a rollout's completions and reward metrics; `columns` holds the prompts' dataset rows."""
+    prompts = columns["prompt"]
+    extra = {k: v for k, v in columns.items() if k != "prompt"}
+    extra["completion_ids"] = [ids[mask].tolist() for ids, mask in zip(rollout.completion_ids, rollout.completion_mask)]
+    completions = as_trl_completions(prompts, completion_texts(tokenizer, rollout))
+    return compute_rewards(reward_funcs, prompts, completions, extra, reward_weights)
+
+
+@torch.no_grad()
+def evaluate_policy(model, tokenizer, policy: Policy, dataset, reward_funcs, reward_weights=None, batch_size: int = 16,
+                    max_prompt_length: int = 256) -> dict[str, float]:
+    """Mean and std of the reward of `policy`'s completions (sampled with `model`) over `dataset`'s prompts."""
+    device = next(model.parameters()).device
+    rewards = []
+    for start in tqdm(range(0, len(dataset), batch_size), desc="eval", leave=False):
+        rows = dataset.select(range(start, min(start + batch_size, len(dataset))))
+        columns = {c: list(rows[c]) for c in rows.column_names}
+        input_ids, attention_mask = tokenize_prompts(tokenizer, columns["prompt"], max_prompt_length, device)
+        rollout = policy.sample(model, input_ids, attention_mask, None)
+        rewards.append(score_rollout(tokenizer, reward_funcs, columns, rollout, reward_weights)[0])
+    scores = torch.cat(rewards)
+    return {"eval/reward": scores.mean().item(), "eval/reward_std": scores.std().item() if len(scores) > 1 else 0.0,
+            "eval/num_prompts": float(len(scores))}
+
+
+@dataclass
+class GenerationBatch:
+    """Everything the loss needs from one generation batch, computed once before the μ optimisation passes."""
+
+    rollout: Rollout
+    advantages: torch.Tensor  # [B]
+    logp_old: list[torch.Tensor]  # per estimator seed: [B, L]
+    logp_ref: list[torch.Tensor | None]
+    weights: list[torch.Tensor]
+    clip_scale: list[torch.Tensor | None]
+    seeds: list[int]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    history: list[dict[str, Any]]
+    eval_before: dict[str, float] | None
+    eval_after: dict[str, float] | None
+    output_dir: Path
+
+
+class GRPOTrainer:
+    """GRPO with a low-precision rollout engine and importance-sampling correction, on accelerate.
+
+    Args:
+        config: a validated `GRPOConfig`.
+        model / tokenizer: optional preloaded policy; by default loaded from `config.model_name_or_path`.
+        reward_funcs: callables with TRL's signature; by default the task preset or `config.reward_funcs`.
+        train_dataset / eval_dataset: `datasets.Dataset` with a `prompt` column (+ reward columns).
+        ais_rule: optional callable diagnostics → α replacing `config.ais_rule`.
+    """
+
+    def __init__(self, config: GRPOConfig, model=None, tokenizer=None, reward_funcs: list[Callable] | None = None,
+                 train_dataset=None, eval_dataset=None, ais_rule: Callable[[dict], float] | None = None):
+        self.config = config.validate()
+        self.accelerator = Accelerator(
+            log_with=config.report_to or None, project_dir=config.output_dir,
+            mixed_precision="bf16" if torch.cuda.is_available() else "no")
+        set_seed(config.seed, device_specific=True)
+        self.ais_rule = ais_rule or config.ais_rule
+        self.reward_funcs = resolve_reward_functions(reward_funcs or config.reward_funcs or TASK_REWARDS[config.task])
+        self.train_dataset = train_dataset if train_dataset is not None else load_task_dataset(
+            config.task, split="train", path=config.dataset_path, size=config.dataset_size, seed=config.seed)
+        self.eval_dataset = eval_dataset if eval_dataset is not None or not config.eval_size else load_task_dataset(
+            config.task, split="test", path=config.dataset_path, size=config.eval_size, seed=config.seed)
+
+        self.tokenizer = tokenizer or load_tokenizer(config.model_name_or_path)
+        model = model or load_model(config.model_name_or_path, resolve_dtype(config.dtype), config.trust_remote_code)
+        self.policy = build_policy(config, model.config, self.tokenizer)
+        self.greedy_policy = build_policy(config, model.config, self.tokenizer, temperature=0.0)
+        if config.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        if config.use_peft and not isinstance(model, PeftModel):
+            targets = config.lora_target_modules or lora_target_modules(model.config.model_type)
+            model = get_peft_model(model, LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha,
+                                                     lora_dropout=config.lora_dropout, target_modules=targets))
+        self.reference_model = None
+        if config.beta > 0 and not isinstance(model, PeftModel):
+            self.reference_model = copy.deepcopy(model).eval().requires_grad_(False)
+        model.to(self.accelerator.device)
+        self.engine = RolloutEngine(model, precision=config.rollout_precision)
+
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=config.weight_decay,
+                                      betas=(config.adam_beta1, config.adam_beta2))
+        scheduler = get_scheduler(config.lr_scheduler_type, optimizer, num_warmup_steps=config.warmup_steps,
+                                  num_training_steps=config.max_steps)
+        self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
+        self.global_step = 0
+        self.generation_index = 0
+        self.previous_alpha: float | None = None
+        self._prompt_order = torch.randperm(len(self.train_dataset), generator=torch.Generator().manual_seed(config.seed))
+        self._prompt_cursor = 0
+
+    # ----------------------------------------------------------------------------------------------- pipeline
+    @property
+    def unwrapped_model(self):
+        return self.accelerator.unwrap_model(self.model)
+
+    def next_prompts(self) -> dict[str, list]:
+        """The next `generation_batch_size / G` dataset rows of this process, each repeated G times (one group each)."""
+        per_device = self.config.generation_batch_size // self.config.num_generations
+        world, rank = self.accelerator.num_processes, self.accelerator.process_index
+        rows = []
+        for _ in range(per_device * world):
+            if self._prompt_cursor == len(self._prompt_order):
+                self._prompt_cursor = 0
+            rows.append(int(self._prompt_order[self._prompt_cursor]))
+            self._prompt_cursor += 1
+        local = self.train_dataset.select(rows[rank * per_device:(rank + 1) * per_device])
+        return {column: [v for v in local[column] for _ in range(self.config.num_generations)]
+                for column in local.column_names}
+
+    def sample(self, policy: Policy, model, columns: dict[str, list], generator: torch.Generator | None) -> Rollout:
+        """Roll out the prompts in micro-batches of `per_device_train_batch_size` and stitch one canvas."""
+        input_ids, attention_mask = tokenize_prompts(self.tokenizer, columns["prompt"], self.config.max_prompt_length,
+                                                     self.accelerator.device)
+        size = self.config.per_device_train_batch_size
+        parts = [policy.sample(model, input_ids[i:i + size], attention_mask[i:i + size], generator)
+                 for i in range(0, len(input_ids), size)]
+        return Rollout(**{f.name: torch.cat([getattr(p, f.name) for p in parts]) if f.name != "prompt_length"
+                          else parts[0].prompt_length for f in dataclasses.fields(Rollout)})
+
+    def estimator_seeds(self) -> list[int]:
+        count = self.policy.num_estimator_seeds(self.config.num_iterations)
+        base = self.config.seed * 1_000_003 + self.generation_index * 1_009
+        return [base + n for n in range(count)]
+
+    @torch.no_grad()
+    def reference_logprobs(self, rollout: Rollout, seed: int) -> torch.Tensor | None:
+        if self.config.beta == 0:
+            return None
+        if self.reference_model is not None:
+            return self.policy.logprobs(self.reference_model, rollout, seed)
+        with self.unwrapped_model.disable_adapter():
+            return self.policy.logprobs(self.model, rollout, seed)
+
+    def make_generation_batch(self) -> GenerationBatch:
+        cfg = self.config
+        timings = {"timing/sync_s": self.engine.sync_from(self.unwrapped_model)}
+        columns = self.next_prompts()
+        generator = torch.Generator(self.accelerator.device).manual_seed(
+            cfg.seed + 7919 * self.generation_index + 104_729 * self.accelerator.process_index)
+        start = time.perf_counter()
+        rollout = self.sample(self.policy, self.engine.model, columns, generator)
+        timings["timing/sample_s"] = time.perf_counter() - start
+
+        rewards, reward_metrics = score_rollout(self.tokenizer, self.reward_funcs, columns, rollout, cfg.reward_weights)
+        all_rewards = self.accelerator.gather(rewards.to(self.accelerator.device))
+        all_advantages = group_advantages(all_rewards, cfg.num_generations, cfg.scale_rewards)
+        local = slice(self.accelerator.process_index * len(rewards), (self.accelerator.process_index + 1) * len(rewards))
+        advantages = all_advantages[local]
+
+        start = time.perf_counter()
+        seeds = self.estimator_seeds()
+        self.model.eval()
+        with torch.no_grad():
+            logp_rollout = [self.policy.rollout_logprobs(self.engine.model, rollout, s) for s in seeds]
+            logp_old = [self.policy.logprobs(self.model, rollout, s) for s in seeds]
+        logp_ref = [self.reference_logprobs(rollout, s) for s in seeds]
+        timings["timing/logprob_s"] = time.perf_counter() - start
+
+        start = time.perf_counter()
+        corrections = []
+        for old, ro in zip(logp_old, logp_rollout):
+            corrections.append(correct(
+                cfg.correction, old, ro, advantages, rollout.completion_mask, clip=cfg.is_clip,
+                clip_low=cfg.is_clip_low, level=cfg.is_level, normalize=cfg.is_normalize, kl_scale=cfg.ais_kl_scale,
+                rule=self.ais_rule, alpha_max=cfg.ais_alpha_max, previous_alpha=self.previous_alpha,
+                alpha_ema=cfg.ais_alpha_ema))
+            self.previous_alpha = corrections[-1].diagnostics.get("alpha", self.previous_alpha)
+        timings["timing/correction_s"] = time.perf_counter() - start
+
+        lengths = rollout.completion_mask.sum(1).float()
+        metrics = {
+            "reward": all_rewards.mean().item(),
+            "reward_std": all_rewards.view(-1, cfg.num_generations).std(1).mean().item(),
+            "completions/mean_length": lengths.mean().item(),
+            **reward_metrics, **timings,
+            **{f"correction/{k}": v for k, v in corrections[0].diagnostics.items()},
+        }
+        self.generation_index += 1
+        return GenerationBatch(rollout, advantages, logp_old, logp_ref, [c.weights for c in corrections],
+                               [c.clip_scale for c in corrections], seeds, metrics)
+
+    def optimisation_pass(self, batch: GenerationBatch, iteration: int) -> dict[str, float]:
+        """One optimizer step over the generation batch: gradient accumulation over its micro-batches."""
+        cfg = self.config
+        k = iteration % len(batch.seeds)
+        self.model.train()
+        size = cfg.per_device_train_batch_size
+        total_tokens = batch.rollout.completion_mask.sum().clamp(min=1).item()
+        micro_batches = [slice(i, i + size) for i in range(0, len(batch.advantages), size)]
+        summed: dict[str, float] = {}
+        for index, rows in enumerate(micro_batches):
+            last = index == len(micro_batches) - 1
+            with nullcontext() if last else self.accelerator.no_sync(self.model):
+                part = batch.rollout.select(rows)
+                logp = self.policy.logprobs(self.model, part, batch.seeds[k])
+                loss, loss_metrics = grpo_loss(
+                    logp, batch.logp_old[k][rows], batch.advantages[rows], part.completion_mask,
+                    weights=batch.weights[k][rows],
+                    clip_scale=None if batch.clip_scale[k] is None else batch.clip_scale[k][rows],
+                    logp_ref=None if batch.logp_ref[k] is None else batch.logp_ref[k][rows],
+                    beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, loss_type=cfg.loss_type,
+                    max_completion_length=cfg.max_completion_length, num_items_in_batch=total_tokens,
+                    ratio_type=cfg.ratio_type)
+                if cfg.loss_type != "dapo":
+                    loss = loss / len(micro_batches)
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(
+                        f"Non-finite loss at step {self.global_step + 1}: check the log-probs (NaN weights or "
+                        "log-probs usually mean an overflow in low precision; try dtype=float32 or a lower learning_rate).")
+                self.accelerator.backward(loss)
+            summed["loss"] = summed.get("loss", 0.0) + loss.item()
+            for key, value in loss_metrics.items():
+                summed[key] = summed.get(key, 0.0) + value / len(micro_batches)
+        grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.global_step += 1
+        return {**summed, "grad_norm": float(grad_norm), "learning_rate": self.scheduler.get_last_lr()[0]}
+
+    # ----------------------------------------------------------------------------------------------- driver
+    def evaluate(self, dataset=None) -> dict[str, float]:
+        """Mean reward of greedy completions of the trainer's (full-precision) policy on the held-out prompts."""
+        self.model.eval()
+        return evaluate_policy(self.unwrapped_model, self.tokenizer, self.greedy_policy,
+                               dataset if dataset is not None else self.eval_dataset, self.reward_funcs,
+                               self.config.reward_weights, self.config.per_device_train_batch_size,
+                               self.config.max_prompt_length)
+
+    def train(self) -> TrainResult:
+        cfg = self.config
+        output_dir = Path(cfg.output_dir)
+        is_main = self.accelerator.is_main_process
+        log = MetricsLog(output_dir) if is_main else None
+        if is_main:
+            save_config(cfg, output_dir / "config.yaml")
+        if cfg.report_to:
+            self.accelerator.init_trackers("dllm-ais", config=cfg.to_dict())
+        eval_before = self.evaluate() if self.eval_dataset is not None else None
+        if eval_before and is_main:
+            tqdm.write(f"held-out reward before training: {eval_before['eval/reward']:.4f}")
+        progress = tqdm(total=cfg.max_steps, desc="GRPO", disable=not is_main, dynamic_ncols=True)
+        while self.global_step < cfg.max_steps:
+            start = time.perf_counter()
+            batch = self.make_generation_batch()
+            for iteration in range(cfg.num_iterations):
+                if self.global_step >= cfg.max_steps:
+                    break
+                metrics = {"step": self.global_step + 1, **batch.metrics, **self.optimisation_pass(batch, iteration)}
+                if iteration == 0:
+                    metrics["timing/generation_batch_s"] = time.perf_counter() - start
+                progress.update(1)
+                if is_main and self.global_step % cfg.logging_steps == 0:
+                    log.write(metrics)
+                    progress.set_postfix(reward=f"{metrics['reward']:.3f}",
+                                         alpha=f"{metrics.get('correction/alpha', 0.0):.2f}")
+                    tqdm.write(console_line(self.global_step, cfg.max_steps, metrics))
+                if cfg.report_to:
+                    self.accelerator.log(metrics, step=self.global_step)
+                if cfg.save_steps and self.global_step % cfg.save_steps == 0:
+                    self.save(output_dir / f"checkpoint-{self.global_step}")
+        progress.close()
+        eval_after = self.evaluate() if self.eval_dataset is not None else None
+        self.save(output_dir / "final")
+        if is_main:
+            if eval_after:
+                log.write({"step": self.global_step, **{f"{k}_before": v for k, v in eval_before.items()}, **eval_after})
+                tqdm.write(f"held-out reward: before {eval_before['eval/reward']:.4f} -> after {eval_after['eval/reward']:.4f} "
+                           f"({int(eval_after['eval/num_prompts'])} prompts, greedy)")
+            plot = plot_metrics(log.records, output_dir / "metrics.png")
+            log.close()
+            tqdm.write(f"metrics: {log.path}" + (f" | plot: {plot}" if plot else "") + f" | model: {output_dir / 'final'}")
+        if cfg.report_to:
+            self.accelerator.end_training()
+        return TrainResult(self.global_step, log.records if log else [], eval_before, eval_after, output_dir)
+
+    def save(self, directory: Path) -> None:
+        """Write the adapter (or full model), tokenizer, config and trainer state atomically into `directory`."""
+        self.accelerator.wait_for_everyone()
+        if not self.accelerator.is_main_process:
+            return
+        with atomic_directory(directory) as staging:
+            self.unwrapped_model.save_pretrained(staging, safe_serialization=True)
+            self.tokenizer.save_pretrained(staging)
+            save_config(self.config, staging / "dllm_ais_config.yaml")
+            torch.save({"global_step": self.global_step, "generation_index": self.generation_index,
+                        "previous_alpha": self.previous_alpha, "optimizer": self.optimizer.state_dict(),
+                        "scheduler": self.scheduler.state_dict()}, staging / "trainer_state.pt")

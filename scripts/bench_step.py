@@ -1,0 +1,155 @@
+"""Benchmark one GRPO step: (1) the share of the step spent in the correction stage (target < 1 %);
+(2) peak memory of the completion log-prob computation against a naive full float32 log-softmax (target ≤ 0.5×).
+
+    python scripts/bench_step.py                 # both parts, CPU defaults finish in about a minute
+    python scripts/bench_step.py --part memory --vocab 126464 --sequences 8 --dtype bfloat16
+
+Every figure is a ratio measured in this run, printed beside the device, dtype and sizes. On CPU, peak memory is
+the peak resident-set growth of a fresh subprocess per variant; on CUDA, `torch.cuda.max_memory_allocated`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+
+def tiny_llada(vocab: int, d_model: int, layers: int, max_len: int):
+    from dllm_ais.models import LLaDAConfig, LLaDAModelLM
+
+    torch.manual_seed(0)
+    return LLaDAModelLM(LLaDAConfig(d_model=d_model, n_heads=4, n_layers=layers, mlp_hidden_size=2 * d_model,
+                                    vocab_size=vocab, embedding_size=vocab, max_sequence_length=max_len,
+                                    mask_token_id=vocab - 1, eos_token_id=vocab - 2, pad_token_id=vocab - 2))
+
+
+# ------------------------------------------------------------------------------------------ correction share
+def bench_correction_share(args) -> None:
+    from transformers import AutoTokenizer
+
+    from dllm_ais.checkpoint import EMBEDDED_MODEL_DIR
+    from dllm_ais.config import GRPOConfig
+    from dllm_ais.data import make_digits_dataset
+    from dllm_ais.trainer import GRPOTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
+    tokenizer.padding_side = "left"
+    config = GRPOConfig(task="digits", eval_size=0, num_generations=4, per_device_train_batch_size=args.batch,
+                        max_completion_length=args.gen_length, block_length=args.gen_length,
+                        diffusion_steps=args.gen_length // 2, num_iterations=args.num_iterations,
+                        max_steps=10_000, rollout_precision=args.precision, correction="ais", lora_r=8,
+                        dtype="float32", max_prompt_length=64, output_dir=tempfile.mkdtemp())
+    model = tiny_llada(len(tokenizer), args.d_model, args.layers, 512)
+    model.config.mask_token_id = tokenizer.mask_token_id
+    trainer = GRPOTrainer(config, model=model, tokenizer=tokenizer, train_dataset=make_digits_dataset(256, seed=0))
+    shares, corrections, steps = [], [], []
+    for repeat in range(args.warmup + args.repeats):
+        start = time.perf_counter()
+        batch = trainer.make_generation_batch()
+        for iteration in range(config.num_iterations):
+            trainer.optimisation_pass(batch, iteration)
+        step = time.perf_counter() - start
+        if repeat >= args.warmup:
+            corrections.append(batch.metrics["timing/correction_s"])
+            steps.append(step)
+            shares.append(batch.metrics["timing/correction_s"] / step)
+    print(f"[correction share] device={trainer.accelerator.device} torch={torch.__version__} dtype=float32 "
+          f"model=LLaDA d_model={args.d_model} layers={args.layers} vocab={len(tokenizer)} "
+          f"completions={args.batch} gen_length={args.gen_length} num_iterations={config.num_iterations} "
+          f"precision={args.precision} repeats={args.repeats}")
+    print(f"  correction time / step time: median {statistics.median(shares):.4%} "
+          f"(min {min(shares):.4%}, max {max(shares):.4%}; target < 1%)")
+
+
+# ------------------------------------------------------------------------------------------ log-prob memory
+def _logprob_worker(variant: str, args) -> dict:
+    """Run one log-prob variant in this (fresh) process and report its peak memory growth in bytes."""
+    import resource
+
+    from dllm_ais.likelihood import one_step_logprobs
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(torch, args.dtype)
+    model = tiny_llada(args.vocab, args.d_model, args.layers, 4096).to(device, dtype).eval()
+    prompt, gen = args.prompt_length, args.completion_length
+    sequences = torch.randint(0, args.vocab - 2, (args.sequences, prompt + gen), device=device)
+    attention_mask = torch.ones_like(sequences)
+    with torch.no_grad():
+        model(sequences[:1, :8])  # warm up kernels and allocator before measuring
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            baseline = torch.cuda.memory_allocated()
+        else:
+            baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        if variant == "naive":
+            noisy = sequences.clone()
+            noisy[:, prompt:] = args.vocab - 1
+            logits = model(noisy, attention_mask=attention_mask).logits
+            logp = torch.log_softmax(logits.float(), dim=-1)[:, prompt:].gather(-1, sequences[:, prompt:, None])[..., 0]
+        else:
+            logp = one_step_logprobs(model, sequences, attention_mask, prompt, args.vocab - 1, seed=0, p_mask_prompt=0.0)
+        if device == "cuda":
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() - baseline
+        else:
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline
+    return {"peak_bytes": peak, "checksum": float(logp.double().sum()), "device": device}
+
+
+def bench_logprob_memory(args) -> None:
+    results = {}
+    for variant in ("naive", "chunked"):
+        command = [sys.executable, __file__, "--worker", variant, "--d-model", str(args.d_model), "--layers",
+                   str(args.layers), "--vocab", str(args.vocab), "--sequences", str(args.sequences), "--prompt-length",
+                   str(args.prompt_length), "--completion-length", str(args.completion_length), "--dtype", args.dtype]
+        output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+        results[variant] = json.loads(output.strip().splitlines()[-1])
+    naive, ours = results["naive"], results["chunked"]
+    print(f"[log-prob memory] device={naive['device']} torch={torch.__version__} dtype={args.dtype} "
+          f"model=LLaDA d_model={args.d_model} layers={args.layers} vocab={args.vocab} sequences={args.sequences} "
+          f"prompt={args.prompt_length} completion={args.completion_length}")
+    print(f"  naive full float32 log_softmax peak: {naive['peak_bytes'] / 2**20:.0f} MiB | dllm_ais one-step "
+          f"(logits_to_keep + chunked logsumexp): {ours['peak_bytes'] / 2**20:.0f} MiB")
+    print(f"  ratio ours/naive: {ours['peak_bytes'] / naive['peak_bytes']:.3f} (target <= 0.5); "
+          f"sum of log-probs naive {naive['checksum']:.3f} vs ours {ours['checksum']:.3f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", choices=("all", "correction", "memory"), default="all")
+    parser.add_argument("--worker", choices=("naive", "chunked"), help=argparse.SUPPRESS)
+    parser.add_argument("--d-model", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=16, help="correction part: completions per step")
+    parser.add_argument("--gen-length", type=int, default=16)
+    parser.add_argument("--num-iterations", type=int, default=2)
+    parser.add_argument("--precision", default="fp8", choices=("bf16", "fp8", "fp8_weight_only"))
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--vocab", type=int, default=126464, help="memory part: LLaDA's vocabulary by default")
+    parser.add_argument("--sequences", type=int, default=4, help="memory part: batch of sequences")
+    parser.add_argument("--prompt-length", type=int, default=128)
+    parser.add_argument("--completion-length", type=int, default=256, help="memory part: d1's gen length")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    args, _ = parser.parse_known_args()
+    if args.worker:
+        print(json.dumps(_logprob_worker(args.worker, args)))
+        return
+    print(f"host: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
+    if args.part in ("all", "correction"):
+        bench_correction_share(args)
+    if args.part in ("all", "memory"):
+        bench_logprob_memory(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""Shared fixtures: tiny policies over the embedded tokenizer, built from configs (nothing downloaded)."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
+
+from dllm_ais.checkpoint import EMBEDDED_MODEL_DIR
+from dllm_ais.models import LLaDAConfig, LLaDAModelLM
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    tok = AutoTokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
+    tok.padding_side = "left"
+    return tok
+
+
+def tiny_llada(tokenizer, seed: int = 0) -> LLaDAModelLM:
+    torch.manual_seed(seed)
+    vocab = len(tokenizer)
+    return LLaDAModelLM(LLaDAConfig(
+        d_model=64, n_heads=4, n_layers=2, mlp_hidden_size=128, vocab_size=vocab, embedding_size=vocab,
+        max_sequence_length=256, mask_token_id=tokenizer.mask_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id))
+
+
+def tiny_qwen3(tokenizer, seed: int = 0):
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id))

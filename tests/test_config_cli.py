@@ -1,0 +1,90 @@
+"""Config validation, recipes, overrides and the `dllm-ais` CLI end to end on the embedded model."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from dllm_ais.checkpoint import EMBEDDED_RECIPE
+from dllm_ais.cli import main
+from dllm_ais.config import ConfigError, GRPOConfig, load_config, parse_overrides
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = sorted((ROOT / "recipes").glob("*.yaml")) + [EMBEDDED_RECIPE]
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+def test_shipped_recipes_are_valid(recipe):
+    assert isinstance(load_config(recipe), GRPOConfig)
+
+
+def test_overrides_parse_yaml_values():
+    assert parse_overrides(["--learning_rate=1.0e-5", "--report_to=[tensorboard]", "--is_clip_low", "null", "beta=0"]) == {
+        "learning_rate": 1e-5, "report_to": ["tensorboard"], "is_clip_low": None, "beta": 0}
+
+
+def test_exponent_without_a_dot_is_a_float():
+    assert load_config(EMBEDDED_RECIPE, ["--learning_rate=1e-5", "--is_clip_low=5e-1"]).learning_rate == 1e-5
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--learnig_rate=1e-5"], "did you mean 'learning_rate'"),
+    (["--num_generations=1"], "num_generations=1"),
+    (["--num_generations=4", "--per_device_train_batch_size=6"], "divisible by num_generations"),
+    (["--max_completion_length=100"], "multiple of block_length"),
+    (["--beta=abc"], "beta='abc': expected float"),
+    (["--correction=magic"], "choose one of none, tis, mis, acr, ais"),
+    (["--report_to=[mlflow]"], "supported trackers"),
+])
+def test_bad_config_fails_before_any_model_is_loaded(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(EMBEDDED_RECIPE, overrides)
+
+
+def test_missing_recipe_names_the_fix():
+    with pytest.raises(ConfigError, match="not found"):
+        load_config("recipes/nope.yaml")
+
+
+def test_ci_runs_the_readme_test_command():
+    readme_commands = re.findall(r"```bash\n(.+?)\n```", (ROOT / "README.md").read_text())
+    test_command = next(c for c in readme_commands[:2] if c.endswith("pytest"))
+    assert test_command in (ROOT / ".ci" / "run").read_text().splitlines()
+
+
+def test_train_help_teaches_the_fields(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    for field in ("--num_generations", "--rollout_precision", "--correction", "--ais_kl_scale", "--dry_run"):
+        assert field in out
+
+
+def test_cli_error_for_bad_override_is_clear(capsys):
+    assert main(["train", "--max_stpes=3"]) == 2
+    assert "did you mean 'max_steps'" in capsys.readouterr().err
+
+
+def test_cli_train_eval_generate_export_on_the_embedded_model(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", f"--output_dir={out}", "--max_steps=2", "--eval_size=4", "--num_iterations=1"]) == 0
+    text = capsys.readouterr()
+    assert "held-out reward: before" in text.out + text.err
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["step"] == 1 and "correction/alpha" in records[0] and "eval/reward" in records[-1]
+    assert (out / "metrics.png").is_file() and (out / "final" / "adapter_config.json").is_file()
+
+    assert main(["eval", "--model", str(out / "final"), "--eval_size=4"]) == 0
+    assert "mean reward" in capsys.readouterr().out
+    assert main(["generate", "--model", str(out / "final"), "--prompt", "sort 3 1 2", "--precision", "fp8"]) == 0
+    assert "> sort 3 1 2" in capsys.readouterr().out
+    assert main(["export", str(out / "final"), str(tmp_path / "merged")]) == 0
+    assert (tmp_path / "merged" / "model.safetensors").is_file() and (tmp_path / "merged" / "README.md").is_file()
+    merged_config = json.loads((tmp_path / "merged" / "config.json").read_text())
+    assert merged_config["model_type"] == "llada"
+
+
+def test_dry_run_of_the_gpu_recipe_runs_one_step_on_cpu(capsys):
+    assert main(["train", str(ROOT / "recipes" / "llada8b_gsm8k_lora_fp8_ais.yaml"), "--dry_run=true"]) == 0
+    assert "dry run OK" in capsys.readouterr().out

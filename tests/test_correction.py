@@ -1,0 +1,358 @@
+"""Rollout-mismatch corrections: hand-computed weights and diagnostics, and the AIS properties."""
+import math
+
+import pytest
+import torch
+
+from dllm_ais.correction import (
+    ALPHA_RULES,
+    CORRECTION_METHODS,
+    acr_clip_scale,
+    ais_weights,
+    correct,
+    gate_alpha,
+    importance_weights,
+    log_importance_ratio,
+    oracle_alpha,
+    ratio_diagnostics,
+)
+from dllm_ais.loss import grpo_loss
+
+
+def logps_with_ratios(ratios: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logp_old, logp_rollout) whose token ratios exp(ℓ_old − ℓ_ro) are `ratios`."""
+    logp_old = torch.tensor(ratios).log() - 1.0
+    return logp_old, torch.full_like(logp_old, -1.0)
+
+
+def constant_rule(alpha: float):
+    def rule(diagnostics: dict[str, float]) -> float:
+        return alpha
+
+    return rule
+
+
+@pytest.fixture
+def mismatched_batch():
+    """Random log-probs with an FP8-sized-or-larger mismatch, ragged mask, random advantages."""
+    generator = torch.Generator().manual_seed(0)
+    batch, length = 4, 7
+    logp_old = -1.0 - torch.rand(batch, length, generator=generator)
+    logp_rollout = logp_old + 0.6 * torch.randn(batch, length, generator=generator)
+    lengths = torch.tensor([7, 3, 5, 1])
+    mask = torch.arange(length) < lengths.unsqueeze(1)
+    advantages = torch.randn(batch, generator=generator)
+    return logp_old, logp_rollout, advantages, mask
+
+
+# ----------------------------------------------------------------------------- log ratio
+def test_log_ratio_clamps_and_zeroes_invalid_positions_even_with_garbage():
+    logp_old = torch.tensor([[0.0, 0.0, 0.0, float("nan")]])
+    logp_rollout = torch.tensor([[-0.5, -30.0, 30.0, float("-inf")]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    log_ratio = log_importance_ratio(logp_old, logp_rollout, mask)
+    assert log_ratio.dtype == torch.float32 and not log_ratio.requires_grad
+    torch.testing.assert_close(log_ratio, torch.tensor([[0.5, 20.0, -20.0, 0.0]]))
+
+
+def test_log_ratio_rejects_nan_at_valid_tokens():
+    logp_old = torch.tensor([[0.0, float("nan")]])
+    with pytest.raises(ValueError, match="NaN"):
+        log_importance_ratio(logp_old, torch.zeros(1, 2), torch.ones(1, 2))
+
+
+def test_shape_mismatch_is_reported():
+    with pytest.raises(ValueError, match="shape"):
+        log_importance_ratio(torch.zeros(2, 3), torch.zeros(2, 4), torch.ones(2, 3))
+
+
+# ----------------------------------------------------------------------------- diagnostics
+def test_ratio_diagnostics_match_hand_computation():
+    logp_old, logp_rollout = logps_with_ratios([[0.5, 2.0, 7.0], [3.0, 1.0, 1.0], [5.0, 5.0, 5.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]])  # the empty sequence counts nowhere
+    ratios = [0.5, 2.0, 3.0]
+    n = len(ratios)
+    mean = sum(ratios) / n
+    expected = {
+        "is_ratio/min": 0.5,
+        "is_ratio/mean": mean,
+        "is_ratio/max": 3.0,
+        "is_ratio/std": math.sqrt(sum((r - mean) ** 2 for r in ratios) / n),
+        "k3_kl": sum(r - math.log(r) - 1 for r in ratios) / n,
+        "kl": sum(-math.log(r) for r in ratios) / n,
+        "chi2_token": sum(r * r for r in ratios) / n - 1,
+        "chi2_seq": ((0.5 * 2.0) ** 2 + 3.0**2) / 2 - 1,
+        "ppl_ratio": math.exp(sum(math.log(r) for r in ratios) / n),
+        "ess": sum(ratios) ** 2 / (n * sum(r * r for r in ratios)),
+    }
+    diagnostics = ratio_diagnostics(log_importance_ratio(logp_old, logp_rollout, mask), mask)
+    assert set(diagnostics) == set(expected)
+    for key, value in expected.items():
+        assert diagnostics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+        assert isinstance(diagnostics[key], float)
+
+
+def test_ratio_diagnostics_of_an_empty_mask_are_neutral():
+    diagnostics = ratio_diagnostics(torch.randn(2, 3), torch.zeros(2, 3, dtype=torch.bool))
+    assert all(math.isfinite(value) for value in diagnostics.values())
+    assert diagnostics["is_ratio/mean"] == diagnostics["ppl_ratio"] == diagnostics["ess"] == 1.0
+    assert diagnostics["k3_kl"] == diagnostics["kl"] == diagnostics["chi2_seq"] == 0.0
+
+
+def test_chi2_seq_stays_finite_for_huge_sequence_ratios():
+    mask = torch.ones(1, 50)
+    log_ratio = log_importance_ratio(torch.full((1, 50), 15.0), torch.zeros(1, 50), mask)
+    diagnostics = ratio_diagnostics(log_ratio, mask)  # Σ log ρ = 750, clamped to 20
+    assert diagnostics["chi2_seq"] == pytest.approx(math.exp(40.0) - 1, rel=1e-4)
+
+
+# ----------------------------------------------------------------------------- TIS / MIS
+RATIOS_ONE_SEQUENCE = [[0.5, 1.5, 3.0, 9.0]]
+MASK_ONE_SEQUENCE = torch.tensor([[1, 1, 1, 0]])
+
+
+@pytest.mark.parametrize(
+    "mode, clip_low, expected_weights, truncated, masked",
+    [
+        ("truncate", None, [0.5, 1.5, 2.0, 0.0], 1 / 3, 0.0),  # TIS
+        ("truncate", 0.8, [0.8, 1.5, 2.0, 0.0], 2 / 3, 0.0),  # TIS with lower bound
+        ("mask", None, [0.5, 1.5, 0.0, 0.0], 0.0, 1 / 3),  # MIS
+        ("mask", 0.6, [0.0, 1.5, 0.0, 0.0], 0.0, 2 / 3),  # MIS with lower bound
+    ],
+)
+def test_token_level_weights_by_hand(mode, clip_low, expected_weights, truncated, masked):
+    logp_old, logp_rollout = logps_with_ratios(RATIOS_ONE_SEQUENCE)
+    weights, diagnostics = importance_weights(
+        logp_old, logp_rollout, MASK_ONE_SEQUENCE, mode=mode, clip=2.0, clip_low=clip_low
+    )
+    torch.testing.assert_close(weights, torch.tensor([expected_weights]))
+    assert weights.dtype == torch.float32
+    assert diagnostics["is_fraction_truncated"] == pytest.approx(truncated)
+    assert diagnostics["is_fraction_masked"] == pytest.approx(masked)
+    assert diagnostics["is_weight/mean"] == pytest.approx(sum(expected_weights) / 3)
+    assert diagnostics["is_weight/max"] == pytest.approx(max(expected_weights))
+    assert diagnostics["is_ratio/max"] == pytest.approx(3.0)  # pre-truncation
+
+
+def test_sequence_level_weights_by_hand():
+    # sequence ratios: 2 · 0.75 = 1.5; 3 · 1 = 3; 0.5 (second token invalid)
+    logp_old, logp_rollout = logps_with_ratios([[2.0, 0.75], [3.0, 1.0], [0.5, 5.0]])
+    mask = torch.tensor([[1, 1], [1, 1], [1, 0]])
+    weights, diagnostics = importance_weights(logp_old, logp_rollout, mask, level="sequence")
+    torch.testing.assert_close(weights, torch.tensor([[1.5, 1.5], [2.0, 2.0], [0.5, 0.0]]))
+    assert diagnostics["is_fraction_truncated"] == pytest.approx(2 / 5)
+    weights, diagnostics = importance_weights(
+        logp_old, logp_rollout, mask, level="sequence", mode="mask", clip_low=0.6
+    )
+    torch.testing.assert_close(weights, torch.tensor([[1.5, 1.5], [0.0, 0.0], [0.0, 0.0]]))
+    assert diagnostics["is_fraction_masked"] == pytest.approx(3 / 5)
+
+
+def test_geometric_level_weights_by_hand():
+    # geometric means: sqrt(4 · 1) = 2 (kept), cube root(2 · 4 · 8) = 4 (truncated to 3)
+    logp_old, logp_rollout = logps_with_ratios([[4.0, 1.0, 8.0], [2.0, 4.0, 8.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    weights, diagnostics = importance_weights(logp_old, logp_rollout, mask, level="geometric", clip=3.0)
+    torch.testing.assert_close(weights, torch.tensor([[2.0, 2.0, 0.0], [3.0, 3.0, 3.0]]))
+    assert diagnostics["is_fraction_truncated"] == pytest.approx(3 / 5)
+
+
+def test_sequence_level_product_is_computed_in_log_space():
+    logp_old = torch.full((1, 10), 15.0)  # Σ log ρ = 150, far beyond float range once exponentiated
+    mask = torch.ones(1, 10)
+    truncated, _ = importance_weights(logp_old, torch.zeros(1, 10), mask, level="sequence")
+    masked, _ = importance_weights(logp_old, torch.zeros(1, 10), mask, level="sequence", mode="mask")
+    torch.testing.assert_close(truncated, torch.full((1, 10), 2.0))
+    torch.testing.assert_close(masked, torch.zeros(1, 10))
+
+
+def test_normalize_rescales_to_unit_mean_over_valid_tokens():
+    logp_old, logp_rollout = logps_with_ratios(RATIOS_ONE_SEQUENCE)
+    weights, diagnostics = importance_weights(logp_old, logp_rollout, MASK_ONE_SEQUENCE, normalize=True)
+    # TIS weights [0.5, 1.5, 2.0] have mean 4/3
+    torch.testing.assert_close(weights, torch.tensor([[0.375, 1.125, 1.5, 0.0]]))
+    assert diagnostics["is_weight/mean"] == pytest.approx(1.0)
+
+
+def test_bad_importance_options_raise():
+    logp_old, logp_rollout = logps_with_ratios(RATIOS_ONE_SEQUENCE)
+    for options in ({"level": "batch"}, {"mode": "clip"}, {"clip": 0.0}, {"clip_low": 3.0}):
+        with pytest.raises(ValueError):
+            importance_weights(logp_old, logp_rollout, MASK_ONE_SEQUENCE, **options)
+
+
+def test_acr_clip_scale_by_hand():
+    log_ratio = torch.tensor([[1.0, 2.0, 4.0, 0.5, 8.0]]).log()
+    mask = torch.tensor([[1, 1, 1, 1, 0]])
+    expected = torch.tensor([[1.0, 1.0, 0.5, 1.0, 1.0]])  # min(1, C/ρ), 1 at the invalid token
+    torch.testing.assert_close(acr_clip_scale(log_ratio, mask, clip=2.0), expected)
+
+
+# ----------------------------------------------------------------------------- AIS
+def test_ais_diagnostics_and_gate_by_hand():
+    logp_old, logp_rollout = logps_with_ratios(RATIOS_ONE_SEQUENCE)
+    advantages = torch.tensor([2.0])
+    weights, diagnostics = ais_weights(logp_old, logp_rollout, advantages, MASK_ONE_SEQUENCE, kl_scale=0.1)
+    tis = [0.5, 1.5, 2.0]
+    reliability = sum(tis) ** 2 / (3 * sum(w * w for w in tis))
+    severity = sum(r - math.log(r) - 1 for r in [0.5, 1.5, 3.0]) / 3
+    amplification = sum((w * 2.0) ** 2 for w in tis) / (3 * 2.0**2)
+    alpha = (1 - math.exp(-severity / 0.1)) * reliability / amplification
+    assert diagnostics["reliability"] == pytest.approx(reliability, rel=1e-5)
+    assert diagnostics["severity"] == pytest.approx(severity, rel=1e-5)
+    assert diagnostics["variance_amplification"] == pytest.approx(amplification, rel=1e-5)
+    assert diagnostics["alpha"] == pytest.approx(alpha, rel=1e-5)
+    expected = [(1 - alpha) + alpha * w for w in tis] + [0.0]
+    torch.testing.assert_close(weights, torch.tensor([expected]))
+
+
+def test_ais_oracle_rule_by_hand():
+    logp_old, logp_rollout = logps_with_ratios(RATIOS_ONE_SEQUENCE)
+    _, diagnostics = ais_weights(logp_old, logp_rollout, torch.tensor([2.0]), MASK_ONE_SEQUENCE, rule="oracle")
+    shifts = [(w - 1) * 2.0 for w in [0.5, 1.5, 2.0]]  # d_t = (w_t − 1) Â_t = [−1, 1, 2]
+    bias = sum(shifts) / 3
+    variance = sum((d - bias) ** 2 for d in shifts) / 3 / 3
+    assert diagnostics["uncorrected_bias"] == pytest.approx(bias, rel=1e-5)
+    assert diagnostics["correction_variance"] == pytest.approx(variance, rel=1e-5)
+    assert diagnostics["alpha"] == pytest.approx(bias**2 / (bias**2 + variance), rel=1e-5)
+    assert oracle_alpha(0.0, 0.0) == 0.0
+
+
+def test_ais_variance_amplification_is_one_without_advantage_signal(mismatched_batch):
+    logp_old, logp_rollout, advantages, mask = mismatched_batch
+    _, diagnostics = ais_weights(logp_old, logp_rollout, torch.zeros_like(advantages), mask)
+    assert diagnostics["variance_amplification"] == 1.0
+
+
+def test_ais_property_1_on_policy_recovery(mismatched_batch):
+    logp_old, _, advantages, mask = mismatched_batch
+    on_policy = logp_old.clone()
+    weights, _ = ais_weights(logp_old, on_policy, advantages, mask, rule=constant_rule(0.7))
+    assert torch.equal(weights, mask.float())
+    weights, diagnostics = ais_weights(logp_old, on_policy, advantages, mask)
+    assert diagnostics["alpha"] == 0.0
+    assert torch.equal(weights, mask.float())
+    # ... and the loss is exactly plain GRPO
+    logp = (logp_old + 0.1).requires_grad_()
+    corrected, _ = grpo_loss(logp, logp_old, advantages, mask, weights=weights)
+    plain, _ = grpo_loss(logp, logp_old, advantages, mask)
+    assert torch.equal(corrected, plain)
+
+
+@pytest.mark.parametrize("clip", [1.0, 1.5, 2.0, 4.0])
+@pytest.mark.parametrize("rule", ["gate", "oracle", constant_rule(0.3), constant_rule(1.0)])
+def test_ais_property_2_bounded_weights(mismatched_batch, clip, rule):
+    logp_old, logp_rollout, advantages, mask = mismatched_batch
+    weights, diagnostics = ais_weights(logp_old, 2 * logp_rollout, advantages, mask, clip=clip, rule=rule, kl_scale=0.05)
+    assert diagnostics["is_ratio/max"] > clip  # the bound is actually exercised
+    assert weights.max().item() <= max(1.0, clip) + 1e-6
+    assert weights[mask].square().mean().item() <= clip**2 + 1e-6
+    assert torch.all(weights[~mask] == 0)
+
+
+def test_ais_property_3_endpoints(mismatched_batch):
+    logp_old, logp_rollout, advantages, mask = mismatched_batch
+    uncorrected, diagnostics = ais_weights(logp_old, logp_rollout, advantages, mask, rule=constant_rule(0.0))
+    assert diagnostics["alpha"] == 0.0
+    assert torch.equal(uncorrected, mask.float())
+    full, diagnostics = ais_weights(logp_old, logp_rollout, advantages, mask, rule=constant_rule(1.0))
+    tis, _ = importance_weights(logp_old, logp_rollout, mask)
+    assert diagnostics["alpha"] == 1.0
+    assert torch.equal(full, tis)
+    assert not torch.equal(tis, mask.float())
+
+
+def test_ais_property_4_gate_monotonicity():
+    severities = [0.0, 1e-4, 5e-4, 1e-3, 3e-3, 1e-2]
+    by_severity = [gate_alpha(0.9, d, 1.5, kl_scale=1e-3, alpha_max=1.0) for d in severities]
+    assert by_severity[0] == 0.0
+    assert all(a < b for a, b in zip(by_severity, by_severity[1:]))
+    reliabilities = [1.0, 0.8, 0.5, 0.2]
+    by_reliability = [gate_alpha(r, 2e-3, 1.5) for r in reliabilities]
+    assert all(a > b for a, b in zip(by_reliability, by_reliability[1:]))
+    amplifications = [1.0, 1.5, 3.0, 10.0]
+    by_amplification = [gate_alpha(0.9, 2e-3, v) for v in amplifications]
+    assert all(a > b for a, b in zip(by_amplification, by_amplification[1:]))
+    assert gate_alpha(0.9, 2e-3, 0.5) == gate_alpha(0.9, 2e-3, 1.0)  # V < 1 never boosts α
+    assert gate_alpha(1.0, 1e-3, 1.0, kl_scale=1e-3) == pytest.approx(1 - math.exp(-1))
+
+
+def test_ais_gate_alpha_is_what_ais_weights_uses(mismatched_batch):
+    logp_old, logp_rollout, advantages, mask = mismatched_batch
+    _, d = ais_weights(logp_old, logp_rollout, advantages, mask, kl_scale=0.2, alpha_max=0.8)
+    expected = gate_alpha(d["reliability"], d["severity"], d["variance_amplification"], 0.2, 0.8)
+    assert 0.0 < d["alpha"] == pytest.approx(expected)
+
+
+def test_ais_custom_rule_receives_diagnostics_and_is_validated(mismatched_batch):
+    logp_old, logp_rollout, advantages, mask = mismatched_batch
+    seen = {}
+
+    def rule(diagnostics):
+        seen.update(diagnostics)
+        return 3.0  # clamped to 1
+
+    weights, diagnostics = ais_weights(logp_old, logp_rollout, advantages, mask, rule=rule)
+    required = {"reliability", "severity", "variance_amplification", "num_tokens", "clip", "kl_scale", "alpha_max"}
+    assert required <= set(seen)
+    assert seen["num_tokens"] == mask.sum().item()
+    assert diagnostics["alpha"] == 1.0
+    with pytest.raises(ValueError, match="non-finite"):
+        ais_weights(logp_old, logp_rollout, advantages, mask, rule=constant_rule(float("nan")))
+    with pytest.raises(ValueError, match="number"):
+        ais_weights(logp_old, logp_rollout, advantages, mask, rule=constant_rule("high"))
+
+
+def test_ais_alpha_ema(mismatched_batch):
+    logp_old, logp_rollout, advantages, mask = mismatched_batch
+    _, diagnostics = ais_weights(
+        logp_old, logp_rollout, advantages, mask, rule=constant_rule(0.6), previous_alpha=0.2, alpha_ema=0.75
+    )
+    assert diagnostics["alpha_raw"] == pytest.approx(0.6)
+    assert diagnostics["alpha"] == pytest.approx(0.75 * 0.2 + 0.25 * 0.6)
+
+
+@pytest.mark.parametrize(
+    "options", [{"rule": "adaptive"}, {"kl_scale": 0.0}, {"clip": -1.0}, {"alpha_max": 1.5}, {"alpha_ema": 1.0}]
+)
+def test_ais_bad_arguments_raise(mismatched_batch, options):
+    logp_old, logp_rollout, advantages, mask = mismatched_batch
+    with pytest.raises(ValueError) as error:
+        ais_weights(logp_old, logp_rollout, advantages, mask, **options)
+    if "rule" in options:
+        assert all(name in str(error.value) for name in ALPHA_RULES)
+
+
+# ----------------------------------------------------------------------------- dispatcher
+def test_correct_none_keeps_logging_the_mismatch(mismatched_batch):
+    logp_old, logp_rollout, advantages, mask = mismatched_batch
+    correction = correct("none", logp_old, logp_rollout, advantages, mask)
+    assert torch.equal(correction.weights, mask.float())
+    assert correction.clip_scale is None
+    assert correction.diagnostics["k3_kl"] > 1e-3
+
+
+def test_correct_dispatches_to_the_weight_functions(mismatched_batch):
+    logp_old, logp_rollout, advantages, mask = mismatched_batch
+    tis, _ = importance_weights(logp_old, logp_rollout, mask, level="geometric", clip=1.5)
+    assert torch.equal(correct("tis", logp_old, logp_rollout, advantages, mask, level="geometric", clip=1.5).weights, tis)
+    mis, _ = importance_weights(logp_old, logp_rollout, mask, mode="mask", clip_low=0.5)
+    assert torch.equal(correct("mis", logp_old, logp_rollout, advantages, mask, clip_low=0.5).weights, mis)
+    acr = correct("acr", logp_old, logp_rollout, advantages, mask, clip=1.2)
+    assert torch.equal(acr.weights, importance_weights(logp_old, logp_rollout, mask, clip=1.2)[0])
+    expected_scale = acr_clip_scale(log_importance_ratio(logp_old, logp_rollout, mask), mask, clip=1.2)
+    assert torch.equal(acr.clip_scale, expected_scale) and expected_scale.min() < 1
+    ais = correct("ais", logp_old, logp_rollout, advantages, mask, rule="oracle")
+    assert torch.equal(ais.weights, ais_weights(logp_old, logp_rollout, advantages, mask, rule="oracle")[0])
+    assert "alpha" in ais.diagnostics
+
+
+def test_correct_rejects_unknown_methods_and_unusable_options(mismatched_batch):
+    logp_old, logp_rollout, advantages, mask = mismatched_batch
+    with pytest.raises(ValueError) as error:
+        correct("fp8", logp_old, logp_rollout, advantages, mask)
+    assert all(repr(method) in str(error.value) for method in CORRECTION_METHODS)
+    with pytest.raises(ValueError, match="level"):
+        correct("ais", logp_old, logp_rollout, advantages, mask, level="sequence")
+    with pytest.raises(ValueError, match="normalize"):
+        correct("ais", logp_old, logp_rollout, advantages, mask, normalize=True)

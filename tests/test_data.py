@@ -1,0 +1,187 @@
+"""Tests for dllm_ais.data: the generated digits task, local-file loading of the hub formats,
+column checks and the chat-template helper."""
+import json
+from pathlib import Path
+
+import datasets
+import pytest
+from transformers import AutoTokenizer
+
+import dllm_ais
+from dllm_ais.data import (
+    DIGITS_OPERATIONS,
+    SYSTEM_PROMPTS,
+    apply_chat_template,
+    digits_split_seed,
+    load_task_dataset,
+    make_digits_dataset,
+)
+from dllm_ais.rewards import countdown_reward, digits_reward, gsm8k_correctness_reward, sudoku_reward
+
+TINY_TOKENIZER_DIR = Path(dllm_ais.__file__).parent / "assets" / "tiny_llada"
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def user_text(example: dict) -> str:
+    (message,) = example["prompt"]
+    assert message["role"] == "user"
+    return message["content"]
+
+
+# --------------------------------------------------------------------------------- digits
+
+
+def test_digits_dataset_is_deterministic_and_seed_dependent():
+    first = make_digits_dataset(50, seed=7)
+    assert first.to_list() == make_digits_dataset(50, seed=7).to_list()
+    assert first.to_list() != make_digits_dataset(50, seed=8).to_list()
+
+
+def test_digits_examples_are_correct():
+    dataset = make_digits_dataset(200, seed=0, min_len=3, max_len=6)
+    assert dataset.column_names == ["prompt", "answer"]
+    operations_seen = set()
+    for example in dataset:
+        operation, *digits = user_text(example).split(" ")
+        operations_seen.add(operation)
+        assert 3 <= len(digits) <= 6 and all(len(d) == 1 and d.isdigit() for d in digits)
+        expected = sorted(digits) if operation == "sort" else digits[::-1]
+        assert example["answer"] == " ".join(expected)
+        assert digits_reward([example["prompt"]], [example["answer"]], answer=[example["answer"]]) == [1.0]
+    assert operations_seen == {"sort", "reverse"}
+
+
+def test_digits_operations_match_the_documented_examples():
+    digits = ["3", "9", "1", "4"]
+    assert " ".join(DIGITS_OPERATIONS["sort"](digits)) == "1 3 4 9"
+    assert " ".join(DIGITS_OPERATIONS["reverse"](digits)) == "4 1 9 3"
+
+
+def test_digits_rejects_bad_lengths():
+    with pytest.raises(ValueError, match="min_len"):
+        make_digits_dataset(3, seed=0, min_len=5, max_len=4)
+
+
+def test_digits_train_and_test_use_disjoint_seeds():
+    train_seeds = {digits_split_seed(seed, "train") for seed in range(100)}
+    test_seeds = {digits_split_seed(seed, "test") for seed in range(100)}
+    assert not train_seeds & test_seeds
+    train = load_task_dataset("digits", "train", size=64, seed=3)
+    test = load_task_dataset("digits", "test", size=64, seed=3)
+    assert train.to_list() != test.to_list()
+    assert train.to_list() == load_task_dataset("digits", "train", size=64, seed=3).to_list()
+    assert len(load_task_dataset("digits", "test")) == 500
+
+
+def test_digits_rejects_unknown_split_and_paths(tmp_path):
+    with pytest.raises(ValueError, match="train"):
+        load_task_dataset("digits", "validation")
+    with pytest.raises(ValueError, match="reads no files"):
+        load_task_dataset("digits", path=tmp_path)
+
+
+# --------------------------------------------------------------------------------- local files
+
+
+def test_gsm8k_from_a_local_directory_with_splits(tmp_path):
+    write_jsonl(tmp_path / "train.jsonl", [{"question": "What is 2+3?", "answer": "2+3=5\n#### 5"}])
+    write_jsonl(tmp_path / "test.jsonl", [{"question": "What is 1,000+1?", "answer": "#### 1,001"}] * 3)
+    dataset = load_task_dataset("gsm8k", "test", path=tmp_path)
+    assert len(dataset) == 3
+    example = dataset[0]
+    assert user_text(example) == SYSTEM_PROMPTS["gsm8k"] + "\n\nWhat is 1,000+1?"
+    assert "<reasoning>" in user_text(example) and "<answer>" in user_text(example)
+    completion = "<reasoning>\nadd\n</reasoning>\n<answer>\n1001\n</answer>"
+    assert gsm8k_correctness_reward([example["prompt"]], [completion], answer=[example["answer"]]) == [2.0]
+    assert load_task_dataset("gsm8k", "train", path=tmp_path)[0]["answer"].endswith("#### 5")
+
+
+def test_countdown_from_jsonl_keeps_every_row(tmp_path):
+    rows = [{"nums": [25, 3, 2], "target": 44}, {"nums": [1, 3, 4, 6], "target": 24}]
+    dataset = load_task_dataset("countdown", path=write_jsonl(tmp_path / "countdown.jsonl", rows))
+    assert dataset["nums"] == [[25, 3, 2], [1, 3, 4, 6]] and dataset["target"] == [44, 24]
+    assert "[25, 3, 2]" in user_text(dataset[0]) and "44" in user_text(dataset[0])
+    rewards = countdown_reward(dataset["prompt"], ["<answer>(25-3)*2</answer>", "<answer>6/(1-3/4)</answer>"],
+                               nums=dataset["nums"], target=dataset["target"])
+    assert rewards == [1.0, 1.0]
+
+
+def test_countdown_from_csv_with_text_lists(tmp_path):
+    (tmp_path / "countdown.csv").write_text('nums,target\n"[25, 3, 2]",44\n')
+    dataset = load_task_dataset("countdown", path=tmp_path / "countdown.csv")
+    assert dataset[0]["nums"] == [25, 3, 2] and dataset[0]["target"] == 44
+
+
+def test_sudoku_csv_keeps_leading_zeros(tmp_path):
+    csv = tmp_path / "sudoku.csv"
+    csv.write_text("Puzzle,Solution\n0030000221000300,1234341221434321\n1030000221000300,1234341221434321\n")
+    dataset = load_task_dataset("sudoku", path=csv)
+    assert dataset["puzzle"] == ["0030000221000300", "1030000221000300"]
+    assert dataset["solution"] == ["1234341221434321"] * 2
+    assert "0030000221000300" in user_text(dataset[0])
+    answer = "<answer>\n1234\n3412\n2143\n4321\n</answer>"
+    rewards = sudoku_reward(dataset["prompt"], [answer] * 2, puzzle=dataset["puzzle"], solution=dataset["solution"])
+    assert rewards == [1.0, 1.0]
+
+
+def test_math500_from_parquet(tmp_path):
+    rows = {"problem": ["Compute 14/3."], "solution": [r"It is $\boxed{\frac{14}{3}}$."], "answer": [r"\frac{14}{3}"]}
+    datasets.Dataset.from_dict(rows).to_parquet(str(tmp_path / "math.parquet"))
+    dataset = load_task_dataset("math500", "test", path=tmp_path / "math.parquet")
+    assert user_text(dataset[0]).endswith("Compute 14/3.") and "\\boxed{}" in user_text(dataset[0])
+    assert dataset[0]["answer"] == r"\frac{14}{3}"
+
+
+def test_size_takes_a_seeded_subset(tmp_path):
+    path = write_jsonl(tmp_path / "g.jsonl", [{"question": f"q{i}", "answer": f"#### {i}"} for i in range(20)])
+    subset = load_task_dataset("gsm8k", path=path, size=5, seed=1)
+    assert len(subset) == 5
+    assert subset["answer"] == load_task_dataset("gsm8k", path=path, size=5, seed=1)["answer"]
+    assert len(load_task_dataset("gsm8k", path=path, size=50)) == 20
+
+
+# --------------------------------------------------------------------------------- errors
+
+
+def test_unknown_task_lists_the_tasks():
+    with pytest.raises(ValueError, match="unknown task 'chess'.*countdown.*digits.*gsm8k"):
+        load_task_dataset("chess")
+
+
+def test_missing_columns_are_named(tmp_path):
+    path = write_jsonl(tmp_path / "bad.jsonl", [{"numbers": [1, 2, 3], "target": 6}])
+    with pytest.raises(ValueError, match="lacks column.*nums.*expected columns: nums, target"):
+        load_task_dataset("countdown", path=path)
+    math_path = write_jsonl(tmp_path / "math.jsonl", [{"problem": "p"}])
+    with pytest.raises(ValueError, match="answer or solution"):
+        load_task_dataset("math500", path=math_path)
+
+
+def test_sudoku_needs_a_path_and_files_must_exist(tmp_path):
+    with pytest.raises(ValueError, match="pass path="):
+        load_task_dataset("sudoku")
+    with pytest.raises(FileNotFoundError):
+        load_task_dataset("gsm8k", path=tmp_path / "missing.jsonl")
+    (tmp_path / "data.txt").write_text("x")
+    with pytest.raises(ValueError, match="jsonl"):
+        load_task_dataset("gsm8k", path=tmp_path / "data.txt")
+
+
+# --------------------------------------------------------------------------------- chat template
+
+
+def test_apply_chat_template_renders_the_generation_prompt():
+    tokenizer = AutoTokenizer.from_pretrained(TINY_TOKENIZER_DIR)
+    prompt = make_digits_dataset(1, seed=0)[0]["prompt"]
+    text = apply_chat_template(tokenizer, prompt)
+    assert text == (
+        f"<|startoftext|><|start_header_id|>user<|end_header_id|>\n\n{prompt[0]['content']}<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+    tokenizer.chat_template = None
+    with pytest.raises(ValueError, match="no chat template"):
+        apply_chat_template(tokenizer, prompt)

@@ -1,0 +1,384 @@
+"""The masked-diffusion sampler: equality with the official LLaDA algorithm, trajectory invariants, plug-ins, errors."""
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dllm_ais.models import LLaDAConfig, LLaDAModelLM
+from dllm_ais.sampling.diffusion import (
+    REMASKING_RULES,
+    DiffusionSamplerConfig,
+    MaskedDiffusionSampler,
+    gumbel_argmax,
+    register_remasking_rule,
+    sampling_logprobs,
+    transfer_schedule,
+)
+
+MASK, EOS, PAD = 127, 126, 126
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tensors here are tiny: a second thread only adds OpenMP hand-off cost (large on a busy 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model() -> LLaDAModelLM:
+    """Tiny random LLaDA; its LM head is scaled up so predictions are peaked rather than near uniform, which keeps
+    confidences apart (near-ties would make order-sensitive comparisons depend on float rounding)."""
+    torch.manual_seed(0)
+    tiny = LLaDAModelLM(LLaDAConfig(
+        d_model=64, n_heads=4, n_kv_heads=4, n_layers=2, mlp_hidden_size=128, vocab_size=128, embedding_size=128,
+        max_sequence_length=256, mask_token_id=MASK, eos_token_id=EOS, pad_token_id=PAD,
+    )).eval()
+    with torch.no_grad():
+        tiny.model.transformer.ff_out.weight.mul_(20)
+    return tiny
+
+
+class RecordingModel(torch.nn.Module):
+    """Forwards to `inner` (optionally adding `logit_bias` to the logits) and keeps a copy of every canvas it sees."""
+
+    def __init__(self, inner: torch.nn.Module, config=None, logit_bias: torch.Tensor | None = None):
+        super().__init__()
+        self.inner = inner
+        self.config = config if config is not None else inner.config
+        self.logit_bias = logit_bias
+        self.canvases: list[torch.Tensor] = []
+
+    def forward(self, input_ids, attention_mask=None):
+        self.canvases.append(input_ids.clone())
+        output = self.inner(input_ids, attention_mask=attention_mask)
+        if self.logit_bias is not None:
+            output.logits = output.logits + self.logit_bias
+        return output
+
+
+def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 120, (n,), generator=generator).tolist() for n in lengths]
+
+
+def official_llada_generate(model, prompt, attention_mask, steps, gen_length, block_length, cfg_scale, mask_id):
+    """The official LLaDA `generate` loop at temperature 0 with low-confidence remasking, written plainly:
+    full-row operations, a per-row topk, no block slicing."""
+    batch, prompt_length = prompt.shape
+    x = torch.full((batch, prompt_length + gen_length), mask_id, dtype=torch.long)
+    x[:, :prompt_length] = prompt
+    if attention_mask is not None:
+        attention_mask = torch.cat([attention_mask, torch.ones(batch, gen_length, dtype=attention_mask.dtype)], dim=1)
+    prompt_index = x != mask_id
+    n_blocks = gen_length // block_length
+    steps_per_block = steps // n_blocks
+    with torch.no_grad():
+        for block in range(n_blocks):
+            block_end = prompt_length + (block + 1) * block_length
+            masked_in_block = (x[:, block_end - block_length:block_end] == mask_id).sum(dim=1).tolist()
+            num_transfer = [
+                [n // steps_per_block + (1 if i < n % steps_per_block else 0) for i in range(steps_per_block)]
+                for n in masked_in_block
+            ]
+            for i in range(steps_per_block):
+                mask_index = x == mask_id
+                if cfg_scale > 0:
+                    un_x = x.clone()
+                    un_x[prompt_index] = mask_id
+                    both_mask = None if attention_mask is None else torch.cat([attention_mask, attention_mask])
+                    cond, uncond = model(torch.cat([x, un_x]), attention_mask=both_mask).logits.chunk(2)
+                    logits = uncond + (cfg_scale + 1) * (cond - uncond)
+                else:
+                    logits = model(x, attention_mask=attention_mask).logits
+                x0 = logits.argmax(dim=-1)
+                x0_p = F.softmax(logits, dim=-1).gather(-1, x0.unsqueeze(-1)).squeeze(-1)
+                x0_p[:, block_end:] = -math.inf
+                x0 = torch.where(mask_index, x0, x)
+                confidence = torch.where(mask_index, x0_p, -math.inf)
+                transfer = torch.zeros_like(x0, dtype=torch.bool)
+                for j in range(batch):
+                    _, chosen = torch.topk(confidence[j], k=num_transfer[j][i])
+                    transfer[j, chosen] = True
+                x[transfer] = x0[transfer]
+    return x
+
+
+@pytest.mark.parametrize(
+    "lengths, padded, gen_length, block_length, steps, cfg_scale",
+    [
+        pytest.param([7], False, 32, 32, 16, 0.0, id="single-prompt"),
+        pytest.param([4, 10, 7], True, 32, 16, 16, 0.0, id="left-padded-batch"),
+        pytest.param([6, 9], True, 64, 16, 20, 0.0, id="several-blocks-uneven-schedule"),
+        pytest.param([5, 8], True, 32, 16, 16, 1.5, id="cfg"),
+    ],
+)
+def test_greedy_matches_official_llada_generate(model, lengths, padded, gen_length, block_length, steps, cfg_scale):
+    ids, attention = left_padded(random_prompts(lengths))
+    attention = attention if padded else None
+    expected = official_llada_generate(model, ids, attention, steps, gen_length, block_length, cfg_scale, MASK)
+    sampler = MaskedDiffusionSampler(DiffusionSamplerConfig(
+        gen_length=gen_length, block_length=block_length, steps=steps, cfg_scale=cfg_scale, mask_token_id=MASK,
+    ))
+    rollout = sampler.sample(model, ids, attention)
+    assert torch.equal(rollout.sequences, expected)
+    assert rollout.completion_ids.unique().numel() > 2  # a non-degenerate completion
+    assert (rollout.commit_step >= 0).all() and (rollout.step_logprobs <= 0).all()
+
+
+def test_padding_leaves_greedy_completion_unchanged(model):
+    alone, with_others = random_prompts([6, 11], seed=3)
+    config = DiffusionSamplerConfig(gen_length=32, block_length=16, steps=16, mask_token_id=MASK)
+    single = MaskedDiffusionSampler(config).sample(model, torch.tensor([alone]))
+    ids, attention = left_padded([alone, with_others])
+    batched = MaskedDiffusionSampler(config).sample(model, ids, attention)
+    assert torch.equal(batched.completion_ids[0], single.completion_ids[0])
+    assert torch.equal(batched.commit_step[0], single.commit_step[0])
+
+
+@pytest.mark.parametrize("remasking", ["low_confidence", "random"])
+def test_sampled_trajectory_invariants(model, remasking):
+    temperature, gen_length, block_length, steps = 0.9, 32, 16, 10  # 5 steps per block: counts 4, 3, 3, 3, 3
+    ids, attention = left_padded(random_prompts([5, 9, 7], seed=1))
+    recorder = RecordingModel(model)
+    sampler = MaskedDiffusionSampler(DiffusionSamplerConfig(
+        gen_length=gen_length, block_length=block_length, steps=steps, temperature=temperature,
+        remasking=remasking, mask_token_id=MASK,
+    ))
+    rollout = sampler.sample(recorder, ids, attention, generator=torch.Generator().manual_seed(0))
+    prompt_length = ids.shape[1]
+    assert len(recorder.canvases) == steps
+    states = recorder.canvases + [rollout.sequences]
+    assert all(torch.equal(state[:, :prompt_length], ids) for state in states)
+    completions = [state[:, prompt_length:] for state in states]
+    steps_per_block = steps // (gen_length // block_length)
+    for step in range(steps):
+        before, after = completions[step], completions[step + 1]
+        was_masked, is_masked = before == MASK, after == MASK
+        committed = was_masked & ~is_masked
+        scheduled = block_length // steps_per_block + int(step % steps_per_block < block_length % steps_per_block)
+        assert (committed.sum(dim=1) == scheduled).all()
+        block = step // steps_per_block
+        assert not committed[:, : block * block_length].any() and not committed[:, (block + 1) * block_length:].any()
+        assert torch.equal(after[~was_masked], before[~was_masked])  # committed tokens never change
+        assert (is_masked <= was_masked).all()
+        assert torch.equal(rollout.commit_step == step, committed)
+        logits = model(states[step], attention_mask=rollout.attention_mask).logits[:, prompt_length:]
+        recomputed = F.log_softmax(logits.float() / temperature, dim=-1).gather(-1, rollout.completion_ids.unsqueeze(-1)).squeeze(-1)
+        torch.testing.assert_close(rollout.step_logprobs[committed], recomputed[committed], atol=1e-5, rtol=1e-5)
+    assert not (rollout.completion_ids == MASK).any()
+
+
+def test_generator_seed_determines_rollout(model):
+    ids, attention = left_padded(random_prompts([5, 8], seed=2))
+    sampler = MaskedDiffusionSampler(DiffusionSamplerConfig(
+        gen_length=32, block_length=16, steps=16, temperature=0.9, mask_token_id=MASK,
+    ))
+
+    def draw(seed):
+        return sampler.sample(model, ids, attention, generator=torch.Generator().manual_seed(seed))
+
+    first, again, other = draw(7), draw(7), draw(8)
+    for name in ("sequences", "step_logprobs", "commit_step", "completion_mask"):
+        assert torch.equal(getattr(first, name), getattr(again, name)), name
+    assert not torch.equal(first.sequences, other.sequences)
+
+
+def test_callable_remasking_rule_leftmost_first_commits_left_to_right(model):
+    def leftmost_first(block_logits, candidates, generator):
+        return -torch.arange(candidates.shape[1], dtype=torch.float32).expand(candidates.shape)
+
+    sampler = MaskedDiffusionSampler(DiffusionSamplerConfig(
+        gen_length=32, block_length=16, steps=16, temperature=0.9, remasking=leftmost_first, mask_token_id=MASK,
+    ))
+    ids, attention = left_padded(random_prompts([4, 6]))
+    rollout = sampler.sample(model, ids, attention, generator=torch.Generator().manual_seed(0))
+    tokens_per_step = 2
+    expected = (torch.arange(32) // tokens_per_step).expand(2, -1)
+    assert torch.equal(rollout.commit_step, expected)
+
+
+def test_registered_remasking_rule_is_selectable_by_name(model):
+    def rightmost_first(block_logits, candidates, generator):
+        return torch.arange(candidates.shape[1]).expand(candidates.shape)  # integer scores are accepted
+
+    register_remasking_rule("rightmost_first_test", rightmost_first)
+    try:
+        with pytest.raises(ValueError, match="already registered"):
+            register_remasking_rule("rightmost_first_test", rightmost_first)
+        sampler = MaskedDiffusionSampler(DiffusionSamplerConfig(
+            gen_length=16, block_length=16, steps=8, remasking="rightmost_first_test", mask_token_id=MASK,
+        ))
+        rollout = sampler.sample(model, torch.tensor([random_prompts([5])[0]]))
+        assert torch.equal(rollout.commit_step[0], torch.arange(15, -1, -1) // 2)
+    finally:
+        REMASKING_RULES.pop("rightmost_first_test")
+
+
+def test_confidence_threshold_parallel_decoding(model):
+    ids, attention = left_padded(random_prompts([5, 9]))
+    base = dict(gen_length=32, block_length=16, steps=16, mask_token_id=MASK)
+    greedy = MaskedDiffusionSampler(DiffusionSamplerConfig(**base)).sample(model, ids, attention)
+
+    never_exceeded = MaskedDiffusionSampler(DiffusionSamplerConfig(**base, confidence_threshold=1.0))
+    assert torch.equal(never_exceeded.sample(model, ids, attention).sequences, greedy.sequences)
+
+    recorder = RecordingModel(model)
+    always_exceeded = MaskedDiffusionSampler(DiffusionSamplerConfig(**base, confidence_threshold=0.0))
+    rollout = always_exceeded.sample(recorder, ids, attention)
+    assert len(recorder.canvases) == 2  # each block filled in its first step, the remaining steps skipped
+    assert torch.equal(rollout.commit_step, (torch.arange(32) // 16 * 8).expand(2, -1))
+    assert not (rollout.completion_ids == MASK).any()
+
+    recorder = RecordingModel(model)
+    rollout = MaskedDiffusionSampler(DiffusionSamplerConfig(**base, confidence_threshold=0.15)).sample(recorder, ids, attention)
+    assert 2 < len(recorder.canvases) < 16  # a row that fills its block early waits for the other
+    assert not (rollout.completion_ids == MASK).any()
+
+    rollout = MaskedDiffusionSampler(DiffusionSamplerConfig(**base, confidence_threshold=0.2)).sample(model, ids, attention)
+    commits_per_step = torch.stack([(rollout.commit_step == step).sum(dim=1) for step in range(16)])
+    assert (commits_per_step >= 2).all()  # never fewer than the scheduled 16 / 8 per row
+    assert (commits_per_step > 2).any() and not torch.equal(rollout.commit_step, greedy.commit_step)
+
+
+def test_suppress_eos_removes_eos_from_completions(model):
+    eos_bias = torch.zeros(128)
+    eos_bias[EOS] = 8.0
+    eos_prone = RecordingModel(model, logit_bias=eos_bias)
+    ids = torch.tensor(random_prompts([6, 6], seed=4))
+    base = dict(gen_length=32, block_length=16, steps=16, mask_token_id=MASK)
+
+    plain = MaskedDiffusionSampler(DiffusionSamplerConfig(**base)).sample(eos_prone, ids)
+    first_eos = (plain.completion_ids == EOS).int().argmax(dim=1)
+    assert (plain.completion_ids == EOS).any(dim=1).all()
+    assert torch.equal(plain.completion_mask.sum(dim=1), first_eos + 1)
+
+    suppressed = MaskedDiffusionSampler(DiffusionSamplerConfig(**base, suppress_eos=True)).sample(eos_prone, ids)
+    assert not (suppressed.completion_ids == EOS).any()
+    assert suppressed.completion_mask.all()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(gen_length=100, block_length=32), "not a multiple of block_length"),
+        (dict(gen_length=64, block_length=32, steps=15), "not a multiple of the number of blocks"),
+        (dict(mask_token_id=5, pad_token_id=5), "pad_token_id equals mask_token_id"),
+        (dict(remasking="lowest_entropy"), r"valid names: \['low_confidence', 'random'"),
+        (dict(temperature=-0.1), "temperature=-0.1 must be >= 0"),
+    ],
+)
+def test_invalid_config_is_rejected_at_construction(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        DiffusionSamplerConfig(**kwargs)
+
+
+def _config_without(model, **overrides):
+    config = copy.deepcopy(model.config)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("no_mask_id", "No mask token id"),
+        ("no_eos_id", "No EOS token id"),
+        ("pad_is_mask_in_model_config", "pad_token_id equals mask_token_id"),
+        ("prompt_too_long", "exceeds the model's max_sequence_length=256"),
+        ("prompt_contains_mask", r"Prompts \[1\] contain the mask token id 127"),
+        ("attention_mask_shape", "attention_mask has shape"),
+    ],
+)
+def test_invalid_inputs_are_rejected_before_any_forward(model, case, message):
+    ids, attention = left_padded(random_prompts([5, 8]))
+    sampler_kwargs = dict(gen_length=32, block_length=16, steps=16)
+    model_config = None
+    if case == "no_mask_id":
+        model_config = _config_without(model, mask_token_id=None)
+    elif case == "no_eos_id":
+        model_config = _config_without(model, eos_token_id=None)
+    elif case == "pad_is_mask_in_model_config":
+        model_config = _config_without(model, pad_token_id=MASK)
+    elif case == "prompt_too_long":
+        ids, attention = left_padded(random_prompts([230, 8]))
+    elif case == "prompt_contains_mask":
+        ids[1, -2] = MASK
+    elif case == "attention_mask_shape":
+        attention = attention[:, 1:]
+    counting = RecordingModel(model, config=model_config)
+    with pytest.raises(ValueError, match=message):
+        MaskedDiffusionSampler(DiffusionSamplerConfig(**sampler_kwargs)).sample(counting, ids, attention)
+    assert len(counting.canvases) == 0
+
+
+def test_mask_id_from_config_overrides_model_config(model):
+    """The mask id is configuration: a model config naming another mask id does not change what the sampler uses."""
+    counting = RecordingModel(model, config=_config_without(model, mask_token_id=3))
+    sampler = MaskedDiffusionSampler(DiffusionSamplerConfig(gen_length=16, block_length=16, steps=8, mask_token_id=MASK))
+    rollout = sampler.sample(counting, torch.tensor([[5, 6, 7]]))
+    assert (counting.canvases[0][0, 3:] == MASK).all()
+    assert not (rollout.completion_ids == MASK).any()
+
+
+def test_transfer_schedule_splits_evenly_with_remainder_first():
+    schedule = transfer_schedule(torch.tensor([7, 9, 0, 2]), steps=3)
+    assert schedule.tolist() == [[3, 2, 2], [3, 3, 3], [0, 0, 0], [1, 1, 0]]
+    assert schedule.dtype == torch.long
+
+
+def test_gumbel_argmax_greedy_draws_no_noise_and_tempered_draws_follow_softmax():
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.tensor([0.0, 1.0, 2.0, -1.0])
+    state = generator.get_state()
+    assert gumbel_argmax(logits.expand(5, -1), 0.0, generator).tolist() == [2] * 5
+    assert torch.equal(generator.get_state(), state)
+
+    temperature = 0.7
+    draws = gumbel_argmax(logits.expand(40000, -1), temperature, generator)
+    frequencies = torch.bincount(draws, minlength=4).float() / draws.numel()
+    torch.testing.assert_close(frequencies, torch.softmax(logits / temperature, dim=-1), atol=0.01, rtol=0)
+
+
+def test_gumbel_argmax_equals_official_exp_form_for_the_same_noise():
+    logits = 4 * torch.randn(64, 100, generator=torch.Generator().manual_seed(0))
+    temperature = 0.9
+    drawn = gumbel_argmax(logits, temperature, torch.Generator().manual_seed(5))
+    uniform = torch.rand(logits.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    official = (logits.to(torch.float64).exp() / (-torch.log(uniform)) ** temperature).argmax(dim=-1)
+    assert torch.equal(drawn, official)
+
+
+def test_choose_positions_with_different_counts_per_row_matches_per_row_topk():
+    sampler = MaskedDiffusionSampler(DiffusionSamplerConfig(gen_length=16, block_length=16, steps=8))
+    row_scores = torch.rand(3, 12, generator=torch.Generator().manual_seed(0))
+    row_scores[:, :4] = -math.inf
+    counts = [1, 3, 0]
+    chosen = sampler.choose_positions(row_scores, counts)
+    for row, count in enumerate(counts):
+        expected = torch.zeros(12, dtype=torch.bool)
+        expected[torch.topk(row_scores[row], count).indices] = True
+        assert torch.equal(chosen[row], expected)
+
+
+def test_sampling_logprobs_is_tempered_log_softmax():
+    logits = torch.randn(2, 3, 11, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    tokens = torch.randint(0, 11, (2, 3), generator=torch.Generator().manual_seed(1))
+    for temperature, divisor in ((0.0, 1.0), (0.6, 0.6)):
+        expected = F.log_softmax(logits.float() / divisor, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        result = sampling_logprobs(logits, tokens, temperature)
+        assert result.dtype == torch.float32
+        torch.testing.assert_close(result, expected)

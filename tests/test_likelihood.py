@@ -1,0 +1,329 @@
+"""Likelihood stage on a tiny LLaDA: chunked log-softmax, one-step surrogate, trajectory replay, MC ELBO."""
+
+from contextlib import contextmanager
+from functools import partial
+
+import pytest
+import torch
+
+from dllm_ais.likelihood import (
+    mc_elbo,
+    one_step_logprobs,
+    one_step_masked_input,
+    selective_log_softmax,
+    shape_logits,
+    trajectory_logprobs,
+)
+from dllm_ais.models import LLaDAConfig, LLaDAModelLM
+from dllm_ais.sampling.rollout import Rollout
+
+MASK, EOS = 127, 126
+PROMPT_LENGTH, GEN_LENGTH = 5, 6
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_cpu_thread():
+    """Run this module on one intra-op thread: a tiny model's ops are too small to split, and with a busy
+    second core the thread hand-offs made this file 2-3x slower (33 s against 11 s measured on 2 cores)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    config = LLaDAConfig(d_model=64, n_heads=4, n_kv_heads=4, n_layers=2, mlp_hidden_size=128, vocab_size=128,
+                         embedding_size=128, max_sequence_length=256, mask_token_id=MASK, eos_token_id=EOS,
+                         pad_token_id=EOS)
+    return LLaDAModelLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def canvas():
+    """Three [prompt | completion] sequences; prompts left-padded by 0, 2 and 4 EOS tokens."""
+    torch.manual_seed(1)
+    sequences = torch.randint(0, 126, (3, PROMPT_LENGTH + GEN_LENGTH))
+    attention_mask = torch.ones_like(sequences)
+    for row, pad in enumerate((0, 2, 4)):
+        attention_mask[row, :pad] = 0
+        sequences[row, :pad] = EOS
+    return sequences, attention_mask
+
+
+@contextmanager
+def counting_forwards(model):
+    """Yield a list that gets one entry per call of `model`."""
+    calls = []
+    handle = model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    try:
+        yield calls
+    finally:
+        handle.remove()
+
+
+def completion_logprobs(model, noisy, attention_mask, targets, temperature=0.0):
+    """Naive reference: full float32 log_softmax(logits / τ) at the completion positions, gathered at targets."""
+    logits = model(input_ids=noisy, attention_mask=attention_mask).logits[:, PROMPT_LENGTH:].float()
+    if temperature > 0:
+        logits = logits / temperature
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# selective_log_softmax / shape_logits
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk_size", [1, 4, 7, 21, 512])
+def test_selective_log_softmax_equals_naive_gather(dtype, chunk_size):
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(3, 7, 50)).to(dtype)  # N = 21 rows: 4 does not divide it, 7 and 21 do
+    targets = torch.randint(0, 50, (3, 7))
+    expected = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    got = selective_log_softmax(logits, targets, chunk_size=chunk_size)
+    assert got.dtype == torch.float32 and got.shape == (3, 7)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_selective_log_softmax_gradient_equals_naive():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 5, 30, dtype=torch.float64)
+    kept_by_top_k = logits.topk(10, dim=-1).indices
+    targets = kept_by_top_k.gather(-1, torch.randint(0, 10, (4, 5, 1))).squeeze(-1)
+    weights = torch.randn(4, 5)
+    process = partial(shape_logits, temperature=0.7, top_k=10)
+
+    chunked = logits.clone().requires_grad_()
+    (selective_log_softmax(chunked, targets, chunk_size=3, process_logits=process) * weights).sum().backward()
+    naive = logits.clone().requires_grad_()
+    log_probs = torch.log_softmax(process(naive.float()), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    (log_probs * weights).sum().backward()
+    assert chunked.grad.abs().sum() > 0
+    torch.testing.assert_close(chunked.grad, naive.grad, atol=1e-5, rtol=0)
+
+
+def test_selective_log_softmax_keeps_at_most_one_float32_chunk_for_backward():
+    """Under grad, the tensors autograd keeps never include a float32 copy of all [N, V] logits."""
+    logits = torch.randn(64, 200, dtype=torch.bfloat16, requires_grad=True)
+    targets = torch.randint(0, 200, (64,))
+    saved_float32_bytes = []
+
+    def pack(tensor):
+        if tensor.dtype == torch.float32:
+            saved_float32_bytes.append(tensor.numel() * 4)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        naive = torch.log_softmax(logits.float(), dim=-1)[torch.arange(64), targets]
+    assert sum(saved_float32_bytes) >= 64 * 200 * 4, "the hook must see the naive version's float32 activations"
+    saved_float32_bytes.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        values = selective_log_softmax(logits, targets, chunk_size=16)
+    assert sum(saved_float32_bytes) <= 16 * 200 * 4
+    torch.testing.assert_close(values, naive.detach(), atol=1e-5, rtol=0)
+    values.sum().backward()
+    assert logits.grad is not None and logits.grad.abs().sum() > 0
+
+
+def test_shape_logits_temperature_then_top_k_then_top_p():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -3.0]]).repeat(2, 3, 1)  # any [..., V] shape
+    original = logits.clone()
+    assert torch.equal(shape_logits(logits, temperature=0.0), logits)
+    torch.testing.assert_close(shape_logits(logits, temperature=0.5), logits * 2)
+    top2 = shape_logits(logits, temperature=1.0, top_k=2)
+    assert torch.isfinite(top2[..., :2]).all() and torch.isneginf(top2[..., 2:]).all()
+    # probabilities of [2, 1, 0, -1, -3]: 0.638, 0.235, 0.086, ...; top_p = 0.8 keeps the smallest set with mass ≥ 0.8
+    top_p = shape_logits(logits, temperature=1.0, top_p=0.8)
+    assert torch.isfinite(top_p[..., :2]).all() and torch.isneginf(top_p[..., 2:]).all()
+    # τ = 0.25 sharpens before top-p: the first token alone then holds > 0.98 of the mass
+    sharp = shape_logits(logits, temperature=0.25, top_k=3, top_p=0.9)
+    assert torch.isfinite(sharp[..., 0]).all() and torch.isneginf(sharp[..., 1:]).all()
+    assert torch.equal(logits, original)
+
+
+@pytest.mark.parametrize("bad", [
+    dict(temperature=-1.0), dict(top_k=-2), dict(top_k=1.5), dict(top_k=True), dict(top_p=0.0), dict(top_p=1.1),
+])
+def test_shape_logits_rejects_bad_parameters(bad):
+    with pytest.raises(ValueError):
+        shape_logits(torch.zeros(2, 5), **bad)
+
+
+# ---------------------------------------------------------------------------------------------
+# One-step surrogate
+# ---------------------------------------------------------------------------------------------
+def test_one_step_masks_come_from_the_seed(canvas):
+    sequences, attention_mask = canvas
+    first = one_step_masked_input(sequences, attention_mask, PROMPT_LENGTH, MASK, seed=3, p_mask_prompt=0.5)
+    again = one_step_masked_input(sequences, attention_mask, PROMPT_LENGTH, MASK, seed=3, p_mask_prompt=0.5)
+    other = one_step_masked_input(sequences, attention_mask, PROMPT_LENGTH, MASK, seed=4, p_mask_prompt=0.5)
+    assert torch.equal(first, again) and not torch.equal(first, other)
+    assert (first[:, PROMPT_LENGTH:] == MASK).all()
+    torch.manual_seed(0)
+    global_state = torch.get_rng_state()
+    one_step_masked_input(sequences, attention_mask, PROMPT_LENGTH, MASK, seed=3)
+    assert torch.equal(torch.get_rng_state(), global_state), "the global RNG must not be consumed"
+
+
+def test_one_step_equals_hand_computation(model, canvas):
+    sequences, attention_mask = canvas
+    draws = torch.rand((3, PROMPT_LENGTH), generator=torch.Generator().manual_seed(11))
+    noisy = sequences.clone()
+    noisy[:, :PROMPT_LENGTH][(draws < 0.4) & attention_mask[:, :PROMPT_LENGTH].bool()] = MASK
+    noisy[:, PROMPT_LENGTH:] = MASK
+    expected = completion_logprobs(model, noisy, attention_mask, sequences[:, PROMPT_LENGTH:])
+    got = one_step_logprobs(model, sequences, attention_mask, PROMPT_LENGTH, MASK, seed=11, p_mask_prompt=0.4)
+    assert got.shape == (3, GEN_LENGTH) and got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    again = one_step_logprobs(model, sequences, attention_mask, PROMPT_LENGTH, MASK, seed=11, p_mask_prompt=0.4)
+    other = one_step_logprobs(model, sequences, attention_mask, PROMPT_LENGTH, MASK, seed=12, p_mask_prompt=0.4)
+    assert torch.equal(got, again) and not torch.allclose(got, other)
+
+
+def test_one_step_never_masks_padding(canvas):
+    sequences, attention_mask = canvas
+    noisy = one_step_masked_input(sequences, attention_mask, PROMPT_LENGTH, MASK, seed=0, p_mask_prompt=1.0)
+    prompt_real = attention_mask[:, :PROMPT_LENGTH].bool()
+    assert (noisy[:, :PROMPT_LENGTH][prompt_real] == MASK).all()
+    assert (noisy[:, :PROMPT_LENGTH][~prompt_real] == EOS).all()
+
+
+def test_one_step_prompt_mask_rate_matches_probability():
+    sequences = torch.randint(0, 126, (200, 110))
+    attention_mask = torch.ones_like(sequences)
+    attention_mask[:100, :20] = 0  # half the rows have 20 padding positions
+    noisy = one_step_masked_input(sequences, attention_mask, 100, MASK, seed=5, p_mask_prompt=0.15)
+    real = attention_mask[:, :100].bool()
+    rate = (noisy[:, :100][real] == MASK).float().mean().item()  # 18,000 real prompt tokens: σ ≈ 0.0027
+    assert abs(rate - 0.15) < 0.012
+
+
+def test_one_step_gradient_flows(model, canvas):
+    sequences, attention_mask = canvas
+    model.zero_grad()
+    values = one_step_logprobs(model, sequences, attention_mask, PROMPT_LENGTH, MASK, seed=1)
+    assert values.requires_grad
+    values.mean().backward()
+    first_query = model.model.transformer.blocks[0].q_proj.weight.grad
+    assert first_query is not None and first_query.abs().sum() > 0
+    model.zero_grad()
+
+
+# ---------------------------------------------------------------------------------------------
+# Trajectory estimator
+# ---------------------------------------------------------------------------------------------
+def hand_rollout(canvas) -> Rollout:
+    sequences, attention_mask = canvas
+    commit_step = torch.tensor([[0, 0, 1, 1, 2, 3], [2, 0, 3, 1, 0, 2], [1, 1, 0, 0, 3, 3]])
+    return Rollout(sequences=sequences, attention_mask=attention_mask,
+                   completion_mask=torch.ones_like(commit_step).bool(), step_logprobs=torch.zeros(3, GEN_LENGTH),
+                   commit_step=commit_step, prompt_length=PROMPT_LENGTH)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_trajectory_equals_hand_replay(model, canvas, temperature):
+    rollout = hand_rollout(canvas)
+    completion = rollout.completion_ids
+    expected = torch.zeros(3, GEN_LENGTH)
+    for step in range(4):
+        noisy = rollout.sequences.clone()
+        noisy[:, PROMPT_LENGTH:][rollout.commit_step >= step] = MASK
+        values = completion_logprobs(model, noisy, rollout.attention_mask, completion, temperature)
+        expected = torch.where(rollout.commit_step == step, values, expected)
+    for steps_per_forward in (1, 3, 4):
+        got = trajectory_logprobs(model, rollout, MASK, temperature, steps_per_forward=steps_per_forward)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_trajectory_runs_one_forward_per_batch_of_steps(model, canvas):
+    rollout = hand_rollout(canvas)
+    with counting_forwards(model) as calls:
+        trajectory_logprobs(model, rollout, MASK, 0.9, steps_per_forward=3)
+    assert len(calls) == 2  # 4 distinct steps, 3 per forward
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_trajectory_reproduces_diffusion_sampler_logprobs(model, padded):
+    from dllm_ais.sampling.diffusion import DiffusionSamplerConfig, MaskedDiffusionSampler
+
+    torch.manual_seed(2)
+    ids = torch.randint(0, 126, (3, 5))
+    attention_mask = None
+    if padded:
+        attention_mask = torch.ones_like(ids)
+        attention_mask[1, :2] = 0
+        ids[1, :2] = EOS
+    sampler = MaskedDiffusionSampler(DiffusionSamplerConfig(gen_length=8, block_length=4, steps=4, temperature=0.9,
+                                                            mask_token_id=MASK))
+    rollout = sampler.sample(model, ids, attention_mask=attention_mask, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(rollout.commit_step.unique(), torch.arange(4)), "4 denoising steps in all, numbered globally"
+    one_at_a_time = trajectory_logprobs(model, rollout, MASK, temperature=0.9, steps_per_forward=1)
+    three_at_a_time = trajectory_logprobs(model, rollout, MASK, temperature=0.9, steps_per_forward=3)
+    assert one_at_a_time.shape == (3, 8)
+    torch.testing.assert_close(one_at_a_time, rollout.step_logprobs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(three_at_a_time, one_at_a_time, atol=1e-5, rtol=0)
+
+
+def test_trajectory_gradient_flows(model, canvas):
+    model.zero_grad()
+    trajectory_logprobs(model, hand_rollout(canvas), MASK, 1.0, steps_per_forward=2).sum().backward()
+    head = model.model.transformer.ff_out.weight.grad
+    assert head is not None and head.abs().sum() > 0
+    model.zero_grad()
+
+
+# ---------------------------------------------------------------------------------------------
+# Monte-Carlo ELBO
+# ---------------------------------------------------------------------------------------------
+def test_mc_elbo_is_a_finite_nonpositive_bound_deterministic_per_seed(model, canvas):
+    sequences, attention_mask = canvas
+    elbo = mc_elbo(model, sequences, attention_mask, PROMPT_LENGTH, MASK, num_samples=4, seed=0)
+    assert elbo.shape == (3,) and elbo.dtype == torch.float32
+    assert torch.isfinite(elbo).all() and (elbo <= 0).all()
+    assert torch.equal(elbo, mc_elbo(model, sequences, attention_mask, PROMPT_LENGTH, MASK, num_samples=4, seed=0))
+    other_seed = mc_elbo(model, sequences, attention_mask, PROMPT_LENGTH, MASK, num_samples=4, seed=1)
+    assert not torch.allclose(elbo, other_seed)
+
+
+def test_mc_elbo_single_draw_equals_hand_computation(model, canvas):
+    sequences, attention_mask = canvas
+    generator = torch.Generator().manual_seed(9)
+    mask_rate = 1.0 - torch.rand(3, generator=generator)
+    draws = torch.rand((3, GEN_LENGTH), generator=generator)
+    masked = (draws < mask_rate[:, None]) | (draws == draws.min(dim=1, keepdim=True).values)
+    completion = sequences[:, PROMPT_LENGTH:]
+    noisy = torch.cat([sequences[:, :PROMPT_LENGTH], torch.where(masked, MASK, completion)], dim=1)
+    token_logprobs = completion_logprobs(model, noisy, attention_mask, completion)
+    expected = torch.where(masked, token_logprobs, 0.0).sum(1) / mask_rate
+    got = mc_elbo(model, sequences, attention_mask, PROMPT_LENGTH, MASK, num_samples=1, seed=9)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-6)
+    assert masked.any(dim=1).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors, raised before any forward pass
+# ---------------------------------------------------------------------------------------------
+def test_bad_arguments_raise_before_any_forward(model, canvas):
+    sequences, attention_mask = canvas
+    rollout = hand_rollout(canvas)
+    uncommitted = Rollout(**{**rollout.__dict__, "commit_step": rollout.commit_step - 1})
+    bad_calls = {
+        "prompt_length": lambda: one_step_logprobs(model, sequences, attention_mask, 0, MASK, seed=0),
+        "sequence length": lambda: mc_elbo(model, sequences, attention_mask, sequences.shape[1], MASK, 2, seed=0),
+        "embedding table": lambda: one_step_logprobs(model, sequences, attention_mask, PROMPT_LENGTH, 128, seed=0),
+        "mask_token_id must": lambda: trajectory_logprobs(model, rollout, None, 1.0),
+        "p_mask_prompt": lambda: one_step_logprobs(model, sequences, attention_mask, PROMPT_LENGTH, MASK, 0, 1.5),
+        "seed must": lambda: one_step_logprobs(model, sequences, attention_mask, PROMPT_LENGTH, MASK, seed=0.5),
+        "attention_mask must": lambda: one_step_logprobs(model, sequences, attention_mask[:, 1:], PROMPT_LENGTH, MASK,
+                                                         seed=0),
+        "steps_per_forward": lambda: trajectory_logprobs(model, rollout, MASK, 1.0, steps_per_forward=0),
+        "never committed": lambda: trajectory_logprobs(model, uncommitted, MASK, 1.0),
+        "temperature": lambda: trajectory_logprobs(model, rollout, MASK, -1.0),
+        "num_samples": lambda: mc_elbo(model, sequences, attention_mask, PROMPT_LENGTH, MASK, 0, seed=0),
+    }
+    with counting_forwards(model) as calls:
+        for message, call in bad_calls.items():
+            with pytest.raises(ValueError, match=message):
+                call()
+    assert not calls

@@ -1,0 +1,115 @@
+"""The GRPO loop on tiny models: on-policy recovery, FP8 mismatch, AIS endpoints, determinism, reward errors."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from conftest import tiny_llada, tiny_qwen3
+from dllm_ais.config import GRPOConfig
+from dllm_ais.correction import correct
+from dllm_ais.data import make_digits_dataset
+from dllm_ais.loss import grpo_loss
+from dllm_ais.rewards import RewardFunctionError, digits_reward
+from dllm_ais.trainer import GRPOTrainer
+
+TINY = dict(task="digits", eval_size=0, num_generations=2, per_device_train_batch_size=4, gradient_accumulation_steps=1,
+            max_completion_length=8, block_length=8, diffusion_steps=4, num_iterations=2, max_steps=2, lora_r=4,
+            lora_alpha=8, lora_dropout=0.0, learning_rate=1e-3, max_prompt_length=64, temperature=1.0, dtype="float32")
+
+
+def make_trainer(tokenizer, tmp_path, model_fn=tiny_llada, reward_funcs=None, ais_rule=None, **overrides):
+    config = GRPOConfig(**{**TINY, "output_dir": str(tmp_path), **overrides})
+    return GRPOTrainer(config, model=model_fn(tokenizer), tokenizer=tokenizer,
+                       reward_funcs=reward_funcs or [digits_reward], train_dataset=make_digits_dataset(16, seed=1),
+                       ais_rule=ais_rule)
+
+
+def lora_parameters(trainer):
+    return {n: p.detach().clone() for n, p in trainer.unwrapped_model.named_parameters() if "lora_" in n}
+
+
+@pytest.mark.parametrize("model_fn", [tiny_llada, tiny_qwen3], ids=["llada", "qwen3"])
+def test_bf16_engine_is_on_policy_and_ais_reduces_to_plain_grpo(tokenizer, tmp_path, model_fn):
+    trainer = make_trainer(tokenizer, tmp_path, model_fn, rollout_precision="bf16", correction="ais")
+    batch = trainer.make_generation_batch()
+    diagnostics = batch.metrics
+    assert diagnostics["correction/is_ratio/min"] == diagnostics["correction/is_ratio/max"] == 1.0
+    assert diagnostics["correction/alpha"] == 0.0
+    mask = batch.rollout.completion_mask
+    for weights in batch.weights:
+        assert torch.equal(weights, mask.float())
+    logp = trainer.policy.logprobs(trainer.model, batch.rollout, batch.seeds[0]).requires_grad_()
+    args = (logp, batch.logp_old[0], batch.advantages, mask)
+    corrected, _ = grpo_loss(*args, weights=batch.weights[0], logp_ref=batch.logp_ref[0], beta=0.04)
+    plain, _ = grpo_loss(*args, logp_ref=batch.logp_ref[0], beta=0.04)
+    (g1,) = torch.autograd.grad(corrected, logp)
+    (g2,) = torch.autograd.grad(plain, logp)
+    assert torch.equal(corrected, plain) and torch.equal(g1, g2)
+
+
+def test_fp8_engine_shows_a_mismatch_and_bounded_ais_weights(tokenizer, tmp_path):
+    trainer = make_trainer(tokenizer, tmp_path, rollout_precision="fp8", correction="ais", is_clip=2.0)
+    batch = trainer.make_generation_batch()
+    assert batch.metrics["correction/k3_kl"] > 0
+    assert 0.0 <= batch.metrics["correction/alpha"] <= 1.0
+    for weights in batch.weights:
+        assert torch.isfinite(weights).all()
+        assert (weights <= 2.0).all() and (weights >= 0).all()
+
+
+def test_alpha_one_gives_the_tis_update(tokenizer, tmp_path):
+    after = {}
+    for name, overrides in {"ais_alpha_1": dict(correction="ais"), "tis": dict(correction="tis")}.items():
+        trainer = make_trainer(tokenizer, tmp_path / name, ais_rule=lambda d: 1.0, rollout_precision="fp8",
+                               max_steps=1, **overrides)
+        batch = trainer.make_generation_batch()
+        tis = correct("tis", batch.logp_old[0], trainer.policy.rollout_logprobs(trainer.engine.model, batch.rollout,
+                                                                                batch.seeds[0]),
+                      batch.advantages, batch.rollout.completion_mask, clip=2.0)
+        assert torch.equal(batch.weights[0], tis.weights)
+        trainer.optimisation_pass(batch, 0)
+        after[name] = lora_parameters(trainer)
+    for key, value in after["tis"].items():
+        assert torch.equal(value, after["ais_alpha_1"][key]), key
+
+
+def test_same_seed_gives_the_same_metrics_and_writes_outputs(tokenizer, tmp_path):
+    histories = []
+    for run in ("a", "b"):
+        result = make_trainer(tokenizer, tmp_path / run, rollout_precision="fp8").train()
+        histories.append([{k: v for k, v in r.items() if not k.startswith("timing/")} for r in result.history])
+        lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+        assert len(lines) == 2 and json.loads(lines[0])["step"] == 1
+        assert (tmp_path / run / "final" / "adapter_model.safetensors").is_file()
+        assert (tmp_path / run / "final" / "trainer_state.pt").is_file()
+    assert histories[0] == histories[1]
+    assert all(math.isfinite(r["loss"]) for r in histories[0])
+
+
+def test_reward_function_errors_name_the_function(tokenizer, tmp_path):
+    def exploding_reward(prompts, completions, **kwargs):
+        raise KeyError("no such column")
+
+    def nan_reward(prompts, completions, **kwargs):
+        return [float("nan")] * len(completions)
+
+    for fn in (exploding_reward, nan_reward):
+        trainer = make_trainer(tokenizer, tmp_path / fn.__name__, reward_funcs=[fn])
+        with pytest.raises(RewardFunctionError, match=fn.__name__):
+            trainer.make_generation_batch()
+
+
+def test_lora_preset_wraps_every_llada_block_linear_and_never_the_head(tokenizer, tmp_path):
+    trainer = make_trainer(tokenizer, tmp_path)
+    wrapped = {n.split("base_model.model.")[-1] for n, m in trainer.unwrapped_model.named_modules() if hasattr(m, "lora_A")}
+    expected = {f"model.transformer.blocks.{i}.{leaf}" for i in range(2)
+                for leaf in ("q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj", "ff_out")}
+    assert wrapped == expected
+
+
+def test_lora_preset_for_qwen3(tokenizer, tmp_path):
+    trainer = make_trainer(tokenizer, tmp_path, tiny_qwen3)
+    leaves = {n.rsplit(".", 1)[-1] for n, m in trainer.unwrapped_model.named_modules() if hasattr(m, "lora_A")}
+    assert leaves == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
