@@ -22,6 +22,7 @@ from peft.tuners.lora import LoraLayer
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from dllm_ais.quantization import SkipRule, check_precision, quantize_model_, requantize_
 
@@ -111,7 +112,8 @@ class _ParameterSource(NamedTuple):
         if self.lora_layer is not None:
             for adapter in _adapters_to_merge(self.lora_layer):
                 value = (value + self.lora_layer.get_delta_weight(adapter)).to(self.parameter.dtype)
-        return value
+        # FSDP2 shards parameters as DTensors: every rank's engine holds the full weight.
+        return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 def merged_state_items(trainer_model: nn.Module) -> Iterator[tuple[str, Tensor]]:

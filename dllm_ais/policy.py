@@ -67,9 +67,10 @@ class DiffusionPolicy:
     def __post_init__(self):
         if self.estimator not in ("one_step", "trajectory"):
             raise ValueError(f"Unknown likelihood estimator {self.estimator!r}; choose one_step or trajectory.")
-        if self.estimator == "trajectory" and self.sampler_config.cfg_scale:
-            raise ValueError("The trajectory estimator does not replay classifier-free guidance; set cfg_scale=0 "
-                             "or use likelihood_estimator=one_step.")
+        if self.estimator == "trajectory" and (self.sampler_config.cfg_scale or self.sampler_config.suppress_eos):
+            raise ValueError("The trajectory estimator replays the plain model: it does not reproduce classifier-free "
+                             "guidance or EOS suppression. Set cfg_scale=0 and suppress_eos=False, or use "
+                             "likelihood_estimator=one_step.")
         self.sampler = MaskedDiffusionSampler(self.sampler_config)
 
     def sample(self, model, input_ids, attention_mask, generator) -> Rollout:

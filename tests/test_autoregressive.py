@@ -20,16 +20,6 @@ SAMPLING_SETTINGS = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_cpu_thread():
-    """Run this module on one intra-op thread: a tiny model's ops are too small to split, and with a busy
-    second core the thread hand-offs made this file ~7x slower (50 s against 7 s measured on 2 cores)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module")
 def model():
     config = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

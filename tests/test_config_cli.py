@@ -85,6 +85,18 @@ def test_cli_train_eval_generate_export_on_the_embedded_model(tmp_path, capsys):
     assert merged_config["model_type"] == "llada"
 
 
-def test_dry_run_of_the_gpu_recipe_runs_one_step_on_cpu(capsys):
-    assert main(["train", str(ROOT / "recipes" / "llada8b_gsm8k_lora_fp8_ais.yaml"), "--dry_run=true"]) == 0
-    assert "dry run OK" in capsys.readouterr().out
+@pytest.mark.parametrize("recipe, family", [("llada8b_gsm8k_lora_fp8_ais.yaml", "diffusion"),
+                                            ("qwen3_8b_gsm8k_lora_fp8_ais.yaml", "autoregressive")])
+def test_dry_run_of_the_gpu_recipes_runs_one_step_on_cpu(capsys, recipe, family):
+    assert main(["train", str(ROOT / "recipes" / recipe), "--dry_run=true"]) == 0
+    out = capsys.readouterr().out
+    assert "dry run OK" in out and f"policy={family}" in out
+
+
+def test_cli_trains_the_tiny_qwen3_through_the_shared_loop(tmp_path, capsys):
+    out = tmp_path / "qwen3"
+    assert main(["train", str(ROOT / "recipes" / "tiny_qwen3_digits_fp8_ais.yaml"), f"--output_dir={out}",
+                 "--max_steps=2", "--eval_size=4", "--num_iterations=1"]) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["correction/k3_kl"] > 0 and 0 <= records[0]["correction/alpha"] <= 1
+    assert "held-out reward: before" in capsys.readouterr().out

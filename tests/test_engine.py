@@ -63,15 +63,6 @@ def tiny_lora_model(architecture: str, **lora_kwargs) -> PeftModel:
     return model
 
 
-@pytest.fixture(autouse=True)
-def one_intra_op_thread():
-    """Tiny models gain nothing from intra-op threads, which spin-wait badly on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture
 def input_ids() -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(2))

@@ -21,16 +21,6 @@ MASK, EOS = 127, 126
 PROMPT_LENGTH, GEN_LENGTH = 5, 6
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_cpu_thread():
-    """Run this module on one intra-op thread: a tiny model's ops are too small to split, and with a busy
-    second core the thread hand-offs made this file 2-3x slower (33 s against 11 s measured on 2 cores)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)

@@ -19,11 +19,17 @@ TINY = dict(task="digits", eval_size=0, num_generations=2, per_device_train_batc
             lora_alpha=8, lora_dropout=0.0, learning_rate=1e-3, max_prompt_length=64, temperature=1.0, dtype="float32")
 
 
+def digit_fraction_reward(prompts, completions, **kwargs):
+    """A dense reward that varies even for random models: the share of digit characters in the completion."""
+    texts = [c[0]["content"] for c in completions]
+    return [sum(ch.isdigit() for ch in t) / max(len(t), 1) for t in texts]
+
+
 def make_trainer(tokenizer, tmp_path, model_fn=tiny_llada, reward_funcs=None, ais_rule=None, **overrides):
     config = GRPOConfig(**{**TINY, "output_dir": str(tmp_path), **overrides})
     return GRPOTrainer(config, model=model_fn(tokenizer), tokenizer=tokenizer,
-                       reward_funcs=reward_funcs or [digits_reward], train_dataset=make_digits_dataset(16, seed=1),
-                       ais_rule=ais_rule)
+                       reward_funcs=reward_funcs or [digit_fraction_reward, digits_reward],
+                       train_dataset=make_digits_dataset(16, seed=1), ais_rule=ais_rule)
 
 
 def lora_parameters(trainer):
@@ -65,12 +71,15 @@ def test_alpha_one_gives_the_tis_update(tokenizer, tmp_path):
         trainer = make_trainer(tokenizer, tmp_path / name, ais_rule=lambda d: 1.0, rollout_precision="fp8",
                                max_steps=1, **overrides)
         batch = trainer.make_generation_batch()
+        assert batch.advantages.abs().sum() > 0
         tis = correct("tis", batch.logp_old[0], trainer.policy.rollout_logprobs(trainer.engine.model, batch.rollout,
                                                                                 batch.seeds[0]),
                       batch.advantages, batch.rollout.completion_mask, clip=2.0)
         assert torch.equal(batch.weights[0], tis.weights)
-        trainer.optimisation_pass(batch, 0)
+        before = lora_parameters(trainer)
+        assert trainer.optimisation_pass(batch, 0)["grad_norm"] > 0
         after[name] = lora_parameters(trainer)
+        assert any(not torch.equal(before[k], after[name][k]) for k in before)
     for key, value in after["tis"].items():
         assert torch.equal(value, after["ais_alpha_1"][key]), key
 

@@ -227,7 +227,6 @@ class SpecialTokenIds:
 
     mask: int
     eos: tuple[int, ...]
-    pad: int | None
 
 
 def _checked_scores(scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
@@ -262,7 +261,8 @@ class MaskedDiffusionSampler:
         self.remasking_rule = resolve_remasking_rule(config.remasking)
 
     def resolve_token_ids(self, model: Any) -> SpecialTokenIds:
-        """Mask, EOS and pad ids from the sampler config, falling back to ``model.config``; raises when unusable."""
+        """Mask and EOS ids from the sampler config, falling back to ``model.config``; raises when they are missing
+        or when the pad id (config, else model config) equals the mask id."""
         model_config = getattr(model, "config", None)
         mask = self.config.mask_token_id
         if mask is None:
@@ -284,7 +284,7 @@ class MaskedDiffusionSampler:
         pad_problem = _pad_equals_mask_problem(pad, mask)
         if pad_problem:
             raise ValueError(pad_problem)
-        return SpecialTokenIds(mask=int(mask), eos=eos, pad=pad)
+        return SpecialTokenIds(mask=int(mask), eos=eos)
 
     def check_inputs(
         self,
