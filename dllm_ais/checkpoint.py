@@ -51,17 +51,19 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def load_model(name_or_path: str, dtype: torch.dtype, trust_remote_code: bool = False) -> torch.nn.Module:
+def load_model(name_or_path: str, dtype: torch.dtype, trust_remote_code: bool = False,
+               is_trainable: bool = False) -> torch.nn.Module:
     """`AutoModelForCausalLM.from_pretrained` (safetensors only); LLaDA resolves to dllm_ais' native model.
 
-    A directory holding a peft adapter (as `dllm-ais train` writes) loads as its base model with the adapter on.
+    A directory holding a peft adapter (as `dllm-ais train` writes) loads as its base model with the adapter on
+    (trainable when `is_trainable`, to continue training it).
     """
     path = resolve_model_path(name_or_path)
     if (Path(path) / "adapter_config.json").is_file():
         from peft import PeftConfig, PeftModel
 
         base = load_model(PeftConfig.from_pretrained(path).base_model_name_or_path, dtype, trust_remote_code)
-        return PeftModel.from_pretrained(base, path)
+        return PeftModel.from_pretrained(base, path, is_trainable=is_trainable)
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
                                                 use_safetensors=True)
 
@@ -106,13 +108,16 @@ def special_tokens(tokenizer: PreTrainedTokenizerBase, model_config, diffusion: 
 
 @contextmanager
 def atomic_directory(final: str | Path) -> Iterator[Path]:
-    """Yield a temporary directory beside `final`; on success it replaces `final` in one rename.
+    """Yield a temporary directory beside `final`; once everything is written it is renamed to `final`.
 
-    A crash while writing leaves the previous `final` untouched (and only a `.tmp-*` directory behind).
+    A crash while writing leaves the previous `final` untouched (and only a `.tmp-*` directory behind). When
+    `final` already exists it is first renamed to `.old-<name>`, so between the two renames a complete copy
+    always exists under one of the two names.
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    staging.chmod(0o755)
     try:
         yield staging
     except BaseException:

@@ -21,6 +21,8 @@ TRAIN_EPILOG = """\
 Every field below can be set in the YAML recipe or overridden as --field=value (values are YAML:
 --report_to=[tensorboard], --is_clip_low=null). Unknown fields and bad values are reported before any
 model is loaded. Output: <output_dir>/metrics.jsonl, metrics.png, config.yaml, final/ (adapter + tokenizer).
+Without a recipe the embedded run's recipe is used (dllm_ais/assets/tiny_llada/recipe.yaml); the defaults
+below (d1's published LLaDA settings) apply to fields a recipe leaves out.
 
 Fields:
 """
@@ -121,7 +123,7 @@ def _sft(args: argparse.Namespace, overrides: list[str]) -> int:
         raise SystemExit(f"Unknown sft arguments {overrides}; see `dllm-ais sft --help`.")
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model, resolve_dtype(args.dtype))
-    mask_id = model.config.mask_token_id
+    mask_id = model.config.mask_token_id if model.config.model_type == "llada" else None
     dataset = load_task_dataset(args.task, split="train", size=args.dataset_size, seed=args.seed)
     config = SFTConfig(steps=args.steps, batch_size=args.batch_size, learning_rate=args.learning_rate,
                        gen_length=args.gen_length, seed=args.seed)
@@ -177,9 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--push-to-hub", metavar="REPO_ID", help="also upload to this Hub repository")
     export.set_defaults(handler=_export)
 
-    sft = commands.add_parser("sft", help="masked-diffusion SFT (LLaDA objective) to warm-start a policy",
-                              description="Supervised fine-tuning with the LLaDA masked-diffusion loss on a task's "
-                                          "reference answers (used to build the embedded tiny model).")
+    sft = commands.add_parser("sft", help="SFT warm start (LLaDA masked-diffusion loss, or next-token for causal LMs)",
+                              description="Supervised fine-tuning on a task's reference answers: the LLaDA "
+                                          "masked-diffusion loss for LLaDA models, next-token cross-entropy for "
+                                          "causal LMs (used to build the embedded tiny models).")
     sft.add_argument("--model", default="embedded")
     sft.add_argument("--task", default="digits")
     sft.add_argument("--output_dir", default="outputs/sft")

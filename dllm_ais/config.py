@@ -151,6 +151,13 @@ class GRPOConfig:
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (0 <= self.p_mask_prompt < 1, "p_mask_prompt must be in [0, 1)"),
             (self.is_clip > 0, "is_clip must be > 0"),
+            (self.is_clip_low is None or self.is_clip_low <= self.is_clip, "is_clip_low must be <= is_clip"),
+            (self.correction not in ("acr", "ais") or self.is_level == "token",
+             f"correction={self.correction} works on token-level ratios: set is_level=token"),
+            (self.correction != "ais" or (self.is_clip_low is None and not self.is_normalize),
+             "correction=ais mixes with min(rho, is_clip): leave is_clip_low=null and is_normalize=false"),
+            (self.likelihood_estimator != "trajectory" or self.cfg_scale == 0,
+             "likelihood_estimator=trajectory replays the plain model: set cfg_scale=0 or use one_step"),
             (self.ais_kl_scale > 0, "ais_kl_scale must be > 0"),
             (0 <= self.ais_alpha_max <= 1, "ais_alpha_max must be in [0, 1]"),
             (0 <= self.ais_alpha_ema < 1, "ais_alpha_ema must be in [0, 1)"),
@@ -285,5 +292,5 @@ def describe_fields() -> str:
         extra = f.metadata.get("help", "")
         if "choices" in f.metadata:
             extra = (extra + " " if extra else "") + "[" + "|".join(f.metadata["choices"]) + "]"
-        lines.append(f"  --{f.name}={default!s:<22} {extra}".rstrip())
+        lines.append(f"  {f'--{f.name}={default}':<40} {extra}".rstrip())
     return "\n".join(lines)

@@ -162,15 +162,20 @@ class TaskSource:
     to_example: Callable[[dict[str, Any]], dict[str, Any]]
     retyped_columns: tuple[str, ...] = ()
     hub_row_filter: Callable[[dict[str, Any]], bool] | None = None
+    hub_single_split: str | None = None  # the hub dataset's only split: train/test are carved from it
+
+
+HELD_OUT_FRACTION = 0.1
 
 
 TASK_SOURCES: dict[str, TaskSource] = {
     "gsm8k": TaskSource("openai/gsm8k", "main", (("question",), ("answer",)), gsm8k_example),
-    "math500": TaskSource("HuggingFaceH4/MATH-500", None, (("problem",), ("answer", "solution")), math500_example),
+    "math500": TaskSource("HuggingFaceH4/MATH-500", None, (("problem",), ("answer", "solution")), math500_example,
+                          hub_single_split="test"),
     "countdown": TaskSource(
         "Jiayi-Pan/Countdown-Tasks-3to4", None, (("nums",), ("target",)), countdown_example, ("nums", "target"),
         # d1 trains and evaluates on the three-number subset.
-        hub_row_filter=lambda row: len(row["nums"]) == 3,
+        hub_row_filter=lambda row: len(row["nums"]) == 3, hub_single_split="train",
     ),
     "sudoku": TaskSource(None, None, (("puzzle",), ("solution",)), sudoku_example, ("puzzle", "solution")),
 }
@@ -267,9 +272,13 @@ def load_task_dataset(
         expected = ", ".join(" or ".join(group) for group in source.required_columns)
         raise ValueError(f"the {task} task has no default dataset; pass path= a local file with columns {expected}")
     else:
-        dataset = datasets.load_dataset(source.hub_id, source.hub_config, split=split)
+        dataset = datasets.load_dataset(source.hub_id, source.hub_config, split=source.hub_single_split or split)
         if source.hub_row_filter is not None:
             dataset = dataset.filter(source.hub_row_filter)
+        if source.hub_single_split is not None:
+            # A fixed seed (not the run's) keeps the held-out slice the same, and disjoint, across runs.
+            parts = dataset.train_test_split(test_size=HELD_OUT_FRACTION, seed=0)
+            dataset = parts["train" if split == "train" else "test"]
     dataset = with_required_columns(dataset, task, source)
     return examples_from_rows(subsample(dataset, size, seed), source)
 

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import logging
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -29,8 +27,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
-from dllm_ais.checkpoint import (atomic_directory, load_model, load_model_config, load_tokenizer, resolve_dtype,
-                                 special_tokens)
+from dllm_ais.checkpoint import atomic_directory, load_model, load_tokenizer, resolve_dtype, special_tokens
 from dllm_ais.config import GRPOConfig, save_config
 from dllm_ais.correction import correct
 from dllm_ais.data import apply_chat_template, load_task_dataset
@@ -42,8 +39,6 @@ from dllm_ais.rewards import TASK_REWARDS, compute_rewards, resolve_reward_funct
 from dllm_ais.sampling.autoregressive import AutoregressiveSamplerConfig
 from dllm_ais.sampling.diffusion import DiffusionSamplerConfig
 from dllm_ais.sampling.rollout import Rollout
-
-logger = logging.getLogger("dllm_ais")
 
 
 def is_diffusion(config: GRPOConfig, model_config) -> bool:
@@ -127,6 +122,7 @@ class GenerationBatch:
     logp_ref: list[torch.Tensor | None]
     weights: list[torch.Tensor]
     clip_scale: list[torch.Tensor | None]
+    diagnostics: list[dict[str, float]]
     seeds: list[int]
     metrics: dict[str, float] = field(default_factory=dict)
 
@@ -154,9 +150,12 @@ class GRPOTrainer:
     def __init__(self, config: GRPOConfig, model=None, tokenizer=None, reward_funcs: list[Callable] | None = None,
                  train_dataset=None, eval_dataset=None, ais_rule: Callable[[dict], float] | None = None):
         self.config = config.validate()
+        # No autocast: the trainer computes in its weights' dtype (bf16 on GPU by default), the same dtype as the
+        # rollout engine, so the `bf16` engine reproduces the trainer's log-probs exactly. The scheduler steps once
+        # per optimizer step whatever the number of processes.
         self.accelerator = Accelerator(
-            log_with=config.report_to or None, project_dir=config.output_dir,
-            mixed_precision="bf16" if torch.cuda.is_available() else "no")
+            log_with=config.report_to or None, project_dir=config.output_dir, mixed_precision="no",
+            gradient_accumulation_steps=config.gradient_accumulation_steps, step_scheduler_with_optimizer=False)
         set_seed(config.seed, device_specific=True)
         self.ais_rule = ais_rule or config.ais_rule
         self.reward_funcs = resolve_reward_functions(reward_funcs or config.reward_funcs or TASK_REWARDS[config.task])
@@ -166,7 +165,8 @@ class GRPOTrainer:
             config.task, split="test", path=config.dataset_path, size=config.eval_size, seed=config.seed)
 
         self.tokenizer = tokenizer or load_tokenizer(config.model_name_or_path)
-        model = model or load_model(config.model_name_or_path, resolve_dtype(config.dtype), config.trust_remote_code)
+        model = model or load_model(config.model_name_or_path, resolve_dtype(config.dtype), config.trust_remote_code,
+                                    is_trainable=True)
         self.policy = build_policy(config, model.config, self.tokenizer)
         self.greedy_policy = build_policy(config, model.config, self.tokenizer, temperature=0.0)
         if config.gradient_checkpointing:
@@ -175,10 +175,10 @@ class GRPOTrainer:
             targets = config.lora_target_modules or lora_target_modules(model.config.model_type)
             model = get_peft_model(model, LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha,
                                                      lora_dropout=config.lora_dropout, target_modules=targets))
+        model.to(self.accelerator.device)
         self.reference_model = None
         if config.beta > 0 and not isinstance(model, PeftModel):
             self.reference_model = copy.deepcopy(model).eval().requires_grad_(False)
-        model.to(self.accelerator.device)
         self.engine = RolloutEngine(model, precision=config.rollout_precision)
 
         trainable = [p for p in model.parameters() if p.requires_grad]
@@ -223,18 +223,33 @@ class GRPOTrainer:
                           else parts[0].prompt_length for f in dataclasses.fields(Rollout)})
 
     def estimator_seeds(self) -> list[int]:
+        """One estimator seed per inner iteration (one-step surrogate) or a single one (exact estimators)."""
         count = self.policy.num_estimator_seeds(self.config.num_iterations)
-        base = self.config.seed * 1_000_003 + self.generation_index * 1_009
+        base = self.config.seed * 1_000_003 + self.generation_index * 1_009 + self.accelerator.process_index * 7_919_001
         return [base + n for n in range(count)]
+
+    def micro_batches(self, size: int) -> list[slice]:
+        step = self.config.per_device_train_batch_size
+        return [slice(start, start + step) for start in range(0, size, step)]
+
+    def micro_batched_logprobs(self, model, rollout: Rollout, seed: int, rollout_side: bool = False) -> torch.Tensor:
+        """Log-probs [B, L] computed micro-batch by micro-batch, micro-batch j with estimator seed `seed + j`.
+
+        ℓ_θ is computed per micro-batch during the optimisation passes; computing ℓ_rollout, ℓ_old and ℓ_ref over
+        the very same slices with the very same seeds gives every side identical random masks.
+        """
+        score = self.policy.rollout_logprobs if rollout_side else self.policy.logprobs
+        return torch.cat([score(model, rollout.select(rows), seed + j)
+                          for j, rows in enumerate(self.micro_batches(len(rollout.sequences)))])
 
     @torch.no_grad()
     def reference_logprobs(self, rollout: Rollout, seed: int) -> torch.Tensor | None:
         if self.config.beta == 0:
             return None
         if self.reference_model is not None:
-            return self.policy.logprobs(self.reference_model, rollout, seed)
+            return self.micro_batched_logprobs(self.reference_model, rollout, seed)
         with self.unwrapped_model.disable_adapter():
-            return self.policy.logprobs(self.model, rollout, seed)
+            return self.micro_batched_logprobs(self.model, rollout, seed)
 
     def make_generation_batch(self) -> GenerationBatch:
         cfg = self.config
@@ -256,20 +271,19 @@ class GRPOTrainer:
         seeds = self.estimator_seeds()
         self.model.eval()
         with torch.no_grad():
-            logp_rollout = [self.policy.rollout_logprobs(self.engine.model, rollout, s) for s in seeds]
-            logp_old = [self.policy.logprobs(self.model, rollout, s) for s in seeds]
+            logp_rollout = [self.micro_batched_logprobs(self.engine.model, rollout, s, rollout_side=True) for s in seeds]
+            logp_old = [self.micro_batched_logprobs(self.model, rollout, s) for s in seeds]
         logp_ref = [self.reference_logprobs(rollout, s) for s in seeds]
         timings["timing/logprob_s"] = time.perf_counter() - start
 
         start = time.perf_counter()
-        corrections = []
-        for old, ro in zip(logp_old, logp_rollout):
-            corrections.append(correct(
-                cfg.correction, old, ro, advantages, rollout.completion_mask, clip=cfg.is_clip,
-                clip_low=cfg.is_clip_low, level=cfg.is_level, normalize=cfg.is_normalize, kl_scale=cfg.ais_kl_scale,
-                rule=self.ais_rule, alpha_max=cfg.ais_alpha_max, previous_alpha=self.previous_alpha,
-                alpha_ema=cfg.ais_alpha_ema))
-            self.previous_alpha = corrections[-1].diagnostics.get("alpha", self.previous_alpha)
+        corrections = [correct(
+            cfg.correction, old, ro, advantages, rollout.completion_mask, clip=cfg.is_clip, clip_low=cfg.is_clip_low,
+            level=cfg.is_level, normalize=cfg.is_normalize, kl_scale=cfg.ais_kl_scale, rule=self.ais_rule,
+            alpha_max=cfg.ais_alpha_max, previous_alpha=self.previous_alpha, alpha_ema=cfg.ais_alpha_ema)
+            for old, ro in zip(logp_old, logp_rollout)]
+        if cfg.correction == "ais":  # the EMA advances once per generation batch, over its estimator seeds
+            self.previous_alpha = sum(c.diagnostics["alpha"] for c in corrections) / len(corrections)
         timings["timing/correction_s"] = time.perf_counter() - start
 
         lengths = rollout.completion_mask.sum(1).float()
@@ -278,26 +292,29 @@ class GRPOTrainer:
             "reward_std": all_rewards.view(-1, cfg.num_generations).std(1).mean().item(),
             "completions/mean_length": lengths.mean().item(),
             **reward_metrics, **timings,
-            **{f"correction/{k}": v for k, v in corrections[0].diagnostics.items()},
         }
         self.generation_index += 1
         return GenerationBatch(rollout, advantages, logp_old, logp_ref, [c.weights for c in corrections],
-                               [c.clip_scale for c in corrections], seeds, metrics)
+                               [c.clip_scale for c in corrections], [c.diagnostics for c in corrections], seeds, metrics)
 
     def optimisation_pass(self, batch: GenerationBatch, iteration: int) -> dict[str, float]:
-        """One optimizer step over the generation batch: gradient accumulation over its micro-batches."""
+        """One optimizer step over the generation batch: gradient accumulation over its micro-batches.
+
+        accelerate divides each micro-batch loss by gradient_accumulation_steps; `dapo` already normalises by the
+        token count of the whole generation batch (averaged over processes), so its loss is scaled back up.
+        """
         cfg = self.config
         k = iteration % len(batch.seeds)
         self.model.train()
-        size = cfg.per_device_train_batch_size
-        total_tokens = batch.rollout.completion_mask.sum().clamp(min=1).item()
-        micro_batches = [slice(i, i + size) for i in range(0, len(batch.advantages), size)]
-        summed: dict[str, float] = {}
-        for index, rows in enumerate(micro_batches):
-            last = index == len(micro_batches) - 1
-            with nullcontext() if last else self.accelerator.no_sync(self.model):
+        local_tokens = batch.rollout.completion_mask.sum().float()
+        total_tokens = self.accelerator.gather(local_tokens.reshape(1)).mean().clamp(min=1).item()
+        micro_batches = self.micro_batches(len(batch.advantages))
+        summed: dict[str, float] = {f"correction/{key}": value for key, value in batch.diagnostics[k].items()}
+        grad_norm = None
+        for j, rows in enumerate(micro_batches):
+            with self.accelerator.accumulate(self.model):
                 part = batch.rollout.select(rows)
-                logp = self.policy.logprobs(self.model, part, batch.seeds[k])
+                logp = self.policy.logprobs(self.model, part, batch.seeds[k] + j)
                 loss, loss_metrics = grpo_loss(
                     logp, batch.logp_old[k][rows], batch.advantages[rows], part.completion_mask,
                     weights=batch.weights[k][rows],
@@ -306,22 +323,24 @@ class GRPOTrainer:
                     beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, loss_type=cfg.loss_type,
                     max_completion_length=cfg.max_completion_length, num_items_in_batch=total_tokens,
                     ratio_type=cfg.ratio_type)
-                if cfg.loss_type != "dapo":
-                    loss = loss / len(micro_batches)
                 if not torch.isfinite(loss):
                     raise FloatingPointError(
                         f"Non-finite loss at step {self.global_step + 1}: check the log-probs (NaN weights or "
                         "log-probs usually mean an overflow in low precision; try dtype=float32 or a lower learning_rate).")
-                self.accelerator.backward(loss)
-            summed["loss"] = summed.get("loss", 0.0) + loss.item()
+                scale = len(micro_batches) if cfg.loss_type == "dapo" else 1
+                self.accelerator.backward(loss * scale)
+                if self.accelerator.sync_gradients:
+                    grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+            summed["loss"] = summed.get("loss", 0.0) + loss.item() * scale / len(micro_batches)
             for key, value in loss_metrics.items():
                 summed[key] = summed.get(key, 0.0) + value / len(micro_batches)
-        grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
-        self.optimizer.step()
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
         self.global_step += 1
-        return {**summed, "grad_norm": float(grad_norm), "learning_rate": self.scheduler.get_last_lr()[0]}
+        # DeepSpeed clips inside its engine and reports no norm here.
+        return {**summed, "grad_norm": float("nan") if grad_norm is None else float(grad_norm),
+                "learning_rate": self.scheduler.get_last_lr()[0]}
 
     # ----------------------------------------------------------------------------------------------- driver
     def evaluate(self, dataset=None) -> dict[str, float]:
@@ -382,10 +401,11 @@ class GRPOTrainer:
     def save(self, directory: Path) -> None:
         """Write the adapter (or full model), tokenizer, config and trainer state atomically into `directory`."""
         self.accelerator.wait_for_everyone()
+        state_dict = self.accelerator.get_state_dict(self.model)  # collective under FSDP / ZeRO-3: every rank calls it
         if not self.accelerator.is_main_process:
             return
         with atomic_directory(directory) as staging:
-            self.unwrapped_model.save_pretrained(staging, safe_serialization=True)
+            self.unwrapped_model.save_pretrained(staging, state_dict=state_dict, safe_serialization=True)
             self.tokenizer.save_pretrained(staging)
             save_config(self.config, staging / "dllm_ais_config.yaml")
             torch.save({"global_step": self.global_step, "generation_index": self.generation_index,

@@ -1,7 +1,5 @@
 """Benchmarks of the rollout path, each printing ratios measured in one run beside the device and settings.
 
-Section 2 — engine sync: `RolloutEngine.sync_from` (merge the LoRA, requantize, copy in place) over one forward.
-
 Section 1 — sampler overhead: wall time of `MaskedDiffusionSampler.sample` against the same number of bare
 forwards ``model(canvas, attention_mask=...)`` on a canvas of the same shape. Everything the sampler does beyond
 the forwards (Gumbel noise, scores, top-k, bookkeeping) is in the ratio; the target is <= 1.05.
@@ -13,6 +11,8 @@ The sampler's own per-step work grows with batch x block x vocabulary (float64 G
 positions), the forward's with batch x canvas x model size. On a CPU float64 noise is costly next to a tiny model's
 matmuls, so a large vocabulary on a tiny CPU model exceeds the target; the defaults keep LLaDA's regime, where the
 forward dominates.
+
+Section 2 — engine sync: `RolloutEngine.sync_from` (merge the LoRA, requantize, copy in place) over one forward.
 """
 
 from __future__ import annotations

@@ -40,9 +40,9 @@ def lora_parameters(trainer):
 def test_bf16_engine_is_on_policy_and_ais_reduces_to_plain_grpo(tokenizer, tmp_path, model_fn):
     trainer = make_trainer(tokenizer, tmp_path, model_fn, rollout_precision="bf16", correction="ais")
     batch = trainer.make_generation_batch()
-    diagnostics = batch.metrics
-    assert diagnostics["correction/is_ratio/min"] == diagnostics["correction/is_ratio/max"] == 1.0
-    assert diagnostics["correction/alpha"] == 0.0
+    for diagnostics in batch.diagnostics:
+        assert diagnostics["is_ratio/min"] == diagnostics["is_ratio/max"] == 1.0
+        assert diagnostics["alpha"] == 0.0
     mask = batch.rollout.completion_mask
     for weights in batch.weights:
         assert torch.equal(weights, mask.float())
@@ -58,8 +58,9 @@ def test_bf16_engine_is_on_policy_and_ais_reduces_to_plain_grpo(tokenizer, tmp_p
 def test_fp8_engine_shows_a_mismatch_and_bounded_ais_weights(tokenizer, tmp_path):
     trainer = make_trainer(tokenizer, tmp_path, rollout_precision="fp8", correction="ais", is_clip=2.0)
     batch = trainer.make_generation_batch()
-    assert batch.metrics["correction/k3_kl"] > 0
-    assert 0.0 <= batch.metrics["correction/alpha"] <= 1.0
+    for diagnostics in batch.diagnostics:
+        assert diagnostics["k3_kl"] > 0
+        assert 0.0 <= diagnostics["alpha"] <= 1.0
     for weights in batch.weights:
         assert torch.isfinite(weights).all()
         assert (weights <= 2.0).all() and (weights >= 0).all()
@@ -122,3 +123,13 @@ def test_lora_preset_for_qwen3(tokenizer, tmp_path):
     trainer = make_trainer(tokenizer, tmp_path, tiny_qwen3)
     leaves = {n.rsplit(".", 1)[-1] for n, m in trainer.unwrapped_model.named_modules() if hasattr(m, "lora_A")}
     assert leaves == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+
+
+def test_gradient_accumulation_scores_every_micro_batch_with_the_same_masks(tokenizer, tmp_path):
+    """With the one-step estimator, ℓ_θ of the first pass must equal ℓ_old exactly on every micro-batch."""
+    trainer = make_trainer(tokenizer, tmp_path, rollout_precision="bf16", per_device_train_batch_size=2,
+                           gradient_accumulation_steps=2, num_iterations=1)
+    batch = trainer.make_generation_batch()
+    assert batch.diagnostics[0]["is_ratio/min"] == batch.diagnostics[0]["is_ratio/max"] == 1.0
+    metrics = trainer.optimisation_pass(batch, 0)
+    assert metrics["policy_ratio/mean"] == 1.0 and metrics["clip_ratio/region_mean"] == 0.0
