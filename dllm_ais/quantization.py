@@ -88,7 +88,8 @@ def quantize_model_(model: nn.Module, precision: str, skip: SkipRule) -> list[st
     elif native_fp8_available(model.get_submodule(names[0]).weight.device):
         for name in names:
             model.get_submodule(name).to(torch.bfloat16)
-        config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False)
+        config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False,
+                                                           activation_value_lb=AMAX_FLOOR)
         quantize_(model, config, filter_fn=selects)
     else:
         _log_emulated_fp8_notice()
@@ -128,6 +129,11 @@ def _is_quantizable(name: str, module: nn.Module, skip: SkipRule) -> bool:
     )
 
 
+# Lower bound on a row's absolute maximum before its FP8 scale is taken: an all-zero activation row (e.g. the
+# embedding of a padding token, which `padding_idx` keeps at zero) would otherwise get scale 0 and turn into NaN.
+AMAX_FLOOR = 1e-12
+
+
 def _emulated_w8a8_weight(weight: torch.Tensor) -> Float8Tensor:
     """The W8A8 per-row FP8 weight of the native path, built with the plain-torch kernels that run on any device."""
     return Float8Tensor.from_hp(
@@ -137,7 +143,8 @@ def _emulated_w8a8_weight(weight: torch.Tensor) -> Float8Tensor:
         mm_config=Float8MMConfig(use_fast_accum=True),
         kernel_preference=KernelPreference.TORCH,
         act_quant_kwargs=QuantizeTensorToFloat8Kwargs(
-            float8_dtype=FP8_DTYPE, granularity=PerRow(), kernel_preference=KernelPreference.TORCH
+            float8_dtype=FP8_DTYPE, granularity=PerRow(), kernel_preference=KernelPreference.TORCH,
+            hp_value_lb=AMAX_FLOOR,
         ),
     )
 

@@ -76,7 +76,7 @@ def main() -> None:
     recipe = output_dir / "recipe.yaml"
     with atomic_directory(output_dir) as staging:
         model.save_pretrained(staging, safe_serialization=True)
-        tokenizer.save_pretrained(staging)
+        build_hf_tokenizer().save_pretrained(staging)  # as built: padding side is set by the loader, not stored
         if recipe.is_file():
             (staging / "recipe.yaml").write_text(recipe.read_text())
     print(f"{args.family}: SFT loss {losses[0]:.3f} -> {sum(losses[-20:]) / 20:.3f} over {args.steps} steps; greedy "

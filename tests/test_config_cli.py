@@ -25,7 +25,8 @@ def test_overrides_parse_yaml_values():
 
 
 def test_exponent_without_a_dot_is_a_float():
-    assert load_config(EMBEDDED_RECIPE, ["--learning_rate=1e-5", "--is_clip_low=5e-1"]).learning_rate == 1e-5
+    config = load_config(EMBEDDED_RECIPE, ["--learning_rate=1e-5", "--ais_kl_scale=2e-3"])
+    assert (config.learning_rate, config.ais_kl_scale) == (1e-5, 2e-3)
 
 
 @pytest.mark.parametrize("overrides, message", [

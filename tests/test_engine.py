@@ -311,3 +311,17 @@ def test_bad_precision_name_lists_the_valid_ones():
     with pytest.raises(ValueError, match="precision") as error:
         RolloutEngine(tiny_llada(), precision="fp16")
     assert all(repr(name) in str(error.value) for name in PRECISIONS)
+
+
+def test_fp8_engine_stays_finite_on_all_zero_activation_rows():
+    """A padding embedding kept at zero by `padding_idx` gives zero rows; their FP8 scale must not be 0 (NaN)."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, pad_token_id=0)).eval()
+    assert model.get_input_embeddings().weight[0].abs().sum() == 0
+    input_ids = torch.tensor([[0, 0, 5, 6, 7], [3, 4, 5, 6, 7]])
+    attention_mask = (input_ids != 0).long()
+    with torch.no_grad():
+        logits = RolloutEngine(model, precision="fp8").model(input_ids, attention_mask=attention_mask).logits
+    assert torch.isfinite(logits).all()
