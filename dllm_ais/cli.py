@@ -84,8 +84,8 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
 def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
     import torch
 
-    from dllm_ais.data import load_task_dataset
-    from dllm_ais.trainer import completion_texts, tokenize_prompts
+    from dllm_ais.data import load_task_dataset, tokenize_prompts
+    from dllm_ais.trainer import completion_texts
 
     config, model, tokenizer, policy = _load_for_inference(args, overrides)
     if args.prompt:

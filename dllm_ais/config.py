@@ -15,15 +15,14 @@ from typing import Any
 
 import yaml
 
+from dllm_ais.correction import ALPHA_RULES, CORRECTION_METHODS, IS_LEVELS
+from dllm_ais.data import TASKS
+from dllm_ais.loss import LOSS_TYPES, RATIO_TYPES, REWARD_SCALINGS
+from dllm_ais.quantization import PRECISIONS
+
 EMBEDDED_MODEL = "embedded"
-TASKS = ("digits", "gsm8k", "math500", "countdown", "sudoku")
 POLICIES = ("auto", "diffusion", "autoregressive")
 ESTIMATORS = ("one_step", "trajectory")
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
-SCALE_REWARDS = ("none", "group", "batch")
-IS_LEVELS = ("token", "sequence", "geometric")
-AIS_RULES = ("gate", "oracle")
-RATIO_TYPES = ("token", "ctpo")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 
@@ -67,7 +66,7 @@ class GRPOConfig:
     max_prompt_length: int = 256
 
     # --- rollout ---
-    rollout_precision: str = field(default="fp8", metadata={**_choice("bf16", "fp8", "fp8_weight_only"),
+    rollout_precision: str = field(default="fp8", metadata={**_choice(*PRECISIONS),
         "help": "Precision of the rollout engine; bf16 = no quantization (on-policy baseline)."})
     num_generations: int = field(default=6, metadata={"help": "Completions per prompt (the GRPO group size G)."})
     max_completion_length: int = field(default=256, metadata={"help": "Completion length (diffusion gen_length)."})
@@ -85,13 +84,13 @@ class GRPOConfig:
     p_mask_prompt: float = 0.15
 
     # --- correction ---
-    correction: str = field(default="ais", metadata={**_choice("none", "tis", "mis", "acr", "ais"),
+    correction: str = field(default="ais", metadata={**_choice(*CORRECTION_METHODS),
         "help": "Rollout-mismatch correction of the policy gradient."})
     is_level: str = field(default="token", metadata=_choice(*IS_LEVELS))
     is_clip: float = field(default=2.0, metadata={"help": "Upper truncation C of the importance ratio."})
     is_clip_low: float | None = None
     is_normalize: bool = False
-    ais_rule: str = field(default="gate", metadata=_choice(*AIS_RULES))
+    ais_rule: str = field(default="gate", metadata=_choice(*ALPHA_RULES))
     ais_kl_scale: float = field(default=1e-3, metadata={"help": "κ: the k3 divergence at which AIS is ~63% on."})
     ais_alpha_max: float = 1.0
     ais_alpha_ema: float = field(default=0.0, metadata={"help": "EMA of α across batches; 0 = per batch."})
@@ -101,7 +100,7 @@ class GRPOConfig:
     epsilon: float = 0.5
     epsilon_high: float | None = None
     loss_type: str = field(default="dapo", metadata=_choice(*LOSS_TYPES))
-    scale_rewards: str = field(default="none", metadata=_choice(*SCALE_REWARDS))
+    scale_rewards: str = field(default="none", metadata=_choice(*REWARD_SCALINGS))
     ratio_type: str = field(default="token", metadata=_choice(*RATIO_TYPES))
 
     # --- optimisation ---

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from dllm_ais.data import apply_chat_template
+from dllm_ais.data import tokenize_prompts
+from dllm_ais.likelihood import causal_position_ids
 
 
 def masked_diffusion_sft_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, answer_mask: torch.Tensor,
@@ -38,8 +39,7 @@ def masked_diffusion_sft_loss(model, input_ids: torch.Tensor, attention_mask: to
 def causal_sft_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, answer_mask: torch.Tensor,
                     generator: torch.Generator | None = None) -> torch.Tensor:
     """Mean next-token cross-entropy over answer tokens; positions count real tokens only (left padding)."""
-    position_ids = (attention_mask.long().cumsum(1) - 1).clamp(min=0)
-    logits = model(input_ids, attention_mask=attention_mask, position_ids=position_ids).logits[:, :-1]
+    logits = model(input_ids, attention_mask=attention_mask, position_ids=causal_position_ids(attention_mask)).logits[:, :-1]
     targets = answer_mask[:, 1:]
     return F.cross_entropy(logits[targets].float(), input_ids[:, 1:][targets])
 
@@ -49,8 +49,7 @@ def build_sft_batch(tokenizer, prompts: list, answers: list[str], gen_length: in
 
     Returns input_ids, attention_mask and answer_mask [B, P + gen_length], the RL rollout layout exactly.
     """
-    texts = [apply_chat_template(tokenizer, p) if isinstance(p, list) else p for p in prompts]
-    prompt = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts)
     end_of_turn = tokenizer.get_vocab().get("<|eot_id|>")
     answer_rows = []
     for answer in answers:
@@ -59,10 +58,10 @@ def build_sft_batch(tokenizer, prompts: list, answers: list[str], gen_length: in
             raise ValueError(f"Answer of {len(ids)} tokens does not fit gen_length={gen_length}.")
         answer_rows.append(ids + [tokenizer.eos_token_id] * (gen_length - len(ids)))
     answer_ids = torch.tensor(answer_rows)
-    input_ids = torch.cat([prompt.input_ids, answer_ids], dim=1)
-    attention_mask = torch.cat([prompt.attention_mask, torch.ones_like(answer_ids)], dim=1)
+    input_ids = torch.cat([prompt_ids, answer_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, torch.ones_like(answer_ids)], dim=1)
     answer_mask = torch.zeros_like(input_ids, dtype=torch.bool)
-    answer_mask[:, prompt.input_ids.shape[1]:] = True
+    answer_mask[:, prompt_ids.shape[1]:] = True
     return input_ids.to(device), attention_mask.to(device), answer_mask.to(device)
 
 

@@ -30,7 +30,7 @@ from transformers import get_scheduler
 from dllm_ais.checkpoint import atomic_directory, load_model, load_tokenizer, resolve_dtype, special_tokens
 from dllm_ais.config import GRPOConfig, save_config
 from dllm_ais.correction import correct
-from dllm_ais.data import apply_chat_template, load_task_dataset
+from dllm_ais.data import load_task_dataset, tokenize_prompts
 from dllm_ais.engine import RolloutEngine
 from dllm_ais.loss import grpo_loss, group_advantages
 from dllm_ais.metrics import MetricsLog, console_line, plot_metrics
@@ -62,16 +62,6 @@ def build_policy(config: GRPOConfig, model_config, tokenizer, temperature: float
         max_new_tokens=config.max_completion_length, temperature=temperature, top_k=config.top_k, top_p=config.top_p,
         eos_token_ids=tokens.eos_token_ids, pad_token_id=tokens.pad_token_id)
     return AutoregressivePolicy(sampler)
-
-
-def tokenize_prompts(tokenizer, prompts: list, max_prompt_length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chat-template and left-pad prompts; a prompt longer than `max_prompt_length` is an error, never silently cut."""
-    texts = [apply_chat_template(tokenizer, p) if isinstance(p, list) else p for p in prompts]
-    encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    if encoded.input_ids.shape[1] > max_prompt_length:
-        raise ValueError(f"A prompt has {encoded.input_ids.shape[1]} tokens > max_prompt_length={max_prompt_length}; "
-                         "raise max_prompt_length or filter long prompts from the dataset.")
-    return encoded.input_ids.to(device), encoded.attention_mask.to(device)
 
 
 def completion_texts(tokenizer, rollout: Rollout) -> list[str]:

@@ -26,7 +26,7 @@ from dllm_ais.likelihood import (
     selective_log_softmax,
     shape_logits,
 )
-from dllm_ais.sampling.rollout import Rollout, completion_mask_through_first_eos
+from dllm_ais.sampling.rollout import Rollout, completion_mask_through_first_eos, token_id_tuple
 
 __all__ = ["AutoregressiveSampler", "AutoregressiveSamplerConfig"]
 
@@ -67,7 +67,7 @@ class AutoregressiveSamplerConfig:
         if not is_plain_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive int; got {self.max_new_tokens!r}")
         check_sampling_parameters(self.temperature, self.top_k, self.top_p)
-        self.eos_token_ids = _as_id_tuple(self.eos_token_ids)
+        self.eos_token_ids = token_id_tuple(self.eos_token_ids)
         if self.pad_token_id is not None and not is_plain_int(self.pad_token_id):
             raise ValueError(f"pad_token_id must be an int or None; got {self.pad_token_id!r}")
 
@@ -103,16 +103,6 @@ class AutoregressiveSamplerConfig:
         return cls(**fields)
 
 
-def _as_id_tuple(ids: int | list[int] | tuple[int, ...] | None) -> tuple[int, ...]:
-    """Normalise an id or a sequence of ids to a tuple of ints (None → ())."""
-    if ids is None:
-        return ()
-    ids = (ids,) if isinstance(ids, int) else tuple(ids)
-    if not all(is_plain_int(i) for i in ids):
-        raise ValueError(f"token ids must be ints; got {ids!r}")
-    return ids
-
-
 class AutoregressiveSampler:
     """Decodes completions from a causal LM with its KV cache; see the module docstring for what is supported."""
 
@@ -124,7 +114,7 @@ class AutoregressiveSampler:
         eos_ids = self.config.eos_token_ids
         for source in (getattr(model, "generation_config", None), getattr(model, "config", None)):
             if not eos_ids:
-                eos_ids = _as_id_tuple(getattr(source, "eos_token_id", None))
+                eos_ids = token_id_tuple(getattr(source, "eos_token_id", None))
         pad_id = self.config.pad_token_id
         if pad_id is None:
             pad_id = getattr(getattr(model, "config", None), "pad_token_id", None)

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dllm_ais.sampling.rollout import Rollout, completion_mask_through_first_eos
+from dllm_ais.sampling.rollout import Rollout, completion_mask_through_first_eos, token_id_tuple
 
 __all__ = [
     "DiffusionSamplerConfig",
@@ -147,12 +147,6 @@ def _pad_equals_mask_problem(pad_token_id: int | None, mask_token_id: int | None
     return None
 
 
-def _as_id_tuple(ids: int | list[int] | tuple[int, ...] | None) -> tuple[int, ...]:
-    if ids is None:
-        return ()
-    return (int(ids),) if isinstance(ids, int) else tuple(int(i) for i in ids)
-
-
 @dataclass
 class DiffusionSamplerConfig:
     """Settings of the masked-diffusion sampler (LLaDA's `generate` arguments plus the behaviour-policy options).
@@ -190,7 +184,7 @@ class DiffusionSamplerConfig:
     confidence_threshold: float | None = None
 
     def __post_init__(self) -> None:
-        self.eos_token_ids = _as_id_tuple(self.eos_token_ids)
+        self.eos_token_ids = token_id_tuple(self.eos_token_ids)
         problems = [
             f"{name}={value} must be a positive integer"
             for name, value in (("gen_length", self.gen_length), ("block_length", self.block_length), ("steps", self.steps))
@@ -272,7 +266,7 @@ class MaskedDiffusionSampler:
                 "No mask token id: set DiffusionSamplerConfig(mask_token_id=...) (126336 for LLaDA-8B) "
                 "or model.config.mask_token_id."
             )
-        eos = self.config.eos_token_ids or _as_id_tuple(getattr(model_config, "eos_token_id", None))
+        eos = self.config.eos_token_ids or token_id_tuple(getattr(model_config, "eos_token_id", None))
         if not eos:
             raise ValueError(
                 "No EOS token id, so completions could not be cut at their end: set "

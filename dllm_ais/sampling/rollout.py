@@ -63,3 +63,10 @@ def completion_mask_through_first_eos(completion_ids: torch.Tensor, eos_token_id
         is_eos |= completion_ids == eos
     eos_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()
     return eos_before == 0
+
+
+def token_id_tuple(ids: int | list[int] | tuple[int, ...] | None) -> tuple[int, ...]:
+    """Normalise an id or a sequence of ids to a tuple of ints (None → ())."""
+    if ids is None:
+        return ()
+    return (int(ids),) if isinstance(ids, int) else tuple(int(i) for i in ids)
