@@ -44,6 +44,17 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def inference_recipe(args: argparse.Namespace):
+    """The recipe giving eval/generate their task and sampler settings: the one passed, else the training config
+    saved beside a trained model (`dllm_ais_config.yaml`), else the embedded run's recipe."""
+    from pathlib import Path
+
+    from dllm_ais.checkpoint import EMBEDDED_RECIPE
+
+    saved = Path(args.model or "") / "dllm_ais_config.yaml"
+    return args.recipe or (saved if args.model and saved.is_file() else EMBEDDED_RECIPE)
+
+
 def _load_for_inference(args: argparse.Namespace, overrides: list[str]):
     """Config (with overrides), model, tokenizer and greedy-or-sampling policy for eval/generate."""
     import torch
@@ -53,7 +64,7 @@ def _load_for_inference(args: argparse.Namespace, overrides: list[str]):
     from dllm_ais.engine import RolloutEngine
     from dllm_ais.trainer import build_policy
 
-    config = load_config(args.recipe, [f"--model_name_or_path={args.model}", *overrides] if args.model else overrides)
+    config = load_config(inference_recipe(args), [f"--model_name_or_path={args.model}", *overrides] if args.model else overrides)
     tokenizer = load_tokenizer(config.model_name_or_path)
     model = load_model(config.model_name_or_path, resolve_dtype(config.dtype), config.trust_remote_code)
     device = "cuda" if torch.cuda.is_available() else "cpu"
