@@ -267,10 +267,14 @@ class GRPOTrainer:
         timings["timing/logprob_s"] = time.perf_counter() - start
 
         start = time.perf_counter()
+        # Weights and diagnostics (ESS, α, ...) are computed over the whole batch, gathered from every process.
+        gather = self.accelerator.gather
+        global_mask = gather(rollout.completion_mask.long()).bool()
         corrections = [correct(
-            cfg.correction, old, ro, advantages, rollout.completion_mask, clip=cfg.is_clip, clip_low=cfg.is_clip_low,
-            level=cfg.is_level, normalize=cfg.is_normalize, kl_scale=cfg.ais_kl_scale, rule=self.ais_rule,
-            alpha_max=cfg.ais_alpha_max, previous_alpha=self.previous_alpha, alpha_ema=cfg.ais_alpha_ema)
+            cfg.correction, gather(old), gather(ro), all_advantages, global_mask, clip=cfg.is_clip,
+            clip_low=cfg.is_clip_low, level=cfg.is_level, normalize=cfg.is_normalize, kl_scale=cfg.ais_kl_scale,
+            rule=self.ais_rule, alpha_max=cfg.ais_alpha_max, previous_alpha=self.previous_alpha,
+            alpha_ema=cfg.ais_alpha_ema)
             for old, ro in zip(logp_old, logp_rollout)]
         if cfg.correction == "ais":  # the EMA advances once per generation batch, over its estimator seeds
             self.previous_alpha = sum(c.diagnostics["alpha"] for c in corrections) / len(corrections)
@@ -284,8 +288,9 @@ class GRPOTrainer:
             **reward_metrics, **timings,
         }
         self.generation_index += 1
-        return GenerationBatch(rollout, advantages, logp_old, logp_ref, [c.weights for c in corrections],
-                               [c.clip_scale for c in corrections], [c.diagnostics for c in corrections], seeds, metrics)
+        return GenerationBatch(rollout, advantages, logp_old, logp_ref, [c.weights[local] for c in corrections],
+                               [None if c.clip_scale is None else c.clip_scale[local] for c in corrections],
+                               [c.diagnostics for c in corrections], seeds, metrics)
 
     def optimisation_pass(self, batch: GenerationBatch, iteration: int) -> dict[str, float]:
         """One optimizer step over the generation batch: gradient accumulation over its micro-batches.

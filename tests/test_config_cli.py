@@ -2,6 +2,8 @@
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -101,3 +103,17 @@ def test_cli_trains_the_tiny_qwen3_through_the_shared_loop(tmp_path, capsys):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert records[0]["correction/k3_kl"] > 0 and 0 <= records[0]["correction/alpha"] <= 1
     assert "held-out reward: before" in capsys.readouterr().out
+
+
+def test_two_process_ddp_run_through_accelerate_launch(tmp_path):
+    """The same loop under `accelerate launch` with 2 CPU processes (gloo): gathers, slicing, accumulation, saving."""
+    out = tmp_path / "ddp"
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2", "--num_machines",
+               "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "dllm_ais.cli", "train",
+               "--max_steps=2", "--eval_size=0", "--num_iterations=1", "--per_device_train_batch_size=8",
+               "--gradient_accumulation_steps=2", f"--output_dir={out}"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    assert (out / "final" / "adapter_model.safetensors").is_file()
