@@ -75,6 +75,11 @@ def as_trl_completions(prompts: list, texts: list[str]) -> list:
     return [[{"role": "assistant", "content": t}] if isinstance(p, list) else t for p, t in zip(prompts, texts)]
 
 
+def micro_seed(seed: int, micro_batch: int) -> int:
+    """The estimator seed of one micro-batch: distinct across micro-batches and across inner iterations' seeds."""
+    return seed + 100_003 * micro_batch
+
+
 def score_rollout(tokenizer, reward_funcs, columns: dict[str, list], rollout: Rollout,
                   reward_weights: list[float] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Rewards [B] (float32) of a rollout's completions and reward metrics; `columns` holds the prompts' dataset rows."""
@@ -223,13 +228,13 @@ class GRPOTrainer:
         return [slice(start, start + step) for start in range(0, size, step)]
 
     def micro_batched_logprobs(self, model, rollout: Rollout, seed: int, rollout_side: bool = False) -> torch.Tensor:
-        """Log-probs [B, L] computed micro-batch by micro-batch, micro-batch j with estimator seed `seed + j`.
+        """Log-probs [B, L] computed micro-batch by micro-batch, micro-batch j with estimator seed `micro_seed(seed, j)`.
 
         ℓ_θ is computed per micro-batch during the optimisation passes; computing ℓ_rollout, ℓ_old and ℓ_ref over
         the very same slices with the very same seeds gives every side identical random masks.
         """
         score = self.policy.rollout_logprobs if rollout_side else self.policy.logprobs
-        return torch.cat([score(model, rollout.select(rows), seed + j)
+        return torch.cat([score(model, rollout.select(rows), micro_seed(seed, j))
                           for j, rows in enumerate(self.micro_batches(len(rollout.sequences)))])
 
     @torch.no_grad()
@@ -309,7 +314,7 @@ class GRPOTrainer:
         for j, rows in enumerate(micro_batches):
             with self.accelerator.accumulate(self.model):
                 part = batch.rollout.select(rows)
-                logp = self.policy.logprobs(self.model, part, batch.seeds[k] + j)
+                logp = self.policy.logprobs(self.model, part, micro_seed(batch.seeds[k], j))
                 loss, loss_metrics = grpo_loss(
                     logp, batch.logp_old[k][rows], batch.advantages[rows], part.completion_mask,
                     weights=batch.weights[k][rows],
