@@ -97,7 +97,7 @@ class AutoregressivePolicy:
 
     Both sides apply the same temperature/top-k/top-p processing. The rollout side is recomputed by a teacher-forced
     forward of the engine model rather than taken from the decoding loop, so that with the bf16 engine the ratio is
-    exactly 1 (incremental KV-cache decoding is not bit-identical to a full forward).
+    1 to float rounding (incremental KV-cache decoding is not bit-identical to a full forward).
     """
 
     sampler_config: AutoregressiveSamplerConfig
