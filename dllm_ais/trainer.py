@@ -367,12 +367,13 @@ class GRPOTrainer:
         while self.global_step < cfg.max_steps:
             start = time.perf_counter()
             batch = self.make_generation_batch()
+            batch.metrics["timing/generation_batch_s"] = time.perf_counter() - start
             for iteration in range(cfg.num_iterations):
                 if self.global_step >= cfg.max_steps:
                     break
+                start = time.perf_counter()
                 metrics = {"step": self.global_step + 1, **batch.metrics, **self.optimisation_pass(batch, iteration)}
-                if iteration == 0:
-                    metrics["timing/generation_batch_s"] = time.perf_counter() - start
+                metrics["timing/optimisation_pass_s"] = time.perf_counter() - start
                 progress.update(1)
                 if is_main and self.global_step % cfg.logging_steps == 0:
                     log.write(metrics)
