@@ -222,3 +222,9 @@ def test_masked_diffusion_model_is_rejected():
         AutoregressiveSampler().sample(llada, torch.ones(1, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="causal LM"):
         causal_logprobs(llada, torch.ones(1, 5, dtype=torch.long), None, 3)
+
+
+@pytest.mark.parametrize("eos", [["2"], [2.0], True])
+def test_non_integer_eos_ids_are_rejected(eos):
+    with pytest.raises(ValueError, match="token ids must be ints"):
+        AutoregressiveSamplerConfig(eos_token_ids=eos)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, fields
 
 import torch
@@ -66,7 +67,10 @@ def completion_mask_through_first_eos(completion_ids: torch.Tensor, eos_token_id
 
 
 def token_id_tuple(ids: int | list[int] | tuple[int, ...] | None) -> tuple[int, ...]:
-    """Normalise an id or a sequence of ids to a tuple of ints (None → ())."""
+    """Normalise an id or a sequence of ids to a tuple of ints (None → ()); anything but integers is a ValueError."""
     if ids is None:
         return ()
-    return (int(ids),) if isinstance(ids, int) else tuple(int(i) for i in ids)
+    ids = (ids,) if not isinstance(ids, (list, tuple)) else tuple(ids)
+    if any(isinstance(i, bool) or not hasattr(i, "__index__") for i in ids):
+        raise ValueError(f"token ids must be ints; got {ids!r}")
+    return tuple(operator.index(i) for i in ids)
