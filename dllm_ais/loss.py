@@ -13,14 +13,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from dllm_ais.correction import (
-    LOG_RATIO_BOUND,
-    as_token_mask,
-    broadcast_advantages,
-    check_choice,
-    masked_mean,
-    scalars_to_floats,
-)
+from dllm_ais.correction import LOG_RATIO_BOUND
+from dllm_ais.ops import as_token_mask, broadcast_advantages, check_choice, masked_mean, scalars_to_floats
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 RATIO_TYPES = ("token", "ctpo")

@@ -38,7 +38,7 @@ from torchao.quantization.quantize_.workflows.float8.float8_tensor import Quanti
 from torchao.quantization.utils import get_block_size
 from torchao.utils import TorchAOBaseTensor
 
-from dllm_ais.correction import check_choice
+from dllm_ais.ops import check_choice
 
 __all__ = ["PRECISIONS", "SkipRule", "check_precision", "native_fp8_available", "quantize_model_", "requantize_"]
 
