@@ -19,6 +19,7 @@ from dllm_ais.correction import ALPHA_RULES, CORRECTION_METHODS, IS_LEVELS
 from dllm_ais.data import TASKS
 from dllm_ais.loss import LOSS_TYPES, RATIO_TYPES, REWARD_SCALINGS
 from dllm_ais.quantization import PRECISIONS
+from dllm_ais.sampling.diffusion import CACHE_MODES
 
 EMBEDDED_MODEL = "embedded"
 POLICIES = ("auto", "diffusion", "autoregressive")
@@ -75,6 +76,12 @@ class GRPOConfig:
     temperature: float = 0.9
     remasking: str = field(default="low_confidence", metadata={"help": "Remasking rule name (low_confidence, random, ...)."})
     cfg_scale: float = 0.0
+    rollout_cache: str = field(default="none", metadata={**_choice(*CACHE_MODES),
+        "help": "Diffusion block KV cache (Fast-dLLM): none = official algorithm; prefix / dual reuse keys/values "
+                "within a block (approximate: the trajectory estimator's ratio sees it, the one-step one does not)."})
+    rollout_threshold: float | None = field(default=None, metadata={
+        "help": "Diffusion parallel decoding: commit every block position with confidence > this (>= 1 per step; "
+                "Fast-dLLM: 0.9); diffusion_steps then no longer applies. None = the fixed step schedule."})
     top_k: int = field(default=0, metadata={"help": "Autoregressive sampling only; 0 = off."})
     top_p: float = field(default=1.0, metadata={"help": "Autoregressive sampling only; 1 = off."})
 
@@ -142,11 +149,13 @@ class GRPOConfig:
              f"by num_generations={self.num_generations} (whole groups per device)"),
             (self.policy == "autoregressive" or self.max_completion_length % max(self.block_length, 1) == 0,
              f"max_completion_length={self.max_completion_length} must be a multiple of block_length={self.block_length}"),
-            (self.policy == "autoregressive"
+            (self.policy == "autoregressive" or self.rollout_threshold is not None
              or self.diffusion_steps % max(self.max_completion_length // max(self.block_length, 1), 1) == 0,
              f"diffusion_steps={self.diffusion_steps} must be a multiple of the number of blocks "
              f"({self.max_completion_length // max(self.block_length, 1)})"),
             (self.temperature >= 0, "temperature must be >= 0"),
+            (self.rollout_threshold is None or 0 <= self.rollout_threshold <= 1,
+             f"rollout_threshold={self.rollout_threshold} must be a confidence in [0, 1] (Fast-dLLM: 0.9) or null"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (0 <= self.p_mask_prompt < 1, "p_mask_prompt must be in [0, 1)"),
             (self.is_clip > 0, "is_clip must be > 0"),

@@ -289,7 +289,9 @@ def trajectory_logprobs(
     suppression) record their altered distribution; this replay scores the plain model.
 
     Cost: one forward per distinct step, `steps_per_forward` canvases stacked along the batch per
-    forward (memory grows linearly with it; the result does not depend on it).
+    forward (memory grows linearly with it; the result does not depend on it). Each forward computes
+    logits only at the completion positions committed at its steps (one position per step in
+    autoregressive order), not over the whole completion.
     """
     _check_mask_token(model, mask_token_id)
     check_sampling_parameters(temperature, top_k=0, top_p=1.0)
@@ -315,16 +317,18 @@ def trajectory_logprobs(
         step_index = steps.view(-1, 1, 1)  # [S, 1, 1]
         hidden = commit_step.unsqueeze(0) >= step_index  # [S, B, L]: still masked before step t
         committed = commit_step.unsqueeze(0) == step_index  # [S, B, L]: committed at step t
+        columns = committed.any(dim=1).any(dim=0).nonzero().flatten()  # [C] the positions these steps commit
         canvases = torch.cat(
             [rollout.prompt_ids.expand(len(steps), -1, -1), torch.where(hidden, mask_token_id, completion)], dim=2
         )
         logits = model(
             input_ids=canvases.flatten(0, 1),
             attention_mask=attention_mask.repeat(len(steps), 1),
-            logits_to_keep=gen_length,
-        ).logits.unflatten(0, (len(steps), batch))
-        targets = completion.expand(len(steps), -1, -1)
-        values = selective_log_softmax(logits[committed], targets[committed], chunk_size, process_logits=scale)
+            logits_to_keep=columns + rollout.prompt_length,
+        ).logits.unflatten(0, (len(steps), batch))  # [S, B, C, V]
+        kept = committed[..., columns]
+        targets = completion[:, columns].expand(len(steps), -1, -1)
+        values = selective_log_softmax(logits[kept], targets[kept], chunk_size, process_logits=scale)
         logprobs = logprobs + _scatter_to_positions(committed, values).sum(dim=0)
     return logprobs
 

@@ -14,7 +14,6 @@ One generation batch (per device: `per_device_train_batch_size × gradient_accum
 from __future__ import annotations
 
 import copy
-import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,7 +55,8 @@ def build_policy(config: GRPOConfig, model_config, tokenizer, temperature: float
         sampler = DiffusionSamplerConfig(
             gen_length=config.max_completion_length, block_length=config.block_length, steps=config.diffusion_steps,
             temperature=temperature, remasking=config.remasking, mask_token_id=tokens.mask_token_id,
-            eos_token_ids=tokens.eos_token_ids, pad_token_id=tokens.pad_token_id, cfg_scale=config.cfg_scale)
+            eos_token_ids=tokens.eos_token_ids, pad_token_id=tokens.pad_token_id, cfg_scale=config.cfg_scale,
+            cache=config.rollout_cache, threshold=config.rollout_threshold)
         return DiffusionPolicy(sampler, estimator=config.likelihood_estimator, p_mask_prompt=config.p_mask_prompt)
     sampler = AutoregressiveSamplerConfig(
         max_new_tokens=config.max_completion_length, temperature=temperature, top_k=config.top_k, top_p=config.top_p,
@@ -214,8 +214,7 @@ class GRPOTrainer:
         size = self.config.per_device_train_batch_size
         parts = [policy.sample(model, input_ids[i:i + size], attention_mask[i:i + size], generator)
                  for i in range(0, len(input_ids), size)]
-        return Rollout(**{f.name: torch.cat([getattr(p, f.name) for p in parts]) if f.name != "prompt_length"
-                          else parts[0].prompt_length for f in dataclasses.fields(Rollout)})
+        return Rollout.concatenate(parts)
 
     def estimator_seeds(self) -> list[int]:
         """One estimator seed per inner iteration (one-step surrogate) or a single one (exact estimators)."""
@@ -290,6 +289,7 @@ class GRPOTrainer:
             "reward": all_rewards.mean().item(),
             "reward_std": all_rewards.view(-1, cfg.num_generations).std(1).mean().item(),
             "completions/mean_length": lengths.mean().item(),
+            **({} if rollout.num_steps is None else {"completions/mean_steps": rollout.num_steps.float().mean().item()}),
             **reward_metrics, **timings,
         }
         self.generation_index += 1

@@ -1,5 +1,6 @@
 """The masked-diffusion sampler: equality with the official LLaDA algorithm, trajectory invariants, plug-ins, errors."""
 
+import contextlib
 import copy
 import math
 
@@ -7,12 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dllm_ais.likelihood import trajectory_logprobs
 from dllm_ais.models import LLaDAConfig, LLaDAModelLM
 from dllm_ais.sampling.diffusion import (
     REMASKING_RULES,
     DiffusionSamplerConfig,
     MaskedDiffusionSampler,
     gumbel_argmax,
+    parallel_commit_counts,
     register_remasking_rule,
     sampling_logprobs,
     transfer_schedule,
@@ -228,33 +231,183 @@ def test_registered_remasking_rule_is_selectable_by_name(model):
         REMASKING_RULES.pop("rightmost_first_test")
 
 
-def test_confidence_threshold_parallel_decoding(model):
+# ------------------------------------------------------------------------------------------------------------------
+# Fast rollouts: block KV cache, parallel decoding, autoregressive order (ALGORITHMS.md §1b)
+# ------------------------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def recorded_inputs(model):
+    """Yield a list that gets the input ids of every forward of `model` (a clone: the sampler edits its canvas)."""
+    inputs = []
+    handle = model.register_forward_pre_hook(lambda module, args, kwargs: inputs.append(
+        (args[0] if args else kwargs["input_ids"]).clone()), with_kwargs=True)
+    try:
+        yield inputs
+    finally:
+        handle.remove()
+
+
+def positions_computed(model, sampler, ids, attention, **kwargs) -> tuple[int, object]:
+    """(token positions of one row that the model ran on in all, the rollout)."""
+    with recorded_inputs(model) as inputs:
+        rollout = sampler.sample(model, ids, attention, **kwargs)
+    return sum(x.shape[1] for x in inputs), rollout
+
+
+def threshold_count(confidences: list[float], threshold: float) -> int:
+    return max(1, sum(c > threshold for c in confidences))
+
+
+def factor_count(confidences: list[float], factor: float) -> int:
+    return max([1] + [n for n, c in enumerate(confidences, start=1) if (n + 1) * (1 - c) < factor])
+
+
+def test_parallel_commit_counts_threshold_and_factor_rules():
+    scores = torch.tensor([[0.95, 0.5, 0.91, 0.2], [0.3, 0.2, 0.1, 0.05], [0.99, 0.98, 0.97, 0.96], [0.9, 0.9, 0.9, 0.9]])
+    still_masked = torch.tensor([[True] * 4, [True] * 4, [True, True, False, True], [False] * 4])
+    assert parallel_commit_counts(scores, still_masked, threshold=0.9).tolist() == [2, 1, 3, 0]
+    # factor f = 1, row 0: n = 1, 2 pass (2·0.05, 3·0.09 < 1), n = 3 does not (4·0.5); row 2: 2·0.01, 3·0.02, 4·0.04
+    assert parallel_commit_counts(scores, still_masked, factor=1.0).tolist() == [2, 1, 3, 0]
+    assert parallel_commit_counts(scores, still_masked, factor=0.08).tolist() == [1, 1, 2, 0]
+    with pytest.raises(ValueError, match="exactly one"):
+        parallel_commit_counts(scores, still_masked, threshold=0.9, factor=1.0)
+
+
+@pytest.mark.parametrize("rule, value", [("threshold", 0.15), ("threshold", 0.2), ("factor", 3.0)])
+def test_parallel_decoding_commits_what_its_rule_says_each_step_until_the_block_is_filled(model, rule, value):
+    """At τ = 0 the candidate is the argmax and its score the model's probability of it: replaying every recorded
+    canvas, each step commits, in every row with masked positions left in the block, exactly the rule's top set.
+    (The random model's confidences are about 0.14-0.3, hence the low thresholds.)"""
+    ids, attention = left_padded(random_prompts([5, 9, 7], seed=4))
+    gen_length, block_length, prompt_length = 32, 16, ids.shape[1]
+    sampler = MaskedDiffusionSampler(DiffusionSamplerConfig(
+        gen_length=gen_length, block_length=block_length, steps=2, mask_token_id=MASK, **{rule: value}))
+    with recorded_inputs(model) as canvases:
+        rollout = sampler.sample(model, ids, attention)
+    count = threshold_count if rule == "threshold" else factor_count
+    for step, canvas in enumerate(canvases):
+        masked = canvas[:, prompt_length:] == MASK
+        block = int(masked.any(dim=0).nonzero()[0]) // block_length
+        in_block = masked & (torch.arange(gen_length) // block_length == block)
+        confidence = model(canvas, attention_mask=rollout.attention_mask).logits[:, prompt_length:].softmax(-1).amax(-1)
+        expected = torch.zeros_like(masked)
+        for row in range(len(ids)):
+            positions = in_block[row].nonzero().flatten()
+            order = confidence[row, positions].argsort(descending=True)
+            n = count(confidence[row, positions[order]].tolist(), value) if len(positions) else 0
+            expected[row, positions[order[:n]]] = True
+        assert torch.equal(rollout.commit_step == step, expected), f"step {step}"
+    assert not (rollout.completion_ids == MASK).any()
+    assert torch.equal(rollout.num_steps, torch.stack([(rollout.commit_step == t).any(dim=1) for t in range(len(canvases))]).sum(0))
+    assert len(canvases) > 2 and (rollout.num_steps < gen_length).all()  # parallel: fewer steps than tokens
+
+
+def test_threshold_extremes_one_token_per_step_or_one_step_per_block(model):
     ids, attention = left_padded(random_prompts([5, 9]))
-    base = dict(gen_length=32, block_length=16, steps=16, mask_token_id=MASK)
-    greedy = MaskedDiffusionSampler(DiffusionSamplerConfig(**base)).sample(model, ids, attention)
+    base = dict(gen_length=32, block_length=16, mask_token_id=MASK)
+    DiffusionSamplerConfig(**base, steps=15, threshold=0.9)  # the step schedule, hence its divisibility, is unused
+    one_per_step = MaskedDiffusionSampler(DiffusionSamplerConfig(**base, steps=32)).sample(model, ids, attention)
+    never_exceeded = MaskedDiffusionSampler(DiffusionSamplerConfig(**base, threshold=1.0)).sample(model, ids, attention)
+    assert torch.equal(never_exceeded.sequences, one_per_step.sequences)
+    assert torch.equal(never_exceeded.commit_step, one_per_step.commit_step)
+    assert never_exceeded.num_steps.tolist() == [32, 32]
 
-    never_exceeded = MaskedDiffusionSampler(DiffusionSamplerConfig(**base, confidence_threshold=1.0))
-    assert torch.equal(never_exceeded.sample(model, ids, attention).sequences, greedy.sequences)
+    steps, rollout = positions_computed(
+        model, MaskedDiffusionSampler(DiffusionSamplerConfig(**base, threshold=0.0)), ids, attention)
+    assert steps == 2 * (ids.shape[1] + 32)  # each block filled by its first forward
+    assert torch.equal(rollout.commit_step, (torch.arange(32) // 16).expand(2, -1))
+    assert rollout.num_steps.tolist() == [2, 2]
 
-    recorder = RecordingModel(model)
-    always_exceeded = MaskedDiffusionSampler(DiffusionSamplerConfig(**base, confidence_threshold=0.0))
-    rollout = always_exceeded.sample(recorder, ids, attention)
-    assert len(recorder.canvases) == 2  # each block filled in its first step, the remaining steps skipped
-    assert torch.equal(rollout.commit_step, (torch.arange(32) // 16 * 8).expand(2, -1))
-    assert not (rollout.completion_ids == MASK).any()
 
-    recorder = RecordingModel(model)
-    rollout = MaskedDiffusionSampler(DiffusionSamplerConfig(**base, confidence_threshold=0.15)).sample(recorder, ids, attention)
-    assert 2 < len(recorder.canvases) < 16  # a row that fills its block early waits for the other
-    assert not (rollout.completion_ids == MASK).any()
+CACHED_VARIANTS = [
+    pytest.param(dict(cache="prefix"), id="prefix"),
+    pytest.param(dict(cache="dual"), id="dual"),
+    pytest.param(dict(cache="prefix", threshold=0.17), id="prefix-threshold"),
+    pytest.param(dict(cache="dual", threshold=0.17), id="dual-threshold"),
+    pytest.param(dict(cache="dual", factor=3.0), id="dual-factor"),
+    pytest.param(dict(cache="prefix", remasking="left_to_right", steps=32), id="prefix-ar-order"),
+]
 
-    rollout = MaskedDiffusionSampler(DiffusionSamplerConfig(**base, confidence_threshold=0.2)).sample(model, ids, attention)
-    block_of_position = torch.arange(32) // 16
-    commits_per_step = torch.stack([(rollout.commit_step == step).sum(dim=1) for step in range(16)])
-    for step in range(16):
-        masked_before = ((rollout.commit_step >= step) & (block_of_position == step // 8)).sum(dim=1)
-        assert (commits_per_step[step] >= masked_before.clamp(max=2)).all()  # the scheduled 16 / 8, while masked
-    assert (commits_per_step > 2).any() and not torch.equal(rollout.commit_step, greedy.commit_step)
+
+@pytest.mark.parametrize("options", CACHED_VARIANTS)
+def test_cached_sampler_gives_each_row_of_a_mixed_length_batch_its_tokens_alone(model, options):
+    """Left-padded prompts of different lengths share one cache (and one cache_position) without mixing rows."""
+    prompts = random_prompts([3, 11, 6], seed=5)
+    sampler = MaskedDiffusionSampler(DiffusionSamplerConfig(
+        **{"gen_length": 32, "block_length": 16, "steps": 16, "mask_token_id": MASK, **options}))
+    ids, attention = left_padded(prompts)
+    batched = sampler.sample(model, ids, attention, generator=torch.Generator().manual_seed(0))
+    for row, prompt in enumerate(prompts):
+        alone = sampler.sample(model, torch.tensor([prompt]), generator=torch.Generator().manual_seed(0))
+        assert torch.equal(batched.completion_ids[row], alone.completion_ids[0]), f"row {row}"
+        assert batched.num_steps[row] == alone.num_steps[0]
+
+
+@pytest.mark.parametrize("options", [dict(cache="prefix"), dict(cache="dual", threshold=0.15),
+                                     dict(cache="prefix", factor=3.0, remasking="random"), dict(cache="dual", cfg_scale=1.0)],
+                         ids=["prefix", "dual-threshold", "prefix-factor-random", "dual-cfg"])
+def test_cache_refreshed_every_step_is_exactly_the_uncached_sampler(model, options):
+    ids, attention = left_padded(random_prompts([4, 9, 6], seed=6))
+    base = dict(gen_length=32, block_length=16, steps=16, temperature=0.9, mask_token_id=MASK)
+    cache_free = {key: value for key, value in options.items() if key != "cache"}
+    uncached = MaskedDiffusionSampler(DiffusionSamplerConfig(**base, **cache_free))
+    refreshed = MaskedDiffusionSampler(DiffusionSamplerConfig(**base, **options, cache_refresh_interval=1))
+    expected = uncached.sample(model, ids, attention, generator=torch.Generator().manual_seed(1))
+    got = refreshed.sample(model, ids, attention, generator=torch.Generator().manual_seed(1))
+    for name in ("sequences", "step_logprobs", "commit_step", "num_steps"):
+        assert torch.equal(getattr(got, name), getattr(expected, name)), name
+
+
+def test_cached_steps_run_only_their_positions_and_record_the_approximate_logits(model):
+    """prefix recomputes the block and what follows it, dual the block only; the recorded log-probs are those of the
+    cached (approximate) logits, so an uncached replay of the trajectory differs from them — and equals them without
+    the cache."""
+    ids, attention = left_padded(random_prompts([5, 9], seed=7))
+    prompt_length, gen_length, block_length, steps = ids.shape[1], 32, 16, 8  # 4 steps per block
+    canvas_length = prompt_length + gen_length
+    expected_positions = {
+        "none": steps * canvas_length,
+        "prefix": 2 * canvas_length + 3 * (gen_length + (gen_length - block_length)),
+        "dual": 2 * canvas_length + 3 * 2 * block_length,
+    }
+    for cache, positions in expected_positions.items():
+        sampler = MaskedDiffusionSampler(DiffusionSamplerConfig(
+            gen_length=gen_length, block_length=block_length, steps=steps, temperature=0.9, mask_token_id=MASK,
+            cache=cache))
+        computed, rollout = positions_computed(model, sampler, ids, attention, generator=torch.Generator().manual_seed(3))
+        assert computed == positions, cache
+        replayed = trajectory_logprobs(model, rollout, MASK, temperature=0.9)
+        if cache == "none":
+            torch.testing.assert_close(replayed, rollout.step_logprobs, atol=1e-5, rtol=0)
+        else:
+            assert (replayed - rollout.step_logprobs).abs().max() > 1e-3, cache
+
+
+def test_left_to_right_remasking_decodes_in_autoregressive_order_and_the_trajectory_is_its_exact_likelihood(model):
+    ids, attention = left_padded(random_prompts([5, 9], seed=8))
+    prompt_length, gen_length = ids.shape[1], 32
+    ar_order = dict(gen_length=gen_length, steps=gen_length, remasking="left_to_right", mask_token_id=MASK)
+    one_position_blocks = MaskedDiffusionSampler(DiffusionSamplerConfig(
+        gen_length=gen_length, block_length=1, steps=gen_length, mask_token_id=MASK)).sample(model, ids, attention)
+    rollout = MaskedDiffusionSampler(DiffusionSamplerConfig(**ar_order, block_length=16)).sample(model, ids, attention)
+    assert torch.equal(rollout.commit_step, torch.arange(gen_length).expand(2, -1))
+    assert torch.equal(rollout.sequences, one_position_blocks.sequences)
+
+    sampler = MaskedDiffusionSampler(DiffusionSamplerConfig(**ar_order, block_length=16, temperature=0.9))
+    rollout = sampler.sample(model, ids, attention, generator=torch.Generator().manual_seed(0))
+    exact = torch.stack([  # log p(o_k | prompt, o_<k, masks after k) from one full forward per token
+        model(torch.cat([rollout.sequences[:, :prompt_length + k],
+                         torch.full((2, gen_length - k), MASK)], dim=1), attention_mask=rollout.attention_mask)
+        .logits[:, prompt_length + k].div(0.9).log_softmax(-1).gather(-1, rollout.completion_ids[:, k:k + 1]).squeeze(-1)
+        for k in range(gen_length)], dim=1)
+    torch.testing.assert_close(rollout.step_logprobs, exact, atol=1e-5, rtol=0)
+    torch.testing.assert_close(trajectory_logprobs(model, rollout, MASK, temperature=0.9), exact, atol=1e-5, rtol=0)
+
+    # With the prefix cache, blocks of 16 save compute; blocks of 1 would refresh at every step and save nothing.
+    canvas_length = prompt_length + gen_length
+    blocks_of = {1: gen_length * canvas_length, 16: 2 * canvas_length + 15 * (gen_length + gen_length - 16)}
+    for block_length, positions in blocks_of.items():
+        cached = MaskedDiffusionSampler(DiffusionSamplerConfig(**ar_order, block_length=block_length, cache="prefix"))
+        assert positions_computed(model, cached, ids, attention)[0] == positions
 
 
 def test_suppress_eos_removes_eos_from_completions(model):
@@ -280,8 +433,13 @@ def test_suppress_eos_removes_eos_from_completions(model):
         (dict(gen_length=100, block_length=32), "not a multiple of block_length"),
         (dict(gen_length=64, block_length=32, steps=15), "not a multiple of the number of blocks"),
         (dict(mask_token_id=5, pad_token_id=5), "pad_token_id equals mask_token_id"),
-        (dict(remasking="lowest_entropy"), r"valid names: \['low_confidence', 'random'"),
+        (dict(remasking="lowest_entropy"), r"valid names: \['left_to_right', 'low_confidence', 'random'"),
         (dict(temperature=-0.1), "temperature=-0.1 must be >= 0"),
+        (dict(cache="full"), "cache='full': choose one of none, prefix, dual"),
+        (dict(cache="dual", cache_refresh_interval=0), "cache_refresh_interval=0 must be a positive int"),
+        (dict(threshold=0.9, factor=1.0), "threshold and factor are two parallel-decoding rules"),
+        (dict(threshold=1.5), r"threshold=1.5 must be a confidence in \[0, 1\]"),
+        (dict(factor=0.0), "factor=0.0 must be a finite number > 0"),
     ],
 )
 def test_invalid_config_is_rejected_at_construction(kwargs, message):

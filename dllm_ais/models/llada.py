@@ -13,6 +13,14 @@ in the official code::
 
 Unlike a causal LM every position attends to every other (bidirectional); padding is excluded through the
 attention mask only.
+
+Key/value cache (for block-cached masked-diffusion sampling, Fast-dLLM style): a forward with ``use_cache=True``
+returns every layer's keys (RoPE applied) and values at every position, ``past_key_values`` = one
+``(keys, values)`` pair of [B, n_kv_heads, T, head_dim] tensors per layer. A later forward may then run on a subset
+of the T positions only: ``input_ids`` [B, n] are the tokens at canvas positions ``cache_position`` [n]; their keys
+and values are written into the cache at those positions (in place) and their queries attend to all T cached
+positions, under the [B, T] attention mask. Because every position attends to every other, the cached keys/values
+of the other positions are stale once the canvas changes: reuse is an approximation that the caller chooses.
 """
 
 from __future__ import annotations
@@ -24,9 +32,12 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import CausalLMOutput
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 __all__ = ["LLaDAConfig", "LLaDAModel", "LLaDAModelLM"]
+
+KeyValueCache = list[tuple[torch.Tensor, torch.Tensor]]
+"""Per layer, (keys, values) of shape [B, n_kv_heads, T, head_dim]; the keys have RoPE applied."""
 
 
 @dataclass(repr=False)
@@ -148,10 +159,11 @@ class RMSNorm(nn.Module):
         return x
 
 
-def rotary_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [seq_len, head_dim] in float32: angle(p, i) = p / theta^(2i/head_dim), halves concatenated."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [n, head_dim] in float32 for absolute `positions` [n]: angle(p, i) = p / theta^(2i/head_dim),
+    halves concatenated."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(positions.to(torch.float32), inv_freq)
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos(), angles.sin()
 
@@ -184,8 +196,16 @@ class LLaDABlock(GradientCheckpointingLayer):
         self.ff_out = nn.Linear(config.ffn_hidden_size, d, bias=config.include_bias)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor | None
-    ) -> torch.Tensor:
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn_mask: torch.Tensor | None,
+        layer_cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cache_position: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """(output [B, n, d], (keys, values) attended to). With `layer_cache`, the inputs' keys/values are written
+        into it at `cache_position` (in place) and the queries attend to all of its positions."""
         batch, length, _ = x.shape
         h = self.attn_norm(x)
         q = self.q_proj(h).view(batch, length, self.n_heads, self.head_dim).transpose(1, 2)
@@ -195,6 +215,9 @@ class LLaDABlock(GradientCheckpointingLayer):
             q, k = apply_rotary(q.float(), cos, sin).to(v.dtype), apply_rotary(k.float(), cos, sin).to(v.dtype)
         else:
             q, k = apply_rotary(q, cos.to(q.dtype), sin.to(q.dtype)), apply_rotary(k, cos.to(k.dtype), sin.to(k.dtype))
+        if layer_cache is not None:
+            cached_k, cached_v = layer_cache
+            k, v = cached_k.index_copy_(2, cache_position, k), cached_v.index_copy_(2, cache_position, v)
         attn = F.scaled_dot_product_attention(
             q, k, v, attn_mask=attn_mask, is_causal=False,
             dropout_p=self.attention_dropout if self.training else 0.0,
@@ -202,7 +225,7 @@ class LLaDABlock(GradientCheckpointingLayer):
         )
         x = x + self.attn_out(attn.transpose(1, 2).reshape(batch, length, -1))
         h = self.ff_norm(x)
-        return x + self.ff_out(F.silu(self.ff_proj(h)) * self.up_proj(h))
+        return x + self.ff_out(F.silu(self.ff_proj(h)) * self.up_proj(h)), (k, v)
 
 
 class LLaDAPreTrainedModel(PreTrainedModel):
@@ -257,13 +280,22 @@ class LLaDAModel(LLaDAPreTrainedModel):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
-        logits_to_keep: int = 0,
-    ) -> torch.Tensor:
-        """Logits [B, T', V] where T' = T, or the last `logits_to_keep` positions when it is > 0.
+        logits_to_keep: int | torch.Tensor = 0,
+        past_key_values: KeyValueCache | None = None,
+        cache_position: torch.Tensor | None = None,
+        use_cache: bool = False,
+    ) -> CausalLMOutputWithPast:
+        """Logits [B, n', V] of the n input positions: all of them (`logits_to_keep` = 0), the last
+        `logits_to_keep` (an int), or those at the indices `logits_to_keep` (a 1-D tensor into the n inputs).
 
-        `attention_mask` [B, T] (1 = real token, 0 = padding) hides padded keys from every query.
-        Positions are absolute indices 0..T-1; RoPE makes real-token scores depend only on relative
-        distance, so left padding with a mask leaves the real tokens' logits unchanged.
+        `attention_mask` (1 = real token, 0 = padding) hides padded keys from every query; it covers the inputs
+        [B, n], or with `past_key_values` every cached position [B, T]. Positions are absolute indices: 0..n-1, or
+        `cache_position` [n] (the inputs' positions in the cache; default 0..n-1). RoPE makes real-token scores
+        depend only on relative distance, so left padding with a mask leaves the real tokens' logits unchanged.
+
+        `past_key_values` (from a forward with `use_cache=True` over the whole canvas) is updated in place at
+        `cache_position` and attended to at every position; `use_cache=True` returns it (a new one without
+        `past_key_values`) in the output's `past_key_values`.
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
@@ -271,17 +303,41 @@ class LLaDAModel(LLaDAPreTrainedModel):
         if self.config.input_emb_norm:
             x = x * self.config.d_model**0.5
         length = x.shape[1]
-        if length > self.config.max_sequence_length:
+        canvas_length = length
+        if past_key_values is not None:
+            canvas_length = past_key_values[0][0].shape[2]
+            problems = []
+            if len(past_key_values) != len(self.transformer.blocks):
+                problems.append(f"past_key_values holds {len(past_key_values)} layers, the model "
+                                f"{len(self.transformer.blocks)}")
+            if cache_position is None or cache_position.shape != (length,):
+                problems.append(f"cache_position must give the cache positions of the {length} inputs")
+            if attention_mask is not None and attention_mask.shape[1] != canvas_length:
+                problems.append(f"attention_mask must cover all {canvas_length} cached positions")
+            if problems:
+                raise ValueError("Invalid cached forward: " + "; ".join(problems)
+                                 + ". Pass the cache that a use_cache=True forward of this model returned.")
+        elif cache_position is not None:
+            canvas_length = int(cache_position.max()) + 1
+        if cache_position is None:
+            cache_position = torch.arange(length, device=x.device)
+        if canvas_length > self.config.max_sequence_length:
             raise ValueError(
-                f"Sequence length {length} exceeds max_sequence_length={self.config.max_sequence_length}."
+                f"Sequence length {canvas_length} exceeds max_sequence_length={self.config.max_sequence_length}."
             )
-        cos, sin = rotary_cos_sin(length, self.config.d_model // self.config.n_heads, self.config.rope_theta, x.device)
+        cos, sin = rotary_cos_sin(cache_position, self.config.d_model // self.config.n_heads, self.config.rope_theta)
         attn_mask = None
         if attention_mask is not None and not bool(attention_mask.all()):
             attn_mask = attention_mask.bool()[:, None, None, :]
-        for block in self.transformer.blocks:
-            x = block(x, cos, sin, attn_mask)
-        if logits_to_keep:
+        new_cache = []
+        for index, block in enumerate(self.transformer.blocks):
+            layer_cache = None if past_key_values is None else past_key_values[index]
+            x, key_values = block(x, cos, sin, attn_mask, layer_cache, cache_position)
+            if use_cache:
+                new_cache.append(key_values)
+        if isinstance(logits_to_keep, torch.Tensor):
+            x = x[:, logits_to_keep]
+        elif logits_to_keep:
             x = x[:, -logits_to_keep:]
         x = self.transformer.ln_f(x)
         head = self.transformer.wte.weight if self.config.weight_tying else self.transformer.ff_out.weight
@@ -289,11 +345,11 @@ class LLaDAModel(LLaDAPreTrainedModel):
         logits = F.linear(x, head, bias)
         if self.config.scale_logits:
             logits = logits * (1.0 / self.config.d_model**0.5)
-        return logits
+        return CausalLMOutputWithPast(logits=logits, past_key_values=new_cache if use_cache else None)
 
 
 class LLaDAModelLM(LLaDAPreTrainedModel):
-    """LLaDA for masked-diffusion language modelling; `forward` returns `CausalLMOutput(logits=...)`.
+    """LLaDA for masked-diffusion language modelling; `forward` returns `CausalLMOutputWithPast` (see `LLaDAModel`).
 
     Registered for `AutoModel` and `AutoModelForCausalLM` (as the official `auto_map` does), so
     `AutoModelForCausalLM.from_pretrained("GSAI-ML/LLaDA-8B-Instruct")` needs no trust_remote_code.
@@ -318,14 +374,17 @@ class LLaDAModelLM(LLaDAPreTrainedModel):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
-        logits_to_keep: int = 0,
+        logits_to_keep: int | torch.Tensor = 0,
+        past_key_values: KeyValueCache | None = None,
+        cache_position: torch.Tensor | None = None,
+        use_cache: bool = False,
         **kwargs,
-    ) -> CausalLMOutput:
-        unexpected = {k for k, v in kwargs.items() if v is not None and k not in ("use_cache", "return_dict")}
+    ) -> CausalLMOutputWithPast:
+        unexpected = {k for k, v in kwargs.items() if v is not None and k != "return_dict"}
         if unexpected:
             raise TypeError(f"LLaDAModelLM.forward got unsupported arguments: {sorted(unexpected)}")
-        logits = self.model(input_ids, attention_mask, inputs_embeds, logits_to_keep)
-        return CausalLMOutput(logits=logits)
+        return self.model(input_ids, attention_mask, inputs_embeds, logits_to_keep, past_key_values, cache_position,
+                          bool(use_cache))
 
 
 def register_with_auto_classes() -> None:

@@ -139,8 +139,9 @@ class AutoregressiveSampler:
 
         Step k: s = shape_logits(f(x)_{last}, τ, top_k, top_p) in float32; token ~ softmax(s) drawn with
         `torch.multinomial(generator=generator)` (argmax for τ = 0); step_logprobs[:, k] = log softmax(s)[token];
-        commit_step[:, k] = k. Rows that have emitted an EOS emit `pad` (log-prob 0) from then on; decoding
-        stops when every row has finished, and the completion is padded to exactly max_new_tokens.
+        commit_step[:, k] = k; num_steps = the steps through the row's first EOS. Rows that have emitted an EOS emit
+        `pad` (log-prob 0) from then on; decoding stops when every row has finished, and the completion is padded to
+        exactly max_new_tokens.
         Draws happen on the generator's device (pass one on the model's device to avoid a copy per step).
         """
         require_causal_lm(model, "AutoregressiveSampler")
@@ -176,15 +177,17 @@ class AutoregressiveSampler:
         missing = cfg.max_new_tokens - len(tokens)
         completion = torch.nn.functional.pad(torch.stack(tokens, dim=1), (0, missing), value=pad_id)
         step_logprobs = torch.nn.functional.pad(torch.stack(logprobs, dim=1), (0, missing), value=0.0)
+        completion_mask = completion_mask_through_first_eos(completion, eos_ids)
         return Rollout(
             sequences=torch.cat([input_ids, completion], dim=1),
             attention_mask=torch.cat(
                 [attention_mask[:, :prompt_length], attention_mask.new_ones(batch, cfg.max_new_tokens)], dim=1
             ),
-            completion_mask=completion_mask_through_first_eos(completion, eos_ids),
+            completion_mask=completion_mask,
             step_logprobs=step_logprobs,
             commit_step=torch.arange(cfg.max_new_tokens, device=device).expand(batch, -1).clone(),
             prompt_length=prompt_length,
+            num_steps=completion_mask.sum(dim=1),
         )
 
     def _choose(self, scores: Tensor, generator: torch.Generator | None) -> Tensor:

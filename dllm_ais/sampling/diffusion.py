@@ -4,7 +4,23 @@ The canvas starts as ``[left-padded prompt | MASK x gen_length]`` and is filled 
 ``block_length`` positions, left to right, ``steps / n_blocks`` denoising steps per block. Each step runs one
 forward over the whole canvas, proposes a token for every still-masked position of the current block (Gumbel-max at
 temperature τ, plain argmax at τ = 0), scores those positions with a remasking rule, and commits the top-scored ones.
-With τ = 0 and ``remasking="low_confidence"`` the committed tokens are those of the official LLaDA ``generate``.
+With τ = 0, ``remasking="low_confidence"`` and the defaults below, the committed tokens are those of the official
+LLaDA ``generate``.
+
+Faster rollouts (ALGORITHMS.md §1b, Fast-dLLM style) are options of the same sampler:
+
+- ``cache="prefix" | "dual"``: a block KV cache. The first step of each block runs the whole canvas and keeps every
+  layer's keys/values; the block's later steps run the model on the current block and everything after it
+  (``prefix``) or on the current block only (``dual``), attending to the cached keys/values of the other positions.
+- ``threshold`` / ``factor``: parallel decoding. Each step commits every still-masked block position whose score
+  exceeds τ_c (or the largest n with (n + 1)(1 − c_(n)) < f), at least one; a block runs until it is filled, so the
+  number of steps varies per row (``Rollout.num_steps``).
+- ``remasking="left_to_right"`` with one token per step (``steps = gen_length``) decodes in autoregressive order
+  (JustGRPO); with a cache, blocks of several positions are what make it cheaper (a block of one position would
+  refresh the cache at every step).
+
+All three change the behaviour policy: the recorded log-probs are those of the (approximate) logits the tokens were
+actually drawn from, so the trajectory estimator's importance ratio sees the approximation.
 
 Besides the tokens, every committed token's step index and log-probability under the distribution it was drawn
 from are recorded in the returned `Rollout` (``commit_step``, ``step_logprobs``): these are the behaviour-policy
@@ -16,14 +32,14 @@ Extension points:
   passed as ``DiffusionSamplerConfig(remasking=rule)`` or registered by name with `register_remasking_rule`;
   higher scores are committed first.
 - a whole sampler: subclass `MaskedDiffusionSampler` and override one of the per-step stages
-  `block_logits` (the forward pass(es) and logit processing: e.g. a KV cache or another guidance),
+  `block_logits` (the forward pass(es) and logit processing: e.g. another guidance),
   `propose_tokens` (how candidates are drawn and their log-probs: e.g. top-p; the log-prob must be that of the
   distribution actually sampled) or `choose_positions` (which scored positions are committed).
 
 Speed: apart from the forward, every per-step operation touches only the current block's logits
 ``[B, block_length, V]``, and the float64 Gumbel noise and float32 log-probs only its still-masked positions; the
 only host synchronisation is one per block (the commit counts that ``torch.topk`` needs as Python ints), plus one
-per step in confidence-threshold mode (to stop a block once it is filled).
+per step with parallel decoding (its data-dependent counts, which also tell when a block is filled).
 """
 
 from __future__ import annotations
@@ -39,14 +55,18 @@ import torch.nn.functional as F
 from dllm_ais.sampling.rollout import Rollout, completion_mask_through_first_eos, token_id_tuple
 
 __all__ = [
+    "CACHE_MODES",
+    "BlockCache",
     "DiffusionSamplerConfig",
     "MaskedDiffusionSampler",
     "REMASKING_RULES",
     "RemaskingRule",
     "SpecialTokenIds",
     "gumbel_argmax",
+    "left_to_right_scores",
     "low_confidence_scores",
     "masked_positions_first",
+    "parallel_commit_counts",
     "random_scores",
     "register_remasking_rule",
     "resolve_remasking_rule",
@@ -74,7 +94,17 @@ def random_scores(
     return torch.rand(candidates.shape, generator=generator, device=candidates.device)
 
 
-REMASKING_RULES: dict[str, RemaskingRule] = {"low_confidence": low_confidence_scores, "random": random_scores}
+def left_to_right_scores(
+    block_logits: torch.Tensor, candidates: torch.Tensor, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """score = −(index in the block): the leftmost still-masked position is committed first (autoregressive order)."""
+    return -torch.arange(candidates.shape[1], dtype=torch.float32, device=candidates.device).expand(candidates.shape)
+
+
+REMASKING_RULES: dict[str, RemaskingRule] = {
+    "low_confidence": low_confidence_scores, "random": random_scores, "left_to_right": left_to_right_scores,
+}
+CACHE_MODES = ("none", "prefix", "dual")
 
 
 def register_remasking_rule(name: str, rule: RemaskingRule, *, replace: bool = False) -> None:
@@ -107,6 +137,28 @@ def transfer_schedule(masked_counts: torch.Tensor, steps: int) -> torch.LongTens
     counts = masked_counts.long().reshape(-1, 1)
     step_index = torch.arange(steps, device=counts.device)
     return counts // steps + (step_index < counts % steps).long()
+
+
+def parallel_commit_counts(
+    scores: torch.Tensor, still_masked: torch.Tensor, threshold: float | None = None, factor: float | None = None
+) -> torch.LongTensor:
+    """[B] how many still-masked block positions to commit this step with parallel decoding (ALGORITHMS.md §1b).
+
+    With c_(1) ≥ c_(2) ≥ … the row's scores over its still-masked positions (`scores` [B, Lb], `still_masked`
+    [B, Lb]; under low_confidence remasking the scores are the candidates' probabilities), the count is the largest
+    n with c_(n) > τ (`threshold`) or with (n + 1)(1 − c_(n)) < f (`factor`); at least 1 while the row has a
+    masked position, 0 once its block is filled. Committing the top-n scores then commits exactly the positions
+    above τ (Fast-dLLM's rule).
+    """
+    if (threshold is None) == (factor is None):
+        raise ValueError("parallel_commit_counts needs exactly one of threshold and factor.")
+    masked_counts = still_masked.sum(dim=1)
+    ranked = scores.float().masked_fill(~still_masked, -math.inf).sort(dim=1, descending=True).values
+    rank = torch.arange(1, ranked.shape[1] + 1, device=ranked.device)
+    passes = ranked > threshold if threshold is not None else (rank + 1) * (1 - ranked) < factor
+    passes &= rank <= masked_counts.unsqueeze(1)
+    largest = (passes * rank).amax(dim=1)
+    return torch.minimum(largest.clamp(min=1), masked_counts)
 
 
 def gumbel_argmax(logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None) -> torch.LongTensor:
@@ -153,11 +205,13 @@ class DiffusionSamplerConfig:
 
     Attributes:
         gen_length: completion positions L; a multiple of `block_length`.
-        block_length: positions per semi-autoregressive block.
-        steps: denoising steps (= forward passes without CFG) in all; a multiple of the number of blocks.
+        block_length: positions per semi-autoregressive block (and per cache refresh).
+        steps: denoising steps (= forward passes without CFG) in all; a multiple of the number of blocks. Unused with
+            `threshold` or `factor`, where each block runs until it is filled.
         temperature: τ of the Gumbel-max candidate draw; 0 = greedy.
-        remasking: which masked positions to commit: a name in `REMASKING_RULES` ("low_confidence", "random")
-            or a callable ``rule(block_logits, candidates, generator) -> scores`` (higher commits first).
+        remasking: which masked positions to commit: a name in `REMASKING_RULES` ("low_confidence", "random",
+            "left_to_right") or a callable ``rule(block_logits, candidates, generator) -> scores`` (higher commits
+            first).
         mask_token_id: the model's mask token (126336 for LLaDA-8B); None = ``model.config.mask_token_id``.
         eos_token_ids: tokens ending a completion (its mask runs through the first of them);
             empty = ``model.config.eos_token_id``.
@@ -165,10 +219,19 @@ class DiffusionSamplerConfig:
             None = ``model.config.pad_token_id``.
         cfg_scale: classifier-free guidance s; logits = u + (s + 1)(c − u) with u from the prompt fully masked.
         suppress_eos: set the EOS logits to −∞ before choosing candidates (no completion ends early).
-        confidence_threshold: Fast-dLLM-style parallel decoding: each step also commits every masked position of the
-            block whose score exceeds the threshold (at least the scheduled count, and at least one), and a block
-            stops as soon as it is filled, saving forwards. This changes the behaviour policy — the committed
-            tokens' recorded log-probs stay exact, and the correction treats the change like quantization.
+        cache: block KV cache: "none" (the official algorithm: every step a full forward), "prefix" (later steps of
+            a block recompute the block and everything after it) or "dual" (they recompute the block only); the
+            other positions' keys/values come from the block's first step. Needs a model whose forward takes
+            ``past_key_values``, ``cache_position`` and ``use_cache`` as dllm_ais' LLaDA does.
+        cache_refresh_interval: with a cache, also refresh it every this many steps inside a block (1 = every step,
+            which is exactly the uncached algorithm); None = only at each block's first step.
+        threshold: parallel decoding: each step commits every still-masked block position whose score (the
+            candidate's probability under low_confidence) exceeds τ_c, at least one (Fast-dLLM's rule).
+        factor: parallel decoding: each step commits the largest n with (n + 1)(1 − c_(n)) < f, at least one.
+            With either rule a block runs until it is filled and the steps taken vary per row.
+
+    The cache and parallel decoding change the behaviour policy; the recorded log-probs stay those of the
+    distribution each token was drawn from, and the correction treats the change like quantization.
     """
 
     gen_length: int = 256
@@ -181,7 +244,15 @@ class DiffusionSamplerConfig:
     pad_token_id: int | None = None
     cfg_scale: float = 0.0
     suppress_eos: bool = False
-    confidence_threshold: float | None = None
+    cache: str = "none"
+    cache_refresh_interval: int | None = None
+    threshold: float | None = None
+    factor: float | None = None
+
+    @property
+    def parallel_decoding(self) -> bool:
+        """True when a parallel-decoding rule (threshold or factor) replaces the fixed step schedule."""
+        return self.threshold is not None or self.factor is not None
 
     def __post_init__(self) -> None:
         self.eos_token_ids = token_id_tuple(self.eos_token_ids)
@@ -195,7 +266,7 @@ class DiffusionSamplerConfig:
                 f"gen_length={self.gen_length} is not a multiple of block_length={self.block_length}: "
                 "choose a block_length that divides gen_length"
             )
-        if not problems and self.steps % (self.gen_length // self.block_length):
+        if not problems and not self.parallel_decoding and self.steps % (self.gen_length // self.block_length):
             n_blocks = self.gen_length // self.block_length
             problems.append(
                 f"steps={self.steps} is not a multiple of the number of blocks gen_length/block_length={n_blocks}: "
@@ -205,8 +276,19 @@ class DiffusionSamplerConfig:
             problems.append(f"temperature={self.temperature} must be >= 0 (0 = greedy decoding)")
         if self.cfg_scale < 0:
             problems.append(f"cfg_scale={self.cfg_scale} must be >= 0 (0 = no classifier-free guidance)")
-        if self.confidence_threshold is not None and not math.isfinite(self.confidence_threshold):
-            problems.append(f"confidence_threshold={self.confidence_threshold} must be a finite number or None")
+        if self.cache not in CACHE_MODES:
+            problems.append(f"cache={self.cache!r}: choose one of {', '.join(CACHE_MODES)}")
+        if self.cache_refresh_interval is not None and (
+            isinstance(self.cache_refresh_interval, bool) or not isinstance(self.cache_refresh_interval, int)
+            or self.cache_refresh_interval < 1
+        ):
+            problems.append(f"cache_refresh_interval={self.cache_refresh_interval!r} must be a positive int or None")
+        if self.threshold is not None and self.factor is not None:
+            problems.append("threshold and factor are two parallel-decoding rules: set one of them")
+        if self.threshold is not None and not 0 <= self.threshold <= 1:
+            problems.append(f"threshold={self.threshold} must be a confidence in [0, 1] (Fast-dLLM uses 0.9)")
+        if self.factor is not None and not (math.isfinite(self.factor) and self.factor > 0):
+            problems.append(f"factor={self.factor} must be a finite number > 0 (Fast-dLLM uses 1.0)")
         pad_problem = _pad_equals_mask_problem(self.pad_token_id, self.mask_token_id)
         if pad_problem:
             problems.append(pad_problem)
@@ -231,6 +313,41 @@ def _checked_scores(scores: torch.Tensor, candidates: torch.Tensor) -> torch.Ten
             f"position, shape {tuple(candidates.shape)} like its `candidates` argument."
         )
     return scores if scores.is_floating_point() else scores.float()
+
+
+@dataclass
+class BlockCache:
+    """The block KV cache of one `sample` call: the model's cached keys/values and whether the next forward refreshes
+    them (the first step of each block, and every `cache_refresh_interval` steps).
+
+    mode: "prefix" or "dual"; past_key_values: what the last refreshing forward returned.
+    """
+
+    mode: str
+    past_key_values: Any = None
+    refresh: bool = True
+
+    def block_forward(
+        self, model: Any, inputs: torch.Tensor, attention_mask: torch.Tensor | None, block: slice
+    ) -> torch.Tensor:
+        """Logits [B, Lb, V] of the `block` positions of `inputs` [B, T].
+
+        A refreshing forward runs the whole canvas and keeps its keys/values (its logits are those of the uncached
+        forward). Otherwise the model runs on positions [block.start, T) (prefix) or [block.start, block.stop)
+        (dual) only, at their absolute positions, attending to the cached keys/values elsewhere.
+        """
+        if self.refresh:
+            self.past_key_values = None  # frees the previous block's cache before the new one is built
+            output = model(inputs, attention_mask=attention_mask, use_cache=True)
+            self.past_key_values = output.past_key_values
+            return output.logits[:, block]
+        stop = inputs.shape[1] if self.mode == "prefix" else block.stop
+        positions = torch.arange(block.start, stop, device=inputs.device)
+        output = model(
+            inputs[:, block.start:stop], attention_mask=attention_mask, past_key_values=self.past_key_values,
+            cache_position=positions, logits_to_keep=positions[: block.stop - block.start] - block.start,
+        )
+        return output.logits
 
 
 def _forward_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
@@ -333,34 +450,44 @@ class MaskedDiffusionSampler:
         token_ids = self.resolve_token_ids(model)
         self.check_inputs(model, input_ids, attention_mask, generator, token_ids)
         batch, prompt_length = input_ids.shape
+        device = input_ids.device
         canvas = torch.cat([input_ids, input_ids.new_full((batch, config.gen_length), token_ids.mask)], dim=1)
         canvas_attention = None
         if attention_mask is not None:
             canvas_attention = torch.cat([attention_mask, attention_mask.new_ones((batch, config.gen_length))], dim=1)
-        step_logprobs = torch.zeros(batch, config.gen_length, dtype=torch.float32, device=input_ids.device)
-        commit_step = torch.full((batch, config.gen_length), -1, dtype=torch.long, device=input_ids.device)
+        step_logprobs = torch.zeros(batch, config.gen_length, dtype=torch.float32, device=device)
+        commit_step = torch.full((batch, config.gen_length), -1, dtype=torch.long, device=device)
+        num_steps = torch.zeros(batch, dtype=torch.long, device=device)
+        cache = BlockCache(config.cache) if config.cache != "none" else None
 
-        rows = torch.arange(batch, device=input_ids.device).unsqueeze(1)
+        rows = torch.arange(batch, device=device).unsqueeze(1)
         n_blocks = config.gen_length // config.block_length
         steps_per_block = config.steps // n_blocks
+        step = 0  # global step index, shared by the rows (they step in lockstep)
         for block_index in range(n_blocks):
             block_start = prompt_length + block_index * config.block_length
             block = slice(block_start, block_start + config.block_length)
             completion_block = slice(block.start - prompt_length, block.stop - prompt_length)
             still_masked = canvas[:, block] == token_ids.mask
-            schedule = transfer_schedule(still_masked.sum(dim=1), steps_per_block).tolist()
-            masked_left = [sum(row) for row in schedule]  # per row, an upper bound on its still-masked positions
-            for step_in_block in range(steps_per_block):
-                step = block_index * steps_per_block + step_in_block
-                counts = [row[step_in_block] for row in schedule]
-                if config.confidence_threshold is not None:
-                    counts = [max(count, 1) for count in counts]
-                logits = self.block_logits(model, canvas, canvas_attention, prompt_length, block, token_ids)
+            masked_left = still_masked.sum(dim=1).tolist()  # per row, its still-masked positions in the block
+            schedule = None
+            if not config.parallel_decoding:
+                schedule = transfer_schedule(torch.tensor(masked_left), steps_per_block).tolist()
+            step_in_block = 0
+            while step_in_block < steps_per_block if schedule is not None else max(masked_left) > 0:
+                if cache is not None:
+                    interval = config.cache_refresh_interval
+                    cache.refresh = step_in_block == 0 or (interval is not None and step_in_block % interval == 0)
+                logits = self.block_logits(model, canvas, canvas_attention, prompt_length, block, token_ids, cache)
                 # Tokens are drawn only for still-masked positions, gathered to the front of a [B, M, V] tensor.
                 active = masked_positions_first(still_masked, max(masked_left))
                 drawn, drawn_logprobs = self.propose_tokens(logits[rows, active], generator)
                 candidates = canvas[:, block].scatter(1, active, drawn)
                 scores = _checked_scores(self.remasking_rule(logits, candidates, generator), candidates)
+                if schedule is not None:
+                    counts = [row[step_in_block] for row in schedule]
+                else:
+                    counts = parallel_commit_counts(scores, still_masked, config.threshold, config.factor).tolist()
                 row_scores = scores.new_full(canvas.shape, -math.inf)
                 row_scores[:, block] = scores.masked_fill(~still_masked, -math.inf)
                 commit = self.choose_positions(row_scores, counts)[:, block] & still_masked
@@ -368,10 +495,11 @@ class MaskedDiffusionSampler:
                 logprobs = torch.zeros_like(step_logprobs[:, completion_block]).scatter(1, active, drawn_logprobs)
                 step_logprobs[:, completion_block] = torch.where(commit, logprobs, step_logprobs[:, completion_block])
                 commit_step[:, completion_block].masked_fill_(commit, step)
+                num_steps += commit.any(dim=1)
                 still_masked &= ~commit
                 masked_left = [max(left - count, 0) for left, count in zip(masked_left, counts)]
-                if config.confidence_threshold is not None and not bool(still_masked.any()):
-                    break
+                step += 1
+                step_in_block += 1
 
         return Rollout(
             sequences=canvas,
@@ -380,6 +508,7 @@ class MaskedDiffusionSampler:
             step_logprobs=step_logprobs,
             commit_step=commit_step,
             prompt_length=prompt_length,
+            num_steps=num_steps,
         )
 
     def block_logits(
@@ -390,22 +519,29 @@ class MaskedDiffusionSampler:
         prompt_length: int,
         block: slice,
         token_ids: SpecialTokenIds,
+        cache: BlockCache | None = None,
     ) -> torch.Tensor:
-        """Logits [B, Lb, V] of the current block's positions, from one forward over the whole canvas.
+        """Logits [B, Lb, V] of the current block's positions: one forward over the whole canvas, or with a `cache`
+        (``config.cache`` = prefix | dual) its `BlockCache.block_forward`.
 
         With cfg_scale s > 0 the canvas and a copy with every prompt position (padding included) set to the mask id
-        run as one [2B] forward, and ``logits = u + (s + 1)(c − u)``. With suppress_eos the EOS logits are −∞.
+        run as one [2B] forward (the cache then holds both halves), and ``logits = u + (s + 1)(c − u)``. With
+        suppress_eos the EOS logits are −∞.
         """
         scale = self.config.cfg_scale
+        inputs, inputs_attention = canvas, attention_mask
         if scale > 0:
             prompt_masked = canvas.clone()
             prompt_masked[:, :prompt_length] = token_ids.mask
-            doubled_attention = None if attention_mask is None else attention_mask.repeat(2, 1)
-            both = _forward_logits(model, torch.cat([canvas, prompt_masked]), doubled_attention)[:, block]
-            conditional, unconditional = both.chunk(2)
-            logits = unconditional + (scale + 1) * (conditional - unconditional)
+            inputs = torch.cat([canvas, prompt_masked])
+            inputs_attention = None if attention_mask is None else attention_mask.repeat(2, 1)
+        if cache is None:
+            logits = _forward_logits(model, inputs, inputs_attention)[:, block]
         else:
-            logits = _forward_logits(model, canvas, attention_mask)[:, block]
+            logits = cache.block_forward(model, inputs, inputs_attention, block)
+        if scale > 0:
+            conditional, unconditional = logits.chunk(2)
+            logits = unconditional + (scale + 1) * (conditional - unconditional)
         if self.config.suppress_eos:
             for eos in token_ids.eos:
                 logits[..., eos] = -math.inf  # in place: the forward's output is not used elsewhere
@@ -427,7 +563,8 @@ class MaskedDiffusionSampler:
         `row_scores` [B, T] is −∞ everywhere but the current block's masked positions. Selection is
         ``torch.topk(row_scores[b], counts[b])`` over the full row, as in the official implementation, so ties are
         broken identically; rows sharing a count go through one batched topk (each row is an independent slice).
-        With a confidence threshold, positions scoring above it are added.
+        With parallel decoding, `counts` come from `parallel_commit_counts`, so the top-`counts[b]` positions are
+        those above the threshold (or the factor rule's n).
         An override must choose at least `counts[b]` positions per row (while that many are masked): the schedule
         fills each block in its steps on that assumption.
         """
@@ -440,6 +577,4 @@ class MaskedDiffusionSampler:
                 rows = torch.tensor([b for b, c in enumerate(counts) if c == count], device=row_scores.device)
                 top = row_scores.index_select(0, rows).topk(count, dim=1).indices
                 chosen[rows] = chosen[rows].scatter(1, top, True)
-        if self.config.confidence_threshold is not None:
-            chosen |= row_scores > self.config.confidence_threshold
         return chosen

@@ -23,6 +23,9 @@ class Rollout:
         commit_step: [B, L] index of the denoising step (diffusion) or decoding step (autoregressive)
             at which each completion token was committed.
         prompt_length: P.
+        num_steps: optional [B] number of steps (model evaluations) each row took: the diffusion steps that
+            committed at least one of its tokens, or the autoregressive steps through its first EOS. With parallel
+            decoding it varies per row; None when the sampler does not record it.
     """
 
     sequences: torch.LongTensor
@@ -31,6 +34,7 @@ class Rollout:
     step_logprobs: torch.Tensor
     commit_step: torch.LongTensor
     prompt_length: int
+    num_steps: torch.LongTensor | None = None
 
     @property
     def completion_ids(self) -> torch.LongTensor:
@@ -55,6 +59,20 @@ class Rollout:
 
     def _map_tensors(self, fn) -> "Rollout":
         return Rollout(**{f.name: fn(v) if torch.is_tensor(v := getattr(self, f.name)) else v for f in fields(self)})
+
+    @staticmethod
+    def concatenate(parts: list["Rollout"]) -> "Rollout":
+        """One rollout holding the sequences of `parts` (same canvas layout) in order; an optional field stays None
+        unless every part has it."""
+        def joined(name: str):
+            values = [getattr(part, name) for part in parts]
+            if not torch.is_tensor(values[0]):
+                return values[0]
+            return torch.cat(values) if all(torch.is_tensor(v) for v in values) else None
+
+        if len({part.prompt_length for part in parts}) != 1:
+            raise ValueError("Rollouts with different prompt lengths cannot share one canvas.")
+        return Rollout(**{f.name: joined(f.name) for f in fields(Rollout)})
 
 
 def completion_mask_through_first_eos(completion_ids: torch.Tensor, eos_token_ids: list[int] | tuple[int, ...]) -> torch.Tensor:
