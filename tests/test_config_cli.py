@@ -39,6 +39,8 @@ def test_exponent_without_a_dot_is_a_float():
     (["--beta=abc"], "beta='abc': expected float"),
     (["--correction=magic"], "choose one of none, tis, mis, acr, ais"),
     (["--report_to=[mlflow]"], "supported trackers"),
+    (["--rollout_cache=full"], "rollout_cache='full': choose one of none, prefix, dual"),
+    (["--rollout_threshold=1.5"], "rollout_threshold=1.5 must be a confidence in [0, 1]"),
 ])
 def test_bad_config_fails_before_any_model_is_loaded(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -89,6 +91,7 @@ def test_cli_train_eval_generate_export_on_the_embedded_model(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("recipe, family", [("llada8b_gsm8k_lora_fp8_ais.yaml", "diffusion"),
+                                            ("llada8b_gsm8k_ar_order.yaml", "diffusion"),
                                             ("qwen3_8b_gsm8k_lora_fp8_ais.yaml", "autoregressive")])
 def test_dry_run_of_the_gpu_recipes_runs_one_step_on_cpu(capsys, recipe, family):
     assert main(["train", str(ROOT / "recipes" / recipe), "--dry_run=true"]) == 0

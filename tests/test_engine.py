@@ -18,6 +18,7 @@ import dllm_ais.quantization as quantization
 from dllm_ais.engine import RolloutEngine, merged_state_items
 from dllm_ais.models import LLaDAConfig, LLaDAModelLM
 from dllm_ais.quantization import PRECISIONS, quantize_model_, requantize_
+from dllm_ais.sampling.diffusion import DiffusionSamplerConfig, MaskedDiffusionSampler
 
 VOCAB = 128
 # LoRA targets: every linear inside the transformer blocks (LLaDA's per-block ff_out, not its top-level LM head).
@@ -271,6 +272,28 @@ def test_sync_after_optimizer_step_matches_a_fresh_engine_in_place(architecture,
         name: param.data_ptr() for name, param in engine.model.named_parameters()
         if not isinstance(param, Float8Tensor)
     } == plain_pointers
+
+
+def test_fp8_engine_samples_with_the_block_cache_and_stays_in_sync(input_ids):
+    """The FP8 engine runs the cached, threshold-decoding sampler; after sync_from it samples exactly what a freshly
+    built engine samples, through the same cache."""
+    trainer = tiny_lora_model("llada")
+    engine = RolloutEngine(trainer, precision="fp8")
+    sampler = MaskedDiffusionSampler(DiffusionSamplerConfig(
+        gen_length=16, block_length=8, steps=8, temperature=1.0, cache="dual", threshold=0.5))
+    prompts = input_ids[:, :8].clamp(max=VOCAB - 3)
+
+    def sample(model):
+        return sampler.sample(model, prompts, generator=torch.Generator().manual_seed(0))
+
+    before = sample(engine.model)
+    assert (before.commit_step >= 0).all()
+    take_optimizer_step(trainer, input_ids)
+    engine.sync_from(trainer)
+    synced, fresh = sample(engine.model), sample(RolloutEngine(trainer, precision="fp8").model)
+    for name in ("sequences", "step_logprobs", "commit_step", "num_steps"):
+        assert torch.equal(getattr(synced, name), getattr(fresh, name)), name
+    assert not torch.equal(synced.step_logprobs, before.step_logprobs)
 
 
 @pytest.mark.skipif(not dist.is_available() or dist.is_initialized(), reason="needs a fresh torch.distributed")

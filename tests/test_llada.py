@@ -167,3 +167,57 @@ def test_unsupported_config_fails_with_a_message_naming_the_field(field, value):
 def test_sequence_longer_than_max_sequence_length_is_rejected():
     with pytest.raises(ValueError, match="max_sequence_length"):
         tiny_model(max_sequence_length=8)(torch.zeros(1, 9, dtype=torch.long))
+
+
+@pytest.mark.parametrize("n_kv_heads", [4, 2])
+def test_cached_forward_of_some_positions_equals_the_full_forward(n_kv_heads):
+    """With the cache of the same canvas, running only positions [a, b) gives their full-forward logits: RoPE at the
+    absolute positions, padded keys hidden, grouped-query heads."""
+    model = tiny_model(n_kv_heads=n_kv_heads)
+    ids = torch.randint(0, 98, (2, 20), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    ids[0, :5], mask[0, :5] = 98, 0
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask, use_cache=True)
+        assert torch.equal(full.logits, model(ids, attention_mask=mask).logits)  # a refresh is the plain forward
+        assert len(full.past_key_values) == 2 and full.past_key_values[0][0].shape == (2, n_kv_heads, 20, 16)
+        for start, stop in [(8, 14), (12, 20), (0, 20)]:
+            part = model(ids[:, start:stop], attention_mask=mask, past_key_values=full.past_key_values,
+                         cache_position=torch.arange(start, stop))
+            torch.testing.assert_close(part.logits, full.logits[:, start:stop], atol=1e-5, rtol=0)
+        kept = model(ids[:, 8:14], attention_mask=mask, past_key_values=full.past_key_values,
+                     cache_position=torch.arange(8, 14), logits_to_keep=torch.tensor([0, 2]))
+        torch.testing.assert_close(kept.logits, full.logits[:, [8, 10]], atol=1e-5, rtol=0)
+
+
+def test_cached_forward_writes_its_positions_into_the_cache_in_place():
+    model = tiny_model()
+    ids = torch.randint(0, 98, (2, 16), generator=torch.Generator().manual_seed(1))
+    changed = ids.clone()
+    changed[:, 6:10] = (ids[:, 6:10] + 1) % 98
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).past_key_values
+        before = [(keys.clone(), values.clone()) for keys, values in cache]
+        output = model(changed[:, 6:10], past_key_values=cache, cache_position=torch.arange(6, 10), use_cache=True)
+        fresh = model(changed, use_cache=True).past_key_values
+    assert output.past_key_values is not None and output.past_key_values[0][0] is cache[0][0]
+    for (keys, values), (old_keys, old_values) in zip(cache, before):
+        outside = torch.cat([torch.arange(6), torch.arange(10, 16)])
+        assert torch.equal(keys[:, :, outside], old_keys[:, :, outside])
+        assert torch.equal(values[:, :, outside], old_values[:, :, outside])
+        assert not torch.allclose(keys[:, :, 6:10], old_keys[:, :, 6:10])
+    # The first layer's keys depend on the token and its position only: the written ones carry the right RoPE angle.
+    torch.testing.assert_close(cache[0][0][:, :, 6:10], fresh[0][0][:, :, 6:10], atol=1e-6, rtol=0)
+
+
+def test_cached_forward_rejects_a_cache_it_cannot_use():
+    model = tiny_model()
+    ids = torch.randint(0, 98, (1, 12))
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).past_key_values
+        with pytest.raises(ValueError, match="cache_position must give the cache positions of the 4 inputs"):
+            model(ids[:, :4], past_key_values=cache)
+        with pytest.raises(ValueError, match="attention_mask must cover all 12 cached positions"):
+            model(ids[:, :4], attention_mask=torch.ones(1, 4), past_key_values=cache, cache_position=torch.arange(4))
+        with pytest.raises(ValueError, match="past_key_values holds 1 layers, the model 2"):
+            model(ids[:, :4], past_key_values=cache[:1], cache_position=torch.arange(4))
