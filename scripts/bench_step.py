@@ -1,4 +1,5 @@
-"""Benchmark one GRPO step: (1) the share of the step spent in the correction stage (target < 1 %);
+"""Benchmark one GRPO step: (1) the shares of the step spent in the rollout (sampling with the engine; with
+`--rollout-cache` / `--rollout-threshold` the fast rollouts) and in the correction stage (target < 1 %);
 (2) peak memory of the completion log-prob computation against a naive full float32 log-softmax (target ≤ 0.5×).
 
     python scripts/bench_step.py                 # both parts, CPU defaults finish in about a minute
@@ -43,14 +44,15 @@ def bench_correction_share(args) -> None:
     tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
     tokenizer.padding_side = "left"
     config = GRPOConfig(task="digits", eval_size=0, num_generations=4, per_device_train_batch_size=args.batch,
-                        max_completion_length=args.gen_length, block_length=args.gen_length,
+                        max_completion_length=args.gen_length, block_length=args.block_length or args.gen_length,
                         diffusion_steps=args.gen_length // 2, num_iterations=args.num_iterations,
                         max_steps=10_000, rollout_precision=args.precision, correction="ais", lora_r=8,
-                        dtype="float32", max_prompt_length=64, output_dir=tempfile.mkdtemp())
+                        dtype="float32", max_prompt_length=64, output_dir=tempfile.mkdtemp(),
+                        rollout_cache=args.rollout_cache, rollout_threshold=args.rollout_threshold)
     model = tiny_llada(len(tokenizer), args.d_model, args.layers, 512)
     model.config.mask_token_id = tokenizer.mask_token_id
     trainer = GRPOTrainer(config, model=model, tokenizer=tokenizer, train_dataset=make_digits_dataset(256, seed=0))
-    shares, corrections, steps = [], [], []
+    shares, rollout_shares, corrections, steps = [], [], [], []
     for repeat in range(args.warmup + args.repeats):
         start = time.perf_counter()
         batch = trainer.make_generation_batch()
@@ -61,10 +63,14 @@ def bench_correction_share(args) -> None:
             corrections.append(batch.metrics["timing/correction_s"])
             steps.append(step)
             shares.append(batch.metrics["timing/correction_s"] / step)
-    print(f"[correction share] device={trainer.accelerator.device} torch={torch.__version__} dtype=float32 "
+            rollout_shares.append(batch.metrics["timing/sample_s"] / step)
+    print(f"[step shares] device={trainer.accelerator.device} torch={torch.__version__} dtype=float32 "
           f"model=LLaDA d_model={args.d_model} layers={args.layers} vocab={len(tokenizer)} "
-          f"completions={args.batch} gen_length={args.gen_length} num_iterations={config.num_iterations} "
-          f"precision={args.precision} repeats={args.repeats}")
+          f"completions={args.batch} gen_length={args.gen_length} block_length={config.block_length} num_iterations={config.num_iterations} "
+          f"precision={args.precision} rollout_cache={args.rollout_cache} rollout_threshold={args.rollout_threshold} "
+          f"repeats={args.repeats}")
+    print(f"  rollout (sampling) time / step time: median {statistics.median(rollout_shares):.2%} "
+          f"(min {min(rollout_shares):.2%}, max {max(rollout_shares):.2%})")
     print(f"  correction time / step time: median {statistics.median(shares):.4%} "
           f"(min {min(shares):.4%}, max {max(shares):.4%}; target < 1%)")
 
@@ -133,6 +139,9 @@ def main() -> None:
     parser.add_argument("--gen-length", type=int, default=16)
     parser.add_argument("--num-iterations", type=int, default=2)
     parser.add_argument("--precision", default="fp8", choices=("bf16", "fp8", "fp8_weight_only"))
+    parser.add_argument("--block-length", type=int, default=None, help="correction part: default gen-length")
+    parser.add_argument("--rollout-cache", default="none", choices=("none", "prefix", "dual"))
+    parser.add_argument("--rollout-threshold", type=float, default=None)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--vocab", type=int, default=126464, help="memory part: LLaDA's vocabulary by default")

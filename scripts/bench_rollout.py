@@ -1,0 +1,160 @@
+"""Benchmark of fast diffusion rollouts: block KV cache, parallel decoding and autoregressive order, side by side.
+
+Every variant is the one `MaskedDiffusionSampler`, configured through the trainer's own `build_policy`, greedy
+(temperature 0), on the embedded tiny LLaDA (`embedded`) and held-out prompts of the embedded digits task:
+
+    official            the LLaDA algorithm: one full forward per step, `--tokens-per-step` tokens per step
+    prefix / dual       + block KV cache (rollout_cache)
+    threshold           + confidence-threshold parallel decoding (rollout_threshold, default 0.9)
+    prefix+threshold, dual+threshold
+    AR-order+prefix     remasking=left_to_right, one token per step, prefix cache refreshed every block
+
+Per variant and gen_length: the wall-time speed-up over the official algorithm (same prompts, same batches, measured
+in this run), the model token-positions computed per generated token (every forward's batch x positions, summed,
+over batch x gen_length), the share of the official greedy tokens it reproduces (over the positions of the official
+completions, through their first EOS), mean denoising steps per row, and the mean reward with its standard error
+over the prompts (`--num-prompts` large enough for SE <= 0.01; the script says when it is not).
+
+    python scripts/bench_rollout.py                                  # gen 64 and 256, block 32, 1024 prompts
+    python scripts/bench_rollout.py --gen-lengths 64 --num-prompts 64 --batch 32    # a quick check
+
+The embedded model is trained on 16-token completions; longer canvases are EOS-padded, which is where parallel
+decoding and the cache save most. Timings depend on the machine and its load: compare ratios from one run only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import platform
+import tempfile
+import time
+
+import torch
+
+from dllm_ais.checkpoint import load_model, load_tokenizer
+from dllm_ais.config import EMBEDDED_MODEL, GRPOConfig
+from dllm_ais.data import load_task_dataset, tokenize_prompts
+from dllm_ais.rewards import TASK_REWARDS, resolve_reward_functions
+from dllm_ais.trainer import build_policy, score_rollout
+
+
+def variants(threshold: float, steps: int, gen_length: int) -> dict[str, dict]:
+    """Variant name -> GRPOConfig fields of its sampler."""
+    return {
+        "official": dict(diffusion_steps=steps),
+        "prefix": dict(diffusion_steps=steps, rollout_cache="prefix"),
+        "dual": dict(diffusion_steps=steps, rollout_cache="dual"),
+        f"threshold {threshold}": dict(rollout_threshold=threshold),
+        "prefix+threshold": dict(rollout_cache="prefix", rollout_threshold=threshold),
+        "dual+threshold": dict(rollout_cache="dual", rollout_threshold=threshold),
+        "AR-order+prefix": dict(diffusion_steps=gen_length, remasking="left_to_right", rollout_cache="prefix"),
+    }
+
+
+@contextlib.contextmanager
+def counted_positions(model):
+    """Yield a one-element list accumulating batch x positions of every forward of `model`."""
+    total = [0]
+
+    def count(module, args, kwargs):
+        ids = args[0] if args else kwargs["input_ids"]
+        total[0] += ids.shape[0] * ids.shape[1]
+
+    handle = model.register_forward_pre_hook(count, with_kwargs=True)
+    try:
+        yield total
+    finally:
+        handle.remove()
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_variant(policy, model, tokenizer, batches, reward_funcs, device) -> dict:
+    """Sample every batch greedily (after an untimed warm-up batch); return wall seconds, positions computed,
+    completions, completion masks, rewards and steps per row."""
+    first_ids, first_mask, _ = batches[0]
+    policy.sample(model, first_ids[:2], first_mask[:2], None)
+    completions, masks, rewards, steps = [], [], [], []
+    elapsed = 0.0
+    with counted_positions(model) as positions:
+        for input_ids, attention_mask, columns in batches:
+            synchronize(device)
+            start = time.perf_counter()
+            rollout = policy.sample(model, input_ids, attention_mask, None)
+            synchronize(device)
+            elapsed += time.perf_counter() - start
+            completions.append(rollout.completion_ids.cpu())
+            masks.append(rollout.completion_mask.cpu())
+            steps.append(rollout.num_steps.cpu())
+            rewards.append(score_rollout(tokenizer, reward_funcs, columns, rollout)[0].cpu())
+    return {"seconds": elapsed, "positions": positions[0], "completions": torch.cat(completions),
+            "masks": torch.cat(masks), "rewards": torch.cat(rewards).double(), "steps": torch.cat(steps).double()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gen-lengths", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--block-length", type=int, default=32)
+    parser.add_argument("--tokens-per-step", type=int, default=1,
+                        help="official algorithm and fixed-schedule variants: steps = gen_length / this")
+    parser.add_argument("--threshold", type=float, default=0.9)
+    parser.add_argument("--num-prompts", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--device", default="cpu", help="cpu (the issue's setting) or cuda")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads for torch; 0 = torch's default")
+    parser.add_argument("--seed", type=int, default=0, help="held-out prompt draw")
+    args = parser.parse_args(argv)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+
+    tokenizer = load_tokenizer(EMBEDDED_MODEL)
+    model = load_model(EMBEDDED_MODEL, torch.float32).to(device).eval()
+    dataset = load_task_dataset("digits", split="test", size=args.num_prompts, seed=args.seed)
+    reward_funcs = resolve_reward_functions(TASK_REWARDS["digits"])
+    batches = []
+    for start in range(0, len(dataset), args.batch):
+        rows = dataset.select(range(start, min(start + args.batch, len(dataset))))
+        columns = {c: list(rows[c]) for c in rows.column_names}
+        input_ids, attention_mask = tokenize_prompts(tokenizer, columns["prompt"], None, device)
+        batches.append((input_ids, attention_mask, columns))
+
+    where = (f"{torch.cuda.get_device_name(device)} (cuda)" if device.type == "cuda"
+             else f"cpu {platform.processor() or platform.machine()}, {torch.get_num_threads()} thread(s)")
+    cfg = model.config
+    print(f"device: {where} | torch {torch.__version__} | float32 | model: embedded tiny LLaDA d_model={cfg.d_model} "
+          f"n_layers={cfg.n_layers} vocab={cfg.vocab_size} | task: digits (held-out, seed {args.seed}), "
+          f"{len(dataset)} prompts in batches of {args.batch} | greedy (temperature 0), block_length={args.block_length}")
+    for gen_length in args.gen_lengths:
+        steps = gen_length // args.tokens_per_step
+        settings = (f"gen_length={gen_length} block_length={args.block_length} official steps={steps} "
+                    f"threshold={args.threshold} | {where}")
+        print(f"\n== {settings} ==")
+        print(f"{'variant':<18} {'speed-up':>9} {'positions/token':>16} {'agreement':>10} {'steps/row':>10} "
+              f"{'reward ± SE':>16}")
+        results = {}
+        for name, fields in variants(args.threshold, steps, gen_length).items():
+            config = GRPOConfig(max_completion_length=gen_length, block_length=args.block_length, temperature=0.0,
+                                output_dir=tempfile.gettempdir(), **fields).validate()
+            policy = build_policy(config, model.config, tokenizer)
+            results[name] = result = run_variant(policy, model, tokenizer, batches, reward_funcs, device)
+            official = results["official"]
+            scored = official["masks"]
+            agreement = (result["completions"] == official["completions"])[scored].double().mean().item()
+            rewards = result["rewards"]
+            error = rewards.std().item() / math.sqrt(len(rewards)) if len(rewards) > 1 else math.nan
+            per_token = result["positions"] / (len(rewards) * gen_length)
+            print(f"{name:<18} {official['seconds'] / result['seconds']:>8.2f}x {per_token:>16.2f} {agreement:>10.4f} "
+                  f"{result['steps'].mean().item():>10.1f} {rewards.mean().item():>9.4f} ± {error:.4f}   [{settings}]")
+        errors = [r["rewards"].std().item() / math.sqrt(len(r["rewards"])) for r in results.values()]
+        if max(errors) > 0.01:
+            print(f"note: a standard error is {max(errors):.4f} > 0.01; raise --num-prompts for the target precision.")
+
+
+if __name__ == "__main__":
+    main()
