@@ -66,7 +66,8 @@ def bench_correction_share(args) -> None:
             rollout_shares.append(batch.metrics["timing/sample_s"] / step)
     print(f"[step shares] device={trainer.accelerator.device} torch={torch.__version__} dtype=float32 "
           f"model=LLaDA d_model={args.d_model} layers={args.layers} vocab={len(tokenizer)} "
-          f"completions={args.batch} gen_length={args.gen_length} block_length={config.block_length} num_iterations={config.num_iterations} "
+          f"completions={args.batch} gen_length={args.gen_length} block_length={config.block_length} "
+          f"num_iterations={config.num_iterations} "
           f"precision={args.precision} rollout_cache={args.rollout_cache} rollout_threshold={args.rollout_threshold} "
           f"repeats={args.repeats}")
     print(f"  rollout (sampling) time / step time: median {statistics.median(rollout_shares):.2%} "

@@ -262,7 +262,7 @@ def factor_count(confidences: list[float], factor: float) -> int:
 
 
 def test_parallel_commit_counts_threshold_and_factor_rules():
-    scores = torch.tensor([[0.95, 0.5, 0.91, 0.2], [0.3, 0.2, 0.1, 0.05], [0.99, 0.98, 0.97, 0.96], [0.9, 0.9, 0.9, 0.9]])
+    scores = torch.tensor([[0.95, 0.5, 0.91, 0.2], [0.3, 0.2, 0.1, 0.05], [0.99, 0.98, 0.97, 0.96], [0.9] * 4])
     still_masked = torch.tensor([[True] * 4, [True] * 4, [True, True, False, True], [False] * 4])
     assert parallel_commit_counts(scores, still_masked, threshold=0.9).tolist() == [2, 1, 3, 0]
     # factor f = 1, row 0: n = 1, 2 pass (2·0.05, 3·0.09 < 1), n = 3 does not (4·0.5); row 2: 2·0.01, 3·0.02, 4·0.04
@@ -297,7 +297,8 @@ def test_parallel_decoding_commits_what_its_rule_says_each_step_until_the_block_
             expected[row, positions[order[:n]]] = True
         assert torch.equal(rollout.commit_step == step, expected), f"step {step}"
     assert not (rollout.completion_ids == MASK).any()
-    assert torch.equal(rollout.num_steps, torch.stack([(rollout.commit_step == t).any(dim=1) for t in range(len(canvases))]).sum(0))
+    steps_with_commits = torch.stack([(rollout.commit_step == t).any(dim=1) for t in range(len(canvases))]).sum(0)
+    assert torch.equal(rollout.num_steps, steps_with_commits)
     assert len(canvases) > 2 and (rollout.num_steps < gen_length).all()  # parallel: fewer steps than tokens
 
 
@@ -342,9 +343,12 @@ def test_cached_sampler_gives_each_row_of_a_mixed_length_batch_its_tokens_alone(
         assert batched.num_steps[row] == alone.num_steps[0]
 
 
-@pytest.mark.parametrize("options", [dict(cache="prefix"), dict(cache="dual", threshold=0.15),
-                                     dict(cache="prefix", factor=3.0, remasking="random"), dict(cache="dual", cfg_scale=1.0)],
-                         ids=["prefix", "dual-threshold", "prefix-factor-random", "dual-cfg"])
+@pytest.mark.parametrize("options", [
+    pytest.param(dict(cache="prefix"), id="prefix"),
+    pytest.param(dict(cache="dual", threshold=0.15), id="dual-threshold"),
+    pytest.param(dict(cache="prefix", factor=3.0, remasking="random"), id="prefix-factor-random"),
+    pytest.param(dict(cache="dual", cfg_scale=1.0), id="dual-cfg"),
+])
 def test_cache_refreshed_every_step_is_exactly_the_uncached_sampler(model, options):
     ids, attention = left_padded(random_prompts([4, 9, 6], seed=6))
     base = dict(gen_length=32, block_length=16, steps=16, temperature=0.9, mask_token_id=MASK)
@@ -373,7 +377,8 @@ def test_cached_steps_run_only_their_positions_and_record_the_approximate_logits
         sampler = MaskedDiffusionSampler(DiffusionSamplerConfig(
             gen_length=gen_length, block_length=block_length, steps=steps, temperature=0.9, mask_token_id=MASK,
             cache=cache))
-        computed, rollout = positions_computed(model, sampler, ids, attention, generator=torch.Generator().manual_seed(3))
+        generator = torch.Generator().manual_seed(3)
+        computed, rollout = positions_computed(model, sampler, ids, attention, generator=generator)
         assert computed == positions, cache
         replayed = trajectory_logprobs(model, rollout, MASK, temperature=0.9)
         if cache == "none":
@@ -394,11 +399,11 @@ def test_left_to_right_remasking_decodes_in_autoregressive_order_and_the_traject
 
     sampler = MaskedDiffusionSampler(DiffusionSamplerConfig(**ar_order, block_length=16, temperature=0.9))
     rollout = sampler.sample(model, ids, attention, generator=torch.Generator().manual_seed(0))
-    exact = torch.stack([  # log p(o_k | prompt, o_<k, masks after k) from one full forward per token
-        model(torch.cat([rollout.sequences[:, :prompt_length + k],
-                         torch.full((2, gen_length - k), MASK)], dim=1), attention_mask=rollout.attention_mask)
-        .logits[:, prompt_length + k].div(0.9).log_softmax(-1).gather(-1, rollout.completion_ids[:, k:k + 1]).squeeze(-1)
-        for k in range(gen_length)], dim=1)
+    exact = torch.zeros(2, gen_length)  # log p(o_k | prompt, o_<k, masks after k), one full forward per token
+    for k in range(gen_length):
+        canvas = torch.cat([rollout.sequences[:, :prompt_length + k], torch.full((2, gen_length - k), MASK)], dim=1)
+        logits = model(canvas, attention_mask=rollout.attention_mask).logits[:, prompt_length + k]
+        exact[:, k] = logits.div(0.9).log_softmax(-1).gather(-1, rollout.completion_ids[:, k:k + 1]).squeeze(-1)
     torch.testing.assert_close(rollout.step_logprobs, exact, atol=1e-5, rtol=0)
     torch.testing.assert_close(trajectory_logprobs(model, rollout, MASK, temperature=0.9), exact, atol=1e-5, rtol=0)
 
