@@ -1,4 +1,4 @@
-"""Tests for dllm_ais.data: the generated digits task, local-file loading of the hub formats,
+"""Tests for dllm_ais.data and the task modules' data: the generated digits task, local-file loading of the hub formats,
 column checks and the chat-template helper."""
 import json
 from pathlib import Path
@@ -8,15 +8,12 @@ import pytest
 from transformers import AutoTokenizer
 
 import dllm_ais
-from dllm_ais.data import (
-    DIGITS_OPERATIONS,
-    SYSTEM_PROMPTS,
-    apply_chat_template,
-    digits_split_seed,
-    load_task_dataset,
-    make_digits_dataset,
-)
-from dllm_ais.rewards import countdown_reward, digits_reward, gsm8k_correctness_reward, sudoku_reward
+from dllm_ais.data import apply_chat_template, load_task_dataset
+from dllm_ais.tasks import gsm8k
+from dllm_ais.tasks.countdown import countdown_reward
+from dllm_ais.tasks.digits import OPERATIONS, digits_reward, digits_split_seed, make_digits_dataset
+from dllm_ais.tasks.gsm8k import gsm8k_correctness_reward
+from dllm_ais.tasks.sudoku import sudoku_reward
 
 TINY_TOKENIZER_DIR = Path(dllm_ais.__file__).parent / "assets" / "tiny_llada"
 
@@ -57,8 +54,8 @@ def test_digits_examples_are_correct():
 
 def test_digits_operations_match_the_documented_examples():
     digits = ["3", "9", "1", "4"]
-    assert " ".join(DIGITS_OPERATIONS["sort"](digits)) == "1 3 4 9"
-    assert " ".join(DIGITS_OPERATIONS["reverse"](digits)) == "4 1 9 3"
+    assert " ".join(OPERATIONS["sort"](digits)) == "1 3 4 9"
+    assert " ".join(OPERATIONS["reverse"](digits)) == "4 1 9 3"
 
 
 def test_digits_rejects_bad_lengths():
@@ -79,7 +76,7 @@ def test_digits_train_and_test_use_disjoint_seeds():
 
 def test_digits_rejects_unknown_split_and_paths(tmp_path):
     with pytest.raises(ValueError, match="train"):
-        load_task_dataset("digits", "validation")
+        load_task_dataset("digits", "dev")
     with pytest.raises(ValueError, match="reads no files"):
         load_task_dataset("digits", path=tmp_path)
 
@@ -93,7 +90,7 @@ def test_gsm8k_from_a_local_directory_with_splits(tmp_path):
     dataset = load_task_dataset("gsm8k", "test", path=tmp_path)
     assert len(dataset) == 3
     example = dataset[0]
-    assert user_text(example) == SYSTEM_PROMPTS["gsm8k"] + "\n\nWhat is 1,000+1?"
+    assert user_text(example) == gsm8k.INSTRUCTIONS + "\n\nWhat is 1,000+1?"
     assert "<reasoning>" in user_text(example) and "<answer>" in user_text(example)
     completion = "<reasoning>\nadd\n</reasoning>\n<answer>\n1001\n</answer>"
     assert gsm8k_correctness_reward([example["prompt"]], [completion], answer=[example["answer"]]) == [2.0]
@@ -102,7 +99,7 @@ def test_gsm8k_from_a_local_directory_with_splits(tmp_path):
 
 def test_countdown_from_jsonl_keeps_every_row(tmp_path):
     rows = [{"nums": [25, 3, 2], "target": 44}, {"nums": [1, 3, 4, 6], "target": 24}]
-    dataset = load_task_dataset("countdown", path=write_jsonl(tmp_path / "countdown.jsonl", rows))
+    dataset = load_task_dataset("countdown", "test", path=write_jsonl(tmp_path / "countdown.jsonl", rows))
     assert dataset["nums"] == [[25, 3, 2], [1, 3, 4, 6]] and dataset["target"] == [44, 24]
     assert "[25, 3, 2]" in user_text(dataset[0]) and "44" in user_text(dataset[0])
     rewards = countdown_reward(dataset["prompt"], ["<answer>(25-3)*2</answer>", "<answer>6/(1-3/4)</answer>"],
@@ -112,14 +109,14 @@ def test_countdown_from_jsonl_keeps_every_row(tmp_path):
 
 def test_countdown_from_csv_with_text_lists(tmp_path):
     (tmp_path / "countdown.csv").write_text('nums,target\n"[25, 3, 2]",44\n')
-    dataset = load_task_dataset("countdown", path=tmp_path / "countdown.csv")
+    dataset = load_task_dataset("countdown", "test", path=tmp_path / "countdown.csv")
     assert dataset[0]["nums"] == [25, 3, 2] and dataset[0]["target"] == 44
 
 
 def test_sudoku_csv_keeps_leading_zeros(tmp_path):
     csv = tmp_path / "sudoku.csv"
     csv.write_text("Puzzle,Solution\n0030000221000300,1234341221434321\n1030000221000300,1234341221434321\n")
-    dataset = load_task_dataset("sudoku", path=csv)
+    dataset = load_task_dataset("sudoku", "test", path=csv)
     assert dataset["puzzle"] == ["0030000221000300", "1030000221000300"]
     assert dataset["solution"] == ["1234341221434321"] * 2
     assert "0030000221000300" in user_text(dataset[0])
@@ -138,10 +135,10 @@ def test_math500_from_parquet(tmp_path):
 
 def test_size_takes_a_seeded_subset(tmp_path):
     path = write_jsonl(tmp_path / "g.jsonl", [{"question": f"q{i}", "answer": f"#### {i}"} for i in range(20)])
-    subset = load_task_dataset("gsm8k", path=path, size=5, seed=1)
+    subset = load_task_dataset("gsm8k", "test", path=path, size=5, seed=1)
     assert len(subset) == 5
-    assert subset["answer"] == load_task_dataset("gsm8k", path=path, size=5, seed=1)["answer"]
-    assert len(load_task_dataset("gsm8k", path=path, size=50)) == 20
+    assert subset["answer"] == load_task_dataset("gsm8k", "test", path=path, size=5, seed=1)["answer"]
+    assert len(load_task_dataset("gsm8k", "test", path=path, size=50)) == 20
 
 
 # --------------------------------------------------------------------------------- errors
