@@ -40,6 +40,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from dllm_ais.tasks.parsing import completion_texts
+
 RewardFunction = Callable[..., list]
 Messages = list[dict[str, str]]
 
@@ -149,7 +151,8 @@ def accuracy_of(reward: RewardFunction, full_credit: float, name: str) -> Reward
     """An accuracy function: 1.0 where ``reward`` gives ``full_credit`` (a fully correct answer), else 0.0."""
 
     def accuracy(prompts: list, completions: list, **kwargs) -> list[float]:
-        return [1.0 if value == full_credit else 0.0 for value in reward(prompts, completions, **kwargs)]
+        texts = completion_texts(completions, name)
+        return [1.0 if value == full_credit else 0.0 for value in reward(prompts, texts, **kwargs)]
 
     accuracy.__name__ = accuracy.__qualname__ = name
     accuracy.__doc__ = f"1.0 per completion that {reward.__name__} scores {full_credit} (fully correct), else 0.0."
