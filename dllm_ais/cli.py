@@ -132,8 +132,8 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
 
     from dllm_ais.checkpoint import resolve_dtype
     from dllm_ais.data import load_task_dataset
-    from dllm_ais.evaluation import (EvalProtocol, device_name, evaluate_policy, library_versions, markdown_table,
-                                     model_provenance, report_entry, write_report)
+    from dllm_ais.evaluation import (EvalProtocol, dataset_provenance, device_name, evaluate_policy, library_versions,
+                                     markdown_table, model_provenance, report_entry, write_report)
     from dllm_ais.rewards import resolve_reward_functions
     from dllm_ais.tasks import get_task
     from dllm_ais.trainer import build_policy
@@ -156,9 +156,9 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
                                  max_prompt_length=None, accuracy=task.accuracy, seed=config.seed)
         results.append(report_entry(gen_length, result, time.perf_counter() - start))
     report = {
-        "task": config.task, "split": args.split, "dataset": config.dataset_path or "default",
-        "full_split": args.limit is None,
-        "protocol": {"name": "d1" if args.temperature == 0 else "sampled", **protocol.to_dict(),
+        "task": config.task, "split": args.split, "full_split": args.limit is None,
+        "dataset": dataset_provenance(task, args.split, config.dataset_path, dataset),
+        "protocol": {"name": "d1" if protocol == EvalProtocol.for_task(task) else "custom", **protocol.to_dict(),
                      "batch_size": batch_size},
         "seed": config.seed, "model": model_provenance(config.model_name_or_path, model),
         "dtype": str(resolve_dtype(config.dtype)).removeprefix("torch."), "rollout_precision": args.precision,

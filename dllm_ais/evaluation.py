@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from dllm_ais.checkpoint import resolve_model_path
 from dllm_ais.data import tokenize_prompts
 from dllm_ais.rewards import RewardTable, score_rollout_table
 from dllm_ais.tasks import RewardFunction, Task
@@ -142,37 +143,63 @@ class EvalProtocol:
 # --------------------------------------------------------------------------------------------- provenance
 
 
-def content_sha256(directory: Path) -> str:
-    """SHA-256 over the names and bytes of the directory's safetensors and JSON files (weights, configs,
-    tokenizer), in sorted order."""
+def content_sha256(path: Path, suffixes: tuple[str, ...] | None = None) -> str:
+    """SHA-256 over the relative names and bytes of a file, or of a directory's files (those ending in one of
+    ``suffixes`` when given), in sorted order."""
     digest = hashlib.sha256()
-    for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.suffix in HASHED_SUFFIXES):
-        digest.update(str(path.relative_to(directory)).encode() + b"\0")
-        with path.open("rb") as handle:
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    for file in files:
+        if suffixes is not None and file.suffix not in suffixes:
+            continue
+        digest.update(str(file.relative_to(path) if file != path else file.name).encode() + b"\0")
+        with file.open("rb") as handle:
             for chunk in iter(lambda: handle.read(1 << 20), b""):
                 digest.update(chunk)
     return digest.hexdigest()
 
 
-def model_source(name_or_path: str, directory: str, commit_hash: str | None) -> dict[str, Any]:
-    """Where one model came from: a Hub id with its commit, or a local directory with its content hash."""
-    path = Path(directory)
+def hub_commit(repo_id: str, repo_type: str | None = None) -> str | None:
+    """The commit of ``repo_id`` that the local Hub cache resolved when it was loaded (no network); None if unknown."""
+    from huggingface_hub import resolve_revision
+
+    try:
+        return resolve_revision(repo_id, repo_type=repo_type, local_files_only=True).resolved
+    except Exception:  # noqa: BLE001 - provenance is best effort: not cached, not a repo id, ...
+        return None
+
+
+def model_source(name_or_path: str) -> dict[str, Any]:
+    """Where one model came from: a Hub id with its commit, or a local directory with the content hash of its
+    weights, configs and tokenizer (safetensors and JSON files)."""
+    path = Path(resolve_model_path(name_or_path))
     if path.is_dir():
-        return {"id": name_or_path, "path": str(path.resolve()), "content_sha256": content_sha256(path)}
-    return {"id": name_or_path, "revision": commit_hash}
+        return {"id": name_or_path, "path": str(path.resolve()), "content_sha256": content_sha256(path, HASHED_SUFFIXES)}
+    return {"id": name_or_path, "revision": hub_commit(name_or_path)}
 
 
 def model_provenance(name_or_path: str, model) -> dict[str, Any]:
-    """The evaluated model (and, for an adapter, its base): Hub id and commit, or local path and content hash."""
-    from dllm_ais.checkpoint import resolve_model_path
-
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    """The evaluated model and, for an adapter, its base model (see :func:`model_source`)."""
     if hasattr(model, "peft_config"):
-        base_name = next(iter(model.peft_config.values())).base_model_name_or_path
-        return {**model_source(name_or_path, resolve_model_path(name_or_path), None),
-                "base_model": model_source(base_name, resolve_model_path(base_name),
-                                           getattr(base.config, "_commit_hash", None))}
-    return model_source(name_or_path, resolve_model_path(name_or_path), getattr(base.config, "_commit_hash", None))
+        base = next(iter(model.peft_config.values())).base_model_name_or_path
+        return {**model_source(name_or_path), "base_model": model_source(base)}
+    return model_source(name_or_path)
+
+
+def dataset_provenance(task: Task, split: str, path: str | None, dataset) -> dict[str, Any]:
+    """Which rows were evaluated: the source (local path and content hash, Hub id and commit, or generated) and a
+    SHA-256 of the evaluated rows themselves."""
+    if task.generate is not None:
+        source: dict[str, Any] = {"generated": task.name}
+    elif path is not None:
+        source = {"path": str(Path(path).resolve()), "content_sha256": content_sha256(Path(path))}
+    else:
+        hub = {"test": task.hub_test, "validation": task.hub_validation}.get(split) or task.hub_train
+        source = {"id": hub.dataset, "config": hub.config, "split": hub.split, "carved": hub.split != split,
+                  "revision": hub_commit(hub.dataset, repo_type="dataset")}
+    rows = hashlib.sha256()
+    for row in dataset:
+        rows.update(json.dumps(row, sort_keys=True, default=str).encode() + b"\n")
+    return {**source, "num_rows": len(dataset), "rows_sha256": rows.hexdigest()}
 
 
 def device_name(device: torch.device) -> str:

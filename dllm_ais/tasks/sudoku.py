@@ -70,5 +70,5 @@ TASK = Task(
     to_example=to_example,
     required_columns=(("puzzle",), ("solution",)),
     retyped_columns=("puzzle", "solution"),
-    sample_rows=({"puzzle": "1030001002000204", "solution": "1432321421434321"},),
+    sample_rows=({"puzzle": "1030000221000300", "solution": "1234341221434321"},),
 )
