@@ -74,6 +74,16 @@ def test_digits_train_and_test_use_disjoint_seeds():
     assert len(load_task_dataset("digits", "test")) == 500
 
 
+def test_digits_validation_has_its_own_generator_seed():
+    seeds = {split: {digits_split_seed(seed, split) for seed in range(100)} for split in ("train", "validation", "test")}
+    assert not seeds["validation"] & (seeds["train"] | seeds["test"])
+    validation = load_task_dataset("digits", "validation", size=64, seed=3)
+    assert len(load_task_dataset("digits", "validation")) == 500
+    assert validation.to_list() == load_task_dataset("digits", "validation", size=64, seed=3).to_list()
+    for other in ("train", "test"):
+        assert validation["prompt"] != load_task_dataset("digits", other, size=64, seed=3)["prompt"]
+
+
 def test_digits_rejects_unknown_split_and_paths(tmp_path):
     with pytest.raises(ValueError, match="train"):
         load_task_dataset("digits", "dev")
@@ -139,6 +149,70 @@ def test_size_takes_a_seeded_subset(tmp_path):
     assert len(subset) == 5
     assert subset["answer"] == load_task_dataset("gsm8k", "test", path=path, size=5, seed=1)["answer"]
     assert len(load_task_dataset("gsm8k", "test", path=path, size=50)) == 20
+
+
+# --------------------------------------------------------------------------------- splits
+
+
+def gsm8k_rows(count: int, offset: int = 0) -> list[dict]:
+    return [{"question": f"q{i}", "answer": f"#### {i}"} for i in range(offset, offset + count)]
+
+
+def answers(task: str, split: str, path, seed: int = 0) -> list[str]:
+    return list(load_task_dataset(task, split, path=path, seed=seed)["answer"])
+
+
+def test_a_directory_without_validation_gets_one_carved_from_train(tmp_path):
+    write_jsonl(tmp_path / "train.jsonl", gsm8k_rows(40))
+    write_jsonl(tmp_path / "test.jsonl", gsm8k_rows(5, offset=100))
+    train, validation, test = (answers("gsm8k", split, tmp_path) for split in ("train", "validation", "test"))
+    assert len(validation) == 4 and len(train) == 36 and not set(train) & set(validation)
+    assert sorted(train + validation) == sorted(row["answer"] for row in gsm8k_rows(40))
+    assert test == [row["answer"] for row in gsm8k_rows(5, offset=100)]
+    # the carve does not depend on the run's seed
+    assert answers("gsm8k", "validation", tmp_path, seed=7) == validation
+    assert answers("gsm8k", "train", tmp_path, seed=7) == train
+
+
+def test_a_directorys_own_validation_split_is_used(tmp_path):
+    write_jsonl(tmp_path / "train.jsonl", gsm8k_rows(10))
+    write_jsonl(tmp_path / "validation.jsonl", gsm8k_rows(3, offset=50))
+    write_jsonl(tmp_path / "test.jsonl", gsm8k_rows(2, offset=100))
+    assert answers("gsm8k", "validation", tmp_path) == [row["answer"] for row in gsm8k_rows(3, offset=50)]
+    assert len(answers("gsm8k", "train", tmp_path)) == 10
+
+
+def test_a_single_file_is_the_test_split_and_train_and_validation_are_carved_from_it(tmp_path):
+    path = write_jsonl(tmp_path / "g.jsonl", gsm8k_rows(20))
+    train, validation = answers("gsm8k", "train", path), answers("gsm8k", "validation", path)
+    assert len(validation) == 2 and not set(train) & set(validation) and len(train) + len(validation) == 20
+    assert len(answers("gsm8k", "test", path)) == 20
+
+
+def test_hub_splits_come_from_each_tasks_sources(monkeypatch):
+    """Which hub dataset and split each task reads (no download: datasets.load_dataset is replaced)."""
+    calls = []
+
+    def fake_load_dataset(name, config=None, split=None):
+        calls.append((name, config, split))
+        if name == "Jiayi-Pan/Countdown-Tasks-3to4":
+            return datasets.Dataset.from_list([{"nums": [1, 2, 3][: 3 - i % 2], "target": i} for i in range(60)])
+        if name == "openai/gsm8k":
+            return datasets.Dataset.from_list(gsm8k_rows(30 if split == "train" else 7))
+        return datasets.Dataset.from_list([{"problem": f"p{i}", "solution": f"\\boxed{{{i}}}"} for i in range(30)])
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    assert len(load_task_dataset("gsm8k", "test")) == 7 and calls[-1] == ("openai/gsm8k", "main", "test")
+    assert len(load_task_dataset("gsm8k", "validation")) == 3 and calls[-1] == ("openai/gsm8k", "main", "train")
+    load_task_dataset("math500", "test")
+    assert calls[-1] == ("HuggingFaceH4/MATH-500", None, "test")
+    load_task_dataset("math500", "train")
+    assert calls[-1] == ("ankner/math-500", None, "train")
+    # Countdown has only a train split of which d1 uses the three-number rows: test and validation are carved
+    splits = {split: list(load_task_dataset("countdown", split)["target"]) for split in ("train", "validation", "test")}
+    assert all(len(nums) == 3 for nums in load_task_dataset("countdown", "train")["nums"])
+    assert {len(targets) for targets in splits.values()} == {3, 24}  # 30 rows: 3 test, 3 validation, 24 train
+    assert sorted(sum(splits.values(), [])) == list(range(0, 60, 2))
 
 
 # --------------------------------------------------------------------------------- errors
