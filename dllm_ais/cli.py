@@ -62,7 +62,9 @@ def checkpoint_settings(path) -> dict:
     dropped = []
     if values.pop("trust_remote_code", False) is not False:
         dropped.append("trust_remote_code")
-    imported = [name for name in values.get("reward_funcs") or [] if not isinstance(name, str) or ":" in name]
+    reward_funcs = values.get("reward_funcs") or []
+    reward_funcs = [reward_funcs] if isinstance(reward_funcs, str) else reward_funcs
+    imported = [name for name in reward_funcs if not isinstance(name, str) or ":" in name]
     if imported:
         values.pop("reward_funcs")
         values.pop("reward_weights", None)

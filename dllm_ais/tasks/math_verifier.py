@@ -52,10 +52,8 @@ class MathVerifier:
         self.deadline_seconds = deadline_seconds
         self.cache_size = cache_size
         self._cache: OrderedDict[tuple[str, str], bool | None] = OrderedDict()
-        self._lock = threading.Lock()
-        self._process: subprocess.Popen | None = None
-        self._owner_pid = 0
-        self._buffer = b""
+        self._forget_worker()
+        os.register_at_fork(after_in_child=self._forget_worker)
         atexit.register(self.close)
 
     def equivalent(self, predicted: str, reference: str) -> bool | None:
@@ -73,9 +71,15 @@ class MathVerifier:
     def close(self) -> None:
         """Stop the worker (it is started again on the next comparison)."""
         process, self._process = self._process, None
-        if process is not None and self._owner_pid == os.getpid() and process.poll() is None:
+        if process is not None and process.poll() is None:
             process.kill()
             process.wait()
+
+    def _forget_worker(self) -> None:
+        """Fresh state (also in a forked child, which must neither talk to nor wait for its parent's worker)."""
+        self._lock = threading.Lock()
+        self._process: subprocess.Popen | None = None
+        self._buffer = b""
 
     # ------------------------------------------------------------------------------------ internals
     def _compare(self, predicted: str, reference: str) -> bool | None:
@@ -98,14 +102,11 @@ class MathVerifier:
         return None
 
     def _worker(self) -> subprocess.Popen:
-        if self._process is not None and self._owner_pid == os.getpid() and self._process.poll() is None:
+        if self._process is not None and self._process.poll() is None:
             return self._process
-        if self._owner_pid != os.getpid():
-            self._process = None  # a forked child must not talk to its parent's worker
         self._process = subprocess.Popen(
             [sys.executable, "-c", _WORKER_BOOT, os.path.abspath(__file__)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True)
-        self._owner_pid = os.getpid()
         self._buffer = b""
         ready = self._read_line(time.monotonic() + STARTUP_SECONDS)
         message = json.loads(ready) if ready else {"error": "the worker did not start"}
