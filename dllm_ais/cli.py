@@ -44,9 +44,6 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
-CODE_LOADING_FIELDS = ("trust_remote_code", "reward_funcs")
-
-
 def checkpoint_settings(path) -> dict:
     """The settings saved beside a trained model (`dllm_ais_config.yaml`) that inference may take from it: task,
     data, sampler and reward names. A checkpoint may come from anyone, so what would run code is dropped (with a
@@ -127,6 +124,14 @@ def eval_output_path(args: argparse.Namespace, task: str) -> "Path":
     return path
 
 
+def comma_separated_ints(text: str) -> tuple[int, ...]:
+    """`128,256,512` -> (128, 256, 512); every value must be a positive integer."""
+    values = tuple(int(value) for value in text.split(","))
+    if any(value < 1 for value in values):
+        raise ValueError(text)
+    return values
+
+
 def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     import dataclasses
     import shlex
@@ -143,16 +148,21 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     config = inference_config(args, overrides)
     task = get_task(config.task)
     output = eval_output_path(args, config.task)
-    model, tokenizer = _load_for_inference(args, config)
     protocol = EvalProtocol.for_task(task, args.gen_lengths, args.block_length, args.temperature)
+    reward_funcs = resolve_reward_functions(config.reward_funcs or list(task.reward_funcs))
+    model, tokenizer = _load_for_inference(args, config)
+    try:  # every gen length's sampler is checked before the first one runs
+        policies = {gen_length: build_policy(dataclasses.replace(config, **protocol.sampler_fields(gen_length)),
+                                             model.config, tokenizer, temperature=protocol.temperature)
+                    for gen_length in protocol.gen_lengths}
+    except ValueError as error:
+        raise SystemExit(f"error: the eval protocol {protocol.to_dict()} does not fit this model's sampler: {error} "
+                         "(set --gen_lengths and --block_length)") from None
     dataset = load_task_dataset(config.task, split=args.split, path=config.dataset_path, size=args.limit,
                                 seed=config.seed)
-    reward_funcs = resolve_reward_functions(config.reward_funcs or list(task.reward_funcs))
     batch_size = args.batch_size or config.per_device_train_batch_size
     results = []
-    for gen_length in protocol.gen_lengths:
-        policy = build_policy(dataclasses.replace(config, **protocol.sampler_fields(gen_length)), model.config,
-                              tokenizer, temperature=protocol.temperature)
+    for gen_length, policy in policies.items():
         start = time.perf_counter()
         result = evaluate_policy(model, tokenizer, policy, dataset, reward_funcs, config.reward_weights, batch_size,
                                  max_prompt_length=None, accuracy=task.accuracy, seed=config.seed)
@@ -264,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "trust_remote_code or imports 'module:function' rewards: pass --trust_remote_code=true or "
                     "--reward_funcs=[...] yourself.")
     evaluate.add_argument("--split", default="test", choices=("test", "validation", "train"))
-    evaluate.add_argument("--gen_lengths", type=lambda text: tuple(int(v) for v in text.split(",")),
+    evaluate.add_argument("--gen_lengths", type=comma_separated_ints,
                           help="comma-separated completion lengths (default: the task's, 128,256,512)")
     evaluate.add_argument("--block_length", type=int, help="diffusion block length (default: the task's, 32)")
     evaluate.add_argument("--batch_size", type=int, help="prompts per batch (default: per_device_train_batch_size)")
