@@ -1,7 +1,8 @@
 """dllm-ais: RL fine-tuning of masked-diffusion LMs with FP8 rollouts and adaptive importance sampling.
 
 The package layout follows one GRPO step: `sampling` → `rewards` → `likelihood` → `correction` → `loss` → `trainer`
-(with `engine` for the low-precision rollout copy and `policy` as the diffusion/autoregressive seam).
+(with `engine` for the low-precision rollout copy, `policy` as the diffusion/autoregressive seam, `tasks` holding one
+module per task and `evaluation` scoring a policy on held-out prompts).
 Importing the package registers the native LLaDA with transformers' Auto classes.
 """
 import os

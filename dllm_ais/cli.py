@@ -44,51 +44,141 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
-def inference_recipe(args: argparse.Namespace):
-    """The recipe giving eval/generate their task and sampler settings: the one passed, else the training config
-    saved beside a trained model (`dllm_ais_config.yaml`), else the embedded run's recipe."""
+def checkpoint_settings(path) -> dict:
+    """The settings saved beside a trained model (`dllm_ais_config.yaml`) that inference may take from it: task,
+    data, sampler and reward names. A checkpoint may come from anyone, so what would run code is dropped (with a
+    warning): `trust_remote_code`, and `reward_funcs` naming an importable 'module:function' (with their weights).
+    Those come only from the command line."""
+    import yaml
+
+    from dllm_ais.config import ConfigError
+
+    values = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path} must be a YAML mapping of field: value.")
+    dropped = []
+    if values.pop("trust_remote_code", False) is not False:
+        dropped.append("trust_remote_code")
+    reward_funcs = values.get("reward_funcs") or []
+    reward_funcs = [reward_funcs] if isinstance(reward_funcs, str) else reward_funcs
+    imported = [name for name in reward_funcs if not isinstance(name, str) or ":" in name]
+    if imported:
+        values.pop("reward_funcs")
+        values.pop("reward_weights", None)
+        dropped.append(f"reward_funcs {imported} (the task preset is used instead)")
+    if dropped:
+        logging.getLogger(__name__).warning(
+            "ignoring %s from %s: a checkpoint never decides to run code. If you trust it, pass them on the command "
+            "line (--trust_remote_code=true, --reward_funcs=[...]).", " and ".join(dropped), path)
+    return values
+
+
+def inference_config(args: argparse.Namespace, overrides: list[str]):
+    """The config giving eval/generate their task, data, sampler and reward settings: the recipe passed, else the
+    training config saved beside a trained model (without its code-loading settings, see `checkpoint_settings`),
+    else the embedded run's recipe; command-line overrides win."""
     from pathlib import Path
 
     from dllm_ais.checkpoint import EMBEDDED_RECIPE
+    from dllm_ais.config import load_config, parse_overrides
 
+    values = {**({"model_name_or_path": args.model} if args.model else {}), **parse_overrides(overrides)}
     saved = Path(args.model or "") / "dllm_ais_config.yaml"
-    return args.recipe or (saved if args.model and saved.is_file() else EMBEDDED_RECIPE)
+    if args.recipe is None and args.model and saved.is_file():
+        return load_config(None, {**checkpoint_settings(saved), **values})
+    return load_config(args.recipe or EMBEDDED_RECIPE, values)
 
 
-def _load_for_inference(args: argparse.Namespace, overrides: list[str]):
-    """Config (with overrides), model, tokenizer and greedy-or-sampling policy for eval/generate."""
+def _load_for_inference(args: argparse.Namespace, config):
+    """Model (through the rollout engine at --precision) and tokenizer of `config` for eval/generate."""
     import torch
 
     from dllm_ais.checkpoint import load_model, load_tokenizer, resolve_dtype
-    from dllm_ais.config import load_config
     from dllm_ais.engine import RolloutEngine
-    from dllm_ais.trainer import build_policy
 
-    config = load_config(inference_recipe(args), [f"--model_name_or_path={args.model}", *overrides] if args.model else overrides)
     tokenizer = load_tokenizer(config.model_name_or_path)
     model = load_model(config.model_name_or_path, resolve_dtype(config.dtype), config.trust_remote_code)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = model.to(device).eval()
     if args.precision != "bf16":
         model = RolloutEngine(model, precision=args.precision).model
-    policy = build_policy(config, model.config, tokenizer, temperature=args.temperature)
-    return config, model, tokenizer, policy
+    return model, tokenizer
+
+
+def eval_output_path(args: argparse.Namespace, task: str) -> "Path":
+    """--output, or eval_results/<task>-<model>-<time>.json; never a file that exists."""
+    import re
+    import time
+    from pathlib import Path
+
+    if args.output:
+        path = Path(args.output)
+        if path.exists() or path.with_suffix(".md").exists():
+            raise SystemExit(f"error: {path} (or its .md table) already exists; pass another --output.")
+        return path
+    model = "-".join(Path(args.model or "embedded").parts[-2:])
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", f"{task}-{model}-{time.strftime('%Y%m%d-%H%M%S')}")
+    path, number = Path("eval_results") / f"{stem}.json", 1
+    while path.exists() or path.with_suffix(".md").exists():
+        path, number = Path("eval_results") / f"{stem}-{number}.json", number + 1
+    return path
+
+
+def comma_separated_ints(text: str) -> tuple[int, ...]:
+    """`128,256,512` -> (128, 256, 512); every value must be a positive integer."""
+    values = tuple(int(value) for value in text.split(","))
+    if any(value < 1 for value in values):
+        raise ValueError(text)
+    return values
 
 
 def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
-    from dllm_ais.data import load_task_dataset
-    from dllm_ais.rewards import TASK_REWARDS, resolve_reward_functions
-    from dllm_ais.trainer import evaluate_policy
+    import dataclasses
+    import shlex
+    import time
 
-    config, model, tokenizer, policy = _load_for_inference(args, overrides)
-    dataset = load_task_dataset(config.task, split=args.split, path=config.dataset_path, size=config.eval_size,
+    from dllm_ais.checkpoint import resolve_dtype
+    from dllm_ais.data import load_task_dataset
+    from dllm_ais.evaluation import (EvalProtocol, dataset_provenance, device_name, evaluate_policy, library_versions,
+                                     markdown_table, model_provenance, report_entry, write_report)
+    from dllm_ais.rewards import resolve_reward_functions
+    from dllm_ais.tasks import get_task
+    from dllm_ais.trainer import build_policy
+
+    config = inference_config(args, overrides)
+    task = get_task(config.task)
+    output = eval_output_path(args, config.task)
+    protocol = EvalProtocol.for_task(task, args.gen_lengths, args.block_length, args.temperature)
+    reward_funcs = resolve_reward_functions(config.reward_funcs or list(task.reward_funcs))
+    model, tokenizer = _load_for_inference(args, config)
+    try:  # every gen length's sampler is checked before the first one runs
+        policies = {gen_length: build_policy(dataclasses.replace(config, **protocol.sampler_fields(gen_length)),
+                                             model.config, tokenizer, temperature=protocol.temperature)
+                    for gen_length in protocol.gen_lengths}
+    except ValueError as error:
+        raise SystemExit(f"error: the eval protocol {protocol.to_dict()} does not fit this model's sampler: {error} "
+                         "(set --gen_lengths and --block_length)") from None
+    dataset = load_task_dataset(config.task, split=args.split, path=config.dataset_path, size=args.limit,
                                 seed=config.seed)
-    funcs = resolve_reward_functions(config.reward_funcs or TASK_REWARDS[config.task])
-    result = evaluate_policy(model, tokenizer, policy, dataset, funcs, config.reward_weights,
-                             config.per_device_train_batch_size, config.max_prompt_length)
-    print(f"task={config.task} split={args.split} model={config.model_name_or_path} precision={args.precision} "
-          f"temperature={args.temperature}: mean reward {result['eval/reward']:.4f} ± {result['eval/reward_std']:.4f} "
-          f"over {int(result['eval/num_prompts'])} prompts")
+    batch_size = args.batch_size or config.per_device_train_batch_size
+    results = []
+    for gen_length, policy in policies.items():
+        start = time.perf_counter()
+        result = evaluate_policy(model, tokenizer, policy, dataset, reward_funcs, config.reward_weights, batch_size,
+                                 max_prompt_length=None, accuracy=task.accuracy, seed=config.seed)
+        results.append(report_entry(gen_length, result, time.perf_counter() - start))
+    report = {
+        "task": config.task, "split": args.split, "full_split": args.limit is None,
+        "dataset": dataset_provenance(task, args.split, config.dataset_path, dataset),
+        "protocol": {"name": "d1" if protocol == EvalProtocol.for_task(task) else "custom", **protocol.to_dict(),
+                     "batch_size": batch_size},
+        "seed": config.seed, "model": model_provenance(config.model_name_or_path, model),
+        "dtype": str(resolve_dtype(config.dtype)).removeprefix("torch."), "rollout_precision": args.precision,
+        "device": device_name(next(model.parameters()).device), "versions": library_versions(),
+        "command": shlex.join(["dllm-ais", *args.argv]), "results": results,
+    }
+    json_path, table_path = write_report(report, output)
+    print(markdown_table(report) + f"\nresults: {json_path} (table: {table_path})")
     return 0
 
 
@@ -96,14 +186,17 @@ def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
     import torch
 
     from dllm_ais.data import load_task_dataset, tokenize_prompts
-    from dllm_ais.trainer import completion_texts
+    from dllm_ais.rewards import completion_texts
+    from dllm_ais.trainer import build_policy
 
-    config, model, tokenizer, policy = _load_for_inference(args, overrides)
+    config = inference_config(args, overrides)
+    model, tokenizer = _load_for_inference(args, config)
+    policy = build_policy(config, model.config, tokenizer, temperature=args.temperature)
     if args.prompt:
         prompts = [[{"role": "user", "content": p}] for p in args.prompt]
     else:
-        prompts = list(load_task_dataset(config.task, split="test", path=config.dataset_path, size=args.num_prompts,
-                                         seed=config.seed)["prompt"])
+        prompts = list(load_task_dataset(config.task, split="validation", path=config.dataset_path,
+                                         size=args.num_prompts, seed=config.seed)["prompt"])
     device = next(model.parameters()).device
     input_ids, attention_mask = tokenize_prompts(tokenizer, prompts, config.max_prompt_length, device)
     generator = torch.Generator(device).manual_seed(config.seed)
@@ -168,11 +261,25 @@ def build_parser() -> argparse.ArgumentParser:
                            help="run the model through the rollout engine at this precision")
     inference.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the d1 eval protocol)")
 
-    evaluate = commands.add_parser("eval", parents=[inference], help="mean task reward of a model on held-out prompts",
-                                   description="Score a model (or trained adapter) on a task's held-out split. "
-                                               "Config fields (task, eval_size, max_completion_length, ...) can be "
-                                               "given as --field=value.")
-    evaluate.add_argument("--split", default="test")
+    evaluate = commands.add_parser(
+        "eval", parents=[inference], help="accuracy of a model on a task's test split (d1 protocol)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Evaluate a model (or trained adapter) with d1's protocol: greedy, block 32, steps = gen_length/2, "
+                    "gen lengths 128/256/512 (the digits task: its own 16/16/8), accuracy (the correctness check "
+                    "alone) on the full test split, with its standard error and every reward's mean. Writes a JSON "
+                    "report (protocol, seed, model revision or content hash, dtype, precision, device, versions, "
+                    "command, per-prompt values) and a markdown table beside it.\n\n"
+                    "Task, data and sampler settings come from the recipe, else the model's saved config, else the "
+                    "embedded recipe, and can be overridden as --field=value. A saved config never turns on "
+                    "trust_remote_code or imports 'module:function' rewards: pass --trust_remote_code=true or "
+                    "--reward_funcs=[...] yourself.")
+    evaluate.add_argument("--split", default="test", choices=("test", "validation", "train"))
+    evaluate.add_argument("--gen_lengths", type=comma_separated_ints,
+                          help="comma-separated completion lengths (default: the task's, 128,256,512)")
+    evaluate.add_argument("--block_length", type=int, help="diffusion block length (default: the task's, 32)")
+    evaluate.add_argument("--batch_size", type=int, help="prompts per batch (default: per_device_train_batch_size)")
+    evaluate.add_argument("--limit", type=int, help="score only this many prompts (seeded subset; not the protocol)")
+    evaluate.add_argument("--output", help="JSON report path (default: eval_results/<task>-<model>-<time>.json)")
     evaluate.set_defaults(handler=_eval)
 
     generate = commands.add_parser("generate", parents=[inference], help="sample completions and print them",
@@ -214,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     parser = build_parser()
     args, overrides = parser.parse_known_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     from dllm_ais.config import ConfigError
     from dllm_ais.rewards import RewardFunctionError
 

@@ -16,10 +16,10 @@ from typing import Any
 import yaml
 
 from dllm_ais.correction import ALPHA_RULES, CORRECTION_METHODS, IS_LEVELS
-from dllm_ais.data import TASKS
 from dllm_ais.loss import LOSS_TYPES, RATIO_TYPES, REWARD_SCALINGS
 from dllm_ais.quantization import PRECISIONS
 from dllm_ais.sampling.diffusion import CACHE_MODES
+from dllm_ais.tasks import TaskNames
 
 EMBEDDED_MODEL = "embedded"
 POLICIES = ("auto", "diffusion", "autoregressive")
@@ -57,10 +57,11 @@ class GRPOConfig:
     gradient_checkpointing: bool = False
 
     # --- data and rewards ---
-    task: str = field(default="digits", metadata={**_choice(*TASKS), "help": "Task: dataset loader and reward preset."})
+    task: str = field(default="digits", metadata={"choices": TaskNames(), "help": "Task: dataset loader and reward preset."})
     dataset_path: str | None = field(default=None, metadata={"help": "Local file/dir overriding the task's hub dataset."})
     dataset_size: int | None = field(default=None, metadata={"help": "Use at most this many training prompts."})
-    eval_size: int = field(default=64, metadata={"help": "Held-out prompts scored before and after training (0 = skip)."})
+    eval_size: int = field(default=64, metadata={
+        "help": "Validation prompts scored before and after training (0 = skip); `dllm-ais eval` uses the full test split."})
     reward_funcs: list[str] | None = field(default=None, metadata={
         "help": "Reward function names or 'module:function'; None = the task preset."})
     reward_weights: list[float] | None = None

@@ -2,7 +2,7 @@
 
 The stand-in keeps the recipe's policy family, precision, estimator, correction, loss and LoRA settings; only
 sizes shrink (tiny model of the same architecture, 2 completions of 16 tokens, one step) and, when the task's
-data lives on the Hub, a few inline rows of the same format replace it.
+data lives on the Hub, the task's sample rows (same format) replace it.
 """
 
 from __future__ import annotations
@@ -15,15 +15,8 @@ import torch
 
 from dllm_ais.checkpoint import load_model_config, load_tokenizer
 from dllm_ais.config import EMBEDDED_MODEL, GRPOConfig
-from dllm_ais.data import TASK_SOURCES, examples_from_rows, load_task_dataset
-
-SAMPLE_ROWS = {
-    "gsm8k": [{"question": "Tom has 3 apples and buys 4 more. How many apples does he have?",
-               "answer": "He has 3 + 4 = 7 apples.\n#### 7"}],
-    "math500": [{"problem": "What is $2 + 3$?", "answer": "5", "solution": "$2 + 3 = \\boxed{5}$"}],
-    "countdown": [{"nums": [2, 3, 4], "target": 5}],
-    "sudoku": [{"puzzle": "1030001002000204", "solution": "1432321421434321"}],
-}
+from dllm_ais.data import examples_from_rows, load_task_dataset
+from dllm_ais.tasks import get_task
 
 
 def recipe_is_diffusion(config: GRPOConfig) -> bool:
@@ -56,9 +49,10 @@ def stand_in_model(diffusion: bool, tokenizer) -> torch.nn.Module:
 
 
 def dry_run_dataset(config: GRPOConfig) -> datasets.Dataset:
-    if config.task == "digits" or config.dataset_path:
+    task = get_task(config.task)
+    if task.generate is not None or config.dataset_path:
         return load_task_dataset(config.task, "train", path=config.dataset_path, size=4, seed=config.seed)
-    return examples_from_rows(datasets.Dataset.from_list(SAMPLE_ROWS[config.task]), TASK_SOURCES[config.task])
+    return examples_from_rows(datasets.Dataset.from_list(list(task.sample_rows)), task)
 
 
 def run_dry_run(config: GRPOConfig) -> dict:

@@ -31,13 +31,15 @@ from dllm_ais.config import GRPOConfig, save_config
 from dllm_ais.correction import correct
 from dllm_ais.data import load_task_dataset, tokenize_prompts
 from dllm_ais.engine import RolloutEngine
+from dllm_ais.evaluation import EvalResult, evaluate_policy
 from dllm_ais.loss import grpo_loss, group_advantages
 from dllm_ais.metrics import MetricsLog, console_line, plot_metrics
 from dllm_ais.policy import AutoregressivePolicy, DiffusionPolicy, Policy, lora_target_modules
-from dllm_ais.rewards import TASK_REWARDS, compute_rewards, resolve_reward_functions
+from dllm_ais.rewards import resolve_reward_functions, score_rollout
 from dllm_ais.sampling.autoregressive import AutoregressiveSamplerConfig
 from dllm_ais.sampling.diffusion import DiffusionSamplerConfig
 from dllm_ais.sampling.rollout import Rollout
+from dllm_ais.tasks import get_task
 
 
 def is_diffusion(config: GRPOConfig, model_config) -> bool:
@@ -64,47 +66,9 @@ def build_policy(config: GRPOConfig, model_config, tokenizer, temperature: float
     return AutoregressivePolicy(sampler)
 
 
-def completion_texts(tokenizer, rollout: Rollout) -> list[str]:
-    """Decoded completions, cut at the completion mask (first EOS), special tokens dropped."""
-    ids = rollout.completion_ids.masked_fill(~rollout.completion_mask, tokenizer.pad_token_id)
-    return tokenizer.batch_decode(ids, skip_special_tokens=True)
-
-
-def as_trl_completions(prompts: list, texts: list[str]) -> list:
-    """TRL convention: conversational prompts get completions as assistant-message lists, plain prompts get strings."""
-    return [[{"role": "assistant", "content": t}] if isinstance(p, list) else t for p, t in zip(prompts, texts)]
-
-
 def micro_seed(seed: int, micro_batch: int) -> int:
     """The estimator seed of one micro-batch: distinct across micro-batches and across inner iterations' seeds."""
     return seed + 100_003 * micro_batch
-
-
-def score_rollout(tokenizer, reward_funcs, columns: dict[str, list], rollout: Rollout,
-                  reward_weights: list[float] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """Rewards [B] (float32) of a rollout's completions and reward metrics; `columns` holds the prompts' dataset rows."""
-    prompts = columns["prompt"]
-    extra = {k: v for k, v in columns.items() if k != "prompt"}
-    extra["completion_ids"] = [ids[mask].tolist() for ids, mask in zip(rollout.completion_ids, rollout.completion_mask)]
-    completions = as_trl_completions(prompts, completion_texts(tokenizer, rollout))
-    return compute_rewards(reward_funcs, prompts, completions, extra, reward_weights)
-
-
-@torch.no_grad()
-def evaluate_policy(model, tokenizer, policy: Policy, dataset, reward_funcs, reward_weights=None, batch_size: int = 16,
-                    max_prompt_length: int = 256) -> dict[str, float]:
-    """Mean and std of the reward of `policy`'s completions (sampled with `model`) over `dataset`'s prompts."""
-    device = next(model.parameters()).device
-    rewards = []
-    for start in tqdm(range(0, len(dataset), batch_size), desc="eval", leave=False):
-        rows = dataset.select(range(start, min(start + batch_size, len(dataset))))
-        columns = {c: list(rows[c]) for c in rows.column_names}
-        input_ids, attention_mask = tokenize_prompts(tokenizer, columns["prompt"], max_prompt_length, device)
-        rollout = policy.sample(model, input_ids, attention_mask, None)
-        rewards.append(score_rollout(tokenizer, reward_funcs, columns, rollout, reward_weights)[0])
-    scores = torch.cat(rewards)
-    return {"eval/reward": scores.mean().item(), "eval/reward_std": scores.std().item() if len(scores) > 1 else 0.0,
-            "eval/num_prompts": float(len(scores))}
 
 
 @dataclass
@@ -126,8 +90,8 @@ class GenerationBatch:
 class TrainResult:
     steps: int
     history: list[dict[str, Any]]
-    eval_before: dict[str, float] | None
-    eval_after: dict[str, float] | None
+    eval_before: EvalResult | None
+    eval_after: EvalResult | None
     output_dir: Path
 
 
@@ -153,11 +117,11 @@ class GRPOTrainer:
             gradient_accumulation_steps=config.gradient_accumulation_steps, step_scheduler_with_optimizer=False)
         set_seed(config.seed, device_specific=True)
         self.ais_rule = ais_rule or config.ais_rule
-        self.reward_funcs = resolve_reward_functions(reward_funcs or config.reward_funcs or TASK_REWARDS[config.task])
+        self.reward_funcs = resolve_reward_functions(reward_funcs or config.reward_funcs or config.task)
         self.train_dataset = train_dataset if train_dataset is not None else load_task_dataset(
             config.task, split="train", path=config.dataset_path, size=config.dataset_size, seed=config.seed)
         self.eval_dataset = eval_dataset if eval_dataset is not None or not config.eval_size else load_task_dataset(
-            config.task, split="test", path=config.dataset_path, size=config.eval_size, seed=config.seed)
+            config.task, split="validation", path=config.dataset_path, size=config.eval_size, seed=config.seed)
 
         self.tokenizer = tokenizer or load_tokenizer(config.model_name_or_path)
         model = model or load_model(config.model_name_or_path, resolve_dtype(config.dtype), config.trust_remote_code,
@@ -343,13 +307,14 @@ class GRPOTrainer:
                 "learning_rate": self.scheduler.get_last_lr()[0]}
 
     # ----------------------------------------------------------------------------------------------- driver
-    def evaluate(self, dataset=None) -> dict[str, float]:
-        """Mean reward of greedy completions of the trainer's (full-precision) policy on the held-out prompts."""
+    def evaluate(self, dataset=None) -> EvalResult:
+        """Per-prompt rewards and accuracy of greedy completions of the trainer's (full-precision) policy on the
+        held-out (validation) prompts."""
         self.model.eval()
         return evaluate_policy(self.unwrapped_model, self.tokenizer, self.greedy_policy,
                                dataset if dataset is not None else self.eval_dataset, self.reward_funcs,
                                self.config.reward_weights, self.config.per_device_train_batch_size,
-                               self.config.max_prompt_length)
+                               self.config.max_prompt_length, accuracy=get_task(self.config.task).accuracy)
 
     def train(self) -> TrainResult:
         cfg = self.config
@@ -362,7 +327,7 @@ class GRPOTrainer:
             self.accelerator.init_trackers("dllm-ais", config=cfg.to_dict())
         eval_before = self.evaluate() if self.eval_dataset is not None else None
         if eval_before and is_main:
-            tqdm.write(f"held-out reward before training: {eval_before['eval/reward']:.4f}")
+            tqdm.write(f"held-out reward before training: {eval_before.summary()['eval/reward']:.4f}")
         progress = tqdm(total=cfg.max_steps, desc="GRPO", disable=not is_main, dynamic_ncols=True)
         while self.global_step < cfg.max_steps:
             start = time.perf_counter()
@@ -389,9 +354,10 @@ class GRPOTrainer:
         self.save(output_dir / "final")
         if is_main:
             if eval_after:
-                log.write({"step": self.global_step, **{f"{k}_before": v for k, v in eval_before.items()}, **eval_after})
-                tqdm.write(f"held-out reward: before {eval_before['eval/reward']:.4f} -> after {eval_after['eval/reward']:.4f} "
-                           f"({int(eval_after['eval/num_prompts'])} prompts, greedy)")
+                before, after = eval_before.summary(), eval_after.summary()
+                log.write({"step": self.global_step, **{f"{k}_before": v for k, v in before.items()}, **after})
+                tqdm.write(f"held-out reward: before {before['eval/reward']:.4f} -> after {after['eval/reward']:.4f} "
+                           f"({eval_after.num_prompts} prompts, greedy)")
             plot = plot_metrics(log.records, output_dir / "metrics.png")
             log.close()
             tqdm.write(f"metrics: {log.path}" + (f" | plot: {plot}" if plot else "") + f" | model: {output_dir / 'final'}")

@@ -38,7 +38,7 @@ def bench_correction_share(args) -> None:
 
     from dllm_ais.checkpoint import EMBEDDED_MODEL_DIR
     from dllm_ais.config import GRPOConfig
-    from dllm_ais.data import make_digits_dataset
+    from dllm_ais.tasks.digits import make_digits_dataset
     from dllm_ais.trainer import GRPOTrainer
 
     tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_MODEL_DIR)

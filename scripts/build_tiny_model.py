@@ -23,10 +23,11 @@ from build_tokenizer import build_hf_tokenizer  # noqa: E402
 from dllm_ais.checkpoint import EMBEDDED_MODELS, atomic_directory  # noqa: E402
 from dllm_ais.config import GRPOConfig  # noqa: E402
 from dllm_ais.data import load_task_dataset  # noqa: E402
+from dllm_ais.evaluation import evaluate_policy  # noqa: E402
 from dllm_ais.models import LLaDAConfig, LLaDAModelLM  # noqa: E402
-from dllm_ais.rewards import TASK_REWARDS  # noqa: E402
 from dllm_ais.sft import SFTConfig, run_sft  # noqa: E402
-from dllm_ais.trainer import build_policy, evaluate_policy  # noqa: E402
+from dllm_ais.tasks.digits import TASK as DIGITS  # noqa: E402
+from dllm_ais.trainer import build_policy  # noqa: E402
 
 
 def tiny_model(family: str, tokenizer, d_model: int, n_layers: int) -> torch.nn.Module:
@@ -71,8 +72,8 @@ def main() -> None:
                         max_completion_length=args.gen_length, block_length=args.gen_length,
                         diffusion_steps=args.gen_length // 2)
     policy = build_policy(config, model.config, tokenizer, temperature=0.0)
-    held_out = load_task_dataset("digits", "test", size=128, seed=args.seed)
-    score = evaluate_policy(model, tokenizer, policy, held_out, TASK_REWARDS["digits"], batch_size=64)
+    held_out = load_task_dataset("digits", "validation", size=128, seed=args.seed)
+    score = evaluate_policy(model, tokenizer, policy, held_out, list(DIGITS.reward_funcs), batch_size=64).summary()
     recipe = output_dir / "recipe.yaml"
     with atomic_directory(output_dir) as staging:
         model.save_pretrained(staging, safe_serialization=True)

@@ -78,10 +78,13 @@ def test_cli_train_eval_generate_export_on_the_embedded_model(tmp_path, capsys):
     assert "held-out reward: before" in text.out + text.err
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert records[0]["step"] == 1 and "correction/alpha" in records[0] and "eval/reward" in records[-1]
+    assert "eval/accuracy" in records[-1] and "eval/accuracy_before" in records[-1]
     assert (out / "metrics.png").is_file() and (out / "final" / "adapter_config.json").is_file()
 
-    assert main(["eval", "--model", str(out / "final"), "--eval_size=4"]) == 0
-    assert "mean reward" in capsys.readouterr().out
+    assert main(["eval", "--model", str(out / "final"), "--limit=4", "--output", str(tmp_path / "eval.json")]) == 0
+    assert "| gen length | accuracy (%) |" in capsys.readouterr().out
+    report = json.loads((tmp_path / "eval.json").read_text())
+    assert report["task"] == "digits" and len(report["model"]["base_model"]["content_sha256"]) == 64
     assert main(["generate", "--model", str(out / "final"), "--prompt", "sort 3 1 2", "--precision", "fp8"]) == 0
     assert "> sort 3 1 2" in capsys.readouterr().out
     assert main(["export", str(out / "final"), str(tmp_path / "merged")]) == 0

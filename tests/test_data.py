@@ -1,4 +1,4 @@
-"""Tests for dllm_ais.data: the generated digits task, local-file loading of the hub formats,
+"""Tests for dllm_ais.data and the task modules' data: the generated digits task, local-file loading of the hub formats,
 column checks and the chat-template helper."""
 import json
 from pathlib import Path
@@ -8,15 +8,12 @@ import pytest
 from transformers import AutoTokenizer
 
 import dllm_ais
-from dllm_ais.data import (
-    DIGITS_OPERATIONS,
-    SYSTEM_PROMPTS,
-    apply_chat_template,
-    digits_split_seed,
-    load_task_dataset,
-    make_digits_dataset,
-)
-from dllm_ais.rewards import countdown_reward, digits_reward, gsm8k_correctness_reward, sudoku_reward
+from dllm_ais.data import apply_chat_template, load_task_dataset
+from dllm_ais.tasks import gsm8k
+from dllm_ais.tasks.countdown import countdown_reward
+from dllm_ais.tasks.digits import OPERATIONS, digits_reward, digits_split_seed, make_digits_dataset
+from dllm_ais.tasks.gsm8k import gsm8k_correctness_reward
+from dllm_ais.tasks.sudoku import sudoku_reward
 
 TINY_TOKENIZER_DIR = Path(dllm_ais.__file__).parent / "assets" / "tiny_llada"
 
@@ -57,8 +54,8 @@ def test_digits_examples_are_correct():
 
 def test_digits_operations_match_the_documented_examples():
     digits = ["3", "9", "1", "4"]
-    assert " ".join(DIGITS_OPERATIONS["sort"](digits)) == "1 3 4 9"
-    assert " ".join(DIGITS_OPERATIONS["reverse"](digits)) == "4 1 9 3"
+    assert " ".join(OPERATIONS["sort"](digits)) == "1 3 4 9"
+    assert " ".join(OPERATIONS["reverse"](digits)) == "4 1 9 3"
 
 
 def test_digits_rejects_bad_lengths():
@@ -77,9 +74,19 @@ def test_digits_train_and_test_use_disjoint_seeds():
     assert len(load_task_dataset("digits", "test")) == 500
 
 
+def test_digits_validation_has_its_own_generator_seed():
+    seeds = {split: {digits_split_seed(seed, split) for seed in range(100)} for split in ("train", "validation", "test")}
+    assert not seeds["validation"] & (seeds["train"] | seeds["test"])
+    validation = load_task_dataset("digits", "validation", size=64, seed=3)
+    assert len(load_task_dataset("digits", "validation")) == 500
+    assert validation.to_list() == load_task_dataset("digits", "validation", size=64, seed=3).to_list()
+    for other in ("train", "test"):
+        assert validation["prompt"] != load_task_dataset("digits", other, size=64, seed=3)["prompt"]
+
+
 def test_digits_rejects_unknown_split_and_paths(tmp_path):
     with pytest.raises(ValueError, match="train"):
-        load_task_dataset("digits", "validation")
+        load_task_dataset("digits", "dev")
     with pytest.raises(ValueError, match="reads no files"):
         load_task_dataset("digits", path=tmp_path)
 
@@ -93,7 +100,7 @@ def test_gsm8k_from_a_local_directory_with_splits(tmp_path):
     dataset = load_task_dataset("gsm8k", "test", path=tmp_path)
     assert len(dataset) == 3
     example = dataset[0]
-    assert user_text(example) == SYSTEM_PROMPTS["gsm8k"] + "\n\nWhat is 1,000+1?"
+    assert user_text(example) == gsm8k.INSTRUCTIONS + "\n\nWhat is 1,000+1?"
     assert "<reasoning>" in user_text(example) and "<answer>" in user_text(example)
     completion = "<reasoning>\nadd\n</reasoning>\n<answer>\n1001\n</answer>"
     assert gsm8k_correctness_reward([example["prompt"]], [completion], answer=[example["answer"]]) == [2.0]
@@ -102,7 +109,7 @@ def test_gsm8k_from_a_local_directory_with_splits(tmp_path):
 
 def test_countdown_from_jsonl_keeps_every_row(tmp_path):
     rows = [{"nums": [25, 3, 2], "target": 44}, {"nums": [1, 3, 4, 6], "target": 24}]
-    dataset = load_task_dataset("countdown", path=write_jsonl(tmp_path / "countdown.jsonl", rows))
+    dataset = load_task_dataset("countdown", "test", path=write_jsonl(tmp_path / "countdown.jsonl", rows))
     assert dataset["nums"] == [[25, 3, 2], [1, 3, 4, 6]] and dataset["target"] == [44, 24]
     assert "[25, 3, 2]" in user_text(dataset[0]) and "44" in user_text(dataset[0])
     rewards = countdown_reward(dataset["prompt"], ["<answer>(25-3)*2</answer>", "<answer>6/(1-3/4)</answer>"],
@@ -112,14 +119,14 @@ def test_countdown_from_jsonl_keeps_every_row(tmp_path):
 
 def test_countdown_from_csv_with_text_lists(tmp_path):
     (tmp_path / "countdown.csv").write_text('nums,target\n"[25, 3, 2]",44\n')
-    dataset = load_task_dataset("countdown", path=tmp_path / "countdown.csv")
+    dataset = load_task_dataset("countdown", "test", path=tmp_path / "countdown.csv")
     assert dataset[0]["nums"] == [25, 3, 2] and dataset[0]["target"] == 44
 
 
 def test_sudoku_csv_keeps_leading_zeros(tmp_path):
     csv = tmp_path / "sudoku.csv"
     csv.write_text("Puzzle,Solution\n0030000221000300,1234341221434321\n1030000221000300,1234341221434321\n")
-    dataset = load_task_dataset("sudoku", path=csv)
+    dataset = load_task_dataset("sudoku", "test", path=csv)
     assert dataset["puzzle"] == ["0030000221000300", "1030000221000300"]
     assert dataset["solution"] == ["1234341221434321"] * 2
     assert "0030000221000300" in user_text(dataset[0])
@@ -138,10 +145,74 @@ def test_math500_from_parquet(tmp_path):
 
 def test_size_takes_a_seeded_subset(tmp_path):
     path = write_jsonl(tmp_path / "g.jsonl", [{"question": f"q{i}", "answer": f"#### {i}"} for i in range(20)])
-    subset = load_task_dataset("gsm8k", path=path, size=5, seed=1)
+    subset = load_task_dataset("gsm8k", "test", path=path, size=5, seed=1)
     assert len(subset) == 5
-    assert subset["answer"] == load_task_dataset("gsm8k", path=path, size=5, seed=1)["answer"]
-    assert len(load_task_dataset("gsm8k", path=path, size=50)) == 20
+    assert subset["answer"] == load_task_dataset("gsm8k", "test", path=path, size=5, seed=1)["answer"]
+    assert len(load_task_dataset("gsm8k", "test", path=path, size=50)) == 20
+
+
+# --------------------------------------------------------------------------------- splits
+
+
+def gsm8k_rows(count: int, offset: int = 0) -> list[dict]:
+    return [{"question": f"q{i}", "answer": f"#### {i}"} for i in range(offset, offset + count)]
+
+
+def answers(task: str, split: str, path, seed: int = 0) -> list[str]:
+    return list(load_task_dataset(task, split, path=path, seed=seed)["answer"])
+
+
+def test_a_directory_without_validation_gets_one_carved_from_train(tmp_path):
+    write_jsonl(tmp_path / "train.jsonl", gsm8k_rows(40))
+    write_jsonl(tmp_path / "test.jsonl", gsm8k_rows(5, offset=100))
+    train, validation, test = (answers("gsm8k", split, tmp_path) for split in ("train", "validation", "test"))
+    assert len(validation) == 4 and len(train) == 36 and not set(train) & set(validation)
+    assert sorted(train + validation) == sorted(row["answer"] for row in gsm8k_rows(40))
+    assert test == [row["answer"] for row in gsm8k_rows(5, offset=100)]
+    # the carve does not depend on the run's seed
+    assert answers("gsm8k", "validation", tmp_path, seed=7) == validation
+    assert answers("gsm8k", "train", tmp_path, seed=7) == train
+
+
+def test_a_directorys_own_validation_split_is_used(tmp_path):
+    write_jsonl(tmp_path / "train.jsonl", gsm8k_rows(10))
+    write_jsonl(tmp_path / "validation.jsonl", gsm8k_rows(3, offset=50))
+    write_jsonl(tmp_path / "test.jsonl", gsm8k_rows(2, offset=100))
+    assert answers("gsm8k", "validation", tmp_path) == [row["answer"] for row in gsm8k_rows(3, offset=50)]
+    assert len(answers("gsm8k", "train", tmp_path)) == 10
+
+
+def test_a_single_file_is_the_test_split_and_train_and_validation_are_carved_from_it(tmp_path):
+    path = write_jsonl(tmp_path / "g.jsonl", gsm8k_rows(20))
+    train, validation = answers("gsm8k", "train", path), answers("gsm8k", "validation", path)
+    assert len(validation) == 2 and not set(train) & set(validation) and len(train) + len(validation) == 20
+    assert len(answers("gsm8k", "test", path)) == 20
+
+
+def test_hub_splits_come_from_each_tasks_sources(monkeypatch):
+    """Which hub dataset and split each task reads (no download: datasets.load_dataset is replaced)."""
+    calls = []
+
+    def fake_load_dataset(name, config=None, split=None):
+        calls.append((name, config, split))
+        if name == "Jiayi-Pan/Countdown-Tasks-3to4":
+            return datasets.Dataset.from_list([{"nums": [1, 2, 3][: 3 - i % 2], "target": i} for i in range(60)])
+        if name == "openai/gsm8k":
+            return datasets.Dataset.from_list(gsm8k_rows(30 if split == "train" else 7))
+        return datasets.Dataset.from_list([{"problem": f"p{i}", "solution": f"\\boxed{{{i}}}"} for i in range(30)])
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    assert len(load_task_dataset("gsm8k", "test")) == 7 and calls[-1] == ("openai/gsm8k", "main", "test")
+    assert len(load_task_dataset("gsm8k", "validation")) == 3 and calls[-1] == ("openai/gsm8k", "main", "train")
+    load_task_dataset("math500", "test")
+    assert calls[-1] == ("HuggingFaceH4/MATH-500", None, "test")
+    load_task_dataset("math500", "train")
+    assert calls[-1] == ("ankner/math-500", None, "train")
+    # Countdown has only a train split of which d1 uses the three-number rows: test and validation are carved
+    splits = {split: list(load_task_dataset("countdown", split)["target"]) for split in ("train", "validation", "test")}
+    assert all(len(nums) == 3 for nums in load_task_dataset("countdown", "train")["nums"])
+    assert {len(targets) for targets in splits.values()} == {3, 24}  # 30 rows: 3 test, 3 validation, 24 train
+    assert sorted(sum(splits.values(), [])) == list(range(0, 60, 2))
 
 
 # --------------------------------------------------------------------------------- errors

@@ -1,4 +1,4 @@
-"""Tests for dllm_ais.rewards: each task reward, the safe Countdown arithmetic, the registry and
+"""Tests for the task rewards (dllm_ais.tasks.*), the safe Countdown arithmetic, the registry and
 compute_rewards' combination and error reporting."""
 import functools
 import math
@@ -11,25 +11,22 @@ from dllm_ais.rewards import (
     REWARD_FUNCTIONS,
     TASK_REWARDS,
     RewardFunctionError,
-    UnsafeExpressionError,
-    boxed_format_reward,
     compute_rewards,
-    countdown_reward,
-    digits_reward,
-    evaluate_arithmetic,
-    extract_last_boxed,
-    extract_xml_answer,
+    resolve_reward_functions,
+)
+from dllm_ais.tasks import math500
+from dllm_ais.tasks.countdown import UnsafeExpressionError, countdown_reward, evaluate_arithmetic, parse_arithmetic
+from dllm_ais.tasks.digits import digits_reward
+from dllm_ais.tasks.gsm8k import (
     gsm8k_correctness_reward,
     int_answer_reward,
-    math_correctness_reward,
-    message_text,
-    parse_arithmetic,
-    resolve_reward_functions,
     soft_format_reward,
     strict_format_reward,
-    sudoku_reward,
     xmlcount_reward,
 )
+from dllm_ais.tasks.math500 import boxed_format_reward, math_correctness_reward
+from dllm_ais.tasks.parsing import extract_last_boxed, extract_xml_answer, message_text
+from dllm_ais.tasks.sudoku import sudoku_reward
 
 WELL_FORMED = "<reasoning>\nShe has 3 boxes of 411 pens.\nSo 1,233 pens.\n</reasoning>\n<answer>\n1,233\n</answer>\n"
 
@@ -121,7 +118,7 @@ def test_math_correctness_falls_back_to_solution_column():
 
 
 def test_math_correctness_never_raises_on_garbage(monkeypatch):
-    monkeypatch.setattr("dllm_ais.rewards.MATH_VERIFY_TIMEOUT_SECONDS", 1)  # the last one times out
+    monkeypatch.setattr(math500.VERIFIER, "deadline_seconds", 1.0)  # the last one may time out
     garbage = [r"\boxed{\frac{{{}}}", r"\boxed{)(*&^%$#}", r"\boxed{" + "x^" * 200 + "}"]
     assert call(math_correctness_reward, garbage, answer=["2"] * 3) == [0.0, 0.0, 0.0]
 

@@ -6,7 +6,7 @@ import pytest
 from transformers import AutoTokenizer
 
 import dllm_ais
-from dllm_ais.data import make_digits_dataset
+from dllm_ais.tasks.digits import make_digits_dataset
 
 ASSET_DIR = Path(dllm_ais.__file__).parent / "assets" / "tiny_llada"
 BUILD_SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "build_tokenizer.py"

@@ -9,9 +9,9 @@ import torch
 from conftest import tiny_llada, tiny_qwen3
 from dllm_ais.config import GRPOConfig
 from dllm_ais.correction import correct
-from dllm_ais.data import make_digits_dataset
 from dllm_ais.loss import grpo_loss
-from dllm_ais.rewards import RewardFunctionError, digits_reward
+from dllm_ais.rewards import RewardFunctionError
+from dllm_ais.tasks.digits import digits_reward, make_digits_dataset
 from dllm_ais.trainer import GRPOTrainer
 
 TINY = dict(task="digits", eval_size=0, num_generations=2, per_device_train_batch_size=4, gradient_accumulation_steps=1,

@@ -1,0 +1,281 @@
+"""Evaluation: score a policy's completions on a task's prompts, per prompt, and report numbers people can compare.
+
+`evaluate_policy` is the stage both the trainer (validation split, before/after training) and `dllm-ais eval`
+(test split) call. It keeps every prompt's values in dataset order, so two evaluations of the same prompts can be
+compared pairwise.
+
+`dllm-ais eval` runs d1's protocol by default: greedy decoding (temperature 0), block length 32,
+steps = gen_length / 2 at gen lengths 128, 256 and 512, accuracy (the task's correctness check alone, 0/1) on
+the full test split, with the standard error of the accuracy and the mean of every reward function. Its report
+records what is needed to reproduce the number: protocol, seed, model id and revision (or local path and content
+hash), dtype, rollout precision, device, library versions and the command.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import math
+import platform
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from dllm_ais.checkpoint import resolve_model_path
+from dllm_ais.data import tokenize_prompts
+from dllm_ais.rewards import RewardTable, score_rollout_table
+from dllm_ais.tasks import RewardFunction, Task
+
+REPORTED_LIBRARIES = ("dllm-ais", "torch", "transformers", "accelerate", "peft", "torchao", "datasets",
+                      "huggingface_hub", "math-verify")
+HASHED_SUFFIXES = (".safetensors", ".json")
+
+
+def standard_error(values: torch.Tensor) -> float:
+    """s / √n with the sample standard deviation s (n − 1 in the denominator); NaN below two values."""
+    return (values.std(correction=1) / math.sqrt(len(values))).item() if len(values) > 1 else math.nan
+
+
+@dataclass
+class EvalResult:
+    """Per-prompt results of one evaluation, in dataset order.
+
+    ``per_prompt_reward`` [N]: the weighted sum of the reward functions (as in training);
+    ``per_prompt_accuracy`` [N]: 0/1 from the task's accuracy function, None when there is none;
+    ``per_function`` maps each reward function's name to its values [N] (NaN where it returned None);
+    ``timeouts`` counts, per function, the completions scored 0 because a check ran out of time.
+    """
+
+    per_prompt_reward: torch.Tensor
+    per_prompt_accuracy: torch.Tensor | None
+    per_function: dict[str, torch.Tensor]
+    timeouts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.per_prompt_reward)
+
+    def summary(self) -> dict[str, float]:
+        """``eval/*`` floats: reward mean, std and standard error; accuracy and its standard error; each reward
+        function's mean and timeouts; the number of prompts."""
+        rewards = self.per_prompt_reward
+        metrics = {
+            "eval/reward": rewards.mean().item(),
+            "eval/reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
+            "eval/reward_se": standard_error(rewards),
+        }
+        if self.per_prompt_accuracy is not None:
+            metrics["eval/accuracy"] = self.per_prompt_accuracy.mean().item()
+            metrics["eval/accuracy_se"] = standard_error(self.per_prompt_accuracy)
+        for name, values in self.per_function.items():
+            metrics[f"eval/rewards/{name}/mean"] = values.nanmean().item()
+        for name, count in self.timeouts.items():
+            metrics[f"eval/rewards/{name}/timeouts"] = float(count)
+        metrics["eval/num_prompts"] = float(self.num_prompts)
+        return metrics
+
+
+@torch.no_grad()
+def evaluate_policy(model, tokenizer, policy, dataset, reward_funcs: list[RewardFunction],
+                    reward_weights: list[float] | None = None, batch_size: int = 16, max_prompt_length: int = 256,
+                    accuracy: RewardFunction | None = None, seed: int | None = None) -> EvalResult:
+    """Sample one completion per prompt of ``dataset`` with ``policy`` (on ``model``) in batches of ``batch_size``
+    and score it with ``reward_funcs`` (weighted by ``reward_weights``) and the task's ``accuracy`` function.
+
+    ``seed`` seeds the sampler's generator (only matters at temperature > 0).
+    """
+    if len(dataset) == 0:
+        raise ValueError("no prompts to evaluate: the dataset is empty")
+    device = next(model.parameters()).device
+    generator = None if seed is None else torch.Generator(device).manual_seed(seed)
+    functions = [*reward_funcs, *([accuracy] if accuracy is not None else [])]
+    tables = []
+    for start in tqdm(range(0, len(dataset), batch_size), desc="eval", leave=False):
+        rows = dataset.select(range(start, min(start + batch_size, len(dataset))))
+        columns = {column: list(rows[column]) for column in rows.column_names}
+        input_ids, attention_mask = tokenize_prompts(tokenizer, columns["prompt"], max_prompt_length, device)
+        rollout = policy.sample(model, input_ids, attention_mask, generator)
+        tables.append(score_rollout_table(tokenizer, functions, columns, rollout))
+    names = tables[0].names
+    values = torch.cat([table.values for table in tables])
+    timeouts = [sum(table.timeouts[index] for table in tables) for index in range(len(names))]
+    rewards = RewardTable(names[:len(reward_funcs)], values[:, :len(reward_funcs)], timeouts[:len(reward_funcs)])
+    return EvalResult(
+        per_prompt_reward=rewards.weighted_sum(reward_weights),
+        per_prompt_accuracy=values[:, -1] if accuracy is not None else None,
+        per_function={name: values[:, index] for index, name in enumerate(rewards.names)},
+        timeouts=dict(zip(names, timeouts)),
+    )
+
+
+# --------------------------------------------------------------------------------------------- the protocol
+
+
+@dataclass(frozen=True)
+class EvalProtocol:
+    """How completions are generated for an evaluation: d1's protocol (greedy, steps = gen_length / 2, one block
+    length) at each of ``gen_lengths``. For autoregressive policies gen_length is the number of new tokens."""
+
+    gen_lengths: tuple[int, ...]
+    block_length: int
+    temperature: float = 0.0
+
+    @classmethod
+    def for_task(cls, task: Task, gen_lengths: tuple[int, ...] | None = None, block_length: int | None = None,
+                 temperature: float = 0.0) -> "EvalProtocol":
+        """The task's protocol (d1's for the real tasks), with any of its settings replaced."""
+        return cls(tuple(gen_lengths or task.eval_gen_lengths), block_length or task.eval_block_length, temperature)
+
+    def sampler_fields(self, gen_length: int) -> dict[str, int]:
+        """The config fields of the sampler at ``gen_length``: block min(block_length, gen_length), gen_length / 2
+        steps."""
+        return {"max_completion_length": gen_length, "block_length": min(self.block_length, gen_length),
+                "diffusion_steps": max(gen_length // 2, 1)}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "steps": "gen_length / 2", "gen_lengths": list(self.gen_lengths)}
+
+
+# --------------------------------------------------------------------------------------------- provenance
+
+
+def content_sha256(path: Path, suffixes: tuple[str, ...] | None = None) -> str:
+    """SHA-256 over the relative names and bytes of a file, or of a directory's files (those ending in one of
+    ``suffixes`` when given), in sorted order."""
+    digest = hashlib.sha256()
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    for file in files:
+        if suffixes is not None and file.suffix not in suffixes:
+            continue
+        digest.update(str(file.relative_to(path) if file != path else file.name).encode() + b"\0")
+        with file.open("rb") as handle:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def hub_commit(repo_id: str, repo_type: str | None = None) -> str | None:
+    """The commit of ``repo_id`` that the local Hub cache resolved when it was loaded (no network); None if unknown."""
+    from huggingface_hub import resolve_revision
+
+    try:
+        return resolve_revision(repo_id, repo_type=repo_type, local_files_only=True).resolved
+    except Exception:  # noqa: BLE001 - provenance is best effort: not cached, not a repo id, ...
+        return None
+
+
+def model_source(name_or_path: str) -> dict[str, Any]:
+    """Where one model came from: a Hub id with its commit, or a local directory with the content hash of its
+    weights, configs and tokenizer (safetensors and JSON files)."""
+    path = Path(resolve_model_path(name_or_path))
+    if path.is_dir():
+        return {"id": name_or_path, "path": str(path.resolve()), "content_sha256": content_sha256(path, HASHED_SUFFIXES)}
+    return {"id": name_or_path, "revision": hub_commit(name_or_path)}
+
+
+def model_provenance(name_or_path: str, model) -> dict[str, Any]:
+    """The evaluated model and, for an adapter, its base model (see :func:`model_source`)."""
+    if hasattr(model, "peft_config"):
+        base = next(iter(model.peft_config.values())).base_model_name_or_path
+        return {**model_source(name_or_path), "base_model": model_source(base)}
+    return model_source(name_or_path)
+
+
+def dataset_provenance(task: Task, split: str, path: str | None, dataset) -> dict[str, Any]:
+    """Which rows were evaluated: the source (local path and content hash, Hub id and commit, or generated) and a
+    SHA-256 of the evaluated rows themselves."""
+    if task.generate is not None:
+        source: dict[str, Any] = {"generated": task.name}
+    elif path is not None:
+        source = {"path": str(Path(path).resolve()), "content_sha256": content_sha256(Path(path))}
+    else:
+        hub = {"test": task.hub_test, "validation": task.hub_validation}.get(split) or task.hub_train
+        source = {"id": hub.dataset, "config": hub.config, "split": hub.split, "carved": hub.split != split,
+                  "revision": hub_commit(hub.dataset, repo_type="dataset")}
+    rows = hashlib.sha256()
+    for row in dataset:
+        rows.update(json.dumps(row, sort_keys=True, default=str).encode() + b"\n")
+    return {**source, "num_rows": len(dataset), "rows_sha256": rows.hexdigest()}
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{device.type} ({platform.processor() or platform.machine()})"
+
+
+def library_versions() -> dict[str, str | None]:
+    versions: dict[str, str | None] = {"python": platform.python_version()}
+    for name in REPORTED_LIBRARIES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+# --------------------------------------------------------------------------------------------- the report
+
+
+def _finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None  # JSON has no NaN
+
+
+def report_entry(gen_length: int, result: EvalResult, seconds: float) -> dict[str, Any]:
+    """One gen length's numbers for the report, with the per-prompt values (dataset order) for paired comparisons."""
+    summary = result.summary()
+    return {
+        "gen_length": gen_length,
+        "num_prompts": result.num_prompts,
+        "accuracy": _finite_or_none(summary.get("eval/accuracy", math.nan)),
+        "accuracy_se": _finite_or_none(summary.get("eval/accuracy_se", math.nan)),
+        "reward": _finite_or_none(summary["eval/reward"]),
+        "reward_se": _finite_or_none(summary["eval/reward_se"]),
+        "rewards": {name: _finite_or_none(values.nanmean().item()) for name, values in result.per_function.items()},
+        "timeouts": result.timeouts,
+        "seconds": round(seconds, 3),
+        "per_prompt": {
+            "accuracy": None if result.per_prompt_accuracy is None else result.per_prompt_accuracy.tolist(),
+            "reward": result.per_prompt_reward.tolist(),
+        },
+    }
+
+
+def markdown_table(report: dict[str, Any]) -> str:
+    """The report as a markdown table: one row per gen length, accuracy ± SE (in %), then each reward's mean."""
+    names = list(report["results"][0]["rewards"]) if report["results"] else []
+
+    def number(value: float | None, scale: float = 1.0, digits: int = 3) -> str:
+        return "n/a" if value is None else f"{scale * value:.{digits}f}"
+
+    lines = [
+        f"**{report['task']}** ({report['split']}, {report['results'][0]['num_prompts']} prompts) · model "
+        f"`{report['model']['id']}` · {report['protocol']['name']} protocol (temperature "
+        f"{report['protocol']['temperature']}, block {report['protocol']['block_length']}, steps = gen_length / 2) · "
+        f"dtype {report['dtype']}, rollout {report['rollout_precision']} · {report['device']}",
+        "",
+        "| gen length | accuracy (%) | ± SE | reward | " + " | ".join(names) + " |",
+        "|---:|---:|---:|---:|" + "---:|" * len(names),
+    ]
+    for entry in report["results"]:
+        lines.append(f"| {entry['gen_length']} | {number(entry['accuracy'], 100, 1)} | "
+                     f"{number(entry['accuracy_se'], 100, 1)} | {number(entry['reward'])} | "
+                     + " | ".join(number(entry["rewards"][name]) for name in names) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(report: dict[str, Any], path: Path) -> tuple[Path, Path]:
+    """Write the JSON report to ``path`` and its markdown table beside it (same name, ``.md``); refuses to
+    replace an existing file."""
+    table_path = path.with_suffix(".md")
+    for target in (path, table_path):
+        if target.exists():
+            raise FileExistsError(f"{target} already exists; pass another --output (nothing was overwritten)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    table_path.write_text(markdown_table(report))
+    return path, table_path

@@ -1,0 +1,154 @@
+"""The evaluation stage and `dllm-ais eval`: per-prompt results in dataset order, d1's protocol, the JSON report
+and markdown table, on the embedded digits task and on local files in each hub dataset's schema."""
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from dllm_ais.checkpoint import EMBEDDED_MODELS, load_tokenizer
+from dllm_ais.cli import main
+from dllm_ais.config import GRPOConfig
+from dllm_ais.data import load_task_dataset
+from dllm_ais.evaluation import EvalProtocol, evaluate_policy, standard_error
+from dllm_ais.sampling.rollout import Rollout
+from dllm_ais.tasks import get_task
+from dllm_ais.trainer import GRPOTrainer, build_policy
+
+DATA = Path(__file__).parent / "data"
+HUB_SCHEMA_FILES = {"gsm8k": "gsm8k.jsonl", "math500": "math500.jsonl", "countdown": "countdown.jsonl",
+                    "sudoku": "sudoku.csv"}
+
+
+class ScriptedPolicy:
+    """A policy whose completions are given texts, handed out in order (one per prompt)."""
+
+    def __init__(self, tokenizer, texts: list[str]):
+        self.tokenizer, self.texts = tokenizer, list(texts)
+
+    def sample(self, model, input_ids, attention_mask, generator):
+        texts, self.texts = self.texts[:len(input_ids)], self.texts[len(input_ids):]
+        ids = [self.tokenizer(text, add_special_tokens=False).input_ids for text in texts]
+        length = max(len(row) for row in ids)
+        completion = torch.tensor([row + [self.tokenizer.pad_token_id] * (length - len(row)) for row in ids])
+        mask = torch.tensor([[i < len(row) for i in range(length)] for row in ids])
+        return Rollout(torch.cat([input_ids, completion], 1), torch.cat([attention_mask, torch.ones_like(mask)], 1),
+                       mask, torch.zeros(mask.shape), torch.zeros_like(completion), input_ids.shape[1])
+
+
+def test_evaluate_policy_keeps_every_prompts_values_in_dataset_order():
+    tokenizer = load_tokenizer("embedded")
+    dataset = load_task_dataset("digits", "validation", size=10, seed=0)
+    answers = dataset["answer"]
+    texts = [answer if index % 2 == 0 else "0" for index, answer in enumerate(answers)]
+    task = get_task("digits")
+    result = evaluate_policy(torch.nn.Linear(1, 1), tokenizer, ScriptedPolicy(tokenizer, texts), dataset,
+                             list(task.reward_funcs), reward_weights=[2.0], batch_size=3, accuracy=task.accuracy)
+    expected_accuracy = torch.tensor([1.0, 0.0] * 5)
+    assert torch.equal(result.per_prompt_accuracy, expected_accuracy)
+    digits = result.per_function["digits_reward"]
+    assert digits.shape == (10,) and digits[::2].eq(1.0).all() and digits[1::2].lt(1.0).all()
+    assert torch.allclose(result.per_prompt_reward, 2.0 * digits)
+    summary = result.summary()
+    assert summary["eval/accuracy"] == 0.5 and summary["eval/num_prompts"] == 10.0
+    assert summary["eval/accuracy_se"] == pytest.approx(math.sqrt(0.5 * 0.5 / 9))  # sample SE of a 0/1 mean
+    assert summary["eval/rewards/digits_reward/mean"] == pytest.approx(digits.mean().item())
+    assert summary["eval/reward"] == pytest.approx(2.0 * digits.mean().item())
+    assert summary["eval/rewards/digits_accuracy/timeouts"] == 0.0
+    assert math.isnan(standard_error(torch.tensor([1.0])))
+
+
+def test_the_protocol_is_d1s_for_real_tasks_and_the_embedded_recipes_for_digits():
+    gsm8k = EvalProtocol.for_task(get_task("gsm8k"))
+    assert gsm8k == EvalProtocol((128, 256, 512), 32, 0.0)
+    assert gsm8k.sampler_fields(256) == {"max_completion_length": 256, "block_length": 32, "diffusion_steps": 128}
+    digits = EvalProtocol.for_task(get_task("digits"))
+    assert digits.sampler_fields(16) == {"max_completion_length": 16, "block_length": 16, "diffusion_steps": 8}
+    custom = EvalProtocol.for_task(get_task("gsm8k"), gen_lengths=(64,), block_length=16)
+    assert custom.gen_lengths == (64,) and custom.block_length == 16
+    # for an autoregressive model the gen length is the number of new tokens
+    qwen = AutoConfig.from_pretrained(EMBEDDED_MODELS["embedded-qwen3"])
+    config = dataclasses.replace(GRPOConfig(policy="autoregressive"), **gsm8k.sampler_fields(512))
+    policy = build_policy(config, qwen, load_tokenizer("embedded-qwen3"), temperature=0.0)
+    assert policy.sampler.config.max_new_tokens == 512 and policy.sampler.config.temperature == 0.0
+
+
+def test_eval_on_the_embedded_digits_task_writes_the_report_and_table(tmp_path, capsys):
+    output = tmp_path / "digits.json"
+    assert main(["eval", "--output", str(output)]) == 0
+    printed = capsys.readouterr().out
+    report = json.loads(output.read_text())
+    assert report["task"] == "digits" and report["split"] == "test" and report["full_split"] is True
+    assert report["protocol"] == {"name": "d1", "gen_lengths": [16], "block_length": 16, "temperature": 0.0,
+                                  "steps": "gen_length / 2", "batch_size": 32}
+    (entry,) = report["results"]
+    assert entry["num_prompts"] == len(load_task_dataset("digits", "test")) == 500
+    accuracy = torch.tensor(entry["per_prompt"]["accuracy"])
+    assert entry["accuracy"] == pytest.approx(accuracy.mean().item())
+    assert entry["accuracy_se"] == pytest.approx(standard_error(accuracy))
+    assert 0 < entry["accuracy"] < 1 and set(entry["rewards"]) == {"digits_reward"}
+    rewards = torch.tensor(entry["per_prompt"]["reward"])
+    assert rewards[accuracy == 1].eq(1.0).all()  # an exact answer gets full credit
+    assert report["model"]["id"] == "embedded" and len(report["model"]["content_sha256"]) == 64
+    assert report["dataset"]["generated"] == "digits" and report["dataset"]["num_rows"] == 500
+    assert report["seed"] == 0 and report["dtype"] == "float32" and report["rollout_precision"] == "bf16"
+    assert report["device"].startswith("cpu") and report["versions"]["torch"] == torch.__version__
+    assert report["command"] == f"dllm-ais eval --output {output}"
+    table = output.with_suffix(".md").read_text()
+    assert table in printed and f"| 16 | {100 * entry['accuracy']:.1f} | {100 * entry['accuracy_se']:.1f} |" in table
+    with pytest.raises(SystemExit, match="already exists"):  # never overwrites, and says so before loading a model
+        main(["eval", "--output", str(output)])
+
+
+def test_eval_through_the_fp8_rollout_engine(tmp_path):
+    output = tmp_path / "fp8.json"
+    assert main(["eval", "--precision", "fp8", "--limit=4", "--output", str(output)]) == 0
+    report = json.loads(output.read_text())
+    assert report["rollout_precision"] == "fp8" and report["full_split"] is False
+    assert report["results"][0]["num_prompts"] == 4
+
+
+@pytest.mark.parametrize("task", sorted(HUB_SCHEMA_FILES))
+def test_eval_on_local_rows_of_each_hub_schema(task, tmp_path):
+    path, output = DATA / HUB_SCHEMA_FILES[task], tmp_path / f"{task}.json"
+    assert main(["eval", f"--task={task}", f"--dataset_path={path}", "--gen_lengths=16", "--block_length=16",
+                 "--output", str(output)]) == 0
+    report = json.loads(output.read_text())
+    (entry,) = report["results"]
+    rows = len(load_task_dataset(task, "test", path=path))
+    assert entry["num_prompts"] == rows and len(entry["per_prompt"]["accuracy"]) == rows
+    assert set(entry["rewards"]) == {fn.__name__ for fn in get_task(task).reward_funcs}
+    assert 0.0 <= entry["accuracy"] <= 1.0 and report["protocol"]["name"] == "custom"
+    assert report["dataset"]["path"] == str(path.resolve()) and report["dataset"]["num_rows"] == rows
+
+
+REFERENCE_COMPLETIONS = {
+    "gsm8k": lambda row: f"<reasoning>\n...\n</reasoning>\n<answer>\n{row['answer'].rsplit('####', 1)[1].strip()}\n</answer>",
+    "math500": lambda row: f"so the answer is \\boxed{{{row['answer']}}}",
+    "countdown": lambda row: "<answer>" + {44: "(25-3)*2", 5: "2*4-3", 24: "6*4*1"}[row["target"]] + "</answer>",
+    "sudoku": lambda row: f"<answer>{row['solution']}</answer>",
+}
+
+
+@pytest.mark.parametrize("task", sorted(HUB_SCHEMA_FILES))
+def test_the_shipped_rows_grade_reference_answers_as_correct(task):
+    dataset = load_task_dataset(task, "test", path=DATA / HUB_SCHEMA_FILES[task])
+    accuracy = get_task(task).accuracy
+    rows = list(dataset)
+    columns = {name: dataset[name] for name in dataset.column_names if name != "prompt"}
+    assert accuracy(dataset["prompt"], [REFERENCE_COMPLETIONS[task](row) for row in rows], **columns) == [1.0] * len(rows)
+    assert accuracy(dataset["prompt"], ["<answer>0</answer>"] * len(rows), **columns) == [0.0] * len(rows)
+
+
+def test_the_trainer_scores_the_validation_split(tmp_path):
+    config = GRPOConfig(eval_size=4, max_steps=1, num_generations=2, per_device_train_batch_size=2,
+                        max_completion_length=16, block_length=16, diffusion_steps=8, max_prompt_length=64,
+                        dtype="float32", output_dir=str(tmp_path), seed=3)
+    trainer = GRPOTrainer(config)
+    expected = load_task_dataset("digits", "validation", size=4, seed=3)
+    assert trainer.eval_dataset["prompt"] == expected["prompt"]
+    result = trainer.evaluate()
+    assert result.per_prompt_reward.shape == (4,) and result.per_prompt_accuracy.shape == (4,)

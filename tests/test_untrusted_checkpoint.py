@@ -1,0 +1,87 @@
+"""Inference never trusts the checkpoint it loads: a downloaded model directory whose saved config asks for
+`trust_remote_code: true` and an importable reward (`evil_module:run`), and whose config.json / tokenizer_config.json
+point at its own Python code, runs none of it under `eval`, `generate` or `export`."""
+import json
+import logging
+import shutil
+import sys
+
+import pytest
+import torch
+import yaml
+
+from dllm_ais.checkpoint import EMBEDDED_MODEL_DIR, load_model
+from dllm_ais.cli import main
+from dllm_ais.rewards import resolve_reward_functions
+
+PAYLOAD = "from pathlib import Path\nPath({marker!r}).write_text('ran')\n\ndef run(prompts, completions, **kw):\n    return [9.0] * len(completions)\n"
+
+
+def write_checkpoint(directory, markers, model_type: str):
+    """A copy of the embedded model whose configs point at its own code and whose saved training config asks for
+    trust_remote_code and an importable reward."""
+    shutil.copytree(EMBEDDED_MODEL_DIR, directory)
+    (directory / "evil_modeling.py").write_text(PAYLOAD.format(marker=str(markers["remote_code"])))
+    (directory / "evil_module.py").write_text(PAYLOAD.format(marker=str(markers["reward"])))
+    config = json.loads((directory / "config.json").read_text())
+    config["model_type"] = model_type
+    config["auto_map"] = {"AutoConfig": "evil_modeling.EvilConfig", "AutoModelForCausalLM": "evil_modeling.EvilModel"}
+    (directory / "config.json").write_text(json.dumps(config))
+    tokenizer_config = json.loads((directory / "tokenizer_config.json").read_text())
+    tokenizer_config["auto_map"] = {"AutoTokenizer": ["evil_modeling.EvilTokenizer", None]}
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    saved = yaml.safe_load((directory / "recipe.yaml").read_text())
+    saved.update(trust_remote_code=True, reward_funcs=["evil_module:run"], reward_weights=[1.0])
+    (directory / "dllm_ais_config.yaml").write_text(yaml.safe_dump(saved))
+    return directory
+
+
+@pytest.fixture
+def markers(tmp_path, monkeypatch):
+    import transformers.dynamic_module_utils as dynamic_modules
+
+    monkeypatch.setattr(dynamic_modules, "HF_MODULES_CACHE", str(tmp_path / "hf_modules"))
+    # the worst case: the checkpoint directory is importable (it is the working directory, on sys.path)
+    monkeypatch.syspath_prepend(str(tmp_path / "downloaded-model"))
+    monkeypatch.chdir(tmp_path)
+    yield {"remote_code": tmp_path / "remote_code_ran", "reward": tmp_path / "reward_module_ran"}
+    sys.modules.pop("evil_module", None)  # each test imports its own copy
+
+
+def commands(directory, tmp_path) -> list[list[str]]:
+    return [["eval", "--model", str(directory), "--limit=2", "--output", str(tmp_path / "eval.json")],
+            ["generate", "--model", str(directory), "--prompt", "sort 2 1"],
+            ["export", str(directory), str(tmp_path / "exported")]]
+
+
+def test_eval_generate_and_export_import_no_reward_from_the_checkpoint(tmp_path, markers, caplog):
+    directory = write_checkpoint(tmp_path / "downloaded-model", markers, model_type="llada")
+    with caplog.at_level(logging.WARNING):
+        for command in commands(directory, tmp_path):
+            assert main(command) == 0
+    assert not markers["remote_code"].exists() and not markers["reward"].exists()
+    assert "ignoring trust_remote_code and reward_funcs ['evil_module:run']" in caplog.text
+    report = json.loads((tmp_path / "eval.json").read_text())
+    assert set(report["results"][0]["rewards"]) == {"digits_reward"}  # the task preset replaced the import
+    resolve_reward_functions(["evil_module:run"])  # control: the payload is live
+    assert markers["reward"].exists()
+
+
+def test_trust_remote_code_in_a_saved_config_is_not_honoured(tmp_path, markers):
+    directory = write_checkpoint(tmp_path / "downloaded-model", markers, model_type="evil_architecture")
+    for command in commands(directory, tmp_path):
+        with pytest.raises(ValueError, match="evil_architecture|trust_remote_code"):  # refused: unknown code
+            main(command)
+    assert not markers["remote_code"].exists() and not markers["reward"].exists()
+    with pytest.raises(Exception):  # noqa: B017 - control: with the flag the payload runs (it defines no model)
+        load_model(str(directory), torch.float32, trust_remote_code=True)
+    assert markers["remote_code"].exists()
+
+
+def test_code_loading_settings_come_from_the_command_line(tmp_path, markers):
+    directory = write_checkpoint(tmp_path / "downloaded-model", markers, model_type="llada")
+    assert main(["eval", "--model", str(directory), "--limit=2", "--output", str(tmp_path / "eval.json"),
+                 "--reward_funcs=[evil_module:run]"]) == 0
+    assert markers["reward"].exists()  # the user asked for it explicitly
+    report = json.loads((tmp_path / "eval.json").read_text())
+    assert report["results"][0]["rewards"] == {"run": 9.0}
