@@ -23,6 +23,7 @@ from typing import Any
 
 import datasets
 
+from dllm_ais.choices import TASKS
 from dllm_ais.rewards import parse_number_list, sudoku_grid
 
 logger = logging.getLogger(__name__)
@@ -179,7 +180,6 @@ TASK_SOURCES: dict[str, TaskSource] = {
     ),
     "sudoku": TaskSource(None, None, (("puzzle",), ("solution",)), sudoku_example, ("puzzle", "solution")),
 }
-TASKS = sorted([*TASK_SOURCES, "digits"])
 
 LOCAL_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
