@@ -28,10 +28,13 @@ Fields:
 
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
-    from dllm_ais.checkpoint import EMBEDDED_RECIPE
-    from dllm_ais.config import load_config
+    from dllm_ais.config import EMBEDDED_RECIPE, load_config
 
     config = load_config(args.recipe or EMBEDDED_RECIPE, overrides)
+    from dllm_ais.launch import relaunch_as_cpu_processes, requested_cpu_processes
+
+    if (processes := requested_cpu_processes()) > 1:
+        return relaunch_as_cpu_processes(processes)
     if config.dry_run:
         from dllm_ais.dry_run import run_dry_run
 
@@ -210,18 +213,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _is_user_error(error: Exception) -> bool:
+    """Errors whose message names what to fix (bad config or path, a misbehaving reward function): no traceback."""
+    from dllm_ais.config import ConfigError
+
+    rewards = sys.modules.get("dllm_ais.rewards")  # imported whenever a reward function ran
+    return isinstance(error, (ConfigError, FileNotFoundError)) or (
+        rewards is not None and isinstance(error, rewards.RewardFunctionError))
+
+
 def main(argv: list[str] | None = None) -> int:
     from dllm_ais.console import configure_console
 
     parser = build_parser()
     args, overrides = parser.parse_known_args(argv)
     configure_console(verbose=args.verbose)  # before anything imports the libraries
-    from dllm_ais.config import ConfigError
-    from dllm_ais.rewards import RewardFunctionError
-
     try:
         return args.handler(args, overrides)
-    except (ConfigError, RewardFunctionError, FileNotFoundError) as error:
+    except Exception as error:
+        if not _is_user_error(error):
+            raise
         print(f"error: {error}", file=sys.stderr)
         return 2
 

@@ -21,11 +21,17 @@ from dllm_ais.choices import (
 )
 from dllm_ais.trackers import TRACKERS, normalize_report_to
 from dllm_ais.validation import (
-    ConfigError, Interval, accepts_float, field_problems, model_path_problem, parse_yaml, path_kind, read_recipe, show,
-    unknown_key_problems,
+    ConfigError, Interval, accepts_float, field_problems, model_path_problem, parse_yaml, path_kind, problem_list,
+    read_recipe, show, unknown_key_problems,
 )
 
 EMBEDDED_MODEL = "embedded"
+EMBEDDED_MODELS = {  # name usable as model_name_or_path -> directory shipped inside the package
+    EMBEDDED_MODEL: Path(__file__).parent / "assets" / "tiny_llada",
+    f"{EMBEDDED_MODEL}-qwen3": Path(__file__).parent / "assets" / "tiny_qwen3",
+}
+EMBEDDED_MODEL_DIR = EMBEDDED_MODELS[EMBEDDED_MODEL]
+EMBEDDED_RECIPE = EMBEDDED_MODEL_DIR / "recipe.yaml"
 POLICIES = ("auto", "diffusion", "autoregressive")
 ESTIMATORS = ("one_step", "trajectory")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -35,6 +41,11 @@ SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 def _choice(*options: str) -> dict:
     return {"choices": options}
 
+
+# Upper bounds far beyond any real run, so an absurd value fails here instead of hanging or exhausting memory later.
+MAX_SIZE = 65_536  # batch sizes, group size, LoRA rank
+MAX_TOKENS = 1_048_576
+MAX_PROMPTS = 10_000_000  # the digits task generates this many
 
 AT_LEAST_ONE = {"range": "[1, inf)"}
 NON_NEGATIVE = {"range": "[0, inf)"}
@@ -58,8 +69,8 @@ class GRPOConfig:
         "help": "Trainer weights dtype; auto = bfloat16 on CUDA, float32 on CPU."})
     trust_remote_code: bool = field(default=False, metadata={"help": "Passed to from_pretrained (not needed for LLaDA)."})
     use_peft: bool = field(default=True, metadata={"help": "Train a LoRA adapter (peft) instead of all weights."})
-    lora_r: int = field(default=128, metadata=AT_LEAST_ONE)
-    lora_alpha: int = field(default=64, metadata=POSITIVE)
+    lora_r: int = field(default=128, metadata={"range": f"[1, {MAX_SIZE}]"})
+    lora_alpha: int = field(default=64, metadata={"range": f"(0, {MAX_SIZE}]"})
     lora_dropout: float = field(default=0.05, metadata={"range": "[0, 1)"})
     lora_target_modules: list[str] | str | None = field(default=None, metadata={
         "help": "Module names or a regex; None = the preset for the model type (LLaDA: every block's "
@@ -70,21 +81,21 @@ class GRPOConfig:
     task: str = field(default="digits", metadata={**_choice(*TASKS), "help": "Task: dataset loader and reward preset."})
     dataset_path: str | None = field(default=None, metadata={**PATH,
         "help": "Local file/dir overriding the task's hub dataset."})
-    dataset_size: int | None = field(default=None, metadata={**AT_LEAST_ONE,
+    dataset_size: int | None = field(default=None, metadata={"range": f"[1, {MAX_PROMPTS}]",
         "help": "Use at most this many training prompts."})
-    eval_size: int = field(default=64, metadata={**NON_NEGATIVE,
+    eval_size: int = field(default=64, metadata={"range": f"[0, {MAX_PROMPTS}]",
         "help": "Held-out prompts scored before and after training (0 = skip)."})
     reward_funcs: list[str] | None = field(default=None, metadata={
         "help": "Reward function names or 'module:function'; None = the task preset."})
-    reward_weights: list[float] | None = field(default=None, metadata={"range": "(-inf, inf)"})
+    reward_weights: list[float] | None = field(default=None, metadata={"range": "[-1000000, 1000000]"})
     max_prompt_length: int = field(default=256, metadata=AT_LEAST_ONE)
 
     # --- rollout ---
     rollout_precision: str = field(default="fp8", metadata={**_choice(*PRECISIONS),
         "help": "Precision of the rollout engine; bf16 = no quantization (on-policy baseline)."})
-    num_generations: int = field(default=6, metadata={"range": "[2, inf)",
+    num_generations: int = field(default=6, metadata={"range": f"[2, {MAX_SIZE}]",
         "help": "Completions per prompt (the GRPO group size G)."})
-    max_completion_length: int = field(default=256, metadata={**AT_LEAST_ONE,
+    max_completion_length: int = field(default=256, metadata={"range": f"[1, {MAX_TOKENS}]",
         "help": "Completion length (diffusion gen_length)."})
     diffusion_steps: int = field(default=128, metadata={**AT_LEAST_ONE, "help": "Denoising steps over the whole completion."})
     block_length: int = field(default=32, metadata=AT_LEAST_ONE)
@@ -128,10 +139,10 @@ class GRPOConfig:
     max_grad_norm: float = field(default=0.2, metadata={**POSITIVE, "help": "Gradient-norm clip."})
     lr_scheduler_type: str = field(default="constant_with_warmup", metadata=_choice(*SCHEDULERS))
     warmup_steps: int = field(default=0, metadata=NON_NEGATIVE)
-    num_iterations: int = field(default=12, metadata={**AT_LEAST_ONE, "help": "μ: optimizer passes over each generation batch."})
-    per_device_train_batch_size: int = field(default=6, metadata={**AT_LEAST_ONE,
+    num_iterations: int = field(default=12, metadata={"range": "[1, 1024]", "help": "μ: optimizer passes over each generation batch."})
+    per_device_train_batch_size: int = field(default=6, metadata={"range": f"[1, {MAX_SIZE}]",
         "help": "Completions per device per micro-batch."})
-    gradient_accumulation_steps: int = field(default=1, metadata=AT_LEAST_ONE)
+    gradient_accumulation_steps: int = field(default=1, metadata={"range": f"[1, {MAX_SIZE}]"})
     max_steps: int = field(default=100, metadata={**AT_LEAST_ONE, "help": "Optimizer steps to run."})
     seed: int = field(default=42, metadata={"range": "[0, 2147483647]"})
 
@@ -175,8 +186,11 @@ class GRPOConfig:
              f"max_completion_length={self.max_completion_length} must be a multiple of block_length={self.block_length}"),
             (self.policy == "autoregressive"
              or self.diffusion_steps % max(self.max_completion_length // self.block_length, 1) == 0,
-             f"diffusion_steps={self.diffusion_steps} must be a multiple of the number of blocks "
-             f"({self.max_completion_length // self.block_length})"),
+             f"diffusion_steps={self.diffusion_steps} must be a multiple of the number of blocks, max_completion_length "
+             f"/ block_length = {self.max_completion_length // self.block_length}"),
+            (self.policy == "autoregressive" or self.diffusion_steps <= self.max_completion_length,
+             f"diffusion_steps={self.diffusion_steps} must be <= max_completion_length={self.max_completion_length} "
+             "(at most one denoising step per token)"),
             (self.is_clip_low is None or self.is_clip_low <= self.is_clip, "is_clip_low must be <= is_clip"),
             (self.correction not in ("acr", "ais") or self.is_level == "token",
              f"correction={self.correction} works on token-level ratios: set is_level=token"),
@@ -208,7 +222,7 @@ GRPO_FIELD_TYPES = typing.get_type_hints(GRPOConfig)
 
 
 def _problem_list(problems: list[str]) -> str:
-    return "Invalid configuration:\n  - " + "\n  - ".join(problems)
+    return problem_list("Invalid configuration:", problems)
 
 
 def _reference_problems(config: GRPOConfig, invalid: set[str]) -> list[str]:
@@ -224,14 +238,14 @@ def _reference_problems(config: GRPOConfig, invalid: set[str]) -> list[str]:
     if "model_name_or_path" not in invalid:
         problems.append(model_path_problem(config.model_name_or_path))
     if not {"dataset_path", "task"} & invalid:
-        if config.dataset_path is not None and path_kind(config.dataset_path) is None:
+        if config.dataset_path is not None and path_kind(config.dataset_path) in ("missing", "invalid"):
             problems.append(f"dataset_path={show(config.dataset_path)}: no such file or directory")
         if config.task == "digits" and config.dataset_path is not None:
             problems.append("dataset_path: the digits task is generated and reads no files; leave dataset_path unset")
         elif config.task in TASK_SOURCES and TASK_SOURCES[config.task].hub_id is None and config.dataset_path is None:
             problems.append(f"task={config.task} has no default dataset: set dataset_path to a local file of its rows")
-    if "output_dir" not in invalid and path_kind(config.output_dir) == "file":
-        problems.append(f"output_dir={show(config.output_dir)} is a file; name a directory")
+    if "output_dir" not in invalid and path_kind(config.output_dir) in ("file", "invalid"):
+        problems.append(f"output_dir={show(config.output_dir)}: not a usable directory path (a file, or an invalid name)")
     # `module:function` names are imported only when a run starts (GRPOTrainer), never while reading a config.
     for name in [] if "reward_funcs" in invalid else config.reward_funcs or []:
         try:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import re
 import types
 import typing
@@ -30,13 +31,21 @@ from typing import Any
 import yaml
 
 MAX_SHOWN = 60
+MAX_PROBLEM_LENGTH = 600
 MAX_RECIPE_BYTES = 1 << 20
 MAX_LISTED_KEYS = 10
 CLOSE_MATCH_CUTOFF = 0.85
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 class ConfigError(ValueError):
     """A recipe or override is invalid; the message lists every problem and how to fix it."""
+
+
+def problem_list(header: str, problems: list[str]) -> str:
+    """`header` and one "  - problem" line per problem, each cut to MAX_PROBLEM_LENGTH characters."""
+    return header + "".join("\n  - " + (p if len(p) <= MAX_PROBLEM_LENGTH else p[:MAX_PROBLEM_LENGTH - 3] + "...")
+                            for p in problems)
 
 
 def show(value: Any) -> str:
@@ -139,18 +148,25 @@ def value_problems(f: dataclasses.Field, annotation: Any, value: Any) -> list[st
         return [f"{shown}: must not be blank"]
     if value == [] and f.default is None:
         return [f"{shown}: leave it unset (null) for the default, or give at least one item"]
+    numbers = [item for item in items if isinstance(item, (int, float)) and not isinstance(item, bool)]
     if "range" in f.metadata:
         interval = Interval.parse(f.metadata["range"])
-        for item in items:
-            if item is None:
-                continue
-            try:
-                number = float(item) if accepts_float(annotation) else item
-            except OverflowError:
-                return [f"{shown}: too large; it {interval.describe()}"]
-            if number not in interval:
-                return [f"{shown}: {interval.describe()}"]
+        if any(n not in interval for n in numbers):
+            return [f"{shown}: {interval.describe()}"]
+    if any(_too_large(n, accepts_float(annotation)) for n in numbers):
+        return [f"{shown}: too large " + (f"for float32 (at most {FLOAT32_MAX:.3g}), the precision it is used in"
+                                           if accepts_float(annotation) else "for a 64-bit integer")]
     return []
+
+
+def _too_large(number: int | float, as_float: bool) -> bool:
+    """Beyond float32 (finite values; inf is the range's business) or beyond int64: the tensors' and libraries' limits."""
+    if not as_float:
+        return abs(number) >= 2**63
+    try:
+        return math.isfinite(float(number)) and abs(float(number)) > FLOAT32_MAX
+    except OverflowError:  # an int too large for any float
+        return True
 
 
 def numeric_fields_without_range(cls: type) -> list[str]:
@@ -315,20 +331,22 @@ def read_recipe(path: str | Path) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------- paths
-def path_kind(text: str) -> str | None:
-    """"dir", "file" or None (absent, or no valid path at all: a NUL byte, a name too long)."""
+def path_kind(text: str) -> str:
+    """"dir", "file", "missing", or "invalid" (no usable path: a NUL byte, a name too long, ...)."""
     try:
-        path = Path(text)
-        return "dir" if path.is_dir() else "file" if path.exists() else None
+        os.stat(text)
+    except FileNotFoundError:
+        return "missing"
     except (OSError, ValueError):
-        return None
+        return "invalid"
+    return "dir" if os.path.isdir(text) else "file"
 
 
 def looks_local(name: str) -> bool:
     """Whether a model name is meant as a local path: absolute or relative path syntax, more than one '/', or a first
     component that exists here (a Hub id is `name` or `org/name`)."""
     return (name.startswith(("/", "./", "../", "~", "\\")) or name in (".", "..") or name.count("/") > 1
-            or ("/" in name and path_kind(name.split("/")[0]) is not None))
+            or ("/" in name and path_kind(name.split("/")[0]) in ("dir", "file")))
 
 
 def model_path_problem(name: str) -> str | None:
