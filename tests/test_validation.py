@@ -87,7 +87,7 @@ def test_values_outside_the_declared_range_are_rejected(name):
     ({"learning_rate": math.inf}, "learning_rate=inf"),
     ({"logging_steps": 0}, "logging_steps=0: must be >= 1"),
     ({"lora_r": 0}, "lora_r=0"),
-    ({"lora_alpha": 0}, "lora_alpha=0: must be > 0"),
+    ({"lora_alpha": 0}, "lora_alpha=0: must be in (0, 65536]"),
     ({"diffusion_steps": 0}, "diffusion_steps=0"),
     ({"save_steps": -1}, "save_steps=-1"),
     ({"output_dir": ""}, "output_dir='': must not be blank"),
