@@ -4,6 +4,7 @@ paths, trackers, run-start checks, and a light, quiet CLI."""
 import dataclasses
 import json
 import math
+import os
 import subprocess
 import sys
 import typing
@@ -14,6 +15,7 @@ import pytest
 from dllm_ais import trackers
 from dllm_ais.choices import TASKS
 from dllm_ais.config import EMBEDDED_RECIPE, ConfigError, GRPOConfig, load_config
+from dllm_ais.console import LIBRARY_SWITCHES
 from dllm_ais.launch import check_processes, check_prompt_lengths, check_run_environment, process_problems
 from dllm_ais.validation import FOREIGN_KEYS, MAX_PROBLEM_LENGTH, Interval, numeric_fields_without_range
 
@@ -266,7 +268,8 @@ def test_library_noise_only_with_verbose(tmp_path, verbose):
     command = [sys.executable, "-m", "dllm_ais.cli", "train", "--max_steps=1", "--eval_size=0", "--num_iterations=1",
                "--dataset_size=8", "--per_device_train_batch_size=8", f"--output_dir={tmp_path}",
                *(["--verbose"] if verbose else [])]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    env = {k: v for k, v in os.environ.items() if k not in LIBRARY_SWITCHES}  # as set by in-process main() calls
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     noise = ("Skipping import of cpp extensions", "_pytree", "Loading weights", "FutureWarning")
     shown = [text for text in noise if text in result.stderr + result.stdout]
