@@ -291,7 +291,7 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
         else:
             raise ConfigError(f"Cannot parse override {show(arg)}: write --key=value (e.g. --learning_rate=1e-5).")
     if pending is not None:
-        raise ConfigError(f"Override --{show(pending)[1:-1]} has no value: write --{show(pending)[1:-1]}=VALUE.")
+        raise ConfigError(f"Override --{pending[:60]} has no value: write --{pending[:60]}=VALUE.")
     return overrides
 
 
