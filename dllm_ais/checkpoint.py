@@ -13,14 +13,8 @@ from typing import Iterator
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from dllm_ais.config import EMBEDDED_MODEL
+from dllm_ais.config import EMBEDDED_MODEL, EMBEDDED_MODEL_DIR, EMBEDDED_MODELS, EMBEDDED_RECIPE  # noqa: F401
 
-EMBEDDED_MODELS = {  # name usable as model_name_or_path -> directory shipped inside the package
-    EMBEDDED_MODEL: Path(__file__).parent / "assets" / "tiny_llada",
-    f"{EMBEDDED_MODEL}-qwen3": Path(__file__).parent / "assets" / "tiny_qwen3",
-}
-EMBEDDED_MODEL_DIR = EMBEDDED_MODELS[EMBEDDED_MODEL]
-EMBEDDED_RECIPE = EMBEDDED_MODEL_DIR / "recipe.yaml"
 END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|endoftext|>")
 
 

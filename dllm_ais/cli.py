@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 MAIN_HELP = """\
@@ -29,10 +28,13 @@ Fields:
 
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
-    from dllm_ais.checkpoint import EMBEDDED_RECIPE
-    from dllm_ais.config import load_config
+    from dllm_ais.config import EMBEDDED_RECIPE, load_config
 
     config = load_config(args.recipe or EMBEDDED_RECIPE, overrides)
+    from dllm_ais.launch import relaunch_as_cpu_processes, requested_cpu_processes
+
+    if (processes := requested_cpu_processes()) > 1:
+        return relaunch_as_cpu_processes(processes)
     if config.dry_run:
         from dllm_ais.dry_run import run_dry_run
 
@@ -245,8 +247,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dllm-ais", description=MAIN_HELP,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--verbose", action="store_true", help="also show the libraries' warnings and progress bars")
 
-    train = commands.add_parser("train", help="GRPO training with FP8 rollouts and AIS (default: tiny embedded run)",
+    train = commands.add_parser("train", parents=[common],
+                                help="GRPO training with FP8 rollouts and AIS (default: tiny embedded run)",
                                 description="Train a policy with GRPO. With no recipe: the embedded tiny LLaDA on the "
                                             "digits task, FP8 rollouts, AIS, LoRA — a few minutes on a CPU.",
                                 epilog=TRAIN_EPILOG + describe_fields(),
@@ -254,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("recipe", nargs="?", help="YAML recipe (see recipes/); fields override the defaults")
     train.set_defaults(handler=_train)
 
-    inference = argparse.ArgumentParser(add_help=False)
+    inference = argparse.ArgumentParser(add_help=False, parents=[common])
     inference.add_argument("recipe", nargs="?", help="optional YAML recipe for task/sampler settings")
     inference.add_argument("--model", help="hub id, model dir or adapter dir (default: the recipe's or 'embedded')")
     inference.add_argument("--precision", default="bf16", choices=("bf16", "fp8", "fp8_weight_only"),
@@ -288,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--num_prompts", type=int, default=4, help="task prompts to use when no --prompt is given")
     generate.set_defaults(handler=_generate)
 
-    export = commands.add_parser("export", help="merge a LoRA adapter into its base and write a Hub-layout model",
+    export = commands.add_parser("export", parents=[common], help="merge a LoRA adapter into its base and write a Hub-layout model",
                                  description="Merge an adapter directory (e.g. outputs/dllm-ais/final) into its base "
                                              "model; write safetensors, tokenizer and a model card; optionally push.")
     export.add_argument("source", help="adapter directory (or full model directory)")
@@ -297,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--push-to-hub", metavar="REPO_ID", help="also upload to this Hub repository")
     export.set_defaults(handler=_export)
 
-    sft = commands.add_parser("sft", help="SFT warm start (LLaDA masked-diffusion loss, or next-token for causal LMs)",
+    sft = commands.add_parser("sft", parents=[common], help="SFT warm start (LLaDA masked-diffusion loss, or next-token for causal LMs)",
                               description="Supervised fine-tuning on a task's reference answers: the LLaDA "
                                           "masked-diffusion loss for LLaDA models, next-token cross-entropy for "
                                           "causal LMs (used to build the embedded tiny models).")
@@ -315,19 +320,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _is_user_error(error: Exception) -> bool:
+    """Errors whose message names what to fix (bad config or path, a misbehaving reward function): no traceback."""
+    from dllm_ais.config import ConfigError
+
+    rewards = sys.modules.get("dllm_ais.rewards")  # imported whenever a reward function ran
+    return isinstance(error, (ConfigError, FileNotFoundError)) or (
+        rewards is not None and isinstance(error, rewards.RewardFunctionError))
+
+
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    for noisy in ("httpx", "urllib3", "datasets", "transformers", "torchao", "torch"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    from dllm_ais.console import configure_console
+
     parser = build_parser()
     args, overrides = parser.parse_known_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    from dllm_ais.config import ConfigError
-    from dllm_ais.rewards import RewardFunctionError
-
+    configure_console(verbose=args.verbose)  # before anything imports the libraries
     try:
         return args.handler(args, overrides)
-    except (ConfigError, RewardFunctionError, FileNotFoundError) as error:
+    except Exception as error:
+        if not _is_user_error(error):
+            raise
         print(f"error: {error}", file=sys.stderr)
         return 2
 

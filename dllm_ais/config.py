@@ -1,13 +1,14 @@
 """Training configuration: one flat dataclass with TRL's field names, loaded from YAML plus `--key=value` overrides.
 
-Everything is validated here, before any model or dataset is loaded, so a typo costs seconds, not a GPU hour.
+Everything is validated here, before any model or dataset is loaded, so a typo costs seconds, not a GPU hour. Each
+field declares its allowed values in its metadata (`choices`, `range`, see `dllm_ais.validation`); `--help` shows them.
+This module imports nothing heavy: `dllm-ais --help` must not import torch.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import types
+import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,13 +16,23 @@ from typing import Any
 
 import yaml
 
-from dllm_ais.correction import ALPHA_RULES, CORRECTION_METHODS, IS_LEVELS
-from dllm_ais.loss import LOSS_TYPES, RATIO_TYPES, REWARD_SCALINGS
-from dllm_ais.quantization import PRECISIONS
-from dllm_ais.sampling.diffusion import CACHE_MODES
+from dllm_ais.choices import (
+    ALPHA_RULES, CACHE_MODES, CORRECTION_METHODS, IS_LEVELS, LOSS_TYPES, PRECISIONS, RATIO_TYPES, REWARD_SCALINGS,
+)
 from dllm_ais.tasks import TaskNames
+from dllm_ais.trackers import TRACKERS, normalize_report_to
+from dllm_ais.validation import (
+    ConfigError, Interval, accepts_float, field_problems, model_path_problem, parse_yaml, path_kind, problem_list,
+    read_recipe, show, unknown_key_problems,
+)
 
 EMBEDDED_MODEL = "embedded"
+EMBEDDED_MODELS = {  # name usable as model_name_or_path -> directory shipped inside the package
+    EMBEDDED_MODEL: Path(__file__).parent / "assets" / "tiny_llada",
+    f"{EMBEDDED_MODEL}-qwen3": Path(__file__).parent / "assets" / "tiny_qwen3",
+}
+EMBEDDED_MODEL_DIR = EMBEDDED_MODELS[EMBEDDED_MODEL]
+EMBEDDED_RECIPE = EMBEDDED_MODEL_DIR / "recipe.yaml"
 POLICIES = ("auto", "diffusion", "autoregressive")
 ESTIMATORS = ("one_step", "trajectory")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -32,6 +43,17 @@ def _choice(*options: str) -> dict:
     return {"choices": options}
 
 
+# Upper bounds far beyond any real run, so an absurd value fails here instead of hanging or exhausting memory later.
+MAX_SIZE = 65_536  # batch sizes, group size, LoRA rank
+MAX_TOKENS = 1_048_576
+MAX_PROMPTS = 10_000_000  # the digits task generates this many
+
+AT_LEAST_ONE = {"range": "[1, inf)"}
+NON_NEGATIVE = {"range": "[0, inf)"}
+POSITIVE = {"range": "(0, inf)"}
+PATH = {"path": True}  # "~" is expanded
+
+
 @dataclass
 class GRPOConfig:
     """All settings of a GRPO run with FP8 rollouts and importance-sampling correction.
@@ -40,7 +62,7 @@ class GRPOConfig:
     """
 
     # --- model ---
-    model_name_or_path: str = field(default=EMBEDDED_MODEL, metadata={
+    model_name_or_path: str = field(default=EMBEDDED_MODEL, metadata={**PATH,
         "help": f"Hub id or local directory of the policy; '{EMBEDDED_MODEL}' = the tiny LLaDA shipped with the package."})
     policy: str = field(default="auto", metadata={**_choice(*POLICIES),
         "help": "diffusion (LLaDA-style masked diffusion) or autoregressive; auto: diffusion iff model_type is llada."})
@@ -48,9 +70,9 @@ class GRPOConfig:
         "help": "Trainer weights dtype; auto = bfloat16 on CUDA, float32 on CPU."})
     trust_remote_code: bool = field(default=False, metadata={"help": "Passed to from_pretrained (not needed for LLaDA)."})
     use_peft: bool = field(default=True, metadata={"help": "Train a LoRA adapter (peft) instead of all weights."})
-    lora_r: int = 128
-    lora_alpha: int = 64
-    lora_dropout: float = 0.05
+    lora_r: int = field(default=128, metadata={"range": f"[1, {MAX_SIZE}]"})
+    lora_alpha: int = field(default=64, metadata={"range": f"(0, {MAX_SIZE}]"})
+    lora_dropout: float = field(default=0.05, metadata={"range": "[0, 1)"})
     lora_target_modules: list[str] | str | None = field(default=None, metadata={
         "help": "Module names or a regex; None = the preset for the model type (LLaDA: every block's "
                 "q_proj k_proj v_proj attn_out ff_proj up_proj ff_out, never the LM head)."})
@@ -58,108 +80,124 @@ class GRPOConfig:
 
     # --- data and rewards ---
     task: str = field(default="digits", metadata={"choices": TaskNames(), "help": "Task: dataset loader and reward preset."})
-    dataset_path: str | None = field(default=None, metadata={"help": "Local file/dir overriding the task's hub dataset."})
-    dataset_size: int | None = field(default=None, metadata={"help": "Use at most this many training prompts."})
-    eval_size: int = field(default=64, metadata={
+    dataset_path: str | None = field(default=None, metadata={**PATH,
+        "help": "Local file/dir overriding the task's hub dataset."})
+    dataset_size: int | None = field(default=None, metadata={"range": f"[1, {MAX_PROMPTS}]",
+        "help": "Use at most this many training prompts."})
+    eval_size: int = field(default=64, metadata={"range": f"[0, {MAX_PROMPTS}]",
         "help": "Validation prompts scored before and after training (0 = skip); `dllm-ais eval` uses the full test split."})
     reward_funcs: list[str] | None = field(default=None, metadata={
         "help": "Reward function names or 'module:function'; None = the task preset."})
-    reward_weights: list[float] | None = None
-    max_prompt_length: int = 256
+    reward_weights: list[float] | None = field(default=None, metadata={"range": "[-1000000, 1000000]"})
+    max_prompt_length: int = field(default=256, metadata=AT_LEAST_ONE)
 
     # --- rollout ---
     rollout_precision: str = field(default="fp8", metadata={**_choice(*PRECISIONS),
         "help": "Precision of the rollout engine; bf16 = no quantization (on-policy baseline)."})
-    num_generations: int = field(default=6, metadata={"help": "Completions per prompt (the GRPO group size G)."})
-    max_completion_length: int = field(default=256, metadata={"help": "Completion length (diffusion gen_length)."})
-    diffusion_steps: int = field(default=128, metadata={"help": "Denoising steps over the whole completion."})
-    block_length: int = 32
-    temperature: float = 0.9
+    num_generations: int = field(default=6, metadata={"range": f"[2, {MAX_SIZE}]",
+        "help": "Completions per prompt (the GRPO group size G)."})
+    max_completion_length: int = field(default=256, metadata={"range": f"[1, {MAX_TOKENS}]",
+        "help": "Completion length (diffusion gen_length)."})
+    diffusion_steps: int = field(default=128, metadata={**AT_LEAST_ONE, "help": "Denoising steps over the whole completion."})
+    block_length: int = field(default=32, metadata=AT_LEAST_ONE)
+    temperature: float = field(default=0.9, metadata=NON_NEGATIVE)
     remasking: str = field(default="low_confidence", metadata={"help": "Remasking rule name (low_confidence, random, ...)."})
-    cfg_scale: float = 0.0
+    cfg_scale: float = field(default=0.0, metadata=NON_NEGATIVE)
     rollout_cache: str = field(default="none", metadata={**_choice(*CACHE_MODES),
         "help": "Diffusion block KV cache (Fast-dLLM): none = official algorithm; prefix / dual reuse keys/values "
                 "within a block (approximate: the trajectory estimator's ratio sees it, the one-step one does not)."})
-    rollout_threshold: float | None = field(default=None, metadata={
+    rollout_threshold: float | None = field(default=None, metadata={"range": "[0, 1]",
         "help": "Diffusion parallel decoding: commit every block position with confidence > this (>= 1 per step; "
                 "Fast-dLLM: 0.9); diffusion_steps then no longer applies. None = the fixed step schedule."})
-    top_k: int = field(default=0, metadata={"help": "Autoregressive sampling only; 0 = off."})
-    top_p: float = field(default=1.0, metadata={"help": "Autoregressive sampling only; 1 = off."})
+    top_k: int = field(default=0, metadata={**NON_NEGATIVE, "help": "Autoregressive sampling only; 0 = off."})
+    top_p: float = field(default=1.0, metadata={"range": "(0, 1]", "help": "Autoregressive sampling only; 1 = off."})
 
     # --- likelihood ---
     likelihood_estimator: str = field(default="one_step", metadata={**_choice(*ESTIMATORS),
         "help": "Diffusion log-prob estimator: d1's one-step surrogate or the exact trajectory replay."})
-    p_mask_prompt: float = 0.15
+    p_mask_prompt: float = field(default=0.15, metadata={"range": "[0, 1)"})
 
     # --- correction ---
     correction: str = field(default="ais", metadata={**_choice(*CORRECTION_METHODS),
         "help": "Rollout-mismatch correction of the policy gradient."})
     is_level: str = field(default="token", metadata=_choice(*IS_LEVELS))
-    is_clip: float = field(default=2.0, metadata={"help": "Upper truncation C of the importance ratio."})
-    is_clip_low: float | None = None
+    is_clip: float = field(default=2.0, metadata={**POSITIVE, "help": "Upper truncation C of the importance ratio."})
+    is_clip_low: float | None = field(default=None, metadata=NON_NEGATIVE)
     is_normalize: bool = False
     ais_rule: str = field(default="gate", metadata=_choice(*ALPHA_RULES))
-    ais_kl_scale: float = field(default=1e-3, metadata={"help": "κ: the k3 divergence at which AIS is ~63% on."})
-    ais_alpha_max: float = 1.0
-    ais_alpha_ema: float = field(default=0.0, metadata={"help": "EMA of α across batches; 0 = per batch."})
+    ais_kl_scale: float = field(default=1e-3, metadata={**POSITIVE, "help": "κ: the k3 divergence at which AIS is ~63% on."})
+    ais_alpha_max: float = field(default=1.0, metadata={"range": "[0, 1]"})
+    ais_alpha_ema: float = field(default=0.0, metadata={"range": "[0, 1)", "help": "EMA of α across batches; 0 = per batch."})
 
     # --- loss ---
-    beta: float = field(default=0.04, metadata={"help": "KL coefficient against the reference (adapter disabled)."})
-    epsilon: float = 0.5
-    epsilon_high: float | None = None
+    beta: float = field(default=0.04, metadata={**NON_NEGATIVE,
+        "help": "KL coefficient against the reference (adapter disabled)."})
+    epsilon: float = field(default=0.5, metadata=POSITIVE)
+    epsilon_high: float | None = field(default=None, metadata=POSITIVE)
     loss_type: str = field(default="dapo", metadata=_choice(*LOSS_TYPES))
     scale_rewards: str = field(default="none", metadata=_choice(*REWARD_SCALINGS))
     ratio_type: str = field(default="token", metadata=_choice(*RATIO_TYPES))
 
     # --- optimisation ---
-    learning_rate: float = 3e-6
-    weight_decay: float = 0.1
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.99
-    max_grad_norm: float = 0.2
+    learning_rate: float = field(default=3e-6, metadata=POSITIVE)
+    weight_decay: float = field(default=0.1, metadata=NON_NEGATIVE)
+    adam_beta1: float = field(default=0.9, metadata={"range": "[0, 1)"})
+    adam_beta2: float = field(default=0.99, metadata={"range": "[0, 1)"})
+    max_grad_norm: float = field(default=0.2, metadata={**POSITIVE, "help": "Gradient-norm clip."})
     lr_scheduler_type: str = field(default="constant_with_warmup", metadata=_choice(*SCHEDULERS))
-    warmup_steps: int = 0
-    num_iterations: int = field(default=12, metadata={"help": "μ: optimizer passes over each generation batch."})
-    per_device_train_batch_size: int = field(default=6, metadata={"help": "Completions per device per micro-batch."})
-    gradient_accumulation_steps: int = 1
-    max_steps: int = field(default=100, metadata={"help": "Optimizer steps to run."})
-    seed: int = 42
+    warmup_steps: int = field(default=0, metadata=NON_NEGATIVE)
+    num_iterations: int = field(default=12, metadata={"range": "[1, 1024]", "help": "μ: optimizer passes over each generation batch."})
+    per_device_train_batch_size: int = field(default=6, metadata={"range": f"[1, {MAX_SIZE}]",
+        "help": "Completions per device per micro-batch."})
+    gradient_accumulation_steps: int = field(default=1, metadata={"range": f"[1, {MAX_SIZE}]"})
+    max_steps: int = field(default=100, metadata={**AT_LEAST_ONE, "help": "Optimizer steps to run."})
+    seed: int = field(default=42, metadata={"range": "[0, 2147483647]"})
 
     # --- output ---
-    output_dir: str = "outputs/dllm-ais"
-    logging_steps: int = 1
-    save_steps: int = 0
-    report_to: list[str] = field(default_factory=list, metadata={"help": "Trackers via accelerate: tensorboard, trackio, wandb."})
+    output_dir: str = field(default="outputs/dllm-ais", metadata=PATH)
+    logging_steps: int = field(default=1, metadata={**AT_LEAST_ONE, "help": "Log every N optimizer steps."})
+    save_steps: int = field(default=0, metadata={**NON_NEGATIVE, "help": "Checkpoint every N optimizer steps; 0 = only at the end."})
+    report_to: list[str] = field(default_factory=list, metadata={
+        "help": f"Trackers via accelerate ({', '.join(TRACKERS)}): a name, a list, none or all (the installed ones)."})
+    run_name: str | None = field(default=None, metadata={"help": "The run's name in the trackers; None = output_dir's name."})
     dry_run: bool = field(default=False, metadata={
         "help": "Validate the recipe, then run one step on a tiny stand-in model of the same family."})
+
+    def __post_init__(self) -> None:
+        self.report_to = normalize_report_to(self.report_to)
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.metadata.get("path") and isinstance(value, str) and value.startswith("~"):
+                setattr(self, f.name, os.path.expanduser(value))
 
     @property
     def generation_batch_size(self) -> int:
         """Completions sampled per device per generation batch (reused for `num_iterations` passes)."""
         return self.per_device_train_batch_size * self.gradient_accumulation_steps
 
-    def validate(self) -> "GRPOConfig":
-        """Check types and values of every field; raise ConfigError listing every problem with its fix."""
-        problems = [p for f in dataclasses.fields(self) for p in _check_field(f, getattr(self, f.name))]
-        if problems:  # value checks below assume well-typed fields
-            raise ConfigError("Invalid configuration:\n  - " + "\n  - ".join(problems))
+    def problems(self) -> list[str]:
+        """Every problem of this config, each naming the field and the fix; [] when it is valid.
+
+        Field by field (type, choices, range); then the names and paths the config refers to (local model, dataset
+        file, reward functions), of the fields valid on their own; then, when every field is, the rules across fields.
+        """
+        invalid = field_problems(self)
+        problems = [problem for found in invalid.values() for problem in found] + _reference_problems(self, set(invalid))
+        if invalid:  # the rules below assume well-typed fields
+            return problems
         checks = [
-            (self.num_generations >= 2, f"num_generations={self.num_generations}: GRPO needs >= 2 completions per prompt"),
-            (self.generation_batch_size % max(self.num_generations, 1) == 0,
+            (self.generation_batch_size % self.num_generations == 0,
              f"per_device_train_batch_size * gradient_accumulation_steps = {self.generation_batch_size} must be divisible "
              f"by num_generations={self.num_generations} (whole groups per device)"),
-            (self.policy == "autoregressive" or self.max_completion_length % max(self.block_length, 1) == 0,
+            (self.policy == "autoregressive" or self.max_completion_length % self.block_length == 0,
              f"max_completion_length={self.max_completion_length} must be a multiple of block_length={self.block_length}"),
             (self.policy == "autoregressive" or self.rollout_threshold is not None
-             or self.diffusion_steps % max(self.max_completion_length // max(self.block_length, 1), 1) == 0,
-             f"diffusion_steps={self.diffusion_steps} must be a multiple of the number of blocks "
-             f"({self.max_completion_length // max(self.block_length, 1)})"),
-            (self.temperature >= 0, "temperature must be >= 0"),
-            (self.rollout_threshold is None or 0 <= self.rollout_threshold <= 1,
-             f"rollout_threshold={self.rollout_threshold} must be a confidence in [0, 1] (Fast-dLLM: 0.9) or null"),
-            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (0 <= self.p_mask_prompt < 1, "p_mask_prompt must be in [0, 1)"),
-            (self.is_clip > 0, "is_clip must be > 0"),
+             or self.diffusion_steps % max(self.max_completion_length // self.block_length, 1) == 0,
+             f"diffusion_steps={self.diffusion_steps} must be a multiple of the number of blocks, max_completion_length "
+             f"/ block_length = {self.max_completion_length // self.block_length}"),
+            (self.policy == "autoregressive" or self.diffusion_steps <= self.max_completion_length,
+             f"diffusion_steps={self.diffusion_steps} must be <= max_completion_length={self.max_completion_length} "
+             "(at most one denoising step per token)"),
             (self.is_clip_low is None or self.is_clip_low <= self.is_clip, "is_clip_low must be <= is_clip"),
             (self.correction not in ("acr", "ais") or self.is_level == "token",
              f"correction={self.correction} works on token-level ratios: set is_level=token"),
@@ -167,71 +205,71 @@ class GRPOConfig:
              "correction=ais mixes with min(rho, is_clip): leave is_clip_low=null and is_normalize=false"),
             (self.likelihood_estimator != "trajectory" or self.cfg_scale == 0,
              "likelihood_estimator=trajectory replays the plain model: set cfg_scale=0 or use one_step"),
-            (self.ais_kl_scale > 0, "ais_kl_scale must be > 0"),
-            (0 <= self.ais_alpha_max <= 1, "ais_alpha_max must be in [0, 1]"),
-            (0 <= self.ais_alpha_ema < 1, "ais_alpha_ema must be in [0, 1)"),
-            (self.epsilon > 0, "epsilon must be > 0"),
-            (self.beta >= 0, "beta must be >= 0"),
-            (self.learning_rate > 0, "learning_rate must be > 0"),
-            (self.num_iterations >= 1, "num_iterations must be >= 1"),
-            (self.per_device_train_batch_size >= 1, "per_device_train_batch_size must be >= 1"),
-            (self.gradient_accumulation_steps >= 1, "gradient_accumulation_steps must be >= 1"),
-            (self.max_steps >= 1, "max_steps must be >= 1"),
-            (self.eval_size >= 0, "eval_size must be >= 0"),
             (self.reward_weights is None or self.reward_funcs is not None,
              "reward_weights needs reward_funcs (one weight per function)"),
             (self.reward_weights is None or self.reward_funcs is None or len(self.reward_weights) == len(self.reward_funcs),
              "reward_weights must have one entry per reward function"),
-            (not set(self.report_to) - {"tensorboard", "trackio", "wandb"},
-             f"report_to={self.report_to}: supported trackers are tensorboard, trackio, wandb"),
+            (not set(self.report_to) - set(TRACKERS),
+             f"report_to={show(self.report_to)}: supported trackers are {', '.join(TRACKERS)} (or none, all)"),
         ]
-        problems = [message for ok, message in checks if not ok]
+        return problems + [message for ok, message in checks if not ok]
+
+    def validate(self) -> "GRPOConfig":
+        """Raise ConfigError listing every problem (see `problems`) with its fix; return self when valid."""
+        problems = self.problems()
         if problems:
-            raise ConfigError("Invalid configuration:\n  - " + "\n  - ".join(problems))
+            raise ConfigError(_problem_list(problems))
         return self
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-class ConfigError(ValueError):
-    """A recipe or override is invalid; the message lists every problem and how to fix it."""
-
-
-def _check_field(f: dataclasses.Field, value: Any) -> list[str]:
-    choices = f.metadata.get("choices")
-    if choices and value not in choices:
-        return [f"{f.name}={value!r}: choose one of {', '.join(choices)}"]
-    if not _matches_type(value, GRPO_FIELD_TYPES[f.name]):
-        return [f"{f.name}={value!r}: expected {_type_name(GRPO_FIELD_TYPES[f.name])}"]
-    return []
-
-
-def _matches_type(value: Any, annotation: Any) -> bool:
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        return any(_matches_type(value, arm) for arm in typing.get_args(annotation))
-    if annotation is type(None):
-        return value is None
-    if origin is list:
-        (item,) = typing.get_args(annotation)
-        return isinstance(value, list) and all(_matches_type(v, item) for v in value)
-    if annotation is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if annotation is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, annotation)
-
-
-def _type_name(annotation: Any) -> str:
-    return str(annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
-
-
 GRPO_FIELD_TYPES = typing.get_type_hints(GRPOConfig)
 
 
-def _accepts_float(annotation: Any) -> bool:
-    return annotation is float or float in typing.get_args(annotation)
+def _problem_list(problems: list[str]) -> str:
+    return problem_list("Invalid configuration:", problems)
+
+
+def _reference_problems(config: GRPOConfig, invalid: set[str]) -> list[str]:
+    """What the config names must exist: a local model directory, the dataset file, reward and remasking names.
+
+    Fields in `invalid` (already reported) are skipped.
+    """
+    from dllm_ais.rewards import resolve_reward_functions
+    from dllm_ais.tasks import get_task
+    from dllm_ais.sampling.diffusion import resolve_remasking_rule
+
+    problems = []
+    if "model_name_or_path" not in invalid:
+        problems.append(model_path_problem(config.model_name_or_path))
+    if not {"dataset_path", "task"} & invalid:
+        if config.dataset_path is not None and path_kind(config.dataset_path) in ("missing", "invalid"):
+            problems.append(f"dataset_path={show(config.dataset_path)}: no such file or directory")
+        task = get_task(config.task)
+        if task.generate is not None and config.dataset_path is not None:
+            problems.append(f"dataset_path: the {task.name} task is generated and reads no files; leave dataset_path "
+                            "unset")
+        elif task.generate is None and task.hub_train is None and task.hub_test is None and config.dataset_path is None:
+            problems.append(f"task={config.task} has no default dataset: set dataset_path to a local file of its rows")
+    if "output_dir" not in invalid and path_kind(config.output_dir) in ("file", "invalid"):
+        problems.append(f"output_dir={show(config.output_dir)}: not a usable directory path (a file, or an invalid name)")
+    # `module:function` names are imported only when a run starts (GRPOTrainer), never while reading a config.
+    for name in [] if "reward_funcs" in invalid else config.reward_funcs or []:
+        try:
+            if ":" not in name:
+                resolve_reward_functions([name])
+            elif not all(name.partition(":")[::2]):
+                raise ValueError("write 'package.module:function'")
+        except ValueError as error:
+            problems.append(f"reward_funcs: {show(name)}: {error}")
+    if "remasking" not in invalid:
+        try:
+            resolve_remasking_rule(config.remasking)
+        except ValueError as error:
+            problems.append(f"remasking={show(config.remasking)}: {error}")
+    return [problem for problem in problems if problem]
 
 
 def _as_float_if_numeric(value: Any) -> Any:
@@ -250,43 +288,37 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
     pending: str | None = None
     for arg in args:
         if pending is not None:
-            overrides[pending] = yaml.safe_load(arg)
+            overrides[pending] = parse_yaml(arg, f"--{pending}")
             pending = None
             continue
         key, sep, value = arg.removeprefix("--").partition("=")
         key = key.replace("-", "_")
         if sep:
-            overrides[key] = yaml.safe_load(value)
+            overrides[key] = parse_yaml(value, f"--{key}")
         elif arg.startswith("--"):
             pending = key
         else:
-            raise ConfigError(f"Cannot parse override {arg!r}: write --key=value (e.g. --learning_rate=1e-5).")
+            raise ConfigError(f"Cannot parse override {show(arg)}: write --key=value (e.g. --learning_rate=1e-5).")
     if pending is not None:
-        raise ConfigError(f"Override --{pending} has no value: write --{pending}=VALUE.")
+        raise ConfigError(f"Override --{pending[:60]} has no value: write --{pending[:60]}=VALUE.")
     return overrides
 
 
 def load_config(recipe: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None) -> GRPOConfig:
-    """Build a validated `GRPOConfig` from a YAML recipe (optional) and command-line overrides (which win)."""
-    values: dict[str, Any] = {}
-    if recipe is not None:
-        path = Path(recipe)
-        if not path.is_file():
-            raise ConfigError(f"Recipe {str(path)!r} not found. Pass a YAML file, e.g. recipes/llada8b_gsm8k_lora_fp8_ais.yaml.")
-        loaded = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"Recipe {str(path)!r} must be a YAML mapping of field: value.")
-        values.update(loaded)
+    """Build a validated `GRPOConfig` from a YAML recipe (optional) and command-line overrides (which win).
+
+    Raises ConfigError listing every problem at once: unknown keys (with a hint), then each field's problems.
+    """
+    values: dict[str, Any] = read_recipe(recipe) if recipe is not None else {}
     values.update(parse_overrides(overrides) if isinstance(overrides, list) else (overrides or {}))
-    values = {key: _as_float_if_numeric(value) if key in GRPO_FIELD_TYPES and _accepts_float(GRPO_FIELD_TYPES[key])
-              else value for key, value in values.items()}
-    known = {f.name for f in dataclasses.fields(GRPOConfig)}
-    unknown = [k for k in values if k not in known]
-    if unknown:
-        hints = [f"{k!r}" + (f" (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(k, known, 1)) else "")
-                 for k in unknown]
-        raise ConfigError("Unknown config key(s): " + ", ".join(hints) + ". Run `dllm-ais train --help` for the fields.")
-    return GRPOConfig(**values).validate()
+    known = {key: _as_float_if_numeric(value) if accepts_float(GRPO_FIELD_TYPES[key]) else value
+             for key, value in values.items() if key in GRPO_FIELD_TYPES}
+    problems = unknown_key_problems(list(values), set(GRPO_FIELD_TYPES))
+    config = GRPOConfig(**known)
+    problems += config.problems()
+    if problems:
+        raise ConfigError(_problem_list(problems))
+    return config
 
 
 def save_config(config: GRPOConfig, path: str | Path) -> None:
@@ -294,12 +326,14 @@ def save_config(config: GRPOConfig, path: str | Path) -> None:
 
 
 def describe_fields() -> str:
-    """One line per field: name, default and help — the body of `dllm-ais train --help`."""
+    """One line per field: name, default, help, choices and range — the body of `dllm-ais train --help`."""
     lines = []
     for f in dataclasses.fields(GRPOConfig):
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        extra = f.metadata.get("help", "")
+        extra = [f.metadata.get("help", "")]
         if "choices" in f.metadata:
-            extra = (extra + " " if extra else "") + "[" + "|".join(f.metadata["choices"]) + "]"
-        lines.append(f"  {f'--{f.name}={default}':<40} {extra}".rstrip())
+            extra.append("[" + "|".join(f.metadata["choices"]) + "]")
+        if "range" in f.metadata:
+            extra.append(Interval.parse(f.metadata["range"]).describe().replace("must be ", ""))
+        lines.append(f"  {f'--{f.name}={default}':<40} {' '.join(e for e in extra if e)}".rstrip())
     return "\n".join(lines)

@@ -21,6 +21,7 @@ from typing import Callable, Union
 import torch
 from torch import Tensor
 
+from dllm_ais.choices import ALPHA_RULES, CORRECTION_METHODS, IS_LEVELS
 from dllm_ais.ops import (
     as_token_mask,
     broadcast_advantages,
@@ -32,10 +33,7 @@ from dllm_ais.ops import (
 )
 
 LOG_RATIO_BOUND = 20.0
-CORRECTION_METHODS = ("none", "tis", "mis", "acr", "ais")
-IS_LEVELS = ("token", "sequence", "geometric")
 IS_MODES = ("truncate", "mask")
-ALPHA_RULES = ("gate", "oracle")
 
 AlphaRule = Union[str, Callable[[dict[str, float]], float]]
 

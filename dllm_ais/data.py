@@ -183,14 +183,23 @@ def apply_chat_template(tokenizer: Any, messages: Messages) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
+def prompt_texts(tokenizer: Any, prompts: list) -> list[str]:
+    """The text each prompt is encoded from: chat-message prompts through the chat template, strings as they are."""
+    return [apply_chat_template(tokenizer, p) if isinstance(p, list) else p for p in prompts]
+
+
+def prompt_token_counts(tokenizer: Any, prompts: list) -> list[int]:
+    """The number of tokens of each prompt as `tokenize_prompts` encodes it."""
+    return [len(ids) for ids in tokenizer(prompt_texts(tokenizer, prompts), add_special_tokens=False)["input_ids"]]
+
+
 def tokenize_prompts(tokenizer: Any, prompts: list, max_prompt_length: int | None = None,
                      device: Any = "cpu") -> tuple[Any, Any]:
     """Chat-template (chat-message prompts) and left-pad a batch of prompts -> (input_ids, attention_mask).
 
     A prompt longer than `max_prompt_length` is an error, never silently cut. The tokenizer must pad on the left.
     """
-    texts = [apply_chat_template(tokenizer, p) if isinstance(p, list) else p for p in prompts]
-    encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    encoded = tokenizer(prompt_texts(tokenizer, prompts), return_tensors="pt", padding=True, add_special_tokens=False)
     if max_prompt_length is not None and encoded.input_ids.shape[1] > max_prompt_length:
         raise ValueError(f"A prompt has {encoded.input_ids.shape[1]} tokens > max_prompt_length={max_prompt_length}; "
                          "raise max_prompt_length or filter long prompts from the dataset.")

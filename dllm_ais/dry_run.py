@@ -17,6 +17,7 @@ from dllm_ais.checkpoint import load_model_config, load_tokenizer
 from dllm_ais.config import EMBEDDED_MODEL, GRPOConfig
 from dllm_ais.data import examples_from_rows, load_task_dataset
 from dllm_ais.tasks import get_task
+from dllm_ais.trackers import missing_tracker_problems
 
 
 def recipe_is_diffusion(config: GRPOConfig) -> bool:
@@ -76,4 +77,6 @@ def run_dry_run(config: GRPOConfig) -> dict:
           f"policy={'diffusion' if diffusion else 'autoregressive'}, rollout_precision={config.rollout_precision}, "
           f"correction={config.correction}); one step on a tiny stand-in: reward={step['reward']:.3f} "
           f"alpha={step.get('correction/alpha', float('nan')):.3f} loss={step['loss']:+.4f}")
+    for problem in missing_tracker_problems(config.report_to):  # dry runs log to no tracker; a real run checks them
+        print(f"note: a real run would stop here: {problem}")
     return step

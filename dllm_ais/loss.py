@@ -13,12 +13,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from dllm_ais.choices import LOSS_TYPES, RATIO_TYPES, REWARD_SCALINGS
 from dllm_ais.correction import LOG_RATIO_BOUND
 from dllm_ais.ops import as_token_mask, broadcast_advantages, check_choice, masked_mean, scalars_to_floats
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
-RATIO_TYPES = ("token", "ctpo")
-REWARD_SCALINGS = ("none", "group", "batch")
 REWARD_STD_EPSILON = 1e-4
 
 

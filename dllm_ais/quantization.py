@@ -38,11 +38,11 @@ from torchao.quantization.quantize_.workflows.float8.float8_tensor import Quanti
 from torchao.quantization.utils import get_block_size
 from torchao.utils import TorchAOBaseTensor
 
+from dllm_ais.choices import PRECISIONS
 from dllm_ais.ops import check_choice
 
 __all__ = ["PRECISIONS", "SkipRule", "check_precision", "native_fp8_available", "quantize_model_", "requantize_"]
 
-PRECISIONS = ("bf16", "fp8", "fp8_weight_only")
 FP8_DTYPE = torch.float8_e4m3fn
 # FP8 matmul kernels need both matrix dimensions of the weight to be multiples of 16.
 FP8_DIM_MULTIPLE = 16

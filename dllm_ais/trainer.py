@@ -32,6 +32,7 @@ from dllm_ais.correction import correct
 from dllm_ais.data import load_task_dataset, tokenize_prompts
 from dllm_ais.engine import RolloutEngine
 from dllm_ais.evaluation import EvalResult, evaluate_policy
+from dllm_ais.launch import check_processes, check_prompt_lengths, check_run_environment
 from dllm_ais.loss import grpo_loss, group_advantages
 from dllm_ais.metrics import MetricsLog, console_line, plot_metrics
 from dllm_ais.policy import AutoregressivePolicy, DiffusionPolicy, Policy, lora_target_modules
@@ -40,6 +41,7 @@ from dllm_ais.sampling.autoregressive import AutoregressiveSamplerConfig
 from dllm_ais.sampling.diffusion import DiffusionSamplerConfig
 from dllm_ais.sampling.rollout import Rollout
 from dllm_ais.tasks import get_task
+from dllm_ais.trackers import tracker_init_kwargs
 
 
 def is_diffusion(config: GRPOConfig, model_config) -> bool:
@@ -109,12 +111,14 @@ class GRPOTrainer:
     def __init__(self, config: GRPOConfig, model=None, tokenizer=None, reward_funcs: list[Callable] | None = None,
                  train_dataset=None, eval_dataset=None, ais_rule: Callable[[dict], float] | None = None):
         self.config = config.validate()
+        check_run_environment(config)
         # No autocast: the trainer computes in its weights' dtype (bf16 on GPU by default), the same dtype as the
         # rollout engine, so the `bf16` engine reproduces the trainer's log-probs exactly. The scheduler steps once
         # per optimizer step whatever the number of processes.
         self.accelerator = Accelerator(
             log_with=config.report_to or None, project_dir=config.output_dir, mixed_precision="no",
             gradient_accumulation_steps=config.gradient_accumulation_steps, step_scheduler_with_optimizer=False)
+        check_processes(self.accelerator)
         set_seed(config.seed, device_specific=True)
         self.ais_rule = ais_rule or config.ais_rule
         self.reward_funcs = resolve_reward_functions(reward_funcs or config.reward_funcs or config.task)
@@ -124,6 +128,8 @@ class GRPOTrainer:
             config.task, split="validation", path=config.dataset_path, size=config.eval_size, seed=config.seed)
 
         self.tokenizer = tokenizer or load_tokenizer(config.model_name_or_path)
+        check_prompt_lengths(self.tokenizer, {"train": self.train_dataset, "eval": self.eval_dataset},
+                             config.max_prompt_length)
         model = model or load_model(config.model_name_or_path, resolve_dtype(config.dtype), config.trust_remote_code,
                                     is_trainable=True)
         self.policy = build_policy(config, model.config, self.tokenizer)
@@ -324,7 +330,8 @@ class GRPOTrainer:
         if is_main:
             save_config(cfg, output_dir / "config.yaml")
         if cfg.report_to:
-            self.accelerator.init_trackers("dllm-ais", config=cfg.to_dict())
+            self.accelerator.init_trackers("dllm-ais", config=cfg.to_dict(),
+                                           init_kwargs=tracker_init_kwargs(cfg.run_name, cfg.output_dir))
         eval_before = self.evaluate() if self.eval_dataset is not None else None
         if eval_before and is_main:
             tqdm.write(f"held-out reward before training: {eval_before.summary()['eval/reward']:.4f}")

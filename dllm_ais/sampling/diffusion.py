@@ -52,6 +52,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from dllm_ais.choices import CACHE_MODES
 from dllm_ais.sampling.rollout import Rollout, completion_mask_through_first_eos, token_id_tuple
 
 __all__ = [
@@ -104,7 +105,6 @@ def left_to_right_scores(
 REMASKING_RULES: dict[str, RemaskingRule] = {
     "low_confidence": low_confidence_scores, "random": random_scores, "left_to_right": left_to_right_scores,
 }
-CACHE_MODES = ("none", "prefix", "dual")
 
 
 def register_remasking_rule(name: str, rule: RemaskingRule, *, replace: bool = False) -> None:

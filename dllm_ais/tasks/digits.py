@@ -10,11 +10,13 @@ from __future__ import annotations
 import random
 import re
 from collections.abc import Callable
-
-import datasets
+from typing import TYPE_CHECKING
 
 from dllm_ais.tasks import Task, accuracy_of
 from dllm_ais.tasks.parsing import completion_texts, dataset_column
+
+if TYPE_CHECKING:
+    import datasets
 
 OPERATIONS: dict[str, Callable[[list[str]], list[str]]] = {
     "sort": sorted,
@@ -23,7 +25,7 @@ OPERATIONS: dict[str, Callable[[list[str]], list[str]]] = {
 DEFAULT_SIZES = {"train": 10_000, "validation": 500, "test": 500}
 
 
-def make_digits_dataset(size: int, seed: int | str, min_len: int = 3, max_len: int = 6) -> datasets.Dataset:
+def make_digits_dataset(size: int, seed: int | str, min_len: int = 3, max_len: int = 6) -> "datasets.Dataset":
     """Generate ``size`` examples of the digits task, deterministically from ``seed``.
 
     Each example draws an operation (``sort`` ascending or ``reverse``) and ``min_len`` to
@@ -34,6 +36,8 @@ def make_digits_dataset(size: int, seed: int | str, min_len: int = 3, max_len: i
         raise ValueError(f"size must be >= 0, got {size}")
     if not 1 <= min_len <= max_len:
         raise ValueError(f"need 1 <= min_len <= max_len, got min_len={min_len}, max_len={max_len}")
+    import datasets  # here, not at the top: the task registry is read by `--help` and config validation
+
     rng = random.Random(seed)
     prompts, answers = [], []
     for _ in range(size):
@@ -53,7 +57,7 @@ def digits_split_seed(seed: int, split: str) -> int | str:
     return f"digits-validation-{seed}" if split == "validation" else 2 * seed + (split == "test")
 
 
-def generate(split: str, size: int | None, seed: int) -> datasets.Dataset:
+def generate(split: str, size: int | None, seed: int) -> "datasets.Dataset":
     """The ``split`` of the digits task for run seed ``seed`` (``size`` defaults to 10,000 train / 500 validation
     and test rows)."""
     seed_of_split = digits_split_seed(seed, split)

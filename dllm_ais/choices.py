@@ -1,0 +1,14 @@
+"""The option lists of the pipeline's stages, defined once and free of heavy imports.
+
+Each stage imports its list from here and `GRPOConfig` offers them as field choices, so `dllm-ais --help` and
+config validation never import torch. Add an option here and implement it in its stage.
+"""
+
+CACHE_MODES = ("none", "prefix", "dual")  # dllm_ais.sampling.diffusion: block KV cache
+PRECISIONS = ("bf16", "fp8", "fp8_weight_only")  # dllm_ais.quantization: rollout engine precision
+CORRECTION_METHODS = ("none", "tis", "mis", "acr", "ais")  # dllm_ais.correction
+IS_LEVELS = ("token", "sequence", "geometric")
+ALPHA_RULES = ("gate", "oracle")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # dllm_ais.loss
+RATIO_TYPES = ("token", "ctpo")
+REWARD_SCALINGS = ("none", "group", "batch")
