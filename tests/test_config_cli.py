@@ -40,7 +40,7 @@ def test_exponent_without_a_dot_is_a_float():
     (["--correction=magic"], "choose one of none, tis, mis, acr, ais"),
     (["--report_to=[mlflow]"], "supported trackers"),
     (["--rollout_cache=full"], "rollout_cache='full': choose one of none, prefix, dual"),
-    (["--rollout_threshold=1.5"], "rollout_threshold=1.5 must be a confidence in [0, 1]"),
+    (["--rollout_threshold=1.5"], "rollout_threshold=1.5: must be in [0, 1]"),
 ])
 def test_bad_config_fails_before_any_model_is_loaded(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

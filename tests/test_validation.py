@@ -224,7 +224,7 @@ def test_reward_functions_that_do_not_import_are_reported_with_the_field():
 def test_too_small_max_prompt_length_fails_before_the_model_loads(monkeypatch, tmp_path):
     import dllm_ais.trainer as trainer_module
     from dllm_ais.checkpoint import load_tokenizer
-    from dllm_ais.data import make_digits_dataset
+    from dllm_ais.tasks.digits import make_digits_dataset
 
     tokenizer = load_tokenizer("embedded")
     dataset = make_digits_dataset(8, seed=0)

@@ -129,7 +129,7 @@ class TaskNames:
     """A live, sorted view of the registered task names (usable as a config field's choices)."""
 
     def __contains__(self, name: object) -> bool:
-        return name in _TASKS
+        return isinstance(name, str) and name in _TASKS
 
     def __iter__(self) -> Iterator[str]:
         return iter(task_names())
