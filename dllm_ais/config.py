@@ -116,11 +116,22 @@ class GRPOConfig:
     gradient_accumulation_steps: int = 1
     max_steps: int = field(default=100, metadata={"help": "Optimizer steps to run."})
     seed: int = 42
+    max_consecutive_skipped_batches: int = field(default=3, metadata={
+        "help": "A non-finite reward, log-prob, loss or gradient skips its generation batch (weights untouched); "
+                "this many skips in a row stop the run."})
 
     # --- output ---
     output_dir: str = "outputs/dllm-ais"
     logging_steps: int = 1
-    save_steps: int = 0
+    save_steps: int = field(default=0, metadata={"help": "Write a resumable checkpoint-N every this many steps (0 = only "
+                                                        "on Ctrl-C / SIGTERM)."})
+    save_total_limit: int | None = field(default=None, metadata={
+        "help": "Keep only the newest N checkpoint-N directories of this run; None = keep all."})
+    resume_from_checkpoint: str | bool | None = field(default=None, metadata={
+        "help": "Continue a run exactly where a checkpoint left it: a checkpoint-N dir, or true = the latest in "
+                "output_dir. Only output, logging, saving, max_steps and eval_size may change."})
+    overwrite_output_dir: bool = field(default=False, metadata={
+        "help": "Start afresh in a non-empty output_dir, replacing what dllm-ais wrote there (nothing else)."})
     report_to: list[str] = field(default_factory=list, metadata={"help": "Trackers via accelerate: tensorboard, trackio, wandb."})
     dry_run: bool = field(default=False, metadata={
         "help": "Validate the recipe, then run one step on a tiny stand-in model of the same family."})
@@ -168,6 +179,11 @@ class GRPOConfig:
             (self.gradient_accumulation_steps >= 1, "gradient_accumulation_steps must be >= 1"),
             (self.max_steps >= 1, "max_steps must be >= 1"),
             (self.eval_size >= 0, "eval_size must be >= 0"),
+            (self.save_total_limit is None or self.save_total_limit >= 1,
+             "save_total_limit must be >= 1 (or null to keep every checkpoint)"),
+            (self.max_consecutive_skipped_batches >= 1, "max_consecutive_skipped_batches must be >= 1"),
+            (not (self.overwrite_output_dir and self.resume_from_checkpoint not in (None, False)),
+             "resume_from_checkpoint continues the run in output_dir; overwrite_output_dir=true starts afresh: set one"),
             (self.reward_weights is None or self.reward_funcs is not None,
              "reward_weights needs reward_funcs (one weight per function)"),
             (self.reward_weights is None or self.reward_funcs is None or len(self.reward_weights) == len(self.reward_funcs),
