@@ -248,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    for noisy in ("httpx", "urllib3", "datasets", "transformers", "torchao", "torch"):
+    for noisy in ("httpx", "urllib3", "datasets", "transformers", "torchao", "torch", "accelerate"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     parser = build_parser()
     args, overrides = parser.parse_known_args(argv)

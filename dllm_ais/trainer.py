@@ -598,7 +598,9 @@ class GRPOTrainer:
     def write_model(self, directory: Path, state_dict: dict[str, torch.Tensor]) -> None:
         """The adapter (or full model) via save_pretrained, the tokenizer and the config: a directory that
         `dllm-ais eval --model`, `generate` and `export` load."""
-        self.unwrapped_model.save_pretrained(directory, state_dict=state_dict, safe_serialization=True)
+        # The vocabulary is never resized here; peft's "auto" would look the base model up on the Hub to check.
+        peft_only = {"save_embedding_layers": False} if isinstance(self.unwrapped_model, PeftModel) else {}
+        self.unwrapped_model.save_pretrained(directory, state_dict=state_dict, safe_serialization=True, **peft_only)
         self.tokenizer.save_pretrained(directory)
         save_config(self.config, directory / "dllm_ais_config.yaml")
 
