@@ -396,11 +396,11 @@ def prepare_output_dir(config: GRPOConfig, is_main_process: bool = True) -> Path
     present = sorted(e for e in output_dir.iterdir() if not is_leftover(e)) if output_dir.is_dir() else []
     continues_here = checkpoint is not None and checkpoint.parent.resolve() == output_dir.resolve()
     if present and not continues_here and not config.overwrite_output_dir:
-        resume_hint = ("--resume_from_checkpoint=true to continue the run there, " if run_checkpoints(output_dir)
-                       else "")
-        raise ConfigError(f"output_dir {output_dir} is not empty (holds {describe_contents(output_dir)}). Pass "
-                          f"{resume_hint}--overwrite_output_dir=true to replace the outputs dllm-ais wrote there, or "
-                          "choose another --output_dir.")
+        replace = "--overwrite_output_dir=true to replace the outputs dllm-ais wrote there"
+        ways = (f"--resume_from_checkpoint=true to continue its run, {replace}" if run_checkpoints(output_dir)
+                else f"{replace} (it holds no checkpoint-N for --resume_from_checkpoint)")
+        raise ConfigError(f"output_dir {output_dir} is not empty (holds {describe_contents(output_dir)}). Pass {ways}, "
+                          "or choose another --output_dir.")
     ours = {path for _, path in run_checkpoints(output_dir)} | {output_dir / n for n in RUN_OUTPUTS}
     foreign = [e.name for e in present if (CHECKPOINT_NAME.fullmatch(e.name) or e.name in RUN_OUTPUTS)
                and provenance(e) is None]

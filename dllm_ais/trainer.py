@@ -462,15 +462,6 @@ class GRPOTrainer:
         return {**summed, "grad_norm": float("nan") if grad_norm is None else float(grad_norm),
                 "learning_rate": self.scheduler.get_last_lr()[0]}
 
-    # ----------------------------------------------------------------------------------------------- driver
-    def evaluate(self, dataset=None) -> dict[str, float]:
-        """Mean reward of greedy completions of the trainer's (full-precision) policy on the held-out prompts."""
-        self.model.eval()
-        return evaluate_policy(self.unwrapped_model, self.tokenizer, self.greedy_policy,
-                               dataset if dataset is not None else self.eval_dataset, self.reward_funcs,
-                               self.config.reward_weights, self.config.per_device_train_batch_size,
-                               self.config.max_prompt_length)
-
     def training_step(self) -> dict[str, float] | None:
         """One optimizer step: a new generation batch when the current one has had its `num_iterations` passes, then
         one optimisation pass. Returns the step's metrics, or None when a non-finite value skipped the batch."""
