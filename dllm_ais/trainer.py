@@ -551,6 +551,10 @@ class GRPOTrainer:
                 plot = plot_metrics(log.records, output_dir / "metrics.png")
                 tqdm.write(f"metrics: {log.path}" + (f" | plot: {plot}" if plot else "")
                            + f" | model: {output_dir / 'final'}")
+        except TrainingInterrupted:
+            if is_main:
+                plot_metrics(log.records, output_dir / "metrics.png")
+            raise
         finally:
             progress.close()
             if log is not None:

@@ -105,3 +105,17 @@ def test_a_second_signal_exits_at_once():
             "print('not reached')")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 130 and "exiting now" in result.stderr and "not reached" not in result.stdout
+
+
+def test_a_fully_fine_tuned_run_resumes_exactly_into_another_output_dir(tokenizer, tmp_path):
+    """No adapter: the checkpoint's save_pretrained weights are loaded back (the reference model stays the initial
+    one); resuming elsewhere starts that directory's metrics.jsonl with the checkpoint's earlier lines."""
+    from conftest import tiny_qwen3
+    from test_trainer import make_trainer
+
+    settings = dict(model_fn=tiny_qwen3, use_peft=False, beta=0.04, max_steps=3, num_iterations=2, save_steps=2)
+    uninterrupted = comparable(make_trainer(tokenizer, tmp_path / "a", **settings).train().history)
+    assert (tmp_path / "a" / "checkpoint-2" / "model.safetensors").is_file()
+    resumed = make_trainer(tokenizer, tmp_path / "b", **settings,
+                           resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2")).train().history
+    assert comparable(resumed) == comparable(metrics(tmp_path / "b")) == uninterrupted
