@@ -54,6 +54,9 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     except NonFiniteError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C while loading, before training installs its handler
+        print("interrupted before the first step; nothing to resume", file=sys.stderr)
+        return 130
     return 0
 
 

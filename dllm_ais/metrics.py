@@ -39,7 +39,7 @@ class MetricsLog:
         previous = Path(previous) if previous is not None else self.path
         kept = _lines_up_to(previous, resume_step) if resume_step is not None and previous.is_file() else []
         self.records: list[dict[str, Any]] = [json.loads(line) for line in kept]
-        if previous == self.path and self.path.is_file():
+        if self.path.is_file() and previous.resolve() == self.path.resolve():
             os.truncate(self.path, sum(len(line) for line in kept))
             self._file = self.path.open("ab")
         else:

@@ -257,7 +257,7 @@ class GRPOTrainer:
         scheduler = get_scheduler(config.lr_scheduler_type, optimizer, num_warmup_steps=config.warmup_steps,
                                   num_training_steps=config.max_steps)
         self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
-        self.trainable_parameters = trainable
+        self.trainable_parameters = [p for p in self.model.parameters() if p.requires_grad]  # as prepared (sharded)
 
         self.run_id = broadcast_object_list([uuid.uuid4().hex])[0]  # names this run and its resumptions
         self.global_step = 0

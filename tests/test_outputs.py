@@ -1,6 +1,7 @@
 """No command deletes or replaces what it did not create: atomic directories, leftovers, refusals, metrics.jsonl,
 portable adapter bases."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -9,9 +10,11 @@ import sys
 import pytest
 import torch
 
-from dllm_ais.checkpoint import (EMBEDDED_MODELS, MARKER, OutputExistsError, atomic_directory, begin_staging, clean_leftovers,
-                                 export_merged_model, load_model, provenance)
+from dllm_ais.checkpoint import (EMBEDDED_MODELS, MARKER, OutputExistsError, atomic_directory, begin_staging,
+                                 clean_leftovers, commit_staging, export_merged_model, load_model, prepare_output_dir,
+                                 provenance, prune_checkpoints, run_checkpoints)
 from dllm_ais.cli import main
+from dllm_ais.config import ConfigError, GRPOConfig
 from dllm_ais.metrics import MetricsLog
 
 
@@ -128,3 +131,30 @@ def test_adapters_and_exports_name_a_portable_base_and_load_back(tmp_path):
     export_merged_model(tmp_path / "adapter", tmp_path / "merged", torch.float32, overwrite=True)
     assert load_model(str(tmp_path / "adapter"), torch.float32).peft_config["default"].base_model_name_or_path == \
         "embedded-qwen3"
+
+
+def checkpoint(output_dir, step, run):
+    staging = begin_staging(output_dir / f"checkpoint-{step}", run=run)
+    (staging / "custom_checkpoint_0.pkl").write_bytes(b"")
+    (staging / "dllm_ais_config.yaml").write_text(f"output_dir: {output_dir}\n")
+    commit_staging(staging, output_dir / f"checkpoint-{step}")
+
+
+def test_save_total_limit_and_overwrite_touch_only_what_dllm_ais_wrote(tmp_path):
+    for step, run in ((1, "other-run"), (2, "this-run"), (3, "this-run"), (4, "this-run")):
+        checkpoint(tmp_path, step, run)
+    prune_checkpoints(tmp_path, "this-run", keep=2)
+    assert [p.name for _, p in run_checkpoints(tmp_path)] == ["checkpoint-1", "checkpoint-3", "checkpoint-4"]
+
+    (tmp_path / "notes.txt").write_text("mine")
+    config = GRPOConfig(output_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match="--resume_from_checkpoint=true to continue its run, --overwrite_output_dir"):
+        prepare_output_dir(config)
+    assert prepare_output_dir(dataclasses.replace(config, resume_from_checkpoint=True)) == tmp_path / "checkpoint-4"
+    (tmp_path / "final").mkdir()  # not written by dllm-ais: a fresh run would replace it, so it refuses
+    (tmp_path / "final" / "model.bin").write_text("mine")
+    with pytest.raises(ConfigError, match="final that dllm-ais did not write"):
+        prepare_output_dir(dataclasses.replace(config, overwrite_output_dir=True))
+    os.rename(tmp_path / "final", tmp_path / "my-final")
+    assert prepare_output_dir(dataclasses.replace(config, overwrite_output_dir=True)) is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["my-final", "notes.txt"]
