@@ -123,3 +123,30 @@ def test_a_fully_fine_tuned_run_resumes_exactly_into_another_output_dir(tokenize
     resumed = make_trainer(tokenizer, tmp_path / "b", **settings,
                            resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2")).train().history
     assert comparable(resumed) == comparable(metrics(tmp_path / "b")) == uninterrupted
+
+
+class Payload:
+    """Unpickling this creates a file: the stand-in for code a tampered checkpoint would run."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (str(self.path), "w")
+
+
+def test_a_checkpoint_whose_trainer_state_holds_code_is_refused_before_accelerate_unpickles_it(tokenizer, tmp_path):
+    import shutil
+
+    import torch
+
+    from dllm_ais.config import ConfigError
+    from test_trainer import make_trainer
+
+    make_trainer(tokenizer, tmp_path / "run", max_steps=1, save_steps=1).train()
+    tampered = tmp_path / "tampered" / "checkpoint-1"
+    shutil.copytree(tmp_path / "run" / "checkpoint-1", tampered)
+    torch.save({"run_id": Payload(tmp_path / "pwned")}, tampered / "custom_checkpoint_0.pkl")
+    with pytest.raises(ConfigError, match="refusing to resume"):
+        make_trainer(tokenizer, tmp_path / "resumed", max_steps=2, resume_from_checkpoint=str(tampered))
+    assert not (tmp_path / "pwned").exists()
