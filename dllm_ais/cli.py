@@ -12,7 +12,8 @@ adaptive importance-sampling correction (AIS).
 
 Quick start (CPU, a few minutes, nothing downloaded):
   dllm-ais train                                    # tiny embedded LLaDA on the digits task: FP8 rollouts + AIS + LoRA
-  dllm-ais train --correction=none                  # the same without correction
+  dllm-ais train --correction=none --output_dir=outputs/no-correction   # the same without correction
+  dllm-ais train --resume_from_checkpoint=true      # after Ctrl-C: continue that run exactly from its checkpoint
   dllm-ais train recipes/llada8b_gsm8k_lora_fp8_ais.yaml --dry_run=true    # check a GPU recipe on CPU
   accelerate launch --config_file recipes/accelerate/ddp.yaml -m dllm_ais.cli train recipes/llada8b_gsm8k_lora_fp8_ais.yaml
 """
