@@ -12,7 +12,8 @@ adaptive importance-sampling correction (AIS).
 
 Quick start (CPU, a few minutes, nothing downloaded):
   dllm-ais train                                    # tiny embedded LLaDA on the digits task: FP8 rollouts + AIS + LoRA
-  dllm-ais train --correction=none                  # the same without correction
+  dllm-ais train --correction=none --output_dir=outputs/no-correction   # the same without correction
+  dllm-ais train --resume_from_checkpoint=true      # after Ctrl-C: continue that run exactly from its checkpoint
   dllm-ais train recipes/llada8b_gsm8k_lora_fp8_ais.yaml --dry_run=true    # check a GPU recipe on CPU
   accelerate launch --config_file recipes/accelerate/ddp.yaml -m dllm_ais.cli train recipes/llada8b_gsm8k_lora_fp8_ais.yaml
 """
@@ -20,7 +21,10 @@ Quick start (CPU, a few minutes, nothing downloaded):
 TRAIN_EPILOG = """\
 Every field below can be set in the YAML recipe or overridden as --field=value (values are YAML:
 --report_to=[tensorboard], --is_clip_low=null). Unknown fields and bad values are reported before any
-model is loaded. Output: <output_dir>/metrics.jsonl, metrics.png, config.yaml, final/ (adapter + tokenizer).
+model is loaded. Output: <output_dir>/metrics.jsonl, metrics.png, config.yaml, final/ (adapter + tokenizer),
+checkpoint-N/ every save_steps. A non-empty output_dir is refused: continue its run exactly with
+--resume_from_checkpoint=true (latest checkpoint-N), or start afresh with --overwrite_output_dir=true.
+Ctrl-C or SIGTERM finishes the current step, writes a checkpoint and prints the command that resumes it.
 Without a recipe the embedded run's recipe is used (dllm_ais/assets/tiny_llada/recipe.yaml); the defaults
 below (d1's published LLaDA settings) apply to fields a recipe leaves out.
 
@@ -41,10 +45,42 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 
         run_dry_run(config)
         return 0
-    from dllm_ais.trainer import GRPOTrainer
+    from dllm_ais.interruption import TrainingInterrupted
+    from dllm_ais.trainer import GRPOTrainer, NonFiniteError
 
-    GRPOTrainer(config).train()
+    try:
+        GRPOTrainer(config).train()
+    except TrainingInterrupted as stop:
+        print(f"interrupted at step {stop.step}; " + (f"resume with: {resume_command(args, overrides, stop.checkpoint)}"
+                                                      if stop.checkpoint else "no step taken, nothing to resume"),
+              file=sys.stderr)
+        return stop.exit_code
+    except NonFiniteError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # Ctrl-C while loading, before training installs its handler
+        print("interrupted before the first step; nothing to resume", file=sys.stderr)
+        return 130
     return 0
+
+
+def resume_command(args: argparse.Namespace, overrides: list[str], checkpoint) -> str:
+    """The command that continues an interrupted run: its recipe and overrides, resuming from `checkpoint`."""
+    import shlex
+
+    replaced = ("resume_from_checkpoint", "overwrite_output_dir")
+    kept, dropping_value = [], False
+    for arg in overrides:
+        if dropping_value:
+            dropping_value = False
+            continue
+        key, has_value, _ = arg.removeprefix("--").partition("=")
+        if key.replace("-", "_") in replaced:
+            dropping_value = not has_value  # `--key value`: the value is the next argument
+            continue
+        kept.append(arg)
+    recipe = [args.recipe] if args.recipe else []
+    return shlex.join(["dllm-ais", "train", *recipe, *kept, f"--resume_from_checkpoint={checkpoint}"])
 
 
 def checkpoint_settings(path) -> dict:
@@ -52,13 +88,9 @@ def checkpoint_settings(path) -> dict:
     data, sampler and reward names. A checkpoint may come from anyone, so what would run code is dropped (with a
     warning): `trust_remote_code`, and `reward_funcs` naming an importable 'module:function' (with their weights).
     Those come only from the command line."""
-    import yaml
+    from dllm_ais.validation import read_recipe
 
-    from dllm_ais.config import ConfigError
-
-    values = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(values, dict):
-        raise ConfigError(f"{path} must be a YAML mapping of field: value.")
+    values = dict(read_recipe(path))
     dropped = []
     if values.pop("trust_remote_code", False) is not False:
         dropped.append("trust_remote_code")
@@ -216,18 +248,21 @@ def _export(args: argparse.Namespace, overrides: list[str]) -> int:
 
     if overrides:
         raise SystemExit(f"export takes no config overrides (got {overrides}).")
-    path = export_merged_model(args.source, args.output, getattr(torch, args.dtype), args.push_to_hub)
+    path = export_merged_model(args.source, args.output, getattr(torch, args.dtype), args.push_to_hub, args.overwrite)
     print(f"merged model written to {path}" + (f" and pushed to {args.push_to_hub}" if args.push_to_hub else ""))
     return 0
 
 
 def _sft(args: argparse.Namespace, overrides: list[str]) -> int:
-    from dllm_ais.checkpoint import atomic_directory, load_model, load_tokenizer, resolve_dtype
+    from pathlib import Path
+
+    from dllm_ais.checkpoint import atomic_directory, check_destination, load_model, load_tokenizer, resolve_dtype
     from dllm_ais.data import load_task_dataset
     from dllm_ais.sft import SFTConfig, run_sft
 
     if overrides:
         raise SystemExit(f"Unknown sft arguments {overrides}; see `dllm-ais sft --help`.")
+    check_destination(Path(args.output_dir), args.overwrite)
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model, resolve_dtype(args.dtype))
     mask_id = model.config.mask_token_id if model.config.model_type == "llada" else None
@@ -235,7 +270,7 @@ def _sft(args: argparse.Namespace, overrides: list[str]) -> int:
     config = SFTConfig(steps=args.steps, batch_size=args.batch_size, learning_rate=args.learning_rate,
                        gen_length=args.gen_length, seed=args.seed)
     losses = run_sft(model, tokenizer, dataset, config, mask_token_id=mask_id)
-    with atomic_directory(args.output_dir) as staging:
+    with atomic_directory(args.output_dir, args.overwrite) as staging:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
     print(f"SFT loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps; model written to {args.output_dir}")
@@ -301,6 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("output", help="output directory")
     export.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
     export.add_argument("--push-to-hub", metavar="REPO_ID", help="also upload to this Hub repository")
+    export.add_argument("--overwrite", action="store_true",
+                        help="replace OUTPUT if it holds an earlier export (a non-empty directory is refused otherwise)")
     export.set_defaults(handler=_export)
 
     sft = commands.add_parser("sft", parents=[common], help="SFT warm start (LLaDA masked-diffusion loss, or next-token for causal LMs)",
@@ -309,7 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
                                           "causal LMs (used to build the embedded tiny models).")
     sft.add_argument("--model", default="embedded")
     sft.add_argument("--task", default="digits")
-    sft.add_argument("--output_dir", default="outputs/sft")
+    sft.add_argument("--output_dir", default="outputs/sft", help="a new or empty directory")
+    sft.add_argument("--overwrite", action="store_true", help="replace --output_dir if an earlier `sft` wrote it")
     sft.add_argument("--steps", type=int, default=500)
     sft.add_argument("--batch_size", type=int, default=64)
     sft.add_argument("--learning_rate", type=float, default=1e-3)
@@ -326,7 +364,7 @@ def _is_user_error(error: Exception) -> bool:
     from dllm_ais.config import ConfigError
 
     rewards = sys.modules.get("dllm_ais.rewards")  # imported whenever a reward function ran
-    return isinstance(error, (ConfigError, FileNotFoundError)) or (
+    return isinstance(error, (ConfigError, FileNotFoundError, FileExistsError)) or (
         rewards is not None and isinstance(error, rewards.RewardFunctionError))
 
 

@@ -152,11 +152,22 @@ class GRPOConfig:
     gradient_accumulation_steps: int = field(default=1, metadata={"range": f"[1, {MAX_SIZE}]"})
     max_steps: int = field(default=100, metadata={**AT_LEAST_ONE, "help": "Optimizer steps to run."})
     seed: int = field(default=42, metadata={"range": "[0, 2147483647]"})
+    max_consecutive_skipped_batches: int = field(default=3, metadata={"range": "[1, 1000000]",
+        "help": "A non-finite reward, log-prob, loss or gradient skips its generation batch (weights untouched); "
+                "this many skips in a row stop the run."})
 
     # --- output ---
     output_dir: str = field(default="outputs/dllm-ais", metadata=PATH)
     logging_steps: int = field(default=1, metadata={**AT_LEAST_ONE, "help": "Log every N optimizer steps."})
-    save_steps: int = field(default=0, metadata={**NON_NEGATIVE, "help": "Checkpoint every N optimizer steps; 0 = only at the end."})
+    save_steps: int = field(default=0, metadata={**NON_NEGATIVE, "help": "Write a resumable checkpoint-N every this "
+                                                 "many steps (0 = only on Ctrl-C / SIGTERM)."})
+    save_total_limit: int | None = field(default=None, metadata={"range": "[1, 1000000]",
+        "help": "Keep only the newest N checkpoint-N directories of this run; None = keep all."})
+    resume_from_checkpoint: str | bool | None = field(default=None, metadata={
+        "help": "Continue a run exactly where a checkpoint left it: a checkpoint-N dir, or true = the latest in "
+                "output_dir. Only output, logging, saving, max_steps and eval_size may change."})
+    overwrite_output_dir: bool = field(default=False, metadata={
+        "help": "Start afresh in a non-empty output_dir, replacing what dllm-ais wrote there (nothing else)."})
     report_to: list[str] = field(default_factory=list, metadata={
         "help": f"Trackers via accelerate ({', '.join(TRACKERS)}): a name, a list, none or all (the installed ones)."})
     run_name: str | None = field(default=None, metadata={"help": "The run's name in the trackers; None = output_dir's name."})
@@ -205,6 +216,8 @@ class GRPOConfig:
              "correction=ais mixes with min(rho, is_clip): leave is_clip_low=null and is_normalize=false"),
             (self.likelihood_estimator != "trajectory" or self.cfg_scale == 0,
              "likelihood_estimator=trajectory replays the plain model: set cfg_scale=0 or use one_step"),
+            (not (self.overwrite_output_dir and self.resume_from_checkpoint not in (None, False)),
+             "resume_from_checkpoint continues the run in output_dir; overwrite_output_dir=true starts afresh: set one"),
             (self.reward_weights is None or self.reward_funcs is not None,
              "reward_weights needs reward_funcs (one weight per function)"),
             (self.reward_weights is None or self.reward_funcs is None or len(self.reward_weights) == len(self.reward_funcs),

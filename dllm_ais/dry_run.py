@@ -67,6 +67,7 @@ def run_dry_run(config: GRPOConfig) -> dict:
         dtype="float32", num_generations=2, per_device_train_batch_size=2, gradient_accumulation_steps=1,
         num_iterations=1, max_steps=1, eval_size=0, block_length=block, max_completion_length=2 * block,
         diffusion_steps=block, max_prompt_length=4096, report_to=[], save_steps=0, dry_run=False,
+        resume_from_checkpoint=None, overwrite_output_dir=False,
         lora_target_modules=None, output_dir=tempfile.mkdtemp(prefix="dllm-ais-dry-run-"))
     tokenizer = load_tokenizer(EMBEDDED_MODEL)
     trainer = GRPOTrainer(small, model=stand_in_model(diffusion, tokenizer), tokenizer=tokenizer,

@@ -78,6 +78,39 @@ class EvalResult:
         metrics["eval/num_prompts"] = float(self.num_prompts)
         return metrics
 
+    def state_dict(self) -> dict[str, Any]:
+        """Tensors and plain values only, so a checkpoint can keep a run's held-out baseline."""
+        return asdict(self)
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> "EvalResult":
+        return cls(**state)
+
+
+@dataclass(frozen=True)
+class PairedDifference:
+    """after − before over the same prompts: the mean difference, its standard error and the number of prompts."""
+
+    mean: float
+    standard_error: float
+    num_prompts: int
+
+    def __str__(self) -> str:
+        return f"Δ {self.mean:+.4f} ± {self.standard_error:.4f} SE, {self.num_prompts} prompts"
+
+
+def paired_difference(before: torch.Tensor, after: torch.Tensor) -> PairedDifference:
+    """Mean of d_i = after_i − before_i over prompts i and its paired standard error s_d / √n.
+
+    Pairing removes the prompt-to-prompt variance that two independent means would carry, so a change
+    is significant when |mean| exceeds a few standard errors.
+    """
+    if before.shape != after.shape:
+        raise ValueError(f"paired values must cover the same prompts; got {tuple(before.shape)} and "
+                         f"{tuple(after.shape)}")
+    differences = after.float() - before.float()
+    return PairedDifference(differences.mean().item(), standard_error(differences), len(differences))
+
 
 @torch.no_grad()
 def evaluate_policy(model, tokenizer, policy, dataset, reward_funcs: list[RewardFunction],

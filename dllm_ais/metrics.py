@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -26,22 +27,54 @@ def console_line(step: int, max_steps: int, metrics: dict[str, float]) -> str:
 
 
 class MetricsLog:
-    """Appends one JSON object per logged step to `<output_dir>/metrics.jsonl` (flushed at once, so a crash keeps it)."""
+    """One JSON object per logged step in `<output_dir>/metrics.jsonl`, flushed and synced at once (a crash keeps it).
 
-    def __init__(self, output_dir: str | Path):
+    The file belongs to one run: a fresh run starts it empty; a run resumed at step N keeps the training lines of
+    `previous` (its metrics.jsonl, by default this one) up to step N and continues after them.
+    """
+
+    def __init__(self, output_dir: str | Path, resume_step: int | None = None, previous: str | Path | None = None):
         self.path = Path(output_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.records: list[dict[str, Any]] = []
-        self._file = self.path.open("a")
+        previous = Path(previous) if previous is not None else self.path
+        kept = _lines_up_to(previous, resume_step) if resume_step is not None and previous.is_file() else []
+        self.records: list[dict[str, Any]] = [json.loads(line) for line in kept]
+        if self.path.is_file() and previous.resolve() == self.path.resolve():
+            os.truncate(self.path, sum(len(line) for line in kept))
+            self._file = self.path.open("ab")
+        else:
+            self._file = self.path.open("wb")
+            self._file.write(b"".join(kept))
+        self._sync()
 
     def write(self, record: dict[str, Any]) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         self.records.append(clean)
-        self._file.write(json.dumps(clean) + "\n")
+        self._file.write((json.dumps(clean) + "\n").encode())
+        self._sync()
+
+    def _sync(self) -> None:
         self._file.flush()
+        os.fsync(self._file.fileno())
 
     def close(self) -> None:
         self._file.close()
+
+
+def _lines_up_to(path: Path, step: int) -> list[bytes]:
+    """The leading complete training lines of a metrics.jsonl with `step` <= the given one (a run's closing
+    held-out line, a torn last line and anything after them are dropped)."""
+    kept = []
+    with path.open("rb") as file:
+        for line in file:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                break
+            if not line.endswith(b"\n") or record.get("step", step + 1) > step or "eval/reward" in record:
+                break
+            kept.append(line)
+    return kept
 
 
 def plot_metrics(records: list[dict[str, Any]], path: str | Path, keys: tuple[str, ...] = PLOTTED) -> Path | None:

@@ -99,6 +99,10 @@ class RewardFunctionError(RuntimeError):
     """A reward function raised or returned something unusable."""
 
 
+class NonFiniteRewardError(RewardFunctionError):
+    """A reward function returned NaN or inf: the trainer skips that generation batch (the weights stay untouched)."""
+
+
 def reward_function_names(reward_funcs: Sequence[RewardFunction]) -> list[str]:
     """Return a metric name per reward function (its ``__name__``; a ``functools.partial`` gives
     its wrapped function's name), with ``_2``, ``_3``, ... appended to repeated names."""
@@ -141,7 +145,7 @@ def validated_rewards(values: Any, name: str, expected_length: int) -> list[floa
                 "return a float, or None for 'not applicable'"
             )
         if not math.isfinite(value):
-            raise RewardFunctionError(
+            raise NonFiniteRewardError(
                 f"reward function '{name}' returned {value} at index {index}; return a finite float, "
                 "or None to exclude the sample"
             )

@@ -14,29 +14,37 @@ One generation batch (per device: `per_device_train_batch_size × gradient_accum
 from __future__ import annotations
 
 import copy
+import dataclasses
+import math
+import pickle
+import signal
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import broadcast_object_list, set_seed
 from peft import LoraConfig, PeftModel, get_peft_model
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
-from dllm_ais.checkpoint import atomic_directory, load_model, load_tokenizer, resolve_dtype, special_tokens
-from dllm_ais.config import GRPOConfig, save_config
+from dllm_ais.checkpoint import (atomic_directory, begin_staging, commit_staging, load_model, load_saved_weights,
+                                 load_tokenizer, prepare_output_dir, prune_checkpoints, resolve_dtype, special_tokens,
+                                 staging_directory)
+from dllm_ais.config import ConfigError, GRPOConfig, save_config
 from dllm_ais.correction import correct
 from dllm_ais.data import load_task_dataset, tokenize_prompts
 from dllm_ais.engine import RolloutEngine
-from dllm_ais.evaluation import EvalResult, evaluate_policy
+from dllm_ais.evaluation import EvalResult, evaluate_policy, paired_difference
+from dllm_ais.interruption import StopSignals, TrainingInterrupted
 from dllm_ais.launch import check_processes, check_prompt_lengths, check_run_environment
 from dllm_ais.loss import grpo_loss, group_advantages
 from dllm_ais.metrics import MetricsLog, console_line, plot_metrics
 from dllm_ais.policy import AutoregressivePolicy, DiffusionPolicy, Policy, lora_target_modules
-from dllm_ais.rewards import resolve_reward_functions, score_rollout
+from dllm_ais.rewards import NonFiniteRewardError, resolve_reward_functions, score_rollout
 from dllm_ais.sampling.autoregressive import AutoregressiveSamplerConfig
 from dllm_ais.sampling.diffusion import DiffusionSamplerConfig
 from dllm_ais.sampling.rollout import Rollout
@@ -87,6 +95,100 @@ class GenerationBatch:
     seeds: list[int]
     metrics: dict[str, float] = field(default_factory=dict)
 
+    def state_dict(self) -> dict[str, Any]:
+        """Tensors and plain values only: a checkpoint keeps the batch a run is in the middle of."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any], device: torch.device) -> "GenerationBatch":
+        def to_device(values):
+            return [None if v is None else v.to(device) for v in values]
+
+        return cls(Rollout(**state["rollout"]).to(device), state["advantages"].to(device), to_device(state["logp_old"]),
+                   to_device(state["logp_ref"]), to_device(state["weights"]), to_device(state["clip_scale"]),
+                   state["diagnostics"], state["seeds"], state["metrics"])
+
+
+class SkippedBatch(Exception):
+    """A NaN or inf at `stage` (reward, a log-prob, the loss or the gradient): the generation batch is dropped before
+    any optimizer step, so the weights and the optimizer state stay untouched."""
+
+    def __init__(self, stage: str, detail: str = ""):
+        self.stage = stage
+        super().__init__(f"non-finite {stage}" + (f": {detail}" if detail else ""))
+
+
+class NonFiniteError(FloatingPointError):
+    """Training stopped: `max_consecutive_skipped_batches` batches in a row were non-finite, or weights to be saved are."""
+
+
+SKIP_HINTS = {
+    "reward": "check the reward functions (return a finite float, or None to exclude a completion)",
+    "loss": "try a lower learning_rate or max_grad_norm",
+    "gradient": "try a lower learning_rate or max_grad_norm",
+}
+LOGPROB_HINT = "NaN/inf log-probs usually mean an overflow in low precision: try dtype=float32 or rollout_precision=bf16"
+
+
+def non_finite(tensors: list[torch.Tensor | None], mask: torch.Tensor) -> bool:
+    """Whether any [B, L] tensor holds NaN or inf at a completion position (padding is never read)."""
+    return any(t is not None and not torch.isfinite(t.detach()[mask]).all() for t in tensors)
+
+
+class TrainingProgress:
+    """What a checkpoint needs besides weights, optimizer, scheduler and the global RNGs (accelerate saves those):
+    the trainer's counters, prompt order and cursor, the α EMA, the held-out baseline, the skip counters and the
+    generation batch in flight. The samplers' and estimators' generators are seeded from `generation_index`.
+
+    This is the object `accelerator.register_for_checkpointing` stores (state_dict / load_state_dict); it holds
+    tensors and plain values only, so resuming can check the file loads with `torch.load(weights_only=True)`.
+    """
+
+    FIELDS = ("run_id", "global_step", "generation_index", "previous_alpha", "prompt_order", "prompt_cursor",
+              "batch_iteration", "skipped_batches", "consecutive_skipped_batches")
+
+    def __init__(self, trainer: "GRPOTrainer"):
+        self.trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        batch, eval_before = self.trainer.batch, self.trainer.eval_before
+        return {**{name: getattr(self.trainer, name) for name in self.FIELDS},
+                "batch": None if batch is None else batch.state_dict(),
+                "eval_before": None if eval_before is None else eval_before.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name in self.FIELDS:
+            setattr(self.trainer, name, state[name])
+        batch, eval_before = state["batch"], state["eval_before"]
+        self.trainer.batch = None if batch is None else GenerationBatch.from_state_dict(batch, self.trainer.accelerator.device)
+        self.trainer.eval_before = None if eval_before is None else EvalResult.from_state_dict(eval_before)
+
+
+def held_out_metrics(before: EvalResult | None, after: EvalResult) -> dict[str, float]:
+    """`eval/*` after training, the same `_before` (when there is a baseline) and the paired change of the reward
+    (`eval/reward_delta`, `eval/reward_delta_se`)."""
+    metrics = after.summary()
+    if before is not None:
+        metrics.update({f"{key}_before": value for key, value in before.summary().items()})
+        delta = paired_difference(before.per_prompt_reward, after.per_prompt_reward)
+        metrics.update({"eval/reward_delta": delta.mean, "eval/reward_delta_se": delta.standard_error})
+    return metrics
+
+
+def held_out_line(before: EvalResult | None, after: EvalResult) -> str:
+    """The run's closing line: greedy held-out reward (and accuracy) before → after training, with the paired
+    per-prompt difference and its standard error; just the final value when there is no baseline (a resumed run
+    that turned evaluation on)."""
+    if before is None:
+        return f"held-out reward after training: {after.summary()['eval/reward']:.4f} ({after.num_prompts} prompts, greedy)"
+    parts = [f"held-out reward: before {before.per_prompt_reward.mean():.4f} → after {after.per_prompt_reward.mean():.4f} "
+             f"({paired_difference(before.per_prompt_reward, after.per_prompt_reward)}, greedy)"]
+    if before.per_prompt_accuracy is not None and after.per_prompt_accuracy is not None:
+        accuracy = paired_difference(before.per_prompt_accuracy, after.per_prompt_accuracy)
+        parts.append(f"accuracy {before.per_prompt_accuracy.mean():.4f} → {after.per_prompt_accuracy.mean():.4f} "
+                     f"(Δ {accuracy.mean:+.4f} ± {accuracy.standard_error:.4f} SE)")
+    return "; ".join(parts)
+
 
 @dataclass
 class TrainResult:
@@ -119,6 +221,8 @@ class GRPOTrainer:
             log_with=config.report_to or None, project_dir=config.output_dir, mixed_precision="no",
             gradient_accumulation_steps=config.gradient_accumulation_steps, step_scheduler_with_optimizer=False)
         check_processes(self.accelerator)
+        self.resume_from = prepare_output_dir(config, self.accelerator.is_main_process)  # before anything loads
+        self.accelerator.wait_for_everyone()
         set_seed(config.seed, device_specific=True)
         self.ais_rule = ais_rule or config.ais_rule
         self.reward_funcs = resolve_reward_functions(reward_funcs or config.reward_funcs or config.task)
@@ -152,11 +256,25 @@ class GRPOTrainer:
         scheduler = get_scheduler(config.lr_scheduler_type, optimizer, num_warmup_steps=config.warmup_steps,
                                   num_training_steps=config.max_steps)
         self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
+        self.trainable_parameters = [p for p in self.model.parameters() if p.requires_grad]  # as prepared (sharded)
+
+        self.run_id = broadcast_object_list([uuid.uuid4().hex])[0]  # names this run and its resumptions
         self.global_step = 0
         self.generation_index = 0
         self.previous_alpha: float | None = None
-        self._prompt_order = torch.randperm(len(self.train_dataset), generator=torch.Generator().manual_seed(config.seed))
-        self._prompt_cursor = 0
+        self.prompt_order = torch.randperm(len(self.train_dataset), generator=torch.Generator().manual_seed(config.seed))
+        self.prompt_cursor = 0
+        self.batch: GenerationBatch | None = None  # the generation batch in use, for `num_iterations` passes
+        self.batch_iteration = 0
+        self.skipped_batches = 0
+        self.consecutive_skipped_batches = 0
+        self.eval_before: EvalResult | None = None
+        self.last_checkpoint: tuple[int, Path] | None = None
+        self.accelerator.register_save_state_pre_hook(self._leave_weights_to_save_pretrained)
+        self.accelerator.register_load_state_pre_hook(self._load_weights_from_save_pretrained)
+        self.accelerator.register_for_checkpointing(TrainingProgress(self))
+        if self.resume_from is not None:
+            self.resume(self.resume_from)
 
     # ----------------------------------------------------------------------------------------------- pipeline
     @property
@@ -169,10 +287,10 @@ class GRPOTrainer:
         world, rank = self.accelerator.num_processes, self.accelerator.process_index
         rows = []
         for _ in range(per_device * world):
-            if self._prompt_cursor == len(self._prompt_order):
-                self._prompt_cursor = 0
-            rows.append(int(self._prompt_order[self._prompt_cursor]))
-            self._prompt_cursor += 1
+            if self.prompt_cursor == len(self.prompt_order):
+                self.prompt_cursor = 0
+            rows.append(int(self.prompt_order[self.prompt_cursor]))
+            self.prompt_cursor += 1
         local = self.train_dataset.select(rows[rank * per_device:(rank + 1) * per_device])
         return {column: [v for v in local[column] for _ in range(self.config.num_generations)]
                 for column in local.column_names}
@@ -186,10 +304,10 @@ class GRPOTrainer:
                  for i in range(0, len(input_ids), size)]
         return Rollout.concatenate(parts)
 
-    def estimator_seeds(self) -> list[int]:
+    def estimator_seeds(self, generation_index: int) -> list[int]:
         """One estimator seed per inner iteration (one-step surrogate) or a single one (exact estimators)."""
         count = self.policy.num_estimator_seeds(self.config.num_iterations)
-        base = self.config.seed * 1_000_003 + self.generation_index * 1_009 + self.accelerator.process_index * 7_919_001
+        base = self.config.seed * 1_000_003 + generation_index * 1_009 + self.accelerator.process_index * 7_919_001
         return [base + n for n in range(count)]
 
     def micro_batches(self, size: int) -> list[slice]:
@@ -215,30 +333,55 @@ class GRPOTrainer:
         with self.unwrapped_model.disable_adapter():
             return self.micro_batched_logprobs(self.model, rollout, seed)
 
+    def any_process(self, *flags: bool) -> list[bool]:
+        """Each flag OR-ed over all processes (one gather), so that every process takes the same branch."""
+        local = torch.tensor([[float(flag) for flag in flags]], device=self.accelerator.device)
+        if self.accelerator.num_processes > 1:
+            local = self.accelerator.gather(local)
+        return [bool(value) for value in local.amax(0).tolist()]
+
     def make_generation_batch(self) -> GenerationBatch:
+        """Sample the next prompts with the engine, score them, and compute log-probs and correction weights.
+
+        Raises SkippedBatch (on every process alike) when a reward or a log-prob is NaN or inf; the batch's prompts
+        and seeds are used up all the same.
+        """
         cfg = self.config
+        index = self.generation_index
+        self.generation_index += 1
         timings = {"timing/sync_s": self.engine.sync_from(self.unwrapped_model)}
         columns = self.next_prompts()
         generator = torch.Generator(self.accelerator.device).manual_seed(
-            cfg.seed + 7919 * self.generation_index + 104_729 * self.accelerator.process_index)
+            cfg.seed + 7919 * index + 104_729 * self.accelerator.process_index)
         start = time.perf_counter()
         rollout = self.sample(self.policy, self.engine.model, columns, generator)
         timings["timing/sample_s"] = time.perf_counter() - start
 
-        rewards, reward_metrics = score_rollout(self.tokenizer, self.reward_funcs, columns, rollout, cfg.reward_weights)
+        problem = ""
+        try:
+            rewards, reward_metrics = score_rollout(self.tokenizer, self.reward_funcs, columns, rollout,
+                                                    cfg.reward_weights)
+        except NonFiniteRewardError as error:
+            rewards, reward_metrics, problem = torch.full((len(rollout.sequences),), math.nan), {}, str(error)
         all_rewards = self.accelerator.gather(rewards.to(self.accelerator.device))
+        if not torch.isfinite(all_rewards).all():
+            raise SkippedBatch("reward", problem)
         all_advantages = group_advantages(all_rewards, cfg.num_generations, cfg.scale_rewards)
         local = slice(self.accelerator.process_index * len(rewards), (self.accelerator.process_index + 1) * len(rewards))
         advantages = all_advantages[local]
 
         start = time.perf_counter()
-        seeds = self.estimator_seeds()
+        seeds = self.estimator_seeds(index)
         self.model.eval()
         with torch.no_grad():
             logp_rollout = [self.micro_batched_logprobs(self.engine.model, rollout, s, rollout_side=True) for s in seeds]
             logp_old = [self.micro_batched_logprobs(self.model, rollout, s) for s in seeds]
         logp_ref = [self.reference_logprobs(rollout, s) for s in seeds]
         timings["timing/logprob_s"] = time.perf_counter() - start
+        logprobs = {"rollout log-probs": logp_rollout, "old log-probs": logp_old, "reference log-probs": logp_ref}
+        bad = self.any_process(*(non_finite(values, rollout.completion_mask) for values in logprobs.values()))
+        if any(bad):
+            raise SkippedBatch(next(stage for stage, flag in zip(logprobs, bad) if flag))
 
         start = time.perf_counter()
         # Weights and diagnostics (ESS, α, ...) are computed over the whole batch, gathered from every process.
@@ -262,7 +405,6 @@ class GRPOTrainer:
             **({} if rollout.num_steps is None else {"completions/mean_steps": rollout.num_steps.float().mean().item()}),
             **reward_metrics, **timings,
         }
-        self.generation_index += 1
         return GenerationBatch(rollout, advantages, logp_old, logp_ref, [c.weights[local] for c in corrections],
                                [None if c.clip_scale is None else c.clip_scale[local] for c in corrections],
                                [c.diagnostics for c in corrections], seeds, metrics)
@@ -272,6 +414,9 @@ class GRPOTrainer:
 
         accelerate divides each micro-batch loss by gradient_accumulation_steps; `dapo` already normalises by the
         token count of the whole generation batch (averaged over processes), so its loss is scaled back up.
+        The step is taken only when the policy log-probs, the loss and the gradient norm are finite on every
+        process; otherwise the gradients are dropped and SkippedBatch raised before `optimizer.step` (which would
+        move AdamW's moments and, through weight decay, the weights even for a zero gradient).
         """
         cfg = self.config
         k = iteration % len(batch.seeds)
@@ -280,7 +425,7 @@ class GRPOTrainer:
         total_tokens = self.accelerator.gather(local_tokens.reshape(1)).mean().clamp(min=1).item()
         micro_batches = self.micro_batches(len(batch.advantages))
         summed: dict[str, float] = {f"correction/{key}": value for key, value in batch.diagnostics[k].items()}
-        grad_norm = None
+        bad_logprobs = bad_loss = False
         for j, rows in enumerate(micro_batches):
             with self.accelerator.accumulate(self.model):
                 part = batch.rollout.select(rows)
@@ -293,24 +438,66 @@ class GRPOTrainer:
                     beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, loss_type=cfg.loss_type,
                     max_completion_length=cfg.max_completion_length, num_items_in_batch=total_tokens,
                     ratio_type=cfg.ratio_type)
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(
-                        f"Non-finite loss at step {self.global_step + 1}: check the log-probs (NaN weights or "
-                        "log-probs usually mean an overflow in low precision; try dtype=float32 or a lower learning_rate).")
+                bad_logprobs |= non_finite([logp], part.completion_mask)
+                bad_loss |= not torch.isfinite(loss).item()
                 scale = len(micro_batches) if cfg.loss_type == "dapo" else 1
+                # Non-finite or not, every process joins the gradient all-reduce; the step is decided below.
                 self.accelerator.backward(loss * scale)
-                if self.accelerator.sync_gradients:
-                    grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
             summed["loss"] = summed.get("loss", 0.0) + loss.item() * scale / len(micro_batches)
             for key, value in loss_metrics.items():
                 summed[key] = summed.get(key, 0.0) + value / len(micro_batches)
+        grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+        bad_logprobs, bad_loss = self.any_process(bad_logprobs, bad_loss)
+        bad_gradient = grad_norm is not None and not torch.isfinite(torch.as_tensor(grad_norm)).item()
+        if bad_logprobs or bad_loss or bad_gradient:
+            self.optimizer.zero_grad(set_to_none=True)
+            raise SkippedBatch("policy log-probs" if bad_logprobs else "loss" if bad_loss else "gradient",
+                               f"grad norm {float(grad_norm)}" if bad_gradient else "")
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.global_step += 1
         # DeepSpeed clips inside its engine and reports no norm here.
         return {**summed, "grad_norm": float("nan") if grad_norm is None else float(grad_norm),
                 "learning_rate": self.scheduler.get_last_lr()[0]}
+
+    def training_step(self) -> dict[str, float] | None:
+        """One optimizer step: a new generation batch when the current one has had its `num_iterations` passes, then
+        one optimisation pass. Returns the step's metrics, or None when a non-finite value skipped the batch."""
+        cfg = self.config
+        try:
+            if self.batch is None:
+                start = time.perf_counter()
+                self.batch = self.make_generation_batch()
+                self.batch.metrics["timing/generation_batch_s"] = time.perf_counter() - start
+                self.batch_iteration = 0
+            start = time.perf_counter()
+            metrics = {"step": self.global_step + 1, **self.batch.metrics,
+                       **self.optimisation_pass(self.batch, self.batch_iteration)}
+        except SkippedBatch as skip:
+            self.batch = None
+            self.record_skip(skip)
+            return None
+        metrics["timing/optimisation_pass_s"] = time.perf_counter() - start
+        self.consecutive_skipped_batches = 0
+        metrics["skipped_batches"] = self.skipped_batches
+        self.batch_iteration += 1
+        if self.batch_iteration == cfg.num_iterations:
+            self.batch = None
+        return metrics
+
+    def record_skip(self, skip: SkippedBatch) -> None:
+        """Count a skipped generation batch; stop the run after `max_consecutive_skipped_batches` in a row."""
+        self.skipped_batches += 1
+        self.consecutive_skipped_batches += 1
+        hint = SKIP_HINTS.get(skip.stage, LOGPROB_HINT)
+        if self.consecutive_skipped_batches >= self.config.max_consecutive_skipped_batches:
+            raise NonFiniteError(f"stopped at step {self.global_step}: {self.consecutive_skipped_batches} generation "
+                                 f"batches in a row were skipped, the last for {skip}. {hint}.")
+        if self.accelerator.is_main_process:
+            tqdm.write(f"step {self.global_step + 1}: skipped a generation batch, {skip}; weights unchanged "
+                       f"({self.consecutive_skipped_batches} in a row, the run stops at "
+                       f"{self.config.max_consecutive_skipped_batches}).")
 
     # ----------------------------------------------------------------------------------------------- driver
     def evaluate(self, dataset=None) -> EvalResult:
@@ -323,65 +510,146 @@ class GRPOTrainer:
                                self.config.max_prompt_length, accuracy=get_task(self.config.task).accuracy)
 
     def train(self) -> TrainResult:
+        """Run to `max_steps` (from the checkpoint's step when resuming). SIGINT/SIGTERM end the run after the current
+        step with a checkpoint (TrainingInterrupted); too many non-finite batches in a row end it (NonFiniteError)."""
         cfg = self.config
         output_dir = Path(cfg.output_dir)
         is_main = self.accelerator.is_main_process
-        log = MetricsLog(output_dir) if is_main else None
+        log = None
         if is_main:
+            previous = self.resume_from and self.resume_from.parent / "metrics.jsonl"
+            log = MetricsLog(output_dir, self.global_step if self.resume_from else None, previous)
             save_config(cfg, output_dir / "config.yaml")
         if cfg.report_to:
             self.accelerator.init_trackers("dllm-ais", config=cfg.to_dict(),
                                            init_kwargs=tracker_init_kwargs(cfg.run_name, cfg.output_dir))
-        eval_before = self.evaluate() if self.eval_dataset is not None else None
-        if eval_before and is_main:
-            tqdm.write(f"held-out reward before training: {eval_before.summary()['eval/reward']:.4f}")
-        progress = tqdm(total=cfg.max_steps, desc="GRPO", disable=not is_main, dynamic_ncols=True)
-        while self.global_step < cfg.max_steps:
-            start = time.perf_counter()
-            batch = self.make_generation_batch()
-            batch.metrics["timing/generation_batch_s"] = time.perf_counter() - start
-            for iteration in range(cfg.num_iterations):
-                if self.global_step >= cfg.max_steps:
-                    break
-                start = time.perf_counter()
-                metrics = {"step": self.global_step + 1, **batch.metrics, **self.optimisation_pass(batch, iteration)}
-                metrics["timing/optimisation_pass_s"] = time.perf_counter() - start
-                progress.update(1)
-                if is_main and self.global_step % cfg.logging_steps == 0:
-                    log.write(metrics)
-                    progress.set_postfix(reward=f"{metrics['reward']:.3f}",
-                                         alpha=f"{metrics.get('correction/alpha', 0.0):.2f}")
-                    tqdm.write(console_line(self.global_step, cfg.max_steps, metrics))
-                if cfg.report_to:
-                    self.accelerator.log(metrics, step=self.global_step)
-                if cfg.save_steps and self.global_step % cfg.save_steps == 0:
-                    self.save(output_dir / f"checkpoint-{self.global_step}")
-        progress.close()
-        eval_after = self.evaluate() if self.eval_dataset is not None else None
-        self.save(output_dir / "final")
-        if is_main:
-            if eval_after:
-                before, after = eval_before.summary(), eval_after.summary()
-                log.write({"step": self.global_step, **{f"{k}_before": v for k, v in before.items()}, **after})
-                tqdm.write(f"held-out reward: before {before['eval/reward']:.4f} -> after {after['eval/reward']:.4f} "
-                           f"({eval_after.num_prompts} prompts, greedy)")
-            plot = plot_metrics(log.records, output_dir / "metrics.png")
-            log.close()
-            tqdm.write(f"metrics: {log.path}" + (f" | plot: {plot}" if plot else "") + f" | model: {output_dir / 'final'}")
-        if cfg.report_to:
-            self.accelerator.end_training()
-        return TrainResult(self.global_step, log.records if log else [], eval_before, eval_after, output_dir)
+        progress = tqdm(total=cfg.max_steps, initial=self.global_step, desc="GRPO", disable=not is_main,
+                        dynamic_ncols=True)
+        try:
+            with StopSignals() as signals:
+                if self.eval_dataset is not None and self.global_step == 0:
+                    self.eval_before = self.evaluate()
+                    if is_main:
+                        tqdm.write(f"held-out reward before training: {self.eval_before.summary()['eval/reward']:.4f}")
+                while self.global_step < cfg.max_steps:
+                    metrics = self.training_step()
+                    if metrics is not None:
+                        progress.update(1)
+                        self.report(metrics, log, progress)
+                        if cfg.save_steps and self.global_step % cfg.save_steps == 0:
+                            self.save_checkpoint()
+                    self.stop_if_signalled(signals)
+                progress.close()
+                eval_after = self.evaluate() if self.eval_dataset is not None else None
+                self.stop_if_signalled(signals)
+                self.save(output_dir / "final")
+            if is_main:
+                if eval_after:
+                    log.write({"step": self.global_step, **held_out_metrics(self.eval_before, eval_after)})
+                    tqdm.write(held_out_line(self.eval_before, eval_after))
+                plot = plot_metrics(log.records, output_dir / "metrics.png")
+                tqdm.write(f"metrics: {log.path}" + (f" | plot: {plot}" if plot else "")
+                           + f" | model: {output_dir / 'final'}")
+        except TrainingInterrupted:
+            if is_main:
+                plot_metrics(log.records, output_dir / "metrics.png")
+            raise
+        finally:
+            progress.close()
+            if log is not None:
+                log.close()
+            if cfg.report_to:
+                self.accelerator.end_training()
+        return TrainResult(self.global_step, log.records if log else [], self.eval_before, eval_after, output_dir)
+
+    def report(self, metrics: dict[str, float], log: MetricsLog | None, progress) -> None:
+        """Every `logging_steps`: a metrics.jsonl line, the progress bar and a console line; trackers every step."""
+        if log is not None and self.global_step % self.config.logging_steps == 0:
+            log.write(metrics)
+            progress.set_postfix(reward=f"{metrics['reward']:.3f}", alpha=f"{metrics.get('correction/alpha', 0.0):.2f}")
+            tqdm.write(console_line(self.global_step, self.config.max_steps, metrics))
+        if self.config.report_to:
+            self.accelerator.log(metrics, step=self.global_step)
+
+    def stop_if_signalled(self, signals: StopSignals) -> None:
+        """After SIGINT/SIGTERM reached any process: checkpoint the current step and raise TrainingInterrupted."""
+        if not self.any_process(signals.received is not None)[0]:
+            return
+        checkpoint = self.save_checkpoint() if self.global_step > 0 else None
+        raise TrainingInterrupted(signals.received or signal.SIGTERM, self.global_step, checkpoint)
+
+    # ----------------------------------------------------------------------------------------------- saving
+    def checked_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state dict to save (a collective under FSDP / ZeRO-3: every process calls this); raises
+        NonFiniteError when a trainable weight is NaN or inf, so nothing non-finite is ever written."""
+        self.accelerator.wait_for_everyone()
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in self.trainable_parameters]
+        if self.any_process(not all(torch.isfinite(p).all() for p in local))[0]:
+            raise NonFiniteError(f"refusing to save non-finite weights at step {self.global_step}; the last checkpoint "
+                                 "holds finite ones.")
+        return self.accelerator.get_state_dict(self.model)
+
+    def write_model(self, directory: Path, state_dict: dict[str, torch.Tensor]) -> None:
+        """The adapter (or full model) via save_pretrained, the tokenizer and the config: a directory that
+        `dllm-ais eval --model`, `generate` and `export` load."""
+        # The vocabulary is never resized here; peft's "auto" would look the base model up on the Hub to check.
+        peft_only = {"save_embedding_layers": False} if isinstance(self.unwrapped_model, PeftModel) else {}
+        self.unwrapped_model.save_pretrained(directory, state_dict=state_dict, safe_serialization=True, **peft_only)
+        self.tokenizer.save_pretrained(directory)
+        save_config(self.config, directory / "dllm_ais_config.yaml")
 
     def save(self, directory: Path) -> None:
-        """Write the adapter (or full model), tokenizer, config and trainer state atomically into `directory`."""
+        """Write the model directory (see `write_model`) atomically into `directory`."""
+        state_dict = self.checked_state_dict()
+        if self.accelerator.is_main_process:
+            with atomic_directory(directory, overwrite=True) as staging:
+                self.write_model(staging, state_dict)
+
+    def save_checkpoint(self) -> Path:
+        """Write `output_dir/checkpoint-<step>` atomically: the model directory plus accelerate's `save_state`
+        (optimizer, scheduler, every process' RNGs and `TrainingProgress`), from which `resume` continues the run
+        exactly; then keep only the newest `save_total_limit` checkpoints of this run."""
+        directory = Path(self.config.output_dir) / f"checkpoint-{self.global_step}"
+        if self.last_checkpoint is not None and self.last_checkpoint[0] == self.global_step:
+            return self.last_checkpoint[1]
+        state_dict = self.checked_state_dict()
+        staging = staging_directory(directory, self.run_id[:8])
+        if self.accelerator.is_main_process:
+            begin_staging(directory, self.run_id[:8], run=self.run_id)
+            self.write_model(staging, state_dict)
         self.accelerator.wait_for_everyone()
-        state_dict = self.accelerator.get_state_dict(self.model)  # collective under FSDP / ZeRO-3: every rank calls it
-        if not self.accelerator.is_main_process:
-            return
-        with atomic_directory(directory) as staging:
-            self.unwrapped_model.save_pretrained(staging, state_dict=state_dict, safe_serialization=True)
-            self.tokenizer.save_pretrained(staging)
-            save_config(self.config, staging / "dllm_ais_config.yaml")
-            torch.save({"global_step": self.global_step, "generation_index": self.generation_index,
-                        "previous_alpha": self.previous_alpha, "optimizer": self.optimizer.state_dict(),
-                        "scheduler": self.scheduler.state_dict()}, staging / "trainer_state.pt")
+        self.accelerator.save_state(str(staging))
+        self.accelerator.wait_for_everyone()
+        if self.accelerator.is_main_process:
+            commit_staging(staging, directory, overwrite=True)
+            if self.config.save_total_limit:
+                prune_checkpoints(self.config.output_dir, self.run_id, self.config.save_total_limit)
+        self.accelerator.wait_for_everyone()
+        self.last_checkpoint = (self.global_step, directory)
+        return directory
+
+    def resume(self, checkpoint: Path) -> None:
+        """Restore what `save_checkpoint` wrote: weights, optimizer, scheduler, RNGs and the trainer's progress."""
+        for file in sorted(checkpoint.glob("custom_checkpoint_*.pkl")):
+            try:  # accelerate unpickles this file without restriction: first make sure it holds only data
+                torch.load(file, weights_only=True)
+            except pickle.UnpicklingError as error:
+                raise ConfigError(f"{file} holds more than tensors and plain values; refusing to resume from it "
+                                  f"({error}).") from error
+        self.accelerator.load_state(str(checkpoint))
+        if len(self.prompt_order) != len(self.train_dataset):
+            raise ConfigError(f"Cannot resume from {checkpoint}: it was trained on {len(self.prompt_order)} prompts, "
+                              f"the dataset now has {len(self.train_dataset)}.")
+        self.last_checkpoint = (self.global_step, checkpoint)
+
+    def _leave_weights_to_save_pretrained(self, models, weights, output_dir) -> None:
+        """accelerate's save_state hook: it would store the full state dict (a LoRA run's frozen base included); the
+        checkpoint's save_pretrained files hold the weights instead. (FSDP and DeepSpeed save their own shards and
+        pass no state dicts.)"""
+        weights.clear()
+
+    def _load_weights_from_save_pretrained(self, models, input_dir) -> None:
+        """accelerate's load_state hook, the counterpart of `_leave_weights_to_save_pretrained`."""
+        if models:
+            load_saved_weights(self.unwrapped_model, input_dir)
+            models.clear()

@@ -75,7 +75,7 @@ def main() -> None:
     held_out = load_task_dataset("digits", "validation", size=128, seed=args.seed)
     score = evaluate_policy(model, tokenizer, policy, held_out, list(DIGITS.reward_funcs), batch_size=64).summary()
     recipe = output_dir / "recipe.yaml"
-    with atomic_directory(output_dir) as staging:
+    with atomic_directory(output_dir, overwrite=True) as staging:  # replaces only a directory it wrote
         model.save_pretrained(staging, safe_serialization=True)
         build_hf_tokenizer().save_pretrained(staging)  # as built: padding side is set by the loader, not stored
         if recipe.is_file():

@@ -12,7 +12,7 @@ from dllm_ais.correction import correct
 from dllm_ais.loss import grpo_loss
 from dllm_ais.rewards import RewardFunctionError
 from dllm_ais.tasks.digits import digits_reward, make_digits_dataset
-from dllm_ais.trainer import GRPOTrainer
+from dllm_ais.trainer import GRPOTrainer, NonFiniteError, SkippedBatch
 
 TINY = dict(task="digits", eval_size=0, num_generations=2, per_device_train_batch_size=4, gradient_accumulation_steps=1,
             max_completion_length=8, block_length=8, diffusion_steps=4, num_iterations=2, max_steps=2, lora_r=4,
@@ -93,7 +93,6 @@ def test_same_seed_gives_the_same_metrics_and_writes_outputs(tokenizer, tmp_path
         lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
         assert len(lines) == 2 and json.loads(lines[0])["step"] == 1
         assert (tmp_path / run / "final" / "adapter_model.safetensors").is_file()
-        assert (tmp_path / run / "final" / "trainer_state.pt").is_file()
     assert histories[0] == histories[1]
     assert all(math.isfinite(r["loss"]) for r in histories[0])
 
@@ -120,9 +119,9 @@ def test_reward_function_errors_name_the_function(tokenizer, tmp_path):
     def nan_reward(prompts, completions, **kwargs):
         return [float("nan")] * len(completions)
 
-    for fn in (exploding_reward, nan_reward):
+    for fn, error in ((exploding_reward, RewardFunctionError), (nan_reward, SkippedBatch)):
         trainer = make_trainer(tokenizer, tmp_path / fn.__name__, reward_funcs=[fn])
-        with pytest.raises(RewardFunctionError, match=fn.__name__):
+        with pytest.raises(error, match=fn.__name__):
             trainer.make_generation_batch()
 
 
@@ -173,3 +172,113 @@ def test_grpo_raises_a_learnable_reward(tmp_path, recipe, overrides):
     history = GRPOTrainer(config, reward_funcs=[share_of_ones_reward]).train().history
     rewards = [r["reward"] for r in history]
     assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + 0.1
+
+
+def snapshot(trainer):
+    """Bit-exact copies of the trainable weights and the whole optimizer state."""
+    optimizer = trainer.optimizer.state_dict()
+    return ({n: p.detach().clone() for n, p in trainer.unwrapped_model.named_parameters() if p.requires_grad},
+            {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()} for i, s in optimizer["state"].items()})
+
+
+def assert_bit_identical(before, after):
+    for (weights_a, optimizer_a), (weights_b, optimizer_b) in [(before, after)]:
+        assert weights_a.keys() == weights_b.keys() and optimizer_a.keys() == optimizer_b.keys()
+        for name in weights_a:
+            assert torch.equal(weights_a[name], weights_b[name]), name
+        for index in optimizer_a:
+            for key, value in optimizer_a[index].items():
+                assert torch.equal(torch.as_tensor(value), torch.as_tensor(optimizer_b[index][key])), (index, key)
+
+
+def nan_like(values):
+    return torch.full_like(values, float("nan"))
+
+
+def inject_reward(trainer, monkeypatch):
+    def nan_reward(prompts, completions, **kwargs):
+        return [float("nan")] * len(completions)
+
+    trainer.reward_funcs = [nan_reward]
+
+
+def inject_engine_logprobs(trainer, monkeypatch):
+    score = trainer.policy.rollout_logprobs
+    monkeypatch.setattr(trainer.policy, "rollout_logprobs", lambda model, rollout, seed: nan_like(score(model, rollout, seed)))
+
+
+def inject_old_logprobs(trainer, monkeypatch):
+    score = trainer.policy.logprobs
+    monkeypatch.setattr(trainer.policy, "logprobs", lambda model, rollout, seed: nan_like(score(model, rollout, seed))
+                        if model is not trainer.engine.model and not torch.is_grad_enabled() else score(model, rollout, seed))
+
+
+def inject_reference_logprobs(trainer, monkeypatch):
+    reference = trainer.reference_logprobs
+    monkeypatch.setattr(trainer, "reference_logprobs", lambda rollout, seed: nan_like(reference(rollout, seed)))
+
+
+def inject_policy_logprobs(trainer, monkeypatch):
+    score = trainer.policy.logprobs
+    monkeypatch.setattr(trainer.policy, "logprobs", lambda model, rollout, seed: score(model, rollout, seed) * math.inf
+                        if torch.is_grad_enabled() else score(model, rollout, seed))
+
+
+def inject_loss(trainer, monkeypatch):
+    import dllm_ais.trainer as trainer_module
+
+    loss_fn = trainer_module.grpo_loss
+    monkeypatch.setattr(trainer_module, "grpo_loss", lambda *a, **k: (lambda loss, m: (loss * math.nan, m))(*loss_fn(*a, **k)))
+
+
+def inject_gradient(trainer, monkeypatch, value=math.nan):
+    parameter = next(p for p in trainer.model.parameters() if p.requires_grad)
+    parameter.register_hook(lambda grad: torch.full_like(grad, value))
+
+
+def inject_infinite_gradient(trainer, monkeypatch):
+    inject_gradient(trainer, monkeypatch, math.inf)
+
+
+@pytest.mark.parametrize("inject, stage", [
+    (inject_reward, "reward"), (inject_engine_logprobs, "rollout log-probs"), (inject_old_logprobs, "old log-probs"),
+    (inject_reference_logprobs, "reference log-probs"), (inject_policy_logprobs, "policy log-probs"),
+    (inject_loss, "loss"), (inject_gradient, "gradient"), (inject_infinite_gradient, "gradient"),
+], ids=lambda v: getattr(v, "__name__", v))
+def test_a_non_finite_stage_skips_the_batch_and_leaves_weights_and_optimizer_untouched(tokenizer, tmp_path, monkeypatch,
+                                                                                        inject, stage):
+    trainer = make_trainer(tokenizer, tmp_path, num_iterations=1, max_steps=10, beta=0.04,
+                           max_consecutive_skipped_batches=2)
+    assert trainer.training_step()["skipped_batches"] == 0  # one real step: AdamW now has moments to protect
+    before, step, lr = snapshot(trainer), trainer.global_step, trainer.scheduler.get_last_lr()
+    inject(trainer, monkeypatch)
+    assert trainer.training_step() is None
+    assert_bit_identical(before, snapshot(trainer))
+    assert (trainer.global_step, trainer.scheduler.get_last_lr(), trainer.skipped_batches) == (step, lr, 1)
+    assert all(p.grad is None for p in trainer.model.parameters())
+    with pytest.raises(NonFiniteError, match=f"2 generation batches in a row.*non-finite {stage}"):
+        trainer.training_step()
+    assert_bit_identical(before, snapshot(trainer))
+
+
+def test_a_finite_step_resets_the_consecutive_skip_count_and_is_logged(tokenizer, tmp_path, monkeypatch):
+    calls = iter([0.5, math.nan, 0.5, math.nan, 0.5])
+
+    def flaky_reward(prompts, completions, **kwargs):
+        value = next(calls)
+        return [value + 0.1 * i for i in range(len(completions))]
+
+    trainer = make_trainer(tokenizer, tmp_path, reward_funcs=[flaky_reward], num_iterations=1, max_steps=3,
+                           max_consecutive_skipped_batches=2)
+    history = trainer.train().history
+    assert [r["step"] for r in history] == [1, 2, 3]
+    assert [r["skipped_batches"] for r in history] == [0, 1, 2]
+
+
+def test_save_refuses_non_finite_weights(tokenizer, tmp_path):
+    trainer = make_trainer(tokenizer, tmp_path)
+    with torch.no_grad():
+        next(p for p in trainer.model.parameters() if p.requires_grad)[0].fill_(math.nan)
+    with pytest.raises(NonFiniteError, match="non-finite weights"):
+        trainer.save(tmp_path / "final")
+    assert not (tmp_path / "final").exists()

@@ -1,0 +1,58 @@
+"""Graceful interruption: Ctrl-C or SIGTERM (what a scheduler sends) ends a run after its current optimisation step,
+with a checkpoint to resume from; a second signal exits at once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class TrainingInterrupted(Exception):
+    """A run stopped on a signal after saving its state: `checkpoint` is None when no step had been taken yet."""
+
+    def __init__(self, signum: int, step: int, checkpoint: Path | None):
+        self.signal, self.step, self.checkpoint = signum, step, checkpoint
+        where = f"; checkpoint: {checkpoint}" if checkpoint else "; no step taken, nothing saved"
+        super().__init__(f"interrupted by {signal.Signals(signum).name} at step {step}{where}")
+
+    @property
+    def exit_code(self) -> int:
+        """The shell's convention for death by a signal: 128 + its number (130 for SIGINT, 143 for SIGTERM)."""
+        return 128 + self.signal
+
+
+class StopSignals:
+    """Context manager: while active, the first SIGINT/SIGTERM is only recorded in `received` (the training loop
+    finishes its step, checkpoints and stops); a second one exits the process at once with 128 + its number.
+
+    Handlers are installed only from the main thread (Python delivers signals there) and restored on exit.
+    """
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {signum: signal.signal(signum, self._handle) for signum in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
+
+    def _handle(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.received is not None:
+            print(f"\n{name} again: exiting now, without a checkpoint", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(128 + signum)
+        self.received = signum
+        print(f"\n{name}: finishing the current optimisation step, then writing a checkpoint "
+              "(send it again to exit at once)", file=sys.stderr, flush=True)
