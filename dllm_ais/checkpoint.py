@@ -319,7 +319,8 @@ def load_saved_weights(model: torch.nn.Module, directory: str | Path) -> None:
 CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
 RESUMABLE_CHANGES = frozenset({  # fields a resumed run may change: they do not alter the training trajectory
     "max_steps", "logging_steps", "save_steps", "save_total_limit", "output_dir", "overwrite_output_dir",
-    "resume_from_checkpoint", "report_to", "eval_size", "dry_run", "max_consecutive_skipped_batches"})
+    "resume_from_checkpoint", "report_to", "eval_size", "dry_run", "max_consecutive_skipped_batches", "eval_steps",
+    "log_completions", "num_completions_to_print"})
 RUN_OUTPUTS = ("final",)  # directories a run writes besides its checkpoint-N
 
 
@@ -335,10 +336,13 @@ def run_checkpoints(output_dir: str | Path, run_id: str | None = None) -> list[t
     return sorted(found)
 
 
-def prune_checkpoints(output_dir: str | Path, run_id: str, keep: int) -> None:
-    """`save_total_limit`: delete the oldest checkpoint-N directories this run wrote beyond the newest `keep`."""
+def prune_checkpoints(output_dir: str | Path, run_id: str, keep: int, protect: str | Path | None = None) -> None:
+    """`save_total_limit`: delete the oldest checkpoint-N directories this run wrote beyond the newest `keep`, never
+    `protect` (the best checkpoint by validation score)."""
+    protected = Path(protect).resolve() if protect is not None else None
     for _, path in run_checkpoints(output_dir, run_id)[:-keep]:
-        discard_directory(path)
+        if path.resolve() != protected:
+            discard_directory(path)
 
 
 def resumable(directory: Path) -> bool:

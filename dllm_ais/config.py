@@ -85,7 +85,8 @@ class GRPOConfig:
     dataset_size: int | None = field(default=None, metadata={"range": f"[1, {MAX_PROMPTS}]",
         "help": "Use at most this many training prompts."})
     eval_size: int = field(default=64, metadata={"range": f"[0, {MAX_PROMPTS}]",
-        "help": "Validation prompts scored before and after training (0 = skip); `dllm-ais eval` uses the full test split."})
+        "help": "Validation prompts scored before and after training and every eval_steps (0 = skip); `dllm-ais eval` "
+                "uses the full test split."})
     reward_funcs: list[str] | None = field(default=None, metadata={
         "help": "Reward function names or 'module:function'; None = the task preset."})
     reward_weights: list[float] | None = field(default=None, metadata={"range": "[-1000000, 1000000]"})
@@ -162,7 +163,18 @@ class GRPOConfig:
     save_steps: int = field(default=0, metadata={**NON_NEGATIVE, "help": "Write a resumable checkpoint-N every this "
                                                  "many steps (0 = only on Ctrl-C / SIGTERM)."})
     save_total_limit: int | None = field(default=None, metadata={"range": "[1, 1000000]",
-        "help": "Keep only the newest N checkpoint-N directories of this run; None = keep all."})
+        "help": "Keep only the newest N checkpoint-N directories of this run (and the best one); None = keep all."})
+    eval_steps: int = field(default=0, metadata={**NON_NEGATIVE, "help": "Score the eval_size validation prompts "
+                                                 "(greedy) every this many steps, logged as eval/*; 0 = off."})
+    metric_for_best_model: str = field(default="reward", metadata={
+        "help": "Validation score that ranks checkpoints (eval/<name>: reward, accuracy, rewards/<fn>/mean); the best "
+                "is recorded in output_dir/best_checkpoint.json."})
+    greater_is_better: bool = True
+    log_completions: bool = field(default=False, metadata={
+        "help": "Write a few prompt/completion/reward samples per logged step to completions.jsonl (and a tracker "
+                "table where the tracker has one)."})
+    num_completions_to_print: int = field(default=4, metadata={"range": f"[1, {MAX_SIZE}]",
+        "help": "Samples per logged step with log_completions."})
     resume_from_checkpoint: str | bool | None = field(default=None, metadata={
         "help": "Continue a run exactly where a checkpoint left it: a checkpoint-N dir, or true = the latest in "
                 "output_dir. Only output, logging, saving, max_steps and eval_size may change."})
@@ -180,6 +192,12 @@ class GRPOConfig:
             value = getattr(self, f.name)
             if f.metadata.get("path") and isinstance(value, str) and value.startswith("~"):
                 setattr(self, f.name, os.path.expanduser(value))
+
+    @property
+    def best_metric_key(self) -> str:
+        """`metric_for_best_model` as the logged key: `eval/<name>`."""
+        name = self.metric_for_best_model
+        return name if name.startswith("eval/") else f"eval/{name}"
 
     @property
     def generation_batch_size(self) -> int:
@@ -218,6 +236,11 @@ class GRPOConfig:
              "likelihood_estimator=trajectory replays the plain model: set cfg_scale=0 or use one_step"),
             (not (self.overwrite_output_dir and self.resume_from_checkpoint not in (None, False)),
              "resume_from_checkpoint continues the run in output_dir; overwrite_output_dir=true starts afresh: set one"),
+            (self.eval_steps == 0 or self.eval_size > 0,
+             f"eval_steps={self.eval_steps} scores the validation split: set eval_size > 0, or eval_steps=0"),
+            (not (self.eval_steps and self.save_steps) or self.save_steps % self.eval_steps == 0,
+             f"save_steps={self.save_steps} must be a multiple of eval_steps={self.eval_steps}, so that every "
+             "checkpoint has a validation score to be ranked by"),
             (self.reward_weights is None or self.reward_funcs is not None,
              "reward_weights needs reward_funcs (one weight per function)"),
             (self.reward_weights is None or self.reward_funcs is None or len(self.reward_weights) == len(self.reward_funcs),

@@ -37,18 +37,42 @@ IS_MODES = ("truncate", "mask")
 
 AlphaRule = Union[str, Callable[[dict[str, float]], float]]
 
+# Where each diagnostic is logged (`correct` prefixes them): verl's rollout-correction names and semantics under
+# `rollout_corr/`, TRL's under `sampling/`, and everything else (the AIS diagnostics) under `ais/`.
+VERL_DIAGNOSTICS = (
+    "rollout_is_mean", "rollout_is_std", "rollout_is_min", "rollout_is_max", "rollout_is_eff_sample_size",
+    "rollout_is_ratio_fraction_high", "rollout_is_ratio_fraction_low", "rollout_rs_masked_fraction",
+    "training_ppl", "rollout_ppl", "ppl_ratio", "kl", "k3_kl", "chi2_token", "chi2_seq",
+)
+TRL_DIAGNOSTICS = (
+    "importance_sampling_ratio/min", "importance_sampling_ratio/mean", "importance_sampling_ratio/max",
+    "sampling_logp_difference/mean", "sampling_logp_difference/max",
+)
+
 _NEUTRAL_RATIO_DIAGNOSTICS = {
-    "is_ratio/min": 1.0,
-    "is_ratio/mean": 1.0,
-    "is_ratio/max": 1.0,
-    "is_ratio/std": 0.0,
-    "k3_kl": 0.0,
+    "rollout_is_mean": 1.0,
+    "rollout_is_std": 0.0,
+    "rollout_is_min": 1.0,
+    "rollout_is_max": 1.0,
+    "rollout_is_eff_sample_size": 1.0,
+    "rollout_is_ratio_fraction_high": 0.0,
+    "rollout_is_ratio_fraction_low": 0.0,
     "kl": 0.0,
+    "k3_kl": 0.0,
     "chi2_token": 0.0,
     "chi2_seq": 0.0,
-    "ppl_ratio": 1.0,
-    "ess": 1.0,
+    "sampling_logp_difference/mean": 0.0,
+    "sampling_logp_difference/max": 0.0,
 }
+_NEUTRAL_PERPLEXITIES = {"training_ppl": 1.0, "rollout_ppl": 1.0, "ppl_ratio": 1.0}
+
+
+def logged_name(key: str) -> str:
+    """The name a diagnostic is logged under: `rollout_corr/<key>` for verl's, `sampling/<key>` for TRL's,
+    `ais/<key>` for the rest (α and the AIS diagnostics)."""
+    if key in VERL_DIAGNOSTICS:
+        return f"rollout_corr/{key}"
+    return f"sampling/{key}" if key in TRL_DIAGNOSTICS else f"ais/{key}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -70,34 +94,72 @@ def log_importance_ratio(logp_old: Tensor, logp_rollout: Tensor, mask: Tensor) -
     return torch.where(valid, log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND), 0.0)
 
 
-def ratio_diagnostics(log_ratio: Tensor, mask: Tensor) -> dict[str, float]:
-    """Pre-truncation statistics of ρ_t = exp(log ρ_t) over the N valid tokens.
+def ratio_diagnostics(
+    log_ratio: Tensor,
+    mask: Tensor,
+    *,
+    level: str = "token",
+    clip: float = 2.0,
+    clip_low: float | None = None,
+) -> dict[str, float]:
+    """Pre-truncation statistics of the ratios over the N valid tokens, under verl's and TRL's names.
 
-    - `is_ratio/{min,mean,max,std}` of ρ (population std);
-    - `k3_kl` = mean(ρ − log ρ − 1) and `kl` = mean(−log ρ), two estimates of KL(μ ‖ π_old);
-    - `chi2_token` = mean(ρ²) − 1; `chi2_seq` = mean over sequences with a valid token of
-      ρ_seq² − 1, with log ρ_seq = clamp(Σ_t m_t log ρ_t, −20, 20);
-    - `ppl_ratio` = exp(mean log ρ); `ess` = (Σ ρ)² / (N Σ ρ²).
-    With N = 0 the neutral values are returned (ratios 1, divergences 0, ess 1).
+    With ρ the ratio at `level` (token ρ_t, or the sequence / geometric ratio broadcast to its tokens, see
+    `importance_weights`), C = `clip` and C_low = `clip_low` (1/C when None), as verl's rollout correction:
+    - `rollout_is_{mean,min,max}` of ρ; `rollout_is_std` (population) and `rollout_is_eff_sample_size`
+      = (Σ w)² / (N Σ w²) of w = clamp(ρ, C_low, C);
+    - `rollout_is_ratio_fraction_high` / `_low`: the fraction of tokens with ρ > C / ρ < C_low.
+    From the token ratios ρ_t = exp(log ρ_t), whatever the level:
+    - `kl` = mean(−log ρ) and `k3_kl` = mean(ρ − log ρ − 1), two estimates of KL(μ ‖ π_old);
+    - `chi2_token` = mean(ρ²) − 1; `chi2_seq` = mean over sequences with a valid token of ρ_seq² − 1, with
+      log ρ_seq = clamp(Σ_t m_t log ρ_t, −20, 20);
+    - TRL's `sampling_logp_difference/{mean,max}` of |log ρ_t| = |ℓ^old − ℓ^ro|.
+    With N = 0 the neutral values are returned (ratios 1, divergences and fractions 0, ESS 1).
     """
+    check_choice("level", level, IS_LEVELS)
     valid = as_token_mask(mask, log_ratio)
     if not bool(valid.any()):
         return dict(_NEUTRAL_RATIO_DIAGNOSTICS)
+    lower = 1.0 / clip if clip_low is None else clip_low
     log_ratio = log_ratio.detach().float()
     ratio = log_ratio.exp()
-    mean_ratio = masked_mean(ratio, valid)
+    level_ratio = _level_log_ratio(log_ratio, valid, level).exp()
+    clamped = level_ratio.clamp(min=lower, max=clip)
+    clamped_mean = masked_mean(clamped, valid)
     sequence_log_ratio = masked_sum(log_ratio, valid, dim=1).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    logp_difference = log_ratio.abs()
     return scalars_to_floats({
-        "is_ratio/min": torch.where(valid, ratio, math.inf).amin(),
-        "is_ratio/mean": mean_ratio,
-        "is_ratio/max": torch.where(valid, ratio, -math.inf).amax(),
-        "is_ratio/std": masked_mean((ratio - mean_ratio).square(), valid).sqrt(),
-        "k3_kl": masked_mean(ratio - log_ratio - 1.0, valid),
+        "rollout_is_mean": masked_mean(level_ratio, valid),
+        "rollout_is_std": masked_mean((clamped - clamped_mean).square(), valid).sqrt(),
+        "rollout_is_min": torch.where(valid, level_ratio, math.inf).amin(),
+        "rollout_is_max": torch.where(valid, level_ratio, -math.inf).amax(),
+        "rollout_is_eff_sample_size": normalised_effective_sample_size(clamped, valid),
+        "rollout_is_ratio_fraction_high": masked_mean((level_ratio > clip).float(), valid),
+        "rollout_is_ratio_fraction_low": masked_mean((level_ratio < lower).float(), valid),
         "kl": masked_mean(-log_ratio, valid),
+        "k3_kl": masked_mean(ratio - log_ratio - 1.0, valid),
         "chi2_token": masked_mean(ratio.square(), valid) - 1.0,
         "chi2_seq": masked_mean((2.0 * sequence_log_ratio).exp(), valid.any(dim=1)) - 1.0,
-        "ppl_ratio": masked_mean(log_ratio, valid).exp(),
-        "ess": normalised_effective_sample_size(ratio, valid),
+        "sampling_logp_difference/mean": masked_mean(logp_difference, valid),
+        "sampling_logp_difference/max": torch.where(valid, logp_difference, 0.0).amax(),
+    })
+
+
+def perplexity_diagnostics(logp_old: Tensor, logp_rollout: Tensor, mask: Tensor) -> dict[str, float]:
+    """verl's perplexities, averaged over the sequences with a valid token (per-sequence values first):
+    `training_ppl` = mean_b exp(−mean_t ℓ^old), `rollout_ppl` = mean_b exp(−mean_t ℓ^ro) and
+    `ppl_ratio` = mean_b exp(mean_t ℓ^ro − mean_t ℓ^old), the training over the rollout perplexity (> 1 when the
+    trainer finds the sampled tokens less likely than the engine did). 1 each when no token is valid."""
+    valid = as_token_mask(mask, logp_old, logp_rollout)
+    sequences = valid.any(dim=1)
+    if not bool(sequences.any()):
+        return dict(_NEUTRAL_PERPLEXITIES)
+    mean_old = masked_mean(logp_old.detach().float(), valid, dim=1)
+    mean_rollout = masked_mean(logp_rollout.detach().float(), valid, dim=1)
+    return scalars_to_floats({
+        "training_ppl": masked_mean((-mean_old).exp(), sequences),
+        "rollout_ppl": masked_mean((-mean_rollout).exp(), sequences),
+        "ppl_ratio": masked_mean((mean_rollout - mean_old).exp(), sequences),
     })
 
 
@@ -114,8 +176,12 @@ def _level_log_ratio(log_ratio: Tensor, valid: Tensor, level: str) -> Tensor:
 
 
 def _weight_summary(weights: Tensor, valid: Tensor) -> dict[str, Tensor]:
-    """Mean over valid tokens and maximum of non-negative weights that are 0 at invalid tokens."""
-    return {"is_weight/mean": masked_mean(weights, valid), "is_weight/max": weights.amax()}
+    """TRL's `importance_sampling_ratio/{min,mean,max}`: the weights applied, over the valid tokens."""
+    return {
+        "importance_sampling_ratio/min": torch.where(valid, weights, math.inf).amin(),
+        "importance_sampling_ratio/mean": masked_mean(weights, valid),
+        "importance_sampling_ratio/max": torch.where(valid, weights, -math.inf).amax(),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -140,10 +206,9 @@ def importance_weights(
     - mode "mask" (MIS): w = ρ · 1[C_low ≤ ρ ≤ C].
     With `normalize`, w ← w / mean_valid(w) afterwards, so the mean weight over valid tokens is 1.
 
-    Returns (weights, diagnostics): `ratio_diagnostics` of the token ratios plus
-    `is_weight/{mean,max}` of the returned weights and `is_fraction_truncated` /
-    `is_fraction_masked`: the fraction of valid tokens whose (level) ratio lies outside
-    [C_low, C], reported under the mode's key (the other one is 0).
+    Returns (weights, diagnostics): `ratio_diagnostics` at `level` with these thresholds,
+    `perplexity_diagnostics`, `importance_sampling_ratio/{min,mean,max}` of the returned weights, and in mode
+    "mask" `rollout_rs_masked_fraction`: the fraction of valid tokens whose weight was zeroed.
     """
     check_choice("level", level, IS_LEVELS)
     check_choice("mode", mode, IS_MODES)
@@ -164,14 +229,12 @@ def importance_weights(
     if normalize:
         mean_weight = masked_mean(weights, valid)
         weights = torch.where(mean_weight > 0, weights / mean_weight, weights)
-    fraction_outside = masked_mean(outside.float(), valid)
-    no_fraction = torch.zeros_like(fraction_outside)
-    diagnostics = ratio_diagnostics(log_ratio, valid)
-    diagnostics.update(scalars_to_floats({
-        **_weight_summary(weights, valid),
-        "is_fraction_truncated": fraction_outside if mode == "truncate" else no_fraction,
-        "is_fraction_masked": fraction_outside if mode == "mask" else no_fraction,
-    }))
+    diagnostics = ratio_diagnostics(log_ratio, valid, level=level, clip=clip, clip_low=clip_low)
+    diagnostics.update(perplexity_diagnostics(logp_old, logp_rollout, valid))
+    summary = _weight_summary(weights, valid)
+    if mode == "mask":
+        summary["rollout_rs_masked_fraction"] = masked_mean(outside.float(), valid)
+    diagnostics.update(scalars_to_floats(summary))
     return weights, diagnostics
 
 
@@ -348,7 +411,11 @@ def correct(
     - "acr": token-level TIS weights plus clip_scale = `acr_clip_scale`;
     - "ais": `ais_weights` (token level; no clip_low, no normalize).
     Options a method cannot honour raise ValueError instead of being silently ignored
-    (except for "none", which ignores every option).
+    (except for "none", which uses level, clip and clip_low only as the diagnostics' thresholds).
+
+    The diagnostics come under the names they are logged with (`logged_name`): verl's rollout-correction metrics
+    `rollout_corr/*`, TRL's `sampling/importance_sampling_ratio/{min,mean,max}` (the weights applied; absent for
+    "none") and `sampling/sampling_logp_difference/{mean,max}`, and the AIS diagnostics (α, ...) `ais/*`.
     """
     check_choice("method", method, CORRECTION_METHODS)
     if method in ("acr", "ais") and level != "token":
@@ -358,13 +425,15 @@ def correct(
     valid = as_token_mask(mask, logp_old, logp_rollout)
     if method == "none":
         log_ratio = log_importance_ratio(logp_old, logp_rollout, valid)
-        return Correction(valid.float(), None, ratio_diagnostics(log_ratio, valid))
+        diagnostics = ratio_diagnostics(log_ratio, valid, level=level, clip=clip, clip_low=clip_low)
+        diagnostics.update(perplexity_diagnostics(logp_old, logp_rollout, valid))
+        return Correction(valid.float(), None, _logged(diagnostics))
     if method == "ais":
         weights, diagnostics = ais_weights(
             logp_old, logp_rollout, advantages, valid, clip=clip, kl_scale=kl_scale, rule=rule,
             alpha_max=alpha_max, previous_alpha=previous_alpha, alpha_ema=alpha_ema,
         )
-        return Correction(weights, None, diagnostics)
+        return Correction(weights, None, _logged(diagnostics))
     weights, diagnostics = importance_weights(
         logp_old, logp_rollout, valid, level=level, mode="mask" if method == "mis" else "truncate",
         clip=clip, clip_low=clip_low, normalize=normalize,
@@ -372,4 +441,8 @@ def correct(
     clip_scale = None
     if method == "acr":
         clip_scale = acr_clip_scale(log_importance_ratio(logp_old, logp_rollout, valid), valid, clip)
-    return Correction(weights, clip_scale, diagnostics)
+    return Correction(weights, clip_scale, _logged(diagnostics))
+
+
+def _logged(diagnostics: dict[str, float]) -> dict[str, float]:
+    return {logged_name(key): value for key, value in diagnostics.items()}

@@ -65,7 +65,7 @@ def run_dry_run(config: GRPOConfig) -> dict:
     small = dataclasses.replace(
         config, model_name_or_path=EMBEDDED_MODEL, policy="diffusion" if diffusion else "autoregressive",
         dtype="float32", num_generations=2, per_device_train_batch_size=2, gradient_accumulation_steps=1,
-        num_iterations=1, max_steps=1, eval_size=0, block_length=block, max_completion_length=2 * block,
+        num_iterations=1, max_steps=1, eval_size=0, eval_steps=0, block_length=block, max_completion_length=2 * block,
         diffusion_steps=block, max_prompt_length=4096, report_to=[], save_steps=0, dry_run=False,
         resume_from_checkpoint=None, overwrite_output_dir=False,
         lora_target_modules=None, output_dir=tempfile.mkdtemp(prefix="dllm-ais-dry-run-"))
@@ -77,7 +77,7 @@ def run_dry_run(config: GRPOConfig) -> dict:
     print(f"dry run OK: recipe valid ({config.model_name_or_path}, task={config.task}, "
           f"policy={'diffusion' if diffusion else 'autoregressive'}, rollout_precision={config.rollout_precision}, "
           f"correction={config.correction}); one step on a tiny stand-in: reward={step['reward']:.3f} "
-          f"alpha={step.get('correction/alpha', float('nan')):.3f} loss={step['loss']:+.4f}")
+          f"alpha={step.get('ais/alpha', float('nan')):.3f} loss={step['loss']:+.4f}")
     for problem in missing_tracker_problems(config.report_to):  # dry runs log to no tracker; a real run checks them
         print(f"note: a real run would stop here: {problem}")
     return step

@@ -64,12 +64,23 @@ def _rows_log_prob(rows: Tensor, targets: Tensor, process_logits: LogitsProcesso
     return scores.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - scores.logsumexp(dim=-1)
 
 
+def _rows_entropy(rows: Tensor, process_logits: LogitsProcessor | None) -> Tensor:
+    """H = −Σ_v p_v log p_v of p = softmax(process(float32(rows))) for each row of `rows` [n, V] (detached; a token
+    the processing filters out has p = 0 and adds nothing)."""
+    with torch.no_grad():
+        scores = rows.detach().float()
+        if process_logits is not None:
+            scores = process_logits(scores)
+        return torch.special.entr(scores.softmax(dim=-1)).sum(dim=-1)
+
+
 def selective_log_softmax(
     logits: Tensor,
     targets: Tensor,
     chunk_size: int = DEFAULT_CHUNK_ROWS,
     process_logits: LogitsProcessor | None = None,
-) -> Tensor:
+    compute_entropy: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Float32 log-probabilities of `targets` under softmax(logits): ℓ = s[target] − logsumexp(s).
 
     `logits` [..., V] in any float dtype, `targets` [...] (long) → float32 [...]. The leading dims are
@@ -83,6 +94,9 @@ def selective_log_softmax(
     Under autograd every chunk is activation-checkpointed: its float32 copy is freed after the forward
     and recomputed chunk by chunk in the backward, so the float32 peak stays one chunk; the gradient of
     `logits` itself (the logits' dtype, N × V) comes on top, as in any backward through the logits.
+
+    With `compute_entropy`, returns (log-probs, entropies): the entropy [...] of each row's (processed) distribution,
+    detached, computed chunk by chunk from the same logits (one more chunk-sized buffer, no extra forward).
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive number of rows; got {chunk_size}")
@@ -95,15 +109,19 @@ def selective_log_softmax(
     rows = logits.reshape(-1, vocab)
     row_targets = targets.reshape(-1)
     if rows.shape[0] == 0:
-        return torch.zeros(targets.shape, dtype=torch.float32, device=logits.device)
+        empty = torch.zeros(targets.shape, dtype=torch.float32, device=logits.device)
+        return (empty, empty.clone()) if compute_entropy else empty
     recompute_in_backward = torch.is_grad_enabled() and logits.requires_grad
-    pieces = []
+    pieces, entropies = [], []
     for chunk, chunk_targets in zip(rows.split(chunk_size), row_targets.split(chunk_size)):
         if recompute_in_backward:
             pieces.append(checkpoint(_rows_log_prob, chunk, chunk_targets, process_logits, use_reentrant=False))
         else:
             pieces.append(_rows_log_prob(chunk, chunk_targets, process_logits))
-    return torch.cat(pieces).view(targets.shape)
+        if compute_entropy:
+            entropies.append(_rows_entropy(chunk, process_logits))
+    logprobs = torch.cat(pieces).view(targets.shape)
+    return (logprobs, torch.cat(entropies).view(targets.shape)) if compute_entropy else logprobs
 
 
 def is_plain_int(value: object) -> bool:
@@ -255,20 +273,22 @@ def one_step_logprobs(
     seed: int,
     p_mask_prompt: float = 0.15,
     chunk_size: int = DEFAULT_CHUNK_ROWS,
-) -> Tensor:
+    compute_entropy: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """diffu-GRPO one-step surrogate: ℓ(o^k) = log softmax(f(x̃)_{P+k})[o^k], one forward for all k.
 
     x̃ = `one_step_masked_input(...)` (all completion tokens masked, each real prompt token masked with
     probability p_mask_prompt, drawn from a generator seeded with `seed`); plain softmax, no temperature
     (as d1). Reuse the same `seed` for ℓ_rollout, ℓ_old, ℓ_ref and ℓ_θ of one inner iteration.
-    Returns [B, L] float32 for every completion position (apply the completion mask downstream).
+    Returns [B, L] float32 for every completion position (apply the completion mask downstream); with
+    `compute_entropy`, also the entropy [B, L] of the distribution scored at each position (from the same logits).
     """
     _check_mask_token(model, mask_token_id)
     attention_mask = _check_canvas(sequences, attention_mask, prompt_length)
     noisy = one_step_masked_input(sequences, attention_mask, prompt_length, mask_token_id, seed, p_mask_prompt)
     gen_length = sequences.shape[1] - prompt_length
     logits = model(input_ids=noisy, attention_mask=attention_mask, logits_to_keep=gen_length).logits
-    return selective_log_softmax(logits, sequences[:, prompt_length:], chunk_size)
+    return selective_log_softmax(logits, sequences[:, prompt_length:], chunk_size, compute_entropy=compute_entropy)
 
 
 def trajectory_logprobs(
@@ -278,7 +298,8 @@ def trajectory_logprobs(
     temperature: float,
     steps_per_forward: int = 1,
     chunk_size: int = DEFAULT_CHUNK_ROWS,
-) -> Tensor:
+    compute_entropy: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Exact log-prob of the recorded denoising trajectory, token by token: [B, L] float32.
 
     For each distinct step t of `rollout.commit_step`, the canvas before t is `rollout.sequences` with
@@ -292,6 +313,9 @@ def trajectory_logprobs(
     forward (memory grows linearly with it; the result does not depend on it). Each forward computes
     logits only at the completion positions committed at its steps (one position per step in
     autoregressive order), not over the whole completion.
+
+    With `compute_entropy`, also returns the entropy [B, L] of the distribution each token was scored under (at the
+    step that committed it), from the same logits.
     """
     _check_mask_token(model, mask_token_id)
     check_sampling_parameters(temperature, top_k=0, top_p=1.0)
@@ -313,6 +337,7 @@ def trajectory_logprobs(
     batch, gen_length = completion.shape
 
     logprobs = torch.zeros(batch, gen_length, dtype=torch.float32, device=completion.device)
+    entropy = torch.zeros_like(logprobs)
     for steps in torch.unique(commit_step).split(steps_per_forward):
         step_index = steps.view(-1, 1, 1)  # [S, 1, 1]
         hidden = commit_step.unsqueeze(0) >= step_index  # [S, B, L]: still masked before step t
@@ -328,9 +353,13 @@ def trajectory_logprobs(
         ).logits.unflatten(0, (len(steps), batch))  # [S, B, C, V]
         kept = committed[..., columns]
         targets = completion[:, columns].expand(len(steps), -1, -1)
-        values = selective_log_softmax(logits[kept], targets[kept], chunk_size, process_logits=scale)
+        scored = selective_log_softmax(logits[kept], targets[kept], chunk_size, process_logits=scale,
+                                       compute_entropy=compute_entropy)
+        values = scored[0] if compute_entropy else scored
         logprobs = logprobs + _scatter_to_positions(committed, values).sum(dim=0)
-    return logprobs
+        if compute_entropy:
+            entropy = entropy + _scatter_to_positions(committed, scored[1]).sum(dim=0)
+    return (logprobs, entropy) if compute_entropy else logprobs
 
 
 def mc_elbo(
@@ -384,13 +413,15 @@ def causal_logprobs(
     top_k: int = 0,
     top_p: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_ROWS,
-) -> Tensor:
+    compute_entropy: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Teacher-forced completion log-probs under a causal LM's sampling distribution: [B, L] float32.
 
     ℓ(o^k) = log softmax(shape_logits(f(x)_{P+k−1}, τ, top_k, top_p))[o^k]: one forward with
     `logits_to_keep = L + 1`, shifted by one, position_ids = cumsum(attention_mask) − 1 (clamped at 0).
     The trainer-side twin of `AutoregressiveSampler`'s `step_logprobs` (same processing, same numbers
-    up to kernel rounding). Tokens the top-k/top-p filters remove get −inf.
+    up to kernel rounding). Tokens the top-k/top-p filters remove get −inf. With `compute_entropy`, also the
+    per-token entropy [B, L] of that sampling distribution, from the same logits.
     """
     require_causal_lm(model, "causal_logprobs")
     check_sampling_parameters(temperature, top_k, top_p)
@@ -404,4 +435,5 @@ def causal_logprobs(
         logits_to_keep=gen_length + 1,
     ).logits[:, :-1]
     process = partial(shape_logits, temperature=temperature, top_k=top_k, top_p=top_p)
-    return selective_log_softmax(logits, sequences[:, prompt_length:], chunk_size, process_logits=process)
+    return selective_log_softmax(logits, sequences[:, prompt_length:], chunk_size, process_logits=process,
+                                 compute_entropy=compute_entropy)

@@ -37,14 +37,17 @@ def lora_target_modules(model_type: str) -> str | list[str]:
 class Policy(Protocol):
     """What the trainer needs from a policy family.
 
-    `num_estimator_seeds(μ)` tells how many distinct estimator draws one generation batch uses: the one-step
-    diffusion surrogate draws fresh masks per inner iteration, exact estimators need one.
+    `logprobs(..., compute_entropy=True)` also returns the per-token entropy [B, L] of the distribution each token
+    is scored under, from the same forward. `num_estimator_seeds(μ)` tells how many distinct estimator draws one
+    generation batch uses: the one-step diffusion surrogate draws fresh masks per inner iteration, exact estimators
+    need one.
     """
 
     def sample(self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                generator: torch.Generator | None) -> Rollout: ...
 
-    def logprobs(self, model: nn.Module, rollout: Rollout, seed: int) -> torch.Tensor: ...
+    def logprobs(self, model: nn.Module, rollout: Rollout, seed: int,
+                 compute_entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
     def rollout_logprobs(self, engine_model: nn.Module, rollout: Rollout, seed: int) -> torch.Tensor: ...
 
@@ -76,11 +79,13 @@ class DiffusionPolicy:
     def sample(self, model, input_ids, attention_mask, generator) -> Rollout:
         return self.sampler.sample(model, input_ids, attention_mask=attention_mask, generator=generator)
 
-    def logprobs(self, model, rollout: Rollout, seed: int) -> torch.Tensor:
+    def logprobs(self, model, rollout: Rollout, seed: int, compute_entropy: bool = False):
         if self.estimator == "trajectory":
-            return trajectory_logprobs(model, rollout, self.sampler_config.mask_token_id, self.sampler_config.temperature)
+            return trajectory_logprobs(model, rollout, self.sampler_config.mask_token_id, self.sampler_config.temperature,
+                                       compute_entropy=compute_entropy)
         return one_step_logprobs(model, rollout.sequences, rollout.attention_mask, rollout.prompt_length,
-                                 self.sampler_config.mask_token_id, seed, p_mask_prompt=self.p_mask_prompt)
+                                 self.sampler_config.mask_token_id, seed, p_mask_prompt=self.p_mask_prompt,
+                                 compute_entropy=compute_entropy)
 
     def rollout_logprobs(self, engine_model, rollout: Rollout, seed: int) -> torch.Tensor:
         if self.estimator == "trajectory":
@@ -108,10 +113,10 @@ class AutoregressivePolicy:
     def sample(self, model, input_ids, attention_mask, generator) -> Rollout:
         return self.sampler.sample(model, input_ids, attention_mask=attention_mask, generator=generator)
 
-    def logprobs(self, model, rollout: Rollout, seed: int) -> torch.Tensor:
+    def logprobs(self, model, rollout: Rollout, seed: int, compute_entropy: bool = False):
         c = self.sampler_config
         return causal_logprobs(model, rollout.sequences, rollout.attention_mask, rollout.prompt_length,
-                               temperature=c.temperature, top_k=c.top_k, top_p=c.top_p)
+                               temperature=c.temperature, top_k=c.top_k, top_p=c.top_p, compute_entropy=compute_entropy)
 
     def rollout_logprobs(self, engine_model, rollout: Rollout, seed: int) -> torch.Tensor:
         return self.logprobs(engine_model, rollout, seed)

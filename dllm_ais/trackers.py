@@ -50,3 +50,13 @@ def tracker_init_kwargs(run_name: str | None, output_dir: str) -> dict[str, dict
     """
     name = run_name or Path(output_dir).name
     return {"wandb": {"name": name}, "trackio": {"name": name}}
+
+
+def log_table(trackers, name: str, rows: list[dict], step: int) -> None:
+    """Log `rows` (dicts with the same keys) as the table `name` to every tracker that has tables (wandb, ClearML in
+    accelerate); the others get nothing (the rows are in completions.jsonl)."""
+    columns = list(rows[0])
+    for tracker in trackers:
+        if hasattr(tracker, "log_table"):
+            tracker.log_table(name, columns=columns, data=[[row.get(column) for column in columns] for row in rows],
+                              step=step)

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import math
+import os
 import pickle
 import signal
 import time
@@ -42,14 +44,17 @@ from dllm_ais.evaluation import EvalResult, evaluate_policy, paired_difference
 from dllm_ais.interruption import StopSignals, TrainingInterrupted
 from dllm_ais.launch import check_processes, check_prompt_lengths, check_run_environment
 from dllm_ais.loss import grpo_loss, group_advantages
-from dllm_ais.metrics import MetricsLog, console_line, plot_metrics
+from dllm_ais.metrics import (MetricsLog, completion_metrics, console_line, ends_with_eos, eval_line, mismatch_warnings,
+                              plot_metrics, reward_metrics)
+from dllm_ais.ops import masked_mean
 from dllm_ais.policy import AutoregressivePolicy, DiffusionPolicy, Policy, lora_target_modules
-from dllm_ais.rewards import NonFiniteRewardError, resolve_reward_functions, score_rollout
+from dllm_ais.rewards import (NonFiniteRewardError, completion_texts, resolve_reward_functions, reward_function_names,
+                              score_rollout_table)
 from dllm_ais.sampling.autoregressive import AutoregressiveSamplerConfig
 from dllm_ais.sampling.diffusion import DiffusionSamplerConfig
 from dllm_ais.sampling.rollout import Rollout
 from dllm_ais.tasks import get_task
-from dllm_ais.trackers import tracker_init_kwargs
+from dllm_ais.trackers import log_table, tracker_init_kwargs
 
 
 def is_diffusion(config: GRPOConfig, model_config) -> bool:
@@ -118,6 +123,18 @@ class SkippedBatch(Exception):
         super().__init__(f"non-finite {stage}" + (f": {detail}" if detail else ""))
 
 
+BEST_CHECKPOINT_FILE = "best_checkpoint.json"
+
+
+def written_by_dllm_ais(path: Path) -> bool:
+    """Whether the JSON file at `path` is a record dllm-ais wrote (its `written_by` field says so)."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and record.get("written_by") == "dllm-ais"
+
+
 class NonFiniteError(FloatingPointError):
     """Training stopped: `max_consecutive_skipped_batches` batches in a row were non-finite, or weights to be saved are."""
 
@@ -137,15 +154,18 @@ def non_finite(tensors: list[torch.Tensor | None], mask: torch.Tensor) -> bool:
 
 class TrainingProgress:
     """What a checkpoint needs besides weights, optimizer, scheduler and the global RNGs (accelerate saves those):
-    the trainer's counters, prompt order and cursor, the α EMA, the held-out baseline, the skip counters and the
-    generation batch in flight. The samplers' and estimators' generators are seeded from `generation_index`.
+    the trainer's counters (steps, generation batches, tokens seen), prompt order and cursor, the α EMA, the held-out
+    baseline, the best validation score so far (TRL's `best_metric`, `best_global_step`, `best_model_checkpoint`),
+    the skip counters, the completion samples not yet logged and the generation batch in flight. The samplers' and
+    estimators' generators are seeded from `generation_index`.
 
     This is the object `accelerator.register_for_checkpointing` stores (state_dict / load_state_dict); it holds
     tensors and plain values only, so resuming can check the file loads with `torch.load(weights_only=True)`.
     """
 
     FIELDS = ("run_id", "global_step", "generation_index", "previous_alpha", "prompt_order", "prompt_cursor",
-              "batch_iteration", "skipped_batches", "consecutive_skipped_batches")
+              "batch_iteration", "skipped_batches", "consecutive_skipped_batches", "num_input_tokens_seen",
+              "best_metric", "best_global_step", "best_model_checkpoint", "completion_samples")
 
     def __init__(self, trainer: "GRPOTrainer"):
         self.trainer = trainer
@@ -230,6 +250,7 @@ class GRPOTrainer:
             config.task, split="train", path=config.dataset_path, size=config.dataset_size, seed=config.seed)
         self.eval_dataset = eval_dataset if eval_dataset is not None or not config.eval_size else load_task_dataset(
             config.task, split="validation", path=config.dataset_path, size=config.eval_size, seed=config.seed)
+        self.check_metric_for_best_model()
 
         self.tokenizer = tokenizer or load_tokenizer(config.model_name_or_path)
         check_prompt_lengths(self.tokenizer, {"train": self.train_dataset, "eval": self.eval_dataset},
@@ -269,6 +290,13 @@ class GRPOTrainer:
         self.skipped_batches = 0
         self.consecutive_skipped_batches = 0
         self.eval_before: EvalResult | None = None
+        self.latest_eval: tuple[int, EvalResult] | None = None  # (step, result) of the last validation
+        self.num_input_tokens_seen = 0
+        self.best_metric: float | None = None
+        self.best_global_step: int | None = None
+        self.best_model_checkpoint: str | None = None
+        self.completion_samples: list[dict[str, Any]] | None = None  # of the newest generation batch, until logged
+        self.warned: set[str] = set()  # mismatch metrics whose verl warning level was reported
         self.last_checkpoint: tuple[int, Path] | None = None
         self.accelerator.register_save_state_pre_hook(self._leave_weights_to_save_pretrained)
         self.accelerator.register_load_state_pre_hook(self._load_weights_from_save_pretrained)
@@ -356,13 +384,15 @@ class GRPOTrainer:
         start = time.perf_counter()
         rollout = self.sample(self.policy, self.engine.model, columns, generator)
         timings["timing/sample_s"] = time.perf_counter() - start
+        tokens = rollout.attention_mask[:, :rollout.prompt_length].sum() + rollout.completion_mask.sum()
+        self.num_input_tokens_seen += int(self.accelerator.gather(tokens.reshape(1)).sum())
 
-        problem = ""
+        problem, table = "", None
         try:
-            rewards, reward_metrics = score_rollout(self.tokenizer, self.reward_funcs, columns, rollout,
-                                                    cfg.reward_weights)
+            table = score_rollout_table(self.tokenizer, self.reward_funcs, columns, rollout)
+            rewards, per_function_metrics = table.weighted_sum(cfg.reward_weights), table.metrics()
         except NonFiniteRewardError as error:
-            rewards, reward_metrics, problem = torch.full((len(rollout.sequences),), math.nan), {}, str(error)
+            rewards, per_function_metrics, problem = torch.full((len(rollout.sequences),), math.nan), {}, str(error)
         all_rewards = self.accelerator.gather(rewards.to(self.accelerator.device))
         if not torch.isfinite(all_rewards).all():
             raise SkippedBatch("reward", problem)
@@ -394,20 +424,34 @@ class GRPOTrainer:
             alpha_ema=cfg.ais_alpha_ema)
             for old, ro in zip(logp_old, logp_rollout)]
         if cfg.correction == "ais":  # the EMA advances once per generation batch, over its estimator seeds
-            self.previous_alpha = sum(c.diagnostics["alpha"] for c in corrections) / len(corrections)
+            self.previous_alpha = sum(c.diagnostics["ais/alpha"] for c in corrections) / len(corrections)
         timings["timing/correction_s"] = time.perf_counter() - start
 
-        lengths = rollout.completion_mask.sum(1).float()
+        lengths = gather(rollout.completion_mask.sum(1))
+        terminated = gather(ends_with_eos(rollout.completion_ids, self.policy.sampler_config.eos_token_ids).long())
         metrics = {
-            "reward": all_rewards.mean().item(),
-            "reward_std": all_rewards.view(-1, cfg.num_generations).std(1).mean().item(),
-            "completions/mean_length": lengths.mean().item(),
+            **reward_metrics(all_rewards, cfg.num_generations), **completion_metrics(lengths, terminated),
             **({} if rollout.num_steps is None else {"completions/mean_steps": rollout.num_steps.float().mean().item()}),
-            **reward_metrics, **timings,
+            "num_tokens": float(self.num_input_tokens_seen), **per_function_metrics, **timings,
         }
+        if cfg.log_completions and self.accelerator.is_main_process:
+            self.completion_samples = self.samples(columns, rollout, table, rewards, advantages)
         return GenerationBatch(rollout, advantages, logp_old, logp_ref, [c.weights[local] for c in corrections],
                                [None if c.clip_scale is None else c.clip_scale[local] for c in corrections],
                                [c.diagnostics for c in corrections], seeds, metrics)
+
+    def samples(self, columns: dict[str, list], rollout: Rollout, table, rewards: torch.Tensor,
+                advantages: torch.Tensor) -> list[dict[str, Any]]:
+        """`num_completions_to_print` of this process' completions, for `log_completions`: the prompt (its last
+        message), the completion, the reward, each reward function's value and the advantage."""
+        rows = slice(0, self.config.num_completions_to_print)
+        prompts = [p[-1]["content"] if isinstance(p, list) else str(p) for p in columns["prompt"][rows]]
+        texts = completion_texts(self.tokenizer, rollout.select(rows))
+        values = table.values[rows].tolist()
+        return [{"prompt": prompt, "completion": text, "reward": reward, "advantage": advantage,
+                 **{f"rewards/{name}": value for name, value in zip(table.names, row)}}
+                for prompt, text, reward, advantage, row in zip(prompts, texts, rewards[rows].tolist(),
+                                                                advantages[rows].tolist(), values)]
 
     def optimisation_pass(self, batch: GenerationBatch, iteration: int) -> dict[str, float]:
         """One optimizer step over the generation batch: gradient accumulation over its micro-batches.
@@ -424,12 +468,13 @@ class GRPOTrainer:
         local_tokens = batch.rollout.completion_mask.sum().float()
         total_tokens = self.accelerator.gather(local_tokens.reshape(1)).mean().clamp(min=1).item()
         micro_batches = self.micro_batches(len(batch.advantages))
-        summed: dict[str, float] = {f"correction/{key}": value for key, value in batch.diagnostics[k].items()}
+        summed: dict[str, float] = {**batch.diagnostics[k], "entropy": 0.0}
         bad_logprobs = bad_loss = False
         for j, rows in enumerate(micro_batches):
             with self.accelerator.accumulate(self.model):
                 part = batch.rollout.select(rows)
-                logp = self.policy.logprobs(self.model, part, micro_seed(batch.seeds[k], j))
+                logp, entropy = self.policy.logprobs(self.model, part, micro_seed(batch.seeds[k], j),
+                                                     compute_entropy=True)
                 loss, loss_metrics = grpo_loss(
                     logp, batch.logp_old[k][rows], batch.advantages[rows], part.completion_mask,
                     weights=batch.weights[k][rows],
@@ -444,6 +489,7 @@ class GRPOTrainer:
                 # Non-finite or not, every process joins the gradient all-reduce; the step is decided below.
                 self.accelerator.backward(loss * scale)
             summed["loss"] = summed.get("loss", 0.0) + loss.item() * scale / len(micro_batches)
+            summed["entropy"] += masked_mean(entropy, part.completion_mask).item() / len(micro_batches)
             for key, value in loss_metrics.items():
                 summed[key] = summed.get(key, 0.0) + value / len(micro_batches)
         grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
@@ -509,17 +555,62 @@ class GRPOTrainer:
                                self.config.reward_weights, self.config.per_device_train_batch_size,
                                self.config.max_prompt_length, accuracy=get_task(self.config.task).accuracy)
 
+    def check_metric_for_best_model(self) -> None:
+        """With eval_steps, `metric_for_best_model` must name a validation score this run produces (ConfigError)."""
+        cfg = self.config
+        if not cfg.eval_steps:
+            return
+        known = ["eval/reward", *(["eval/accuracy"] if get_task(cfg.task).accuracy is not None else []),
+                 *(f"eval/rewards/{name}/mean" for name in reward_function_names(self.reward_funcs))]
+        if cfg.best_metric_key not in known:
+            raise ConfigError(f"metric_for_best_model={cfg.metric_for_best_model!r} is not a validation score of this "
+                              f"run; choose one of {', '.join(key.removeprefix('eval/') for key in known)}.")
+
+    def validate(self) -> dict[str, float]:
+        """Score the validation split now (every `eval_steps`): its `eval/*` metrics; the best score so far
+        (`best_metric` at `best_global_step`, by `metric_for_best_model`) is updated."""
+        result = self.evaluate()
+        self.latest_eval = (self.global_step, result)
+        metrics = result.summary()
+        value = metrics[self.config.best_metric_key]
+        improved = self.best_metric is None or (value > self.best_metric if self.config.greater_is_better
+                                                 else value < self.best_metric)
+        if math.isfinite(value) and improved:
+            self.best_metric, self.best_global_step = value, self.global_step
+        return metrics
+
+    def write_best_record(self) -> None:
+        """`output_dir/best_checkpoint.json`: the best validation score so far, its step, and the directory holding
+        the weights of that step (a checkpoint-N, final/ when the last step scored best, or null when that step was
+        not saved). Written atomically; without a score yet, a record an earlier run left there is removed."""
+        path = Path(self.config.output_dir) / BEST_CHECKPOINT_FILE
+        if self.best_global_step is None:
+            if written_by_dllm_ais(path):
+                path.unlink()
+            return
+        record = {"written_by": "dllm-ais", "run": self.run_id, "metric_for_best_model": self.config.best_metric_key,
+                  "greater_is_better": self.config.greater_is_better, "best_metric": self.best_metric,
+                  "best_global_step": self.best_global_step, "best_model_checkpoint": self.best_model_checkpoint}
+        staging = path.with_name(f".tmp-{path.name}")
+        staging.write_text(json.dumps(record, indent=2) + "\n")
+        os.replace(staging, path)
+
     def train(self) -> TrainResult:
         """Run to `max_steps` (from the checkpoint's step when resuming). SIGINT/SIGTERM end the run after the current
         step with a checkpoint (TrainingInterrupted); too many non-finite batches in a row end it (NonFiniteError)."""
         cfg = self.config
         output_dir = Path(cfg.output_dir)
         is_main = self.accelerator.is_main_process
-        log = None
+        log = completions_log = None
         if is_main:
-            previous = self.resume_from and self.resume_from.parent / "metrics.jsonl"
-            log = MetricsLog(output_dir, self.global_step if self.resume_from else None, previous)
+            resume_step = self.global_step if self.resume_from else None
+            previous = self.resume_from and self.resume_from.parent
+            log = MetricsLog(output_dir, resume_step, previous and previous / "metrics.jsonl")
+            if cfg.log_completions:
+                completions_log = MetricsLog(output_dir, resume_step, previous and previous / "completions.jsonl",
+                                             name="completions.jsonl")
             save_config(cfg, output_dir / "config.yaml")
+            self.write_best_record()
         if cfg.report_to:
             self.accelerator.init_trackers("dllm-ais", config=cfg.to_dict(),
                                            init_kwargs=tracker_init_kwargs(cfg.run_name, cfg.output_dir))
@@ -535,15 +626,24 @@ class GRPOTrainer:
                     metrics = self.training_step()
                     if metrics is not None:
                         progress.update(1)
-                        self.report(metrics, log, progress)
+                        if cfg.eval_steps and self.global_step % cfg.eval_steps == 0:
+                            metrics.update(self.validate())
+                        self.report(metrics, log, completions_log, progress)
                         if cfg.save_steps and self.global_step % cfg.save_steps == 0:
                             self.save_checkpoint()
                     self.stop_if_signalled(signals)
                 progress.close()
-                eval_after = self.evaluate() if self.eval_dataset is not None else None
+                eval_after = None
+                if self.eval_dataset is not None:
+                    scored_now = self.latest_eval is not None and self.latest_eval[0] == self.global_step
+                    eval_after = self.latest_eval[1] if scored_now else self.evaluate()
                 self.stop_if_signalled(signals)
                 self.save(output_dir / "final")
+                saved_now = self.last_checkpoint is not None and self.last_checkpoint[0] == self.global_step
+                if self.best_global_step == self.global_step and not saved_now:
+                    self.best_model_checkpoint = str(output_dir / "final")
             if is_main:
+                self.write_best_record()
                 if eval_after:
                     log.write({"step": self.global_step, **held_out_metrics(self.eval_before, eval_after)})
                     tqdm.write(held_out_line(self.eval_before, eval_after))
@@ -556,20 +656,43 @@ class GRPOTrainer:
             raise
         finally:
             progress.close()
-            if log is not None:
-                log.close()
+            for jsonl in (log, completions_log):
+                if jsonl is not None:
+                    jsonl.close()
             if cfg.report_to:
                 self.accelerator.end_training()
         return TrainResult(self.global_step, log.records if log else [], self.eval_before, eval_after, output_dir)
 
-    def report(self, metrics: dict[str, float], log: MetricsLog | None, progress) -> None:
-        """Every `logging_steps`: a metrics.jsonl line, the progress bar and a console line; trackers every step."""
-        if log is not None and self.global_step % self.config.logging_steps == 0:
-            log.write(metrics)
-            progress.set_postfix(reward=f"{metrics['reward']:.3f}", alpha=f"{metrics.get('correction/alpha', 0.0):.2f}")
-            tqdm.write(console_line(self.global_step, self.config.max_steps, metrics))
+    def report(self, metrics: dict[str, float], log: MetricsLog | None, completions_log: MetricsLog | None,
+               progress) -> None:
+        """Every `logging_steps` and at every validation: a metrics.jsonl line, the progress bar, a console line and,
+        with `log_completions`, the newest generation batch's samples (completions.jsonl and a tracker table);
+        trackers get the metrics every step. A mismatch metric crossing verl's warning level is reported once."""
+        step = self.global_step
+        logged = step % self.config.logging_steps == 0 or "eval/reward" in metrics
+        if log is not None:
+            if logged:
+                log.write(metrics)
+                progress.set_postfix(reward=f"{metrics['reward']:.3f}", alpha=f"{metrics.get('ais/alpha', 0.0):.2f}")
+                tqdm.write(console_line(step, self.config.max_steps, metrics))
+            if "eval/reward" in metrics:
+                best = ("no best yet" if self.best_metric is None else
+                        f"best {self.config.best_metric_key} {self.best_metric:.4f} at step {self.best_global_step}")
+                tqdm.write(eval_line(step, metrics, best))
+            for key, message in mismatch_warnings(metrics).items():
+                if key not in self.warned:
+                    self.warned.add(key)
+                    tqdm.write(f"warning: step {step}: {message}")
+        samples = None
+        if logged and self.completion_samples is not None:  # set on the main process only
+            samples = [{"step": step, **sample} for sample in self.completion_samples]
+            self.completion_samples = None
+            for sample in samples:
+                completions_log.write(sample)
         if self.config.report_to:
-            self.accelerator.log(metrics, step=self.global_step)
+            self.accelerator.log(metrics, step=step)
+            if samples:
+                log_table(self.accelerator.trackers, "completions", samples, step)
 
     def stop_if_signalled(self, signals: StopSignals) -> None:
         """After SIGINT/SIGTERM reached any process: checkpoint the current step and raise TrainingInterrupted."""
@@ -608,14 +731,20 @@ class GRPOTrainer:
     def save_checkpoint(self) -> Path:
         """Write `output_dir/checkpoint-<step>` atomically: the model directory plus accelerate's `save_state`
         (optimizer, scheduler, every process' RNGs and `TrainingProgress`), from which `resume` continues the run
-        exactly; then keep only the newest `save_total_limit` checkpoints of this run."""
+        exactly; then keep only the newest `save_total_limit` checkpoints of this run (and the best one). The
+        directory's marker records the step's validation scores when it was scored."""
         directory = Path(self.config.output_dir) / f"checkpoint-{self.global_step}"
         if self.last_checkpoint is not None and self.last_checkpoint[0] == self.global_step:
             return self.last_checkpoint[1]
+        if self.best_global_step == self.global_step:
+            self.best_model_checkpoint = str(directory)
+        scored = self.latest_eval is not None and self.latest_eval[0] == self.global_step
+        validation = {key: value for key, value in self.latest_eval[1].summary().items()
+                      if math.isfinite(value)} if scored else None
         state_dict = self.checked_state_dict()
         staging = staging_directory(directory, self.run_id[:8])
         if self.accelerator.is_main_process:
-            begin_staging(directory, self.run_id[:8], run=self.run_id)
+            begin_staging(directory, self.run_id[:8], run=self.run_id, step=self.global_step, validation=validation)
             self.write_model(staging, state_dict)
         self.accelerator.wait_for_everyone()
         self.accelerator.save_state(str(staging))
@@ -623,7 +752,9 @@ class GRPOTrainer:
         if self.accelerator.is_main_process:
             commit_staging(staging, directory, overwrite=True)
             if self.config.save_total_limit:
-                prune_checkpoints(self.config.output_dir, self.run_id, self.config.save_total_limit)
+                prune_checkpoints(self.config.output_dir, self.run_id, self.config.save_total_limit,
+                                  protect=self.best_model_checkpoint)
+            self.write_best_record()
         self.accelerator.wait_for_everyone()
         self.last_checkpoint = (self.global_step, directory)
         return directory

@@ -77,7 +77,7 @@ def test_cli_train_eval_generate_export_on_the_embedded_model(tmp_path, capsys):
     text = capsys.readouterr()
     assert "held-out reward: before" in text.out + text.err
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert records[0]["step"] == 1 and "correction/alpha" in records[0] and "eval/reward" in records[-1]
+    assert records[0]["step"] == 1 and "ais/alpha" in records[0] and "eval/reward" in records[-1]
     assert "eval/accuracy" in records[-1] and "eval/accuracy_before" in records[-1]
     assert (out / "metrics.png").is_file() and (out / "final" / "adapter_config.json").is_file()
 
@@ -107,7 +107,7 @@ def test_cli_trains_the_tiny_qwen3_through_the_shared_loop(tmp_path, capsys):
     assert main(["train", str(ROOT / "recipes" / "tiny_qwen3_digits_fp8_ais.yaml"), f"--output_dir={out}",
                  "--max_steps=2", "--eval_size=4", "--num_iterations=1"]) == 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert records[0]["correction/k3_kl"] > 0 and 0 <= records[0]["correction/alpha"] <= 1
+    assert records[0]["rollout_corr/k3_kl"] > 0 and 0 <= records[0]["ais/alpha"] <= 1
     assert "held-out reward: before" in capsys.readouterr().out
 
 

@@ -13,7 +13,9 @@ from dllm_ais.correction import (
     gate_alpha,
     importance_weights,
     log_importance_ratio,
+    logged_name,
     oracle_alpha,
+    perplexity_diagnostics,
     ratio_diagnostics,
 )
 from dllm_ais.loss import grpo_loss
@@ -71,19 +73,23 @@ def test_ratio_diagnostics_match_hand_computation():
     logp_old, logp_rollout = logps_with_ratios([[0.5, 2.0, 7.0], [3.0, 1.0, 1.0], [5.0, 5.0, 5.0]])
     mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]])  # the empty sequence counts nowhere
     ratios = [0.5, 2.0, 3.0]
+    clamped = [0.5, 2.0, 2.0]  # verl: std and ESS of the ratios clamped to [1/C, C], C = 2
     n = len(ratios)
-    mean = sum(ratios) / n
+    clamped_mean = sum(clamped) / n
     expected = {
-        "is_ratio/min": 0.5,
-        "is_ratio/mean": mean,
-        "is_ratio/max": 3.0,
-        "is_ratio/std": math.sqrt(sum((r - mean) ** 2 for r in ratios) / n),
+        "rollout_is_min": 0.5,
+        "rollout_is_mean": sum(ratios) / n,
+        "rollout_is_max": 3.0,
+        "rollout_is_std": math.sqrt(sum((r - clamped_mean) ** 2 for r in clamped) / n),
+        "rollout_is_eff_sample_size": sum(clamped) ** 2 / (n * sum(r * r for r in clamped)),
+        "rollout_is_ratio_fraction_high": 1 / 3,
+        "rollout_is_ratio_fraction_low": 0.0,  # 0.5 is not below 1/C
         "k3_kl": sum(r - math.log(r) - 1 for r in ratios) / n,
         "kl": sum(-math.log(r) for r in ratios) / n,
         "chi2_token": sum(r * r for r in ratios) / n - 1,
         "chi2_seq": ((0.5 * 2.0) ** 2 + 3.0**2) / 2 - 1,
-        "ppl_ratio": math.exp(sum(math.log(r) for r in ratios) / n),
-        "ess": sum(ratios) ** 2 / (n * sum(r * r for r in ratios)),
+        "sampling_logp_difference/mean": sum(abs(math.log(r)) for r in ratios) / n,
+        "sampling_logp_difference/max": math.log(3.0),
     }
     diagnostics = ratio_diagnostics(log_importance_ratio(logp_old, logp_rollout, mask), mask)
     assert set(diagnostics) == set(expected)
@@ -92,10 +98,23 @@ def test_ratio_diagnostics_match_hand_computation():
         assert isinstance(diagnostics[key], float)
 
 
+def test_perplexities_are_verls_per_sequence_means():
+    logp_old = torch.tensor([[-1.0, -3.0, 9.0], [-0.5, float("nan"), 0.0]])
+    logp_rollout = torch.tensor([[-2.0, -2.0, 9.0], [-1.5, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    diagnostics = perplexity_diagnostics(logp_old, logp_rollout, mask)
+    # per sequence: mean ℓ_old = -2, -0.5; mean ℓ_ro = -2, -1.5
+    assert diagnostics["training_ppl"] == pytest.approx((math.exp(2.0) + math.exp(0.5)) / 2)
+    assert diagnostics["rollout_ppl"] == pytest.approx((math.exp(2.0) + math.exp(1.5)) / 2)
+    assert diagnostics["ppl_ratio"] == pytest.approx((1.0 + math.exp(-1.0)) / 2)  # training / rollout, as verl
+    assert perplexity_diagnostics(logp_old, logp_rollout, torch.zeros(2, 3)) == {
+        "training_ppl": 1.0, "rollout_ppl": 1.0, "ppl_ratio": 1.0}
+
+
 def test_ratio_diagnostics_of_an_empty_mask_are_neutral():
     diagnostics = ratio_diagnostics(torch.randn(2, 3), torch.zeros(2, 3, dtype=torch.bool))
     assert all(math.isfinite(value) for value in diagnostics.values())
-    assert diagnostics["is_ratio/mean"] == diagnostics["ppl_ratio"] == diagnostics["ess"] == 1.0
+    assert diagnostics["rollout_is_mean"] == diagnostics["rollout_is_eff_sample_size"] == 1.0
     assert diagnostics["k3_kl"] == diagnostics["kl"] == diagnostics["chi2_seq"] == 0.0
 
 
@@ -112,26 +131,29 @@ MASK_ONE_SEQUENCE = torch.tensor([[1, 1, 1, 0]])
 
 
 @pytest.mark.parametrize(
-    "mode, clip_low, expected_weights, truncated, masked",
+    "mode, clip_low, expected_weights, low, masked",
     [
-        ("truncate", None, [0.5, 1.5, 2.0, 0.0], 1 / 3, 0.0),  # TIS
-        ("truncate", 0.8, [0.8, 1.5, 2.0, 0.0], 2 / 3, 0.0),  # TIS with lower bound
+        ("truncate", None, [0.5, 1.5, 2.0, 0.0], 0.0, None),  # TIS (verl's lower threshold 1/C = 0.5)
+        ("truncate", 0.8, [0.8, 1.5, 2.0, 0.0], 1 / 3, None),  # TIS with lower bound
         ("mask", None, [0.5, 1.5, 0.0, 0.0], 0.0, 1 / 3),  # MIS
-        ("mask", 0.6, [0.0, 1.5, 0.0, 0.0], 0.0, 2 / 3),  # MIS with lower bound
+        ("mask", 0.6, [0.0, 1.5, 0.0, 0.0], 1 / 3, 2 / 3),  # MIS with lower bound
     ],
 )
-def test_token_level_weights_by_hand(mode, clip_low, expected_weights, truncated, masked):
+def test_token_level_weights_by_hand(mode, clip_low, expected_weights, low, masked):
     logp_old, logp_rollout = logps_with_ratios(RATIOS_ONE_SEQUENCE)
     weights, diagnostics = importance_weights(
         logp_old, logp_rollout, MASK_ONE_SEQUENCE, mode=mode, clip=2.0, clip_low=clip_low
     )
     torch.testing.assert_close(weights, torch.tensor([expected_weights]))
     assert weights.dtype == torch.float32
-    assert diagnostics["is_fraction_truncated"] == pytest.approx(truncated)
-    assert diagnostics["is_fraction_masked"] == pytest.approx(masked)
-    assert diagnostics["is_weight/mean"] == pytest.approx(sum(expected_weights) / 3)
-    assert diagnostics["is_weight/max"] == pytest.approx(max(expected_weights))
-    assert diagnostics["is_ratio/max"] == pytest.approx(3.0)  # pre-truncation
+    assert diagnostics["rollout_is_ratio_fraction_high"] == pytest.approx(1 / 3)
+    assert diagnostics["rollout_is_ratio_fraction_low"] == pytest.approx(low)
+    assert diagnostics.get("rollout_rs_masked_fraction") == (None if masked is None else pytest.approx(masked))
+    applied = expected_weights[:3]
+    assert diagnostics["importance_sampling_ratio/min"] == pytest.approx(min(applied))
+    assert diagnostics["importance_sampling_ratio/mean"] == pytest.approx(sum(applied) / 3)
+    assert diagnostics["importance_sampling_ratio/max"] == pytest.approx(max(applied))
+    assert diagnostics["rollout_is_max"] == pytest.approx(3.0)  # pre-truncation
 
 
 def test_sequence_level_weights_by_hand():
@@ -140,12 +162,13 @@ def test_sequence_level_weights_by_hand():
     mask = torch.tensor([[1, 1], [1, 1], [1, 0]])
     weights, diagnostics = importance_weights(logp_old, logp_rollout, mask, level="sequence")
     torch.testing.assert_close(weights, torch.tensor([[1.5, 1.5], [2.0, 2.0], [0.5, 0.0]]))
-    assert diagnostics["is_fraction_truncated"] == pytest.approx(2 / 5)
+    assert diagnostics["rollout_is_ratio_fraction_high"] == pytest.approx(2 / 5)  # at the sequence level
+    assert diagnostics["rollout_is_max"] == pytest.approx(3.0) and diagnostics["rollout_is_min"] == pytest.approx(0.5)
     weights, diagnostics = importance_weights(
         logp_old, logp_rollout, mask, level="sequence", mode="mask", clip_low=0.6
     )
     torch.testing.assert_close(weights, torch.tensor([[1.5, 1.5], [0.0, 0.0], [0.0, 0.0]]))
-    assert diagnostics["is_fraction_masked"] == pytest.approx(3 / 5)
+    assert diagnostics["rollout_rs_masked_fraction"] == pytest.approx(3 / 5)
 
 
 def test_geometric_level_weights_by_hand():
@@ -154,7 +177,7 @@ def test_geometric_level_weights_by_hand():
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
     weights, diagnostics = importance_weights(logp_old, logp_rollout, mask, level="geometric", clip=3.0)
     torch.testing.assert_close(weights, torch.tensor([[2.0, 2.0, 0.0], [3.0, 3.0, 3.0]]))
-    assert diagnostics["is_fraction_truncated"] == pytest.approx(3 / 5)
+    assert diagnostics["rollout_is_ratio_fraction_high"] == pytest.approx(3 / 5)
 
 
 def test_sequence_level_product_is_computed_in_log_space():
@@ -171,7 +194,7 @@ def test_normalize_rescales_to_unit_mean_over_valid_tokens():
     weights, diagnostics = importance_weights(logp_old, logp_rollout, MASK_ONE_SEQUENCE, normalize=True)
     # TIS weights [0.5, 1.5, 2.0] have mean 4/3
     torch.testing.assert_close(weights, torch.tensor([[0.375, 1.125, 1.5, 0.0]]))
-    assert diagnostics["is_weight/mean"] == pytest.approx(1.0)
+    assert diagnostics["importance_sampling_ratio/mean"] == pytest.approx(1.0)
 
 
 def test_bad_importance_options_raise():
@@ -244,7 +267,7 @@ def test_ais_property_1_on_policy_recovery(mismatched_batch):
 def test_ais_property_2_bounded_weights(mismatched_batch, clip, rule):
     logp_old, logp_rollout, advantages, mask = mismatched_batch
     weights, diagnostics = ais_weights(logp_old, 2 * logp_rollout, advantages, mask, clip=clip, rule=rule, kl_scale=0.05)
-    assert diagnostics["is_ratio/max"] > clip  # the bound is actually exercised
+    assert diagnostics["rollout_is_max"] > clip  # the bound is actually exercised
     assert weights.max().item() <= max(1.0, clip) + 1e-6
     assert weights[mask].square().mean().item() <= clip**2 + 1e-6
     assert torch.all(weights[~mask] == 0)
@@ -329,7 +352,24 @@ def test_correct_none_keeps_logging_the_mismatch(mismatched_batch):
     correction = correct("none", logp_old, logp_rollout, advantages, mask)
     assert torch.equal(correction.weights, mask.float())
     assert correction.clip_scale is None
-    assert correction.diagnostics["k3_kl"] > 1e-3
+    assert correction.diagnostics["rollout_corr/k3_kl"] > 1e-3
+    assert not any(key.startswith("sampling/importance_sampling_ratio") for key in correction.diagnostics)
+
+
+def test_correct_logs_under_verl_trl_and_ais_names(mismatched_batch):
+    logp_old, logp_rollout, advantages, mask = mismatched_batch
+    diagnostics = correct("ais", logp_old, logp_rollout, advantages, mask).diagnostics
+    _, plain = ais_weights(logp_old, logp_rollout, advantages, mask)
+    assert diagnostics == {logged_name(key): value for key, value in plain.items()}
+    for key in ("rollout_is_mean", "rollout_is_std", "rollout_is_min", "rollout_is_max", "rollout_is_eff_sample_size",
+                "rollout_is_ratio_fraction_high", "rollout_is_ratio_fraction_low", "training_ppl", "rollout_ppl",
+                "ppl_ratio", "kl", "k3_kl", "chi2_token", "chi2_seq"):
+        assert f"rollout_corr/{key}" in diagnostics, key
+    for key in ("importance_sampling_ratio/min", "importance_sampling_ratio/mean", "importance_sampling_ratio/max",
+                "sampling_logp_difference/mean", "sampling_logp_difference/max"):
+        assert f"sampling/{key}" in diagnostics, key
+    assert {"ais/alpha", "ais/reliability", "ais/severity", "ais/variance_amplification"} <= set(diagnostics)
+    assert all(key.split("/")[0] in ("rollout_corr", "sampling", "ais") for key in diagnostics)
 
 
 def test_correct_dispatches_to_the_weight_functions(mismatched_batch):
@@ -344,7 +384,7 @@ def test_correct_dispatches_to_the_weight_functions(mismatched_batch):
     assert torch.equal(acr.clip_scale, expected_scale) and expected_scale.min() < 1
     ais = correct("ais", logp_old, logp_rollout, advantages, mask, rule="oracle")
     assert torch.equal(ais.weights, ais_weights(logp_old, logp_rollout, advantages, mask, rule="oracle")[0])
-    assert "alpha" in ais.diagnostics
+    assert "ais/alpha" in ais.diagnostics
 
 
 def test_correct_rejects_unknown_methods_and_unusable_options(mismatched_batch):

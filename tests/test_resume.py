@@ -17,7 +17,8 @@ from dllm_ais.config import load_config
 from dllm_ais.trainer import GRPOTrainer
 
 RUN = ["--max_steps=8", "--per_device_train_batch_size=8", "--num_iterations=2", "--eval_size=4",
-       "--ais_alpha_ema=0.5"]  # a checkpoint can fall inside a generation batch; the α EMA carries over batches
+       "--ais_alpha_ema=0.5",  # a checkpoint can fall inside a generation batch; the α EMA carries over batches
+       "--eval_steps=2", "--log_completions=true", "--num_completions_to_print=2"]  # the best score carries over too
 
 
 def comparable(records):
@@ -25,16 +26,22 @@ def comparable(records):
     return [{k: v for k, v in r.items() if not k.startswith("timing/")} for r in records]
 
 
-def metrics(output_dir):
-    path = output_dir / "metrics.jsonl"
+def metrics(output_dir, name="metrics.jsonl"):
+    path = output_dir / name
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+def reference(tmp_path_factory):
     """The reference: the same run without interruption or checkpoints (in this process: it saves a start-up)."""
-    config = load_config(EMBEDDED_RECIPE, [f"--output_dir={tmp_path_factory.mktemp('reference') / 'run'}", *RUN])
-    return comparable(GRPOTrainer(config).train().history)
+    output_dir = tmp_path_factory.mktemp("reference") / "run"
+    GRPOTrainer(load_config(EMBEDDED_RECIPE, [f"--output_dir={output_dir}", *RUN])).train()
+    return output_dir
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(reference):
+    return comparable(metrics(reference))
 
 
 def train(output_dir, *overrides, command=None):
@@ -60,7 +67,8 @@ def wait_until(condition, process, timeout=300):
         time.sleep(0.02)
 
 
-def test_kill_9_after_a_checkpoint_then_resume_gives_the_uninterrupted_metrics(tmp_path, uninterrupted, capsys):
+def test_kill_9_after_a_checkpoint_then_resume_gives_the_uninterrupted_metrics(tmp_path, reference, uninterrupted,
+                                                                                 capsys):
     output_dir = tmp_path / "run"
     process = train(output_dir, "--save_steps=2", "--save_total_limit=2")
     wait_until(lambda: (output_dir / "checkpoint-2").is_dir(), process)
@@ -75,8 +83,15 @@ def test_kill_9_after_a_checkpoint_then_resume_gives_the_uninterrupted_metrics(t
     resumed = train(output_dir, "--save_steps=2", "--save_total_limit=2", "--resume_from_checkpoint=true")
     assert resumed.wait() == 0, output_of(resumed)
     assert comparable(metrics(output_dir)) == uninterrupted
-    assert sorted(p.name for p in output_dir.iterdir()) == [  # no leftovers; save_total_limit kept the newest two
-        "checkpoint-6", "checkpoint-8", "config.yaml", "final", "metrics.jsonl", "metrics.png"]
+    assert metrics(output_dir, "completions.jsonl") == metrics(reference, "completions.jsonl")
+    best = json.loads((output_dir / "best_checkpoint.json").read_text())
+    reference_best = json.loads((reference / "best_checkpoint.json").read_text())
+    assert (best["best_metric"], best["best_global_step"]) == (reference_best["best_metric"],
+                                                               reference_best["best_global_step"])
+    assert best["best_model_checkpoint"] == str(output_dir / f"checkpoint-{best['best_global_step']}")
+    kept = {"checkpoint-6", "checkpoint-8", f"checkpoint-{best['best_global_step']}"}  # the newest two and the best
+    assert sorted(p.name for p in output_dir.iterdir()) == sorted([  # no leftovers
+        *kept, "best_checkpoint.json", "completions.jsonl", "config.yaml", "final", "metrics.jsonl", "metrics.png"])
 
 
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])

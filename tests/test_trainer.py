@@ -41,8 +41,8 @@ def test_bf16_engine_is_on_policy_and_ais_reduces_to_plain_grpo(tokenizer, tmp_p
     trainer = make_trainer(tokenizer, tmp_path, model_fn, rollout_precision="bf16", correction="ais")
     batch = trainer.make_generation_batch()
     for diagnostics in batch.diagnostics:
-        assert diagnostics["is_ratio/min"] == diagnostics["is_ratio/max"] == 1.0
-        assert diagnostics["alpha"] == 0.0
+        assert diagnostics["rollout_corr/rollout_is_min"] == diagnostics["rollout_corr/rollout_is_max"] == 1.0
+        assert diagnostics["ais/alpha"] == 0.0
     mask = batch.rollout.completion_mask
     for weights in batch.weights:
         assert torch.equal(weights, mask.float())
@@ -59,8 +59,8 @@ def test_fp8_engine_shows_a_mismatch_and_bounded_ais_weights(tokenizer, tmp_path
     trainer = make_trainer(tokenizer, tmp_path, rollout_precision="fp8", correction="ais", is_clip=2.0)
     batch = trainer.make_generation_batch()
     for diagnostics in batch.diagnostics:
-        assert diagnostics["k3_kl"] > 0
-        assert 0.0 <= diagnostics["alpha"] <= 1.0
+        assert diagnostics["rollout_corr/k3_kl"] > 0
+        assert 0.0 <= diagnostics["ais/alpha"] <= 1.0
     for weights in batch.weights:
         assert torch.isfinite(weights).all()
         assert (weights <= 2.0).all() and (weights >= 0).all()
@@ -106,8 +106,8 @@ def test_cached_parallel_rollouts_show_their_approximation_in_the_trajectory_rat
     uncached = make_trainer(tokenizer, tmp_path / "none", **settings).train()
     assert cached.steps == uncached.steps == 2
     for with_cache, without in zip(cached.history, uncached.history):
-        assert with_cache["correction/k3_kl"] > without["correction/k3_kl"] > 0
-        assert math.isfinite(with_cache["loss"]) and 0 <= with_cache["correction/alpha"] <= 1
+        assert with_cache["rollout_corr/k3_kl"] > without["rollout_corr/k3_kl"] > 0
+        assert math.isfinite(with_cache["loss"]) and 0 <= with_cache["ais/alpha"] <= 1
     assert uncached.history[0]["completions/mean_steps"] == 4  # diffusion_steps
     assert cached.history[0]["completions/mean_steps"] == 8  # never 90 % confident: one token per step
 
@@ -144,7 +144,7 @@ def test_gradient_accumulation_scores_every_micro_batch_with_the_same_masks(toke
     trainer = make_trainer(tokenizer, tmp_path, rollout_precision="bf16", per_device_train_batch_size=2,
                            gradient_accumulation_steps=2, num_iterations=1)
     batch = trainer.make_generation_batch()
-    assert batch.diagnostics[0]["is_ratio/min"] == batch.diagnostics[0]["is_ratio/max"] == 1.0
+    assert batch.diagnostics[0]["rollout_corr/rollout_is_min"] == batch.diagnostics[0]["rollout_corr/rollout_is_max"] == 1.0
     metrics = trainer.optimisation_pass(batch, 0)
     assert metrics["policy_ratio/mean"] == 1.0 and metrics["clip_ratio/region_mean"] == 0.0
 
@@ -209,8 +209,8 @@ def inject_engine_logprobs(trainer, monkeypatch):
 
 def inject_old_logprobs(trainer, monkeypatch):
     score = trainer.policy.logprobs
-    monkeypatch.setattr(trainer.policy, "logprobs", lambda model, rollout, seed: nan_like(score(model, rollout, seed))
-                        if model is not trainer.engine.model and not torch.is_grad_enabled() else score(model, rollout, seed))
+    monkeypatch.setattr(trainer.policy, "logprobs", lambda model, rollout, seed, **kw: nan_like(score(model, rollout, seed))
+                        if model is not trainer.engine.model and not torch.is_grad_enabled() else score(model, rollout, seed, **kw))
 
 
 def inject_reference_logprobs(trainer, monkeypatch):
@@ -220,8 +220,13 @@ def inject_reference_logprobs(trainer, monkeypatch):
 
 def inject_policy_logprobs(trainer, monkeypatch):
     score = trainer.policy.logprobs
-    monkeypatch.setattr(trainer.policy, "logprobs", lambda model, rollout, seed: score(model, rollout, seed) * math.inf
-                        if torch.is_grad_enabled() else score(model, rollout, seed))
+
+    def infinite_under_grad(model, rollout, seed, compute_entropy=False):
+        logp, entropy = score(model, rollout, seed, compute_entropy=True)
+        logp = logp * math.inf if torch.is_grad_enabled() else logp
+        return (logp, entropy) if compute_entropy else logp
+
+    monkeypatch.setattr(trainer.policy, "logprobs", infinite_under_grad)
 
 
 def inject_loss(trainer, monkeypatch):
