@@ -244,11 +244,16 @@ def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
 def _export(args: argparse.Namespace, overrides: list[str]) -> int:
     import torch
 
-    from dllm_ais.checkpoint import export_merged_model
+    from dllm_ais.export import PushToHubError, export_merged_model
 
     if overrides:
         raise SystemExit(f"export takes no config overrides (got {overrides}).")
-    path = export_merged_model(args.source, args.output, getattr(torch, args.dtype), args.push_to_hub, args.overwrite)
+    try:
+        path = export_merged_model(args.source, args.output, getattr(torch, args.dtype), args.push_to_hub,
+                                   args.overwrite, private=args.private, eval_report=args.eval_report)
+    except PushToHubError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     print(f"merged model written to {path}" + (f" and pushed to {args.push_to_hub}" if args.push_to_hub else ""))
     return 0
 
@@ -331,11 +336,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = commands.add_parser("export", parents=[common], help="merge a LoRA adapter into its base and write a Hub-layout model",
                                  description="Merge an adapter directory (e.g. outputs/dllm-ais/final) into its base "
-                                             "model; write safetensors, tokenizer and a model card; optionally push.")
+                                             "model; write safetensors, tokenizer and a model card (base model, "
+                                             "training recipe, evaluation table, how to load it); an exported LLaDA "
+                                             "also ships its modeling file, so transformers alone loads it with "
+                                             "trust_remote_code=True. Optionally upload it in one commit.")
     export.add_argument("source", help="adapter directory (or full model directory)")
     export.add_argument("output", help="output directory")
     export.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
-    export.add_argument("--push-to-hub", metavar="REPO_ID", help="also upload to this Hub repository")
+    export.add_argument("--eval_report", metavar="JSON",
+                        help="a `dllm-ais eval` report for the card (default: the newest one of this source in "
+                             "eval_results/ of the current directory, the source or its parent)")
+    export.add_argument("--push_to_hub", "--push-to-hub", metavar="REPO_ID",
+                        help="also upload to this Hub repository (one commit)")
+    export.add_argument("--private", action="store_true", help="with --push_to_hub: create the repository private")
     export.add_argument("--overwrite", action="store_true",
                         help="replace OUTPUT if it holds an earlier export (a non-empty directory is refused otherwise)")
     export.set_defaults(handler=_export)

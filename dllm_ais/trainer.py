@@ -687,7 +687,7 @@ class GRPOTrainer:
         if logged and self.completion_samples is not None:  # set on the main process only
             samples = [{"step": step, **sample} for sample in self.completion_samples]
             self.completion_samples = None
-            for sample in samples:
+            for sample in samples if completions_log is not None else ():
                 completions_log.write(sample)
         if self.config.report_to:
             self.accelerator.log(metrics, step=step)

@@ -106,6 +106,13 @@ def test_causal_logprobs_apply_temperature_and_filters(model):
     got = causal_logprobs(model, sequences, None, 3, temperature=0.5, top_k=3)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
     assert torch.isneginf(got).any(), "random tokens outside the top 3 must get −inf"
+    # the entropy is that of the sampling distribution (3 tokens left), from the same forward
+    probabilities = torch.softmax(shaped, dim=-1)
+    expected_entropy = -(probabilities * probabilities.clamp(min=1e-30).log()).sum(-1)
+    with_entropy, entropy = causal_logprobs(model, sequences, None, 3, temperature=0.5, top_k=3, compute_entropy=True)
+    assert torch.equal(with_entropy, got)
+    torch.testing.assert_close(entropy, expected_entropy, atol=1e-5, rtol=0)
+    assert torch.isfinite(entropy).all() and (entropy <= torch.log(torch.tensor(3.0)) + 1e-6).all()
 
 
 @pytest.mark.parametrize("settings", SAMPLING_SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))

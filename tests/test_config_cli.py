@@ -41,6 +41,9 @@ def test_exponent_without_a_dot_is_a_float():
     (["--report_to=[mlflow]"], "supported trackers"),
     (["--rollout_cache=full"], "rollout_cache='full': choose one of none, prefix, dual"),
     (["--rollout_threshold=1.5"], "rollout_threshold=1.5: must be in [0, 1]"),
+    (["--eval_steps=2", "--eval_size=0"], "eval_steps=2 scores the validation split: set eval_size > 0"),
+    (["--eval_steps=2", "--save_steps=3"], "save_steps=3 must be a multiple of eval_steps=2"),
+    (["--num_completions_to_print=0"], "num_completions_to_print=0"),
 ])
 def test_bad_config_fails_before_any_model_is_loaded(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

@@ -169,6 +169,11 @@ def test_one_step_equals_hand_computation(model, canvas):
     again = one_step_logprobs(model, sequences, attention_mask, PROMPT_LENGTH, MASK, seed=11, p_mask_prompt=0.4)
     other = one_step_logprobs(model, sequences, attention_mask, PROMPT_LENGTH, MASK, seed=12, p_mask_prompt=0.4)
     assert torch.equal(got, again) and not torch.allclose(got, other)
+    with counting_forwards(model) as calls:
+        scored, entropy = one_step_logprobs(model, sequences, attention_mask, PROMPT_LENGTH, MASK, seed=11,
+                                            p_mask_prompt=0.4, compute_entropy=True)
+    assert len(calls) == 1 and torch.equal(scored, got)
+    torch.testing.assert_close(entropy, completion_entropy(model, noisy, attention_mask), atol=1e-5, rtol=0)
 
 
 def test_one_step_never_masks_padding(canvas):
@@ -211,19 +216,34 @@ def hand_rollout(canvas) -> Rollout:
                    commit_step=commit_step, prompt_length=PROMPT_LENGTH)
 
 
+def completion_entropy(model, noisy, attention_mask, temperature=0.0):
+    """Naive reference: the entropy of softmax(logits / τ) at each completion position."""
+    logits = model(input_ids=noisy, attention_mask=attention_mask).logits[:, PROMPT_LENGTH:].float()
+    log_probabilities = torch.log_softmax(logits / temperature if temperature > 0 else logits, dim=-1)
+    return -(log_probabilities.exp() * log_probabilities).sum(-1)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_trajectory_equals_hand_replay(model, canvas, temperature):
     rollout = hand_rollout(canvas)
     completion = rollout.completion_ids
     expected = torch.zeros(3, GEN_LENGTH)
+    expected_entropy = torch.zeros(3, GEN_LENGTH)
     for step in range(4):
         noisy = rollout.sequences.clone()
         noisy[:, PROMPT_LENGTH:][rollout.commit_step >= step] = MASK
         values = completion_logprobs(model, noisy, rollout.attention_mask, completion, temperature)
         expected = torch.where(rollout.commit_step == step, values, expected)
+        entropy = completion_entropy(model, noisy, rollout.attention_mask, temperature)
+        expected_entropy = torch.where(rollout.commit_step == step, entropy, expected_entropy)
     for steps_per_forward in (1, 3, 4):
         got = trajectory_logprobs(model, rollout, MASK, temperature, steps_per_forward=steps_per_forward)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    with counting_forwards(model) as calls:
+        got, entropy = trajectory_logprobs(model, rollout, MASK, temperature, steps_per_forward=4, compute_entropy=True)
+    assert len(calls) == 1  # the entropy comes from the same forward
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(entropy, expected_entropy, atol=1e-5, rtol=0)
 
 
 def test_trajectory_runs_one_forward_per_batch_of_steps(model, canvas):

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from dllm_ais.checkpoint import (EMBEDDED_MODELS, MARKER, OutputExistsError, atomic_directory, begin_staging,
-                                 clean_leftovers, commit_staging, export_merged_model, load_model, prepare_output_dir,
+                                 clean_leftovers, commit_staging, load_model, prepare_output_dir,
                                  provenance, prune_checkpoints, run_checkpoints)
 from dllm_ais.cli import main
 from dllm_ais.config import ConfigError, GRPOConfig
+from dllm_ais.export import export_merged_model
 from dllm_ais.metrics import MetricsLog
 
 

@@ -287,3 +287,93 @@ def test_save_refuses_non_finite_weights(tokenizer, tmp_path):
     with pytest.raises(NonFiniteError, match="non-finite weights"):
         trainer.save(tmp_path / "final")
     assert not (tmp_path / "final").exists()
+
+
+TRL_METRICS = ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "completions/min_length",
+               "completions/max_length", "completions/clipped_ratio", "entropy", "num_tokens", "kl",
+               "clip_ratio/region_mean", "sampling/importance_sampling_ratio/min",
+               "sampling/importance_sampling_ratio/mean", "sampling/importance_sampling_ratio/max",
+               "sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max")
+VERL_METRICS = tuple(f"rollout_corr/{name}" for name in (
+    "rollout_is_mean", "rollout_is_std", "rollout_is_min", "rollout_is_max", "rollout_is_eff_sample_size",
+    "rollout_is_ratio_fraction_high", "rollout_is_ratio_fraction_low", "training_ppl", "rollout_ppl", "ppl_ratio",
+    "kl", "k3_kl", "chi2_token", "chi2_seq"))
+
+
+@pytest.fixture(scope="module")
+def scored_run(tokenizer, tmp_path_factory):
+    """Three FP8 + AIS steps with a validation every step, a checkpoint every step (keeping one) and completions."""
+    output_dir = tmp_path_factory.mktemp("scored")
+    trainer = make_trainer(tokenizer, output_dir, rollout_precision="fp8", eval_size=4, eval_steps=1, save_steps=1,
+                           save_total_limit=1, max_steps=3, num_iterations=1, log_completions=True,
+                           num_completions_to_print=2)
+    return trainer, trainer.train().history, output_dir
+
+
+def test_metrics_carry_trl_and_verl_names_and_the_validation_scores(scored_run):
+    _, history, output_dir = scored_run
+    assert [r["step"] for r in history[:3]] == [1, 2, 3]
+    for record in history[:3]:
+        assert set(TRL_METRICS + VERL_METRICS) <= set(record)
+        assert {"ais/alpha", "ais/reliability", "eval/reward", "eval/accuracy"} <= set(record)
+        assert not [key for key in record if key.startswith(("correction/", "is_ratio", "is_weight"))]
+        assert record["entropy"] > 0 and 0 <= record["frac_reward_zero_std"] <= 1
+        assert record["completions/min_length"] <= record["completions/mean_length"] <= record["completions/max_length"]
+    assert 0 < history[0]["num_tokens"] < history[1]["num_tokens"] < history[2]["num_tokens"]  # cumulative
+    lines = [json.loads(line) for line in (output_dir / "completions.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 1, 2, 2, 3, 3]
+    assert {"prompt", "completion", "reward", "advantage", "rewards/digits_reward"} <= set(lines[0])
+
+
+def test_the_best_checkpoint_by_validation_score_is_recorded_and_kept(scored_run):
+    trainer, history, output_dir = scored_run
+    scores = [r["eval/reward"] for r in history[:3]]
+    best_step = scores.index(max(scores)) + 1  # the first of equal scores
+    record = json.loads((output_dir / "best_checkpoint.json").read_text())
+    assert (record["best_global_step"], record["best_metric"]) == (best_step, max(scores))
+    assert record["metric_for_best_model"] == "eval/reward" and trainer.best_global_step == best_step
+    best = output_dir / f"checkpoint-{best_step}"
+    assert record["best_model_checkpoint"] == str(best)
+    assert {p.name for p in output_dir.glob("checkpoint-*")} == {"checkpoint-3", best.name}  # save_total_limit=1
+    marker = json.loads((best / ".dllm-ais.json").read_text())
+    assert marker["step"] == best_step and marker["validation"]["eval/reward"] == max(scores)
+
+
+def test_mismatch_warnings_come_once_per_run_and_samples_reach_tracker_tables(scored_run, tmp_path, capsys):
+    from tqdm.auto import tqdm
+
+    from dllm_ais.metrics import MetricsLog
+
+    trainer, _, _ = scored_run
+    capsys.readouterr()
+    log, progress = MetricsLog(tmp_path), tqdm(disable=True)
+    degenerate = {"step": 4, "reward": 0.0, "loss": 0.0, "rollout_corr/rollout_is_eff_sample_size": 0.2,
+                  "rollout_corr/kl": -0.5, "rollout_corr/chi2_token": 0.5}
+    trainer.report(degenerate, log, None, progress)
+    trainer.report(degenerate, log, None, progress)
+    warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 2 and "rollout_is_eff_sample_size = 0.2, below 0.3" in warnings[0]
+    assert "|kl| above 0.1" in warnings[1]
+
+    class TableTracker:
+        tables = []
+
+        def log_table(self, name, columns, data, step):
+            self.tables.append((name, columns, data, step))
+
+    trainer.config.report_to = ["wandb"]
+    trainer.accelerator.trackers = [TableTracker(), object()]  # a tracker without tables gets none
+    trainer.accelerator.log = lambda metrics, step: None
+    trainer.completion_samples = [{"prompt": "sort 3 1", "completion": "1 3", "reward": 1.0}]
+    trainer.report(degenerate, log, None, progress)
+    assert TableTracker.tables == [("completions", ["step", "prompt", "completion", "reward"],
+                                    [[trainer.global_step, "sort 3 1", "1 3", 1.0]], trainer.global_step)]
+    assert trainer.completion_samples is None
+    log.close()
+
+
+def test_metric_for_best_model_must_be_a_validation_score(tokenizer, tmp_path):
+    from dllm_ais.config import ConfigError
+
+    with pytest.raises(ConfigError, match="metric_for_best_model='loss'.*reward, accuracy, rewards/"):
+        make_trainer(tokenizer, tmp_path, eval_size=4, eval_steps=1, metric_for_best_model="loss")

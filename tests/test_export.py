@@ -1,0 +1,175 @@
+"""Exports carry their provenance and load anywhere: the card, plain-transformers loading of LLaDA, one-commit push."""
+
+import ast
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import yaml
+
+from dllm_ais.checkpoint import EMBEDDED_MODELS, MARKER, load_model
+from dllm_ais.cli import main
+from dllm_ais.config import GRPOConfig, save_config
+from dllm_ais.export import export_merged_model, model_card, portable_name
+from dllm_ais.policy import lora_target_modules
+
+PROMPT_IDS = [[5, 17, 42, 9, 6, 6, 6, 6]]  # a prompt followed by mask tokens (id 6), as the sampler's canvas
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """An adapter on the embedded LLaDA with non-zero LoRA weights, its training config, and an eval report of it in
+    eval_results/ beside it (as `dllm-ais eval --model <adapter>` run from its parent would leave)."""
+    from peft import LoraConfig, get_peft_model
+
+    root = tmp_path_factory.mktemp("trained")
+    torch.manual_seed(0)
+    model = get_peft_model(load_model("embedded", torch.float32),
+                           LoraConfig(r=2, target_modules=lora_target_modules("llada"), init_lora_weights=False))
+    adapter = root / "final"
+    model.save_pretrained(adapter, save_embedding_layers=False)
+    save_config(GRPOConfig(output_dir=str(root), rollout_precision="fp8", correction="ais"),
+                adapter / "dllm_ais_config.yaml")
+    report = {"task": "digits", "split": "test", "model": {"id": str(adapter), "path": str(adapter.resolve())},
+              "protocol": {"name": "d1", "temperature": 0.0, "block_length": 32}, "dtype": "float32",
+              "rollout_precision": "bf16", "device": "cpu", "command": f"dllm-ais eval --model {adapter}",
+              "results": [{"gen_length": 16, "num_prompts": 4, "accuracy": 0.25, "accuracy_se": 0.25, "reward": 0.5,
+                           "rewards": {"digits_reward": 0.5}}]}
+    (root / "eval_results").mkdir()
+    (root / "eval_results" / "digits-final.json").write_text(json.dumps(report))
+    with torch.no_grad():
+        logits = model.merge_and_unload()(torch.tensor(PROMPT_IDS)).logits
+    return adapter, logits
+
+
+LOAD = """
+import json, sys, torch
+from transformers import AutoModelForCausalLM
+path, out = sys.argv[1], sys.argv[2]
+results = {}
+for trust in (False, True):
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust)
+    except ValueError as error:
+        results[str(trust)] = {"error": str(error)[:200]}
+        continue
+    with torch.no_grad():
+        torch.save(model(torch.tensor(%r)).logits, f"{out}-{trust}.pt")
+    results[str(trust)] = {"module": type(model).__module__}
+print(json.dumps(results))
+""" % (PROMPT_IDS,)
+
+BLOCK_DLLM_AIS = """
+import importlib.abc, sys
+class NoDllmAis(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "dllm_ais":
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)")
+sys.meta_path.insert(0, NoDllmAis())
+"""
+
+
+def fresh_python(code, *args, tmp_path):
+    """Run `code` in a new interpreter (offline, its own transformers module cache); return its last stdout line."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules"), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
+                            stdin=subprocess.DEVNULL, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_an_exported_llada_loads_in_fresh_pythons_with_dllm_ais_and_with_transformers_alone(trained, tmp_path):
+    adapter, expected = trained
+    merged = export_merged_model(adapter, tmp_path / "merged", torch.float32)
+    config = json.loads((merged / "config.json").read_text())
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_llada.LLaDAModelLM"
+    imported = {node.module if isinstance(node, ast.ImportFrom) else alias.name
+                for node in ast.walk(ast.parse((merged / "modeling_llada.py").read_text()))
+                if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
+    assert {name.split(".")[0] for name in imported} == {"__future__", "dataclasses", "torch", "transformers"}
+
+    native = fresh_python("import dllm_ais\n" + LOAD, merged, tmp_path / "native", tmp_path=tmp_path)
+    # with dllm_ais imported, its registered class wins even when remote code is trusted
+    assert native == {"False": {"module": "dllm_ais.models.llada"}, "True": {"module": "dllm_ais.models.llada"}}
+    remote = fresh_python(BLOCK_DLLM_AIS + LOAD, merged, tmp_path / "remote", tmp_path=tmp_path)
+    assert "custom code" in remote["False"]["error"]
+    assert remote["True"]["module"].startswith("transformers_modules.") and remote["True"]["module"].endswith("modeling_llada")
+    logits = {name: torch.load(tmp_path / name, weights_only=True)
+              for name in ("native-False.pt", "native-True.pt", "remote-True.pt")}
+    assert torch.equal(logits["native-False.pt"], logits["remote-True.pt"])
+    assert torch.equal(logits["native-False.pt"], logits["native-True.pt"])
+    torch.testing.assert_close(logits["native-False.pt"], expected)
+
+
+def test_the_card_carries_base_recipe_and_eval_table_and_no_local_path(trained, tmp_path):
+    adapter, _ = trained
+    merged = export_merged_model(adapter, tmp_path / "merged", torch.float32)
+    text = (merged / "README.md").read_text()
+    metadata = yaml.safe_load(text.split("---")[1])
+    assert metadata["base_model"] == "embedded" and metadata["library_name"] == "transformers"
+    assert {"dllm-ais", "grpo", "rollout-fp8", "correction-ais", "llada"} <= set(metadata["tags"])
+    assert "| rollout precision | `fp8` |" in text and "| likelihood estimator | `one_step` |" in text
+    assert "| 16 | 25.0 | 25.0 | 0.500 | 0.500 |" in text and "digits-final.json" in text  # the report found beside it
+    assert "trust_remote_code=True" in text and "import torch, dllm_ais" in text
+    assert str(tmp_path) not in text and str(adapter.parent) not in text and "/tmp" not in text
+    assert "output_dir" not in text  # run-only settings are not part of the recipe
+
+
+def test_a_local_base_model_is_named_without_its_path(tmp_path):
+    local = tmp_path / "models" / "my-llada"
+    local.mkdir(parents=True)
+    assert portable_name(str(local)) == "<local>/my-llada"
+    assert portable_name("GSAI-ML/LLaDA-8B-Instruct") == "GSAI-ML/LLaDA-8B-Instruct"
+    assert portable_name(str(EMBEDDED_MODELS["embedded"])) == "<local>/tiny_llada"
+    card = str(model_card("me/model", portable_name(str(local)), llada=False, recipe=None, report=None,
+                          report_name=None, source_name="final"))
+    assert "base_model" not in card.split("---")[1] and str(tmp_path) not in card and "<local>/my-llada" in card
+
+
+class RecordingHub:
+    """Stands in for `huggingface_hub.HfApi`: records the calls; `fail` makes every call raise as offline."""
+
+    calls: list = []
+    fail = False
+
+    def _call(self, name, *args, **kwargs):
+        if self.fail:
+            raise ConnectionError("Failed to resolve 'huggingface.co'\n(offline)")
+        self.calls.append((name, args, kwargs))
+        return type("Commit", (), {"commit_url": "https://huggingface.co/me/model/commit/1"})()
+
+    def create_repo(self, *args, **kwargs):
+        return self._call("create_repo", *args, **kwargs)
+
+    def upload_folder(self, *args, **kwargs):
+        return self._call("upload_folder", *args, **kwargs)
+
+
+def test_push_to_hub_uploads_once_and_offline_says_the_copy_is_complete_and_how_to_push(trained, tmp_path,
+                                                                                         monkeypatch, capsys):
+    import huggingface_hub
+
+    adapter, _ = trained
+    monkeypatch.setattr(huggingface_hub, "HfApi", RecordingHub)
+    monkeypatch.setattr(RecordingHub, "calls", [])
+    monkeypatch.setattr(RecordingHub, "fail", True)
+    output = tmp_path / "merged"
+    argv = ["export", str(adapter), str(output), "--dtype", "float32", "--push_to_hub", "me/model", "--private"]
+    assert main(argv) == 1
+    error = capsys.readouterr().err
+    assert "Traceback" not in error and f"the export in {output} is complete" in error and "ConnectionError" in error
+    assert f"hf upload me/model {output} . --exclude {MARKER} --private" in error and "upload_folder(" in error
+    assert (output / "model.safetensors").is_file() and (output / "README.md").is_file()
+
+    monkeypatch.setattr(RecordingHub, "fail", False)
+    assert main([*argv, "--overwrite"]) == 0
+    assert "pushed to me/model" in capsys.readouterr().out
+    assert [name for name, _, _ in RecordingHub.calls] == ["create_repo", "upload_folder"]  # one upload, one commit
+    (_, args, kwargs), (_, _, upload) = RecordingHub.calls
+    assert args == ("me/model",) and kwargs["private"] is True
+    assert upload["folder_path"] == output and upload["repo_id"] == "me/model" and MARKER in upload["ignore_patterns"]
+    assert 'from_pretrained("me/model"' in (output / "README.md").read_text()
