@@ -21,8 +21,9 @@ Quick start (CPU, a few minutes, nothing downloaded):
 TRAIN_EPILOG = """\
 Every field below can be set in the YAML recipe or overridden as --field=value (values are YAML:
 --report_to=[tensorboard], --is_clip_low=null). Unknown fields and bad values are reported before any
-model is loaded. Output: <output_dir>/metrics.jsonl, metrics.png, config.yaml, final/ (adapter + tokenizer),
-checkpoint-N/ every save_steps. A non-empty output_dir is refused: continue its run exactly with
+model is loaded. Output: <output_dir>/metrics.jsonl (TRL / verl metric names), metrics.png, config.yaml,
+final/ (adapter + tokenizer), checkpoint-N/ every save_steps, best_checkpoint.json with eval_steps,
+completions.jsonl with log_completions. A non-empty output_dir is refused: continue its run exactly with
 --resume_from_checkpoint=true (latest checkpoint-N), or start afresh with --overwrite_output_dir=true.
 Ctrl-C or SIGTERM finishes the current step, writes a checkpoint and prints the command that resumes it.
 Without a recipe the embedded run's recipe is used (dllm_ais/assets/tiny_llada/recipe.yaml); the defaults
