@@ -435,13 +435,13 @@ class GRPOTrainer:
             "num_tokens": float(self.num_input_tokens_seen), **per_function_metrics, **timings,
         }
         if cfg.log_completions and self.accelerator.is_main_process:
-            self.completion_samples = self.samples(columns, rollout, table, rewards, advantages)
+            self.completion_samples = self.sample_records(columns, rollout, table, rewards, advantages)
         return GenerationBatch(rollout, advantages, logp_old, logp_ref, [c.weights[local] for c in corrections],
                                [None if c.clip_scale is None else c.clip_scale[local] for c in corrections],
                                [c.diagnostics for c in corrections], seeds, metrics)
 
-    def samples(self, columns: dict[str, list], rollout: Rollout, table, rewards: torch.Tensor,
-                advantages: torch.Tensor) -> list[dict[str, Any]]:
+    def sample_records(self, columns: dict[str, list], rollout: Rollout, table, rewards: torch.Tensor,
+                       advantages: torch.Tensor) -> list[dict[str, Any]]:
         """`num_completions_to_print` of this process' completions, for `log_completions`: the prompt (its last
         message), the completion, the reward, each reward function's value and the advantage."""
         rows = slice(0, self.config.num_completions_to_print)

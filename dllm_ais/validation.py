@@ -243,8 +243,14 @@ FOREIGN_KEYS = {
     "rollout_precision_dtype": "use rollout_precision",
     "quantization": "use rollout_precision",
     "entropy_coeff": "entropy regularisation is not supported",
-    "push_to_hub": "after training: dllm-ais export OUTPUT_DIR/final DEST --push-to-hub REPO",
-    "hub_model_id": "after training: dllm-ais export OUTPUT_DIR/final DEST --push-to-hub REPO",
+    "push_to_hub": "after training: dllm-ais export OUTPUT_DIR/final DEST --push_to_hub REPO [--private]",
+    "hub_model_id": "after training: dllm-ais export OUTPUT_DIR/final DEST --push_to_hub REPO [--private]",
+    "hub_private_repo": "after training: dllm-ais export OUTPUT_DIR/final DEST --push_to_hub REPO --private",
+    "eval_strategy": "set eval_steps (validation every N steps; 0 = off)",
+    "evaluation_strategy": "set eval_steps (validation every N steps; 0 = off)",
+    "load_best_model_at_end": "the best checkpoint by metric_for_best_model is named in "
+                              "OUTPUT_DIR/best_checkpoint.json; export or evaluate that one",
+    "num_generations_eval": "validation is greedy: one completion per prompt",
     "logging_dir": "tracker logs go under output_dir",
 }
 FOREIGN_PREFIXES = {"vllm_": "rollouts run in the built-in engine; set rollout_precision"}
