@@ -21,7 +21,7 @@ LIBRARY_SWITCHES = {
 }
 # Loggers of notices that are not ours: torchao's "Skipping import of cpp extensions", torch's `_pytree` warnings
 # about torchao's enums, HTTP clients.
-NOISY_LOGGERS = ("torchao", "torch.utils._pytree", "httpx", "urllib3")
+NOISY_LOGGERS = ("torchao", "torch.utils._pytree", "httpx", "urllib3", "accelerate")
 LIBRARIES = r"(transformers|torch|torchao|peft|accelerate|datasets|huggingface_hub|math_verify)(\.|$)"
 
 
