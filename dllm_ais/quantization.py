@@ -1,4 +1,4 @@
-"""FP8 quantization of a model's linear layers through torchao — the only module that imports torchao.
+"""Low-precision copies of a model's linear layers through torchao — the only module that imports torchao.
 
 Precision modes of the rollout engine (design OVERVIEW, "Precision modes"):
 
@@ -12,9 +12,16 @@ Precision modes of the rollout engine (design OVERVIEW, "Precision modes"):
   faithful), so that every test of the rollout mismatch runs on CPU.
 - ``"fp8_weight_only"``: torchao's ``Float8WeightOnlyConfig``: FP8 weights (per-row scales),
   dequantized for a high-precision matmul.
+- ``"int8"``: W8A8 dynamic INT8 (QuRL's INT8 rollouts): torchao's
+  ``Int8DynamicActivationInt8WeightConfig`` — symmetric per-row int8 weights, activations quantized
+  per token at call time.
+- ``"int4"``: 4-bit weight-only: torchao's ``IntxWeightOnlyConfig(weight_dtype=torch.int4)`` with
+  symmetric scales per group of 32 input features, dequantized for a high-precision matmul (runs on
+  CPU and GPU alike; no speed-up without a packed int4 kernel, but the numerics of 4-bit rollouts).
 
 The torchao imports below are partly semi-internal (``QuantizeTensorToFloat8Kwargs``,
-``KernelPreference``, ``Float8MMConfig``); they are pinned by the project's ``torchao==0.18.0``.
+``KernelPreference``, ``Float8MMConfig``, the config handler registry); they are pinned by the
+project's ``torchao==0.18.0``.
 """
 from __future__ import annotations
 
@@ -29,24 +36,33 @@ from torchao.quantization import (
     Float8DynamicActivationFloat8WeightConfig,
     Float8Tensor,
     Float8WeightOnlyConfig,
+    Int8DynamicActivationInt8WeightConfig,
+    IntxWeightOnlyConfig,
+    PerGroup,
     PerRow,
-    PerTensor,
-    quantize_,
 )
 from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
 from torchao.quantization.quantize_.workflows.float8.float8_tensor import QuantizeTensorToFloat8Kwargs
-from torchao.quantization.utils import get_block_size
+from torchao.quantization.quantize_.workflows.int8.int8_tensor import Int8Tensor
+from torchao.quantization.quantize_.workflows.intx.intx_unpacked_to_int8_tensor import IntxUnpackedToInt8Tensor
+from torchao.quantization.transform_module import _QUANTIZE_CONFIG_HANDLER
 from torchao.utils import TorchAOBaseTensor
 
 from dllm_ais.choices import PRECISIONS
 from dllm_ais.ops import check_choice
 
-__all__ = ["PRECISIONS", "SkipRule", "check_precision", "native_fp8_available", "quantize_model_", "requantize_"]
+__all__ = ["PRECISIONS", "SkipRule", "check_precision", "native_fp8_available", "quantize_model_", "quantized_weight",
+           "requantize_"]
 
 FP8_DTYPE = torch.float8_e4m3fn
-# FP8 matmul kernels need both matrix dimensions of the weight to be multiples of 16.
-FP8_DIM_MULTIPLE = 16
+# FP8 and INT8 matmul kernels need both matrix dimensions of the weight to be multiples of 16 (and int4 groups of 32
+# divide any such input dimension that is a multiple of 32; others keep their weights).
+DIM_MULTIPLE = 16
+INT4_GROUP_SIZE = 32
 NATIVE_FP8_MIN_CAPABILITY = (8, 9)
+# Lower bound on a row's absolute maximum before its FP8 scale is taken: an all-zero activation row (e.g. the
+# embedding of a padding token, which `padding_idx` keeps at zero) would otherwise get scale 0 and turn into NaN.
+AMAX_FLOOR = 1e-12
 
 logger = logging.getLogger("dllm_ais")
 
@@ -68,70 +84,90 @@ def native_fp8_available(device: torch.device | str | None) -> bool:
 
 def quantize_model_(model: nn.Module, precision: str, skip: SkipRule) -> list[str]:
     """Quantize, in place, to `precision` every `nn.Linear` of `model` whose in/out features are multiples
-    of 16 and for which `skip(name, module)` is False; return the names of the quantized modules.
+    of 16 (of 32 inputs for int4) and for which `skip(name, module)` is False; return the names of the
+    quantized modules.
 
     Other layers (and every layer in "bf16" mode) keep their high-precision weights. "fp8" on a CUDA GPU
     with native FP8 casts the selected layers to bf16 first (torchao's per-row kernels want bf16 weights;
     keep the model in bf16 there); elsewhere it uses the emulated W8A8 path and logs a notice once per process.
     """
     check_precision(precision)
-    names = [name for name, module in model.named_modules() if _is_quantizable(name, module, skip)]
-    if precision == "bf16" or not names:
+    if precision == "bf16":
         return []
-    selected = set(names)
-
-    def selects(module: nn.Module, name: str) -> bool:
-        return name in selected
-
-    if precision == "fp8_weight_only":
-        quantize_(model, Float8WeightOnlyConfig(set_inductor_config=False), filter_fn=selects)
-    elif native_fp8_available(model.get_submodule(names[0]).weight.device):
-        for name in names:
-            model.get_submodule(name).to(torch.bfloat16)
-        config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False,
-                                                           activation_value_lb=AMAX_FLOOR)
-        quantize_(model, config, filter_fn=selects)
-    else:
-        _log_emulated_fp8_notice()
-        for name in names:
-            linear = model.get_submodule(name)
-            linear.weight = nn.Parameter(_emulated_w8a8_weight(linear.weight.detach()), requires_grad=False)
+    names = [name for name, module in model.named_modules() if _is_quantizable(name, module, skip, precision)]
+    for name in names:
+        linear = model.get_submodule(name)
+        linear.weight = nn.Parameter(quantized_weight(precision, linear.weight.detach()), requires_grad=False)
     return names
+
+
+def quantized_weight(precision: str, weight: torch.Tensor) -> TorchAOBaseTensor:
+    """`weight` [out, in] quantized as the engine stores it in mode `precision` (any mode but "bf16")."""
+    if precision == "fp8" and not native_fp8_available(weight.device):
+        _log_emulated_fp8_notice()
+        return _emulated_w8a8_weight(weight)
+    if precision == "fp8":
+        weight = weight.to(torch.bfloat16)
+    config = _torchao_config(precision)
+    holder = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    holder.weight = nn.Parameter(weight, requires_grad=False)  # no copy: the handler reads it and replaces it
+    return _QUANTIZE_CONFIG_HANDLER[type(config)](holder, config).weight.detach()
 
 
 @torch.no_grad()
 def requantize_(param: nn.Parameter, high_precision_weight: torch.Tensor) -> None:
     """Write `high_precision_weight` into `param` in place, keeping its storage.
 
-    For an FP8 parameter (either fp8 mode) the weight is quantized with the settings read off the
-    existing tensor (float8 dtype, granularity, matmul config, activation quantization, kernel
-    preference, high-precision dtype) and copied into its `qdata` and `scale`; any other parameter
-    gets a plain `copy_` (casting dtype and device).
+    A quantized parameter (any mode) gets the weight quantized in its own mode (read off its type and settings)
+    and `copy_`-ed into its data and scales; any other parameter gets a plain `copy_` (casting dtype and device).
     """
-    if isinstance(param, Float8Tensor):
-        param.copy_(_quantize_like(param, high_precision_weight))
-    elif isinstance(param, TorchAOBaseTensor):
-        raise TypeError(
-            f"requantize_ supports torchao Float8Tensor weights only, got {type(param).__name__}; "
-            f"quantize the model with dllm_ais.quantization.quantize_model_."
-        )
-    else:
+    if not isinstance(param, TorchAOBaseTensor):
         param.copy_(high_precision_weight)
+        return
+    if high_precision_weight.shape != param.shape:
+        raise ValueError(
+            f"Cannot requantize a weight of shape {tuple(high_precision_weight.shape)} into a quantized parameter of "
+            f"shape {tuple(param.shape)}; the trainer and the engine must share one architecture."
+        )
+    weight = high_precision_weight.to(device=param.device, dtype=param.dtype)
+    param.copy_(quantized_weight(_precision_of(param), weight))
 
 
-def _is_quantizable(name: str, module: nn.Module, skip: SkipRule) -> bool:
-    """A linear layer FP8 kernels accept (dims multiples of 16) that the caller does not skip."""
-    return (
-        isinstance(module, nn.Linear)
-        and module.in_features % FP8_DIM_MULTIPLE == 0
-        and module.out_features % FP8_DIM_MULTIPLE == 0
-        and not skip(name, module)
+def _precision_of(param: TorchAOBaseTensor) -> str:
+    """The precision mode a quantized engine parameter was made in."""
+    if isinstance(param, Float8Tensor):
+        return "fp8" if param.act_quant_kwargs is not None else "fp8_weight_only"
+    if isinstance(param, Int8Tensor):
+        return "int8"
+    if isinstance(param, IntxUnpackedToInt8Tensor):
+        return "int4"
+    raise TypeError(
+        f"requantize_ supports the weights quantize_model_ makes, got {type(param).__name__}; "
+        f"quantize the model with dllm_ais.quantization.quantize_model_."
     )
 
 
-# Lower bound on a row's absolute maximum before its FP8 scale is taken: an all-zero activation row (e.g. the
-# embedding of a padding token, which `padding_idx` keeps at zero) would otherwise get scale 0 and turn into NaN.
-AMAX_FLOOR = 1e-12
+def _torchao_config(precision: str):
+    """The torchao config of a mode that torchao's own `quantize_` handlers build (every mode but emulated fp8)."""
+    return {
+        "fp8": lambda: Float8DynamicActivationFloat8WeightConfig(
+            granularity=PerRow(), set_inductor_config=False, activation_value_lb=AMAX_FLOOR),
+        "fp8_weight_only": lambda: Float8WeightOnlyConfig(set_inductor_config=False),
+        "int8": lambda: Int8DynamicActivationInt8WeightConfig(set_inductor_config=False),
+        "int4": lambda: IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(INT4_GROUP_SIZE)),
+    }[precision]()
+
+
+def _is_quantizable(name: str, module: nn.Module, skip: SkipRule, precision: str) -> bool:
+    """A linear layer the low-precision kernels accept (dims multiples of 16; int4: inputs a multiple of its
+    group size) that the caller does not skip."""
+    input_multiple = INT4_GROUP_SIZE if precision == "int4" else DIM_MULTIPLE
+    return (
+        isinstance(module, nn.Linear)
+        and module.in_features % input_multiple == 0
+        and module.out_features % DIM_MULTIPLE == 0
+        and not skip(name, module)
+    )
 
 
 def _emulated_w8a8_weight(weight: torch.Tensor) -> Float8Tensor:
@@ -146,34 +182,6 @@ def _emulated_w8a8_weight(weight: torch.Tensor) -> Float8Tensor:
             float8_dtype=FP8_DTYPE, granularity=PerRow(), kernel_preference=KernelPreference.TORCH,
             hp_value_lb=AMAX_FLOOR,
         ),
-    )
-
-
-def _quantize_like(reference: Float8Tensor, high_precision_weight: torch.Tensor) -> Float8Tensor:
-    """Quantize `high_precision_weight` with exactly the settings `reference` was built with."""
-    if high_precision_weight.shape != reference.shape:
-        raise ValueError(
-            f"Cannot requantize a weight of shape {tuple(high_precision_weight.shape)} into an FP8 parameter of "
-            f"shape {tuple(reference.shape)}; the trainer and the engine must share one architecture."
-        )
-    return Float8Tensor.from_hp(
-        high_precision_weight.to(device=reference.device, dtype=reference.dtype),
-        float8_dtype=reference.qdata.dtype,
-        granularity=_granularity_of(reference),
-        mm_config=reference.mm_config,
-        kernel_preference=reference.kernel_preference,
-        act_quant_kwargs=reference.act_quant_kwargs,
-    )
-
-
-def _granularity_of(tensor: Float8Tensor) -> PerRow | PerTensor:
-    """The granularity whose block size is `tensor.block_size` (per-row or per-tensor scales)."""
-    for granularity in (PerRow(), PerTensor()):
-        if list(get_block_size(tuple(tensor.shape), granularity)) == list(tensor.block_size):
-            return granularity
-    raise NotImplementedError(
-        f"requantize_ handles per-row and per-tensor FP8 weights; this one has block size {tensor.block_size} "
-        f"for shape {tuple(tensor.shape)}."
     )
 
 

@@ -12,6 +12,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
 from torch import nn
 from torchao.quantization import Float8Tensor
+from torchao.utils import TorchAOBaseTensor
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 import dllm_ais.quantization as quantization
@@ -28,6 +29,7 @@ BLOCK_LINEARS = {
 }
 LM_HEADS = {"llada": "model.transformer.ff_out", "qwen3": "lm_head"}
 ARCHITECTURES = tuple(BLOCK_LINEARS)
+QUANTIZED = tuple(precision for precision in PRECISIONS if precision != "bf16")
 
 
 def tiny_llada(d_model: int = 64) -> nn.Module:
@@ -81,10 +83,10 @@ def mean_token_kl(trainer_logits: torch.Tensor, engine_logits: torch.Tensor) -> 
     return (trainer_logp.exp() * (trainer_logp - engine_logp)).sum(-1).mean().item()
 
 
-def fp8_storage_pointers(model: nn.Module) -> dict[str, tuple[int, int]]:
+def quantized_storage_pointers(model: nn.Module) -> dict[str, tuple[int, ...]]:
     return {
-        name: (param.qdata.data_ptr(), param.scale.data_ptr())
-        for name, param in model.named_parameters() if isinstance(param, Float8Tensor)
+        name: tuple(getattr(param, inner).data_ptr() for inner in param.tensor_data_names)
+        for name, param in model.named_parameters() if isinstance(param, TorchAOBaseTensor)
     }
 
 
@@ -109,8 +111,8 @@ def test_bf16_engine_reproduces_trainer_bit_for_bit(architecture, input_ids):
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
-@pytest.mark.parametrize("precision", ["fp8", "fp8_weight_only"])
-def test_fp8_engine_is_close_to_trainer_but_not_equal(architecture, precision, input_ids):
+@pytest.mark.parametrize("precision", QUANTIZED)
+def test_low_precision_engine_is_close_to_trainer_but_not_equal(architecture, precision, input_ids):
     trainer = tiny_model(architecture)
     engine = RolloutEngine(trainer, precision=precision)
     trainer_logits, engine_logits = logits_of(trainer, input_ids), logits_of(engine.model, input_ids)
@@ -157,22 +159,25 @@ def test_quantize_model_skips_linears_with_dims_not_multiple_of_16_and_those_the
     assert [isinstance(layer.weight, Float8Tensor) for layer in model] == [True, False, False, False]
 
 
-@pytest.mark.parametrize("precision", ["fp8", "fp8_weight_only"])
+@pytest.mark.parametrize("precision", QUANTIZED)
 def test_requantize_writes_a_fresh_quantization_into_the_existing_storage(precision):
     torch.manual_seed(0)
     model, reference = nn.Sequential(nn.Linear(32, 16)), nn.Sequential(nn.Linear(32, 16))
     quantize_model_(model, precision, skip=lambda name, module: False)
     weight = model[0].weight
-    storage = (weight.qdata.data_ptr(), weight.scale.data_ptr())
+    inner = weight.tensor_data_names  # qdata, scale (and int4's zero_point)
+    storage = [getattr(weight, name).data_ptr() for name in inner]
     new_weight = torch.randn(16, 32)
     reference[0].weight.data.copy_(new_weight)
     quantize_model_(reference, precision, skip=lambda name, module: False)
 
     requantize_(weight, new_weight)
 
-    assert model[0].weight is weight and (weight.qdata.data_ptr(), weight.scale.data_ptr()) == storage
-    assert torch.equal(weight.qdata.view(torch.uint8), reference[0].weight.qdata.view(torch.uint8))
-    assert torch.equal(weight.scale, reference[0].weight.scale)
+    assert model[0].weight is weight and [getattr(weight, name).data_ptr() for name in inner] == storage
+    for name in inner:
+        fresh, written = getattr(reference[0].weight, name), getattr(weight, name)
+        assert torch.equal(written.view(torch.uint8), fresh.view(torch.uint8)) if written.dtype.itemsize == 1 \
+            else torch.equal(written, fresh), name
     with pytest.raises(ValueError, match="shape"):
         requantize_(weight, torch.randn(16, 16))
 
@@ -246,18 +251,20 @@ def test_modules_to_save_copy_replaces_the_original(input_ids):
     assert torch.equal(logits_of(engine.model, input_ids), logits_of(merged_engine.model, input_ids))
 
 
-@pytest.mark.parametrize("architecture", ARCHITECTURES)
-@pytest.mark.parametrize("training", ["lora", "full"])
-def test_sync_after_optimizer_step_matches_a_fresh_engine_in_place(architecture, training, input_ids):
+@pytest.mark.parametrize("architecture, training, precision", [
+    *((architecture, training, "fp8") for architecture in ARCHITECTURES for training in ("lora", "full")),
+    *(("llada", "lora", precision) for precision in QUANTIZED if precision != "fp8"),
+])
+def test_sync_after_optimizer_step_matches_a_fresh_engine_in_place(architecture, training, precision, input_ids):
     trainer = tiny_lora_model(architecture) if training == "lora" else tiny_model(architecture)
-    engine = RolloutEngine(trainer, precision="fp8")
+    engine = RolloutEngine(trainer, precision=precision)
     logits_before = logits_of(engine.model, input_ids)
-    fp8_pointers = fp8_storage_pointers(engine.model)
+    quantized_pointers = quantized_storage_pointers(engine.model)
     plain_pointers = {
         name: param.data_ptr() for name, param in engine.model.named_parameters()
-        if not isinstance(param, Float8Tensor)
+        if not isinstance(param, TorchAOBaseTensor)
     }
-    assert len(fp8_pointers) == 14
+    assert len(quantized_pointers) == 14
 
     take_optimizer_step(trainer, input_ids)
     seconds = engine.sync_from(trainer)
@@ -266,11 +273,11 @@ def test_sync_after_optimizer_step_matches_a_fresh_engine_in_place(architecture,
     assert seconds > 0.0
     synced_logits = logits_of(engine.model, input_ids)
     assert not torch.equal(synced_logits, logits_before)
-    assert torch.equal(synced_logits, logits_of(RolloutEngine(trainer, precision="fp8").model, input_ids))
-    assert fp8_storage_pointers(engine.model) == fp8_pointers
+    assert torch.equal(synced_logits, logits_of(RolloutEngine(trainer, precision=precision).model, input_ids))
+    assert quantized_storage_pointers(engine.model) == quantized_pointers
     assert {
         name: param.data_ptr() for name, param in engine.model.named_parameters()
-        if not isinstance(param, Float8Tensor)
+        if not isinstance(param, TorchAOBaseTensor)
     } == plain_pointers
 
 
