@@ -36,7 +36,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from dllm_ais.config import EMBEDDED_RECIPE, load_config
 
     config = load_config(args.recipe or EMBEDDED_RECIPE, overrides)
-    from dllm_ais.launch import relaunch_as_cpu_processes, requested_cpu_launch
+    from dllm_ais.launch import end_process_group, relaunch_as_cpu_processes, requested_cpu_launch
 
     if launch := requested_cpu_launch():
         return relaunch_as_cpu_processes(launch)
@@ -66,6 +66,8 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     except KeyboardInterrupt:  # Ctrl-C while loading, before training installs its handler
         print("interrupted before the first step; nothing to resume", file=sys.stderr)
         return 130
+    finally:
+        end_process_group()
     return 0
 
 

@@ -153,7 +153,7 @@ def relaunch_as_cpu_processes(args: argparse.Namespace) -> int:
     try:
         while launcher.poll() is None:
             try:
-                launcher.wait(timeout=0.5)
+                launcher.wait(timeout=0.2)
             except subprocess.TimeoutExpired:
                 if os.getppid() != parent and not relayed:
                     relay(signal.SIGTERM)
@@ -161,6 +161,16 @@ def relaunch_as_cpu_processes(args: argparse.Namespace) -> int:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     return launcher.returncode
+
+
+def end_process_group() -> None:
+    """Leave torch.distributed's process group, if this process is in one. Left to the interpreter's exit, gloo's
+    teardown sometimes aborted the CPU process that finished first ("terminate called without an active exception")
+    and with it the run."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def use_fsdp_on_cpu(accelerator: Any) -> None:

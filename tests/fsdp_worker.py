@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from dllm_ais.checkpoint import EMBEDDED_RECIPE, load_model
 from dllm_ais.config import load_config
 from dllm_ais.engine import RolloutEngine
-from dllm_ais.launch import relaunch_as_cpu_processes, requested_cpu_launch
+from dllm_ais.launch import end_process_group, relaunch_as_cpu_processes, requested_cpu_launch
 from dllm_ais.trainer import GRPOTrainer
 
 
@@ -53,3 +53,4 @@ if __name__ == "__main__":
     if trainer.accelerator.is_main_process:
         assert len(uninterrupted) == 2 and comparable(resumed) == comparable(uninterrupted), (resumed, uninterrupted)
         print("full fine-tuning resumed exactly", flush=True)
+    end_process_group()

@@ -37,14 +37,19 @@ def uninterrupted(tmp_path_factory):
     return comparable(GRPOTrainer(config).train().history)
 
 
+def start(argv, log_dir):
+    """Start `argv` on one intra-op thread, its output in a file in `log_dir` (read it with `output_of`)."""
+    log = open(log_dir / f"log-{time.monotonic_ns()}.txt", "w+")
+    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                               text=True)
+    process.log = log
+    return process
+
+
 def train(output_dir, *overrides, command=None):
     """Start `python -m dllm_ais.cli train` (or the given `dllm-ais train ...` command) with its output in files."""
     command = command or ["dllm-ais", "train", f"--output_dir={output_dir}", *RUN, *overrides]
-    log = open(output_dir.parent / f"log-{time.monotonic_ns()}.txt", "w+")
-    process = subprocess.Popen([sys.executable, "-m", "dllm_ais.cli", *command[1:]], stdout=log,
-                               stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}, text=True)
-    process.log = log
-    return process
+    return start([sys.executable, "-m", "dllm_ais.cli", *command[1:]], output_dir.parent)
 
 
 def output_of(process):
