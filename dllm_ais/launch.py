@@ -3,6 +3,9 @@
 `GRPOConfig.problems` checks what the config says; here is what needs the machine (trackers installed, every
 launched process seen by accelerate), user code (reward functions that must import) or the data (the longest prompt
 fits `max_prompt_length`). Each failure is a ConfigError naming the field or the fix.
+
+On CPU, where accelerate alone starts one process and never shards, a multi-process (and FSDP) launch is completed
+here: `relaunch_as_cpu_processes` and `use_fsdp_on_cpu`.
 """
 
 from __future__ import annotations
@@ -160,6 +163,8 @@ def relaunch_as_cpu_processes(args: argparse.Namespace) -> int:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+    if relayed and launcher.returncode:  # the processes stopped on the signal (torch.distributed.run exits 1)
+        return 128 + relayed[0]
     return launcher.returncode
 
 

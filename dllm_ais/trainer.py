@@ -653,8 +653,8 @@ class GRPOTrainer:
 
     def _leave_weights_to_save_pretrained(self, models, weights, output_dir) -> None:
         """accelerate's save_state hook: it would store the full state dict (a LoRA run's frozen base included); the
-        checkpoint's save_pretrained files hold the weights instead. (FSDP and DeepSpeed save their own shards and
-        pass no state dicts.)"""
+        checkpoint's save_pretrained files hold the weights instead. (Under FSDP and DeepSpeed accelerate writes
+        and reads its own model files and passes no state dicts.)"""
         weights.clear()
 
     def _load_weights_from_save_pretrained(self, models, input_dir) -> None:

@@ -20,10 +20,7 @@ from dllm_ais.config import load_config
 from dllm_ais.engine import RolloutEngine
 from dllm_ais.launch import end_process_group, relaunch_as_cpu_processes, requested_cpu_launch
 from dllm_ais.trainer import GRPOTrainer
-
-
-def comparable(records):
-    return [{k: v for k, v in r.items() if not k.startswith("timing/")} for r in records]
+from test_resume import comparable  # this script's directory, tests/, is on sys.path
 
 
 def train(output_dir: Path, *overrides: str):
