@@ -1,7 +1,8 @@
 """Run by test_fsdp.py in each of 2 CPU processes: `accelerate launch --config_file recipes/accelerate/fsdp.yaml
 --cpu --num_processes 2 --mixed_precision no tests/fsdp_worker.py OUTPUT_DIR --field=value ...`.
 
-1. A LoRA run into OUTPUT_DIR/lora (the reference the test compares an interrupted and resumed CLI run with).
+1. A LoRA run into OUTPUT_DIR/lora (the reference the test compares an interrupted and resumed CLI run with), then
+   one more step with a NaN gradient on process 1 only, which every process must skip.
 2. A fully fine-tuned run into OUTPUT_DIR/full, then its resumption from `checkpoint-1` into OUTPUT_DIR/full-resumed,
    whose metrics must equal the uninterrupted run's.
 
@@ -9,6 +10,7 @@ After each run every process syncs its rollout engine from the sharded (DTensor)
 for bit, an engine built from the model the run saved in `final/` (loaded unsharded, its adapter merged).
 """
 
+import math
 import sys
 from pathlib import Path
 
@@ -39,11 +41,38 @@ def train(output_dir: Path, *overrides: str):
     return trainer, history
 
 
+def local(tensor):
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def check_a_nan_gradient_on_one_process_skips_the_batch_on_all(trainer):
+    """The NaN reaches every process through the gradient reduce-scatter; the gradient norm FSDP2 returns is a
+    DTensor, NaN on every process, so all skip the batch before the optimizer moves weights or AdamW moments."""
+    logprobs = trainer.policy.logprobs
+
+    def poisoned(model, rollout, seed):
+        logp = logprobs(model, rollout, seed)
+        if torch.is_grad_enabled() and trainer.accelerator.process_index == 1:
+            logp.register_hook(lambda grad: torch.full_like(grad, math.nan))
+        return logp
+
+    def snapshot():
+        moments = [local(value).clone() for state in trainer.optimizer.state.values() for value in state.values()]
+        return [local(p).detach().clone() for p in trainer.trainable_parameters] + moments
+
+    before = snapshot()
+    trainer.policy.logprobs = poisoned
+    assert trainer.training_step() is None and trainer.skipped_batches == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot(), strict=True))
+    print(f"process {trainer.accelerator.process_index}: NaN gradient skipped, weights and optimizer untouched",
+          flush=True)
+
+
 if __name__ == "__main__":
     if launch := requested_cpu_launch():
         sys.exit(relaunch_as_cpu_processes(launch))
     root = Path(sys.argv[1])
-    train(root / "lora")
+    check_a_nan_gradient_on_one_process_skips_the_batch_on_all(train(root / "lora")[0])
     trainer, uninterrupted = train(root / "full", "--use_peft=false", "--max_steps=2", "--save_steps=1")
     _, resumed = train(root / "full-resumed", "--use_peft=false", "--max_steps=2",
                        f"--resume_from_checkpoint={root / 'full' / 'checkpoint-1'}")

@@ -33,8 +33,9 @@ RUN = ["--eval_size=0", "--per_device_train_batch_size=4", "--num_iterations=2",
 
 @pytest.fixture(scope="module")
 def sharded_runs(tmp_path_factory):
-    """tests/fsdp_worker.py under the FSDP launch: a LoRA run of 4 steps (checkpoint-2, final/) and a fully fine-tuned
-    run resumed from inside a generation batch, each followed by the engine check."""
+    """tests/fsdp_worker.py under the FSDP launch: a LoRA run of 4 steps (checkpoint-2, final/) and a step with a NaN
+    gradient on one process, a fully fine-tuned run resumed from inside a generation batch; each run followed by the
+    engine check."""
     root = tmp_path_factory.mktemp("fsdp")
     process = start([*LAUNCH, str(ROOT / "tests" / "fsdp_worker.py"), str(root), *RUN, "--max_steps=4", "--save_steps=2"],
                     root)
@@ -42,11 +43,13 @@ def sharded_runs(tmp_path_factory):
     return root, output_of(process)
 
 
-def test_sharded_training_syncs_the_engine_from_dtensors_saves_and_resumes_exactly(sharded_runs):
+def test_sharded_training_syncs_the_engine_from_dtensors_skips_non_finite_saves_and_resumes_exactly(sharded_runs):
     root, output = sharded_runs
     for run in ("lora", "full", "full-resumed"):
         for process in (0, 1):
             assert f"process {process}: engine synced from DTensors == {run}/final" in output, output[-5000:]
+    for process in (0, 1):
+        assert f"process {process}: NaN gradient skipped, weights and optimizer untouched" in output
     assert "full fine-tuning resumed exactly" in output
     assert [r["step"] for r in metrics(root / "lora")] == [1, 2, 3, 4]  # one writer
     checkpoint = root / "lora" / "checkpoint-2"
