@@ -37,10 +37,10 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from dllm_ais.config import EMBEDDED_RECIPE, load_config
 
     config = load_config(args.recipe or EMBEDDED_RECIPE, overrides)
-    from dllm_ais.launch import relaunch_as_cpu_processes, requested_cpu_processes
+    from dllm_ais.launch import end_process_group, relaunch_as_cpu_processes, requested_cpu_launch
 
-    if (processes := requested_cpu_processes()) > 1:
-        return relaunch_as_cpu_processes(processes)
+    if launch := requested_cpu_launch():
+        return relaunch_as_cpu_processes(launch)
     if config.dry_run:
         from dllm_ais.dry_run import run_dry_run
 
@@ -52,9 +52,14 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     try:
         GRPOTrainer(config).train()
     except TrainingInterrupted as stop:
-        print(f"interrupted at step {stop.step}; " + (f"resume with: {resume_command(args, overrides, stop.checkpoint)}"
-                                                      if stop.checkpoint else "no step taken, nothing to resume"),
-              file=sys.stderr)
+        from accelerate import PartialState
+
+        state = PartialState()
+        if state.is_main_process:  # one line per run, however many processes
+            launched = f" (launched as this run was, {state.num_processes} processes)" if state.num_processes > 1 else ""
+            print(f"interrupted at step {stop.step}; " + (
+                f"resume with: {resume_command(args, overrides, stop.checkpoint)}{launched}"
+                if stop.checkpoint else "no step taken, nothing to resume"), file=sys.stderr)
         return stop.exit_code
     except NonFiniteError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -62,6 +67,8 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     except KeyboardInterrupt:  # Ctrl-C while loading, before training installs its handler
         print("interrupted before the first step; nothing to resume", file=sys.stderr)
         return 130
+    finally:
+        end_process_group()
     return 0
 
 

@@ -3,12 +3,17 @@
 `GRPOConfig.problems` checks what the config says; here is what needs the machine (trackers installed, every
 launched process seen by accelerate), user code (reward functions that must import) or the data (the longest prompt
 fits `max_prompt_length`). Each failure is a ConfigError naming the field or the fix.
+
+On CPU, where accelerate alone starts one process and never shards, a multi-process (and FSDP) launch is completed
+here: `relaunch_as_cpu_processes` and `use_fsdp_on_cpu`.
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
+import signal
 import subprocess
 import sys
 from typing import Any
@@ -88,43 +93,103 @@ def check_prompt_lengths(tokenizer: Any, datasets: dict[str, Any], max_prompt_le
         raise ConfigError(problem_list("Invalid configuration:", problems))
 
 
-def requested_cpu_processes() -> int:
-    """N when this process was started by `accelerate launch --cpu --num_processes N` (N > 1) without mpirun, else 1.
+def requested_cpu_launch() -> argparse.Namespace | None:
+    """accelerate's launch arguments (its config file's settings filled in) when this process was started by
+    `accelerate launch --cpu --num_processes N` (N > 1) without mpirun, else None.
 
     accelerate starts several CPU processes only through mpirun (`--mpirun_hostfile`); otherwise its simple launcher
-    starts this one process, with ACCELERATE_USE_CPU set and no WORLD_SIZE, and the run would silently use one.
-    N is read from the parent `accelerate launch` command line with accelerate's own parser.
+    starts this one process, with ACCELERATE_USE_CPU set and no WORLD_SIZE, and drops the config's FSDP settings:
+    the run would silently use one unsharded process. The parent `accelerate launch` command line is read with
+    accelerate's own parser and validation.
     """
     from accelerate.utils import parse_flag_from_env
 
     if launched_processes() > 1 or "LOCAL_RANK" in os.environ or not parse_flag_from_env("ACCELERATE_USE_CPU"):
-        return 1
+        return None
     import psutil
-    from accelerate.commands.config.config_args import load_config_from_file
-    from accelerate.commands.launch import launch_command_parser
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 
     try:
         argv = psutil.Process().parent().cmdline()
     except (psutil.Error, AttributeError):
-        return 1
+        return None
     starts = [i + 1 for i, token in enumerate(argv) if token == "accelerate.commands.launch"
               or (token == "launch" and i > 0 and os.path.basename(argv[i - 1]).startswith("accelerate"))]
     if not starts:
-        return 1
+        return None
     try:
-        args = launch_command_parser().parse_args(argv[starts[0]:])
-        processes = args.num_processes
-        if processes is None and args.config_file:
-            processes = load_config_from_file(args.config_file).num_processes
+        args, _, _ = _validate_launch_command(launch_command_parser().parse_args(argv[starts[0]:]))
     except (SystemExit, Exception):  # not a command line accelerate itself would accept
-        return 1
-    return processes if isinstance(processes, int) and processes > 1 else 1
+        return None
+    if args.mpirun_hostfile or not isinstance(args.num_processes, int) or args.num_processes < 2:
+        return None
+    return args
 
 
-def relaunch_as_cpu_processes(processes: int) -> int:
-    """Run this command again as `processes` CPU processes (gloo) under torch.distributed.run; its exit code."""
-    logger.info("accelerate launch --cpu starts a single process without mpirun; starting %d CPU processes with "
-                "torch.distributed.run", processes)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
-               "-m", "dllm_ais.cli", *sys.argv[1:]]
-    return subprocess.run(command, env={**os.environ, "ACCELERATE_USE_CPU": "true"}).returncode
+def relaunch_as_cpu_processes(args: argparse.Namespace) -> int:
+    """Run the launched command as `args.num_processes` CPU processes (gloo) under torch.distributed.run, with the
+    environment accelerate's multi-process launcher gives them (the config's FSDP settings included); its exit code.
+
+    SIGINT/SIGTERM reaching this process are relayed to torch.distributed.run, which relays them to the processes
+    (they end their step with a checkpoint). `accelerate launch` relays nothing when it is killed itself (e.g. a
+    SIGTERM sent to it alone), so its exit is relayed as SIGTERM, unless a signal was relayed already: a second
+    one would make the processes exit at once, without a checkpoint.
+    """
+    from accelerate.utils import prepare_multi_gpu_env
+
+    logger.info("accelerate launch --cpu starts a single process without mpirun; starting %d CPU processes%s with "
+                "torch.distributed.run", args.num_processes, " (FSDP)" if args.use_fsdp else "")
+    args.main_process_port = args.main_process_port or 0  # 0: a free port, never a warning about a taken one
+    env = {**prepare_multi_gpu_env(args), "ACCELERATE_USE_CPU": "true"}
+    script = ["-m"] if args.module else ["--no-python"] if args.no_python else []
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+               str(args.num_processes), *script, args.training_script, *args.training_script_args]
+    parent = os.getppid()
+    launcher = subprocess.Popen(command, env=env, start_new_session=True)  # signals reach it only through here
+    relayed: list[int] = []
+
+    def relay(signum: int, frame=None) -> None:
+        relayed.append(signum)
+        launcher.send_signal(signum)
+
+    previous = {signum: signal.signal(signum, relay) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while launcher.poll() is None:
+            try:
+                launcher.wait(timeout=0.2)
+            except subprocess.TimeoutExpired:
+                if os.getppid() != parent and not relayed:
+                    relay(signal.SIGTERM)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if relayed and launcher.returncode:  # the processes stopped on the signal (torch.distributed.run exits 1)
+        return 128 + relayed[0]
+    return launcher.returncode
+
+
+def end_process_group() -> None:
+    """Leave torch.distributed's process group, if this process is in one. Left to the interpreter's exit, gloo's
+    teardown sometimes aborted the CPU process that finished first ("terminate called without an active exception")
+    and with it the run."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def use_fsdp_on_cpu(accelerator: Any) -> None:
+    """Shard with FSDP in CPU processes when the launch asked for FSDP (ACCELERATE_USE_FSDP, set from the config).
+
+    accelerate applies an FSDP config only to accelerator devices: CPU processes stay MULTI_CPU (replicated, like
+    DDP) and ignore it. torch's FSDP2 runs on CPU over gloo, so this sets accelerate's state to FSDP with the plugin
+    it would have built from the same environment, before anything is prepared.
+    """
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, parse_flag_from_env
+
+    if accelerator.distributed_type != DistributedType.MULTI_CPU or not parse_flag_from_env("ACCELERATE_USE_FSDP"):
+        return
+    plugin = FullyShardedDataParallelPlugin()
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # AcceleratorState() copies it back
+    AcceleratorState._shared_state.update(distributed_type=DistributedType.FSDP, fsdp_plugin=plugin)

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list, set_seed
+from accelerate.utils import broadcast_object_list, gather_object, send_to_device, set_seed
 from peft import LoraConfig, PeftModel, get_peft_model
 from tqdm.auto import tqdm
 from transformers import get_scheduler
@@ -42,7 +42,7 @@ from dllm_ais.data import load_task_dataset, tokenize_prompts
 from dllm_ais.engine import RolloutEngine
 from dllm_ais.evaluation import EvalResult, evaluate_policy, paired_difference
 from dllm_ais.interruption import StopSignals, TrainingInterrupted
-from dllm_ais.launch import check_processes, check_prompt_lengths, check_run_environment
+from dllm_ais.launch import check_processes, check_prompt_lengths, check_run_environment, use_fsdp_on_cpu
 from dllm_ais.loss import grpo_loss, group_advantages
 from dllm_ais.metrics import (MetricsLog, completion_metrics, console_line, ends_with_eos, eval_line, mismatch_warnings,
                               plot_metrics, reward_metrics)
@@ -156,11 +156,13 @@ class TrainingProgress:
     """What a checkpoint needs besides weights, optimizer, scheduler and the global RNGs (accelerate saves those):
     the trainer's counters (steps, generation batches, tokens seen), prompt order and cursor, the α EMA, the held-out
     baseline, the best validation score so far (TRL's `best_metric`, `best_global_step`, `best_model_checkpoint`),
-    the skip counters, the completion samples not yet logged and the generation batch in flight. The samplers' and
-    estimators' generators are seeded from `generation_index`.
+    the skip counters, the completion samples not yet logged and the generation batch in flight on every process
+    (each holds its own prompts' rollouts). The samplers' and estimators' generators are seeded from
+    `generation_index`.
 
     This is the object `accelerator.register_for_checkpointing` stores (state_dict / load_state_dict); it holds
     tensors and plain values only, so resuming can check the file loads with `torch.load(weights_only=True)`.
+    accelerate writes it from the main process only, so `state_dict` (called on every process) gathers the batches.
     """
 
     FIELDS = ("run_id", "global_step", "generation_index", "previous_alpha", "prompt_order", "prompt_cursor",
@@ -172,14 +174,16 @@ class TrainingProgress:
 
     def state_dict(self) -> dict[str, Any]:
         batch, eval_before = self.trainer.batch, self.trainer.eval_before
-        return {**{name: getattr(self.trainer, name) for name in self.FIELDS},
-                "batch": None if batch is None else batch.state_dict(),
+        batches = [None if batch is None else send_to_device(batch.state_dict(), "cpu")]
+        if self.trainer.accelerator.num_processes > 1:
+            batches = gather_object(batches)
+        return {**{name: getattr(self.trainer, name) for name in self.FIELDS}, "batches": batches,
                 "eval_before": None if eval_before is None else eval_before.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name in self.FIELDS:
             setattr(self.trainer, name, state[name])
-        batch, eval_before = state["batch"], state["eval_before"]
+        batch, eval_before = state["batches"][self.trainer.accelerator.process_index], state["eval_before"]
         self.trainer.batch = None if batch is None else GenerationBatch.from_state_dict(batch, self.trainer.accelerator.device)
         self.trainer.eval_before = None if eval_before is None else EvalResult.from_state_dict(eval_before)
 
@@ -240,6 +244,7 @@ class GRPOTrainer:
         self.accelerator = Accelerator(
             log_with=config.report_to or None, project_dir=config.output_dir, mixed_precision="no",
             gradient_accumulation_steps=config.gradient_accumulation_steps, step_scheduler_with_optimizer=False)
+        use_fsdp_on_cpu(self.accelerator)
         check_processes(self.accelerator)
         self.resume_from = prepare_output_dir(config, self.accelerator.is_main_process)  # before anything loads
         self.accelerator.wait_for_everyone()
@@ -767,6 +772,10 @@ class GRPOTrainer:
             except pickle.UnpicklingError as error:
                 raise ConfigError(f"{file} holds more than tensors and plain values; refusing to resume from it "
                                   f"({error}).") from error
+        written_by = len(list(checkpoint.glob("random_states_*.pkl")))  # accelerate writes one per process
+        if written_by != self.accelerator.num_processes:
+            raise ConfigError(f"Cannot resume from {checkpoint}: it was written by {written_by} process(es), this run "
+                              f"has {self.accelerator.num_processes}; launch it with --num_processes {written_by}.")
         self.accelerator.load_state(str(checkpoint))
         if len(self.prompt_order) != len(self.train_dataset):
             raise ConfigError(f"Cannot resume from {checkpoint}: it was trained on {len(self.prompt_order)} prompts, "
@@ -775,8 +784,8 @@ class GRPOTrainer:
 
     def _leave_weights_to_save_pretrained(self, models, weights, output_dir) -> None:
         """accelerate's save_state hook: it would store the full state dict (a LoRA run's frozen base included); the
-        checkpoint's save_pretrained files hold the weights instead. (FSDP and DeepSpeed save their own shards and
-        pass no state dicts.)"""
+        checkpoint's save_pretrained files hold the weights instead. (Under FSDP and DeepSpeed accelerate writes
+        and reads its own model files and passes no state dicts.)"""
         weights.clear()
 
     def _load_weights_from_save_pretrained(self, models, input_dir) -> None:

@@ -44,14 +44,19 @@ def uninterrupted(reference):
     return comparable(metrics(reference))
 
 
+def start(argv, log_dir):
+    """Start `argv` on one intra-op thread, its output in a file in `log_dir` (read it with `output_of`)."""
+    log = open(log_dir / f"log-{time.monotonic_ns()}.txt", "w+")
+    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                               text=True)
+    process.log = log
+    return process
+
+
 def train(output_dir, *overrides, command=None):
     """Start `python -m dllm_ais.cli train` (or the given `dllm-ais train ...` command) with its output in files."""
     command = command or ["dllm-ais", "train", f"--output_dir={output_dir}", *RUN, *overrides]
-    log = open(output_dir.parent / f"log-{time.monotonic_ns()}.txt", "w+")
-    process = subprocess.Popen([sys.executable, "-m", "dllm_ais.cli", *command[1:]], stdout=log,
-                               stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}, text=True)
-    process.log = log
-    return process
+    return start([sys.executable, "-m", "dllm_ais.cli", *command[1:]], output_dir.parent)
 
 
 def output_of(process):
@@ -165,3 +170,18 @@ def test_a_checkpoint_whose_trainer_state_holds_code_is_refused_before_accelerat
     with pytest.raises(ConfigError, match="refusing to resume"):
         make_trainer(tokenizer, tmp_path / "resumed", max_steps=2, resume_from_checkpoint=str(tampered))
     assert not (tmp_path / "pwned").exists()
+
+
+def test_a_checkpoint_written_by_another_number_of_processes_is_refused(tokenizer, tmp_path):
+    """Each process holds its own prompts' generation batch and RNG streams: a resume needs as many processes."""
+    import shutil
+
+    from dllm_ais.config import ConfigError
+    from test_trainer import make_trainer
+
+    make_trainer(tokenizer, tmp_path / "run", max_steps=1, save_steps=1).train()
+    two_processes = tmp_path / "two" / "checkpoint-1"
+    shutil.copytree(tmp_path / "run" / "checkpoint-1", two_processes)
+    shutil.copy(two_processes / "random_states_0.pkl", two_processes / "random_states_1.pkl")
+    with pytest.raises(ConfigError, match=r"written by 2 process\(es\), this run has 1; launch it with --num_processes 2"):
+        make_trainer(tokenizer, tmp_path / "resumed", max_steps=2, resume_from_checkpoint=str(two_processes))

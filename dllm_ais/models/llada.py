@@ -340,9 +340,8 @@ class LLaDAModel(LLaDAPreTrainedModel):
         elif logits_to_keep:
             x = x[:, -logits_to_keep:]
         x = self.transformer.ln_f(x)
-        head = self.transformer.wte.weight if self.config.weight_tying else self.transformer.ff_out.weight
-        bias = None if self.config.weight_tying else self.transformer.ff_out.bias
-        logits = F.linear(x, head, bias)
+        # The untied head runs as a module: FSDP2 gathers a module's sharded weights only when the module is called.
+        logits = F.linear(x, self.transformer.wte.weight) if self.config.weight_tying else self.transformer.ff_out(x)
         if self.config.scale_logits:
             logits = logits * (1.0 / self.config.d_model**0.5)
         return CausalLMOutputWithPast(logits=logits, past_key_values=new_cache if use_cache else None)

@@ -1,0 +1,84 @@
+"""FSDP2 through the shipped `recipes/accelerate/fsdp.yaml`, on 2 CPU processes (gloo), launched as a user would:
+`accelerate launch --config_file recipes/accelerate/fsdp.yaml --cpu --num_processes 2 ...`.
+
+Only what a CPU needs is overridden: `--cpu` and `--num_processes 2`. accelerate's `--cpu` launcher starts one
+process and drops the config's FSDP settings; dllm-ais re-launches the command as 2 gloo processes with them, and
+switches accelerate (which keeps CPU processes unsharded, MULTI_CPU) to FSDP. The config's `mixed_precision: bf16`
+stays as shipped: the trainer never autocasts, it computes in its weights' dtype (`dtype: auto` = float32 on CPU).
+
+What these CPU runs do not show: GPU memory savings and speed, NCCL, CPU offload (`fsdp_offload_params`), and native
+FP8 kernels (FP8 rollouts are emulated on CPU). The runs use float32 weights and `rollout_precision=bf16` (the
+trainer's own dtype) so that the rollout engine can be compared with the saved model bit for bit; bfloat16 weights
+and the FP8 engine also run sharded on CPU, but are not compared here.
+"""
+
+import re
+import shlex
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from test_resume import comparable, metrics, output_of, start, wait_until
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+          str(ROOT / "recipes" / "accelerate" / "fsdp.yaml"), "--cpu", "--num_processes", "2"]
+RUN = ["--eval_size=0", "--per_device_train_batch_size=4", "--num_iterations=2", "--rollout_precision=bf16",
+       "--ais_alpha_ema=0.5"]  # 1 prompt × 4 completions per process; checkpoints can fall inside a generation batch
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(tmp_path_factory):
+    """tests/fsdp_worker.py under the FSDP launch: a LoRA run of 4 steps (checkpoint-2, final/) and a step with a NaN
+    gradient on one process, a fully fine-tuned run resumed from inside a generation batch; each run followed by the
+    engine check."""
+    root = tmp_path_factory.mktemp("fsdp")
+    process = start([*LAUNCH, str(ROOT / "tests" / "fsdp_worker.py"), str(root), *RUN, "--max_steps=4", "--save_steps=2"],
+                    root)
+    assert process.wait(timeout=600) == 0, output_of(process)[-5000:]
+    return root, output_of(process)
+
+
+def test_sharded_training_syncs_the_engine_from_dtensors_skips_non_finite_saves_and_resumes_exactly(sharded_runs):
+    root, output = sharded_runs
+    for run in ("lora", "full", "full-resumed"):
+        for process in (0, 1):
+            assert f"process {process}: engine synced from DTensors == {run}/final" in output, output[-5000:]
+    for process in (0, 1):
+        assert f"process {process}: NaN gradient skipped, weights and optimizer untouched" in output
+    assert "full fine-tuning resumed exactly" in output
+    assert [r["step"] for r in metrics(root / "lora")] == [1, 2, 3, 4]  # one writer
+    checkpoint = root / "lora" / "checkpoint-2"
+    assert (checkpoint / "pytorch_model_fsdp.bin").is_file() and (checkpoint / "optimizer.bin").is_file()
+    assert (checkpoint / "adapter_model.safetensors").is_file() and (root / "lora" / "final" / "adapter_config.json").is_file()
+
+
+def test_sigterm_to_the_launcher_checkpoints_and_the_resumed_run_matches_the_uninterrupted_one(sharded_runs, tmp_path):
+    """SIGTERM to `accelerate launch` alone (what `kill` or a scheduler sends): accelerate dies without relaying it;
+    its exit reaches the processes as SIGTERM, they end the step, checkpoint and print one resume line."""
+    root, _ = sharded_runs
+    output_dir = tmp_path / "run"
+    launcher = start([*LAUNCH, "-m", "dllm_ais.cli", "train", f"--output_dir={output_dir}", *RUN, "--max_steps=20"],
+                     tmp_path)
+    wait_until(lambda: len(metrics(output_dir)) >= 1, launcher)
+    processes = psutil.Process(launcher.pid).children(recursive=True)
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=60) == -signal.SIGTERM
+    _, alive = psutil.wait_procs(processes, timeout=300)
+    assert not alive
+    output = output_of(launcher)
+    assert "distributed run: 2 processes (FSDP) on cpu" in output
+    lines = [line for line in output.splitlines() if line.startswith("interrupted at step")]
+    assert len(lines) == 1, output[-5000:]
+    step, command = re.fullmatch(r"interrupted at step (\d+); resume with: dllm-ais (train .*) "
+                                 r"\(launched as this run was, 2 processes\)", lines[0]).groups()
+    assert 1 <= int(step) < 4, "the run went past the reference's 4 steps before it saw the signal"
+    assert (output_dir / f"checkpoint-{step}" / "pytorch_model_fsdp.bin").is_file()
+
+    resumed = start([*LAUNCH, "-m", "dllm_ais.cli", *shlex.split(command), "--max_steps=4"], tmp_path)
+    assert resumed.wait(timeout=600) == 0, output_of(resumed)[-5000:]
+    assert comparable(metrics(output_dir)) == comparable(metrics(root / "lora"))
