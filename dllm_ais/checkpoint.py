@@ -14,10 +14,12 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-import yaml
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from dllm_ais.config import EMBEDDED_MODEL, EMBEDDED_MODEL_DIR, EMBEDDED_MODELS, EMBEDDED_RECIPE, ConfigError, GRPOConfig  # noqa: F401
+from dllm_ais.config import (  # noqa: F401  (EMBEDDED_* are re-exported)
+    EMBEDDED_MODEL, EMBEDDED_MODEL_DIR, EMBEDDED_MODELS, EMBEDDED_RECIPE, ConfigError, GRPOConfig,
+)
+from dllm_ais.validation import read_recipe, show
 
 END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|endoftext|>")
 
@@ -368,9 +370,9 @@ def resume_checkpoint(config: GRPOConfig) -> Path | None:
         if not resumable(checkpoint):
             raise ConfigError(f"resume_from_checkpoint={wanted}: not a complete dllm-ais training checkpoint (a "
                               "checkpoint-N directory written by `dllm-ais train`, with its trainer state).")
-    saved = yaml.safe_load((checkpoint / "dllm_ais_config.yaml").read_text())
+    saved = read_recipe(checkpoint / "dllm_ais_config.yaml")
     defaults = GRPOConfig().to_dict()
-    changed = [f"{name}: {saved.get(name, defaults[name])!r} -> {value!r}" for name, value in config.to_dict().items()
+    changed = [f"{name}: {show(saved.get(name, defaults[name]))} -> {show(value)}" for name, value in config.to_dict().items()
                if name not in RESUMABLE_CHANGES and saved.get(name, defaults[name]) != value]
     if changed:
         raise ConfigError(f"Cannot resume from {checkpoint}: these fields change the run (only "

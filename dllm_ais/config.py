@@ -125,8 +125,13 @@ class GRPOConfig:
     is_clip: float = field(default=2.0, metadata={**POSITIVE, "help": "Upper truncation C of the importance ratio."})
     is_clip_low: float | None = field(default=None, metadata=NON_NEGATIVE)
     is_normalize: bool = False
-    ais_rule: str = field(default="gate", metadata=_choice(*ALPHA_RULES))
-    ais_kl_scale: float = field(default=1e-3, metadata={**POSITIVE, "help": "κ: the k3 divergence at which AIS is ~63% on."})
+    ais_rule: str = field(default="adaptive", metadata={**_choice(*ALPHA_RULES),
+        "help": "How AIS sets α: adaptive = when the mismatch's systematic shift of the gradient signal stands out "
+                "of the batch's gradient noise (scale-free); gate = k3 KL against ais_kl_scale; oracle = plug-in MSE."})
+    ais_snr_scale: float = field(default=4.0, metadata={**POSITIVE,
+        "help": "adaptive rule: the excess significance (z² − 1) of the mismatch shift at which AIS is ~63% on."})
+    ais_kl_scale: float = field(default=1e-3, metadata={**POSITIVE,
+        "help": "gate rule: κ, the k3 divergence at which AIS is ~63% on."})
     ais_alpha_max: float = field(default=1.0, metadata={"range": "[0, 1]"})
     ais_alpha_ema: float = field(default=0.0, metadata={"range": "[0, 1)", "help": "EMA of α across batches; 0 = per batch."})
 

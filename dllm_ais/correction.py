@@ -256,20 +256,55 @@ def gate_alpha(
     reliability: float,
     severity: float,
     variance_amplification: float,
-    kl_scale: float = 1e-3,
+    scale: float,
     alpha_max: float = 1.0,
 ) -> float:
-    """Default AIS mixing rule: α = α_max · (1 − exp(−D/κ)) · R / max(1, V), with R the weight
-    reliability, D the divergence severity, V the variance amplification and κ = kl_scale."""
-    return alpha_max * -math.expm1(-severity / kl_scale) * reliability / max(1.0, variance_amplification)
+    """The AIS gate: α = α_max · (1 − exp(−severity / scale)) · R / max(1, V), with R the weight reliability and
+    V the variance amplification. α is 0 without severity, grows with it (63 % of the way at severity = scale),
+    and backs off as the weights degenerate (R falls) or inflate the gradient signal (V rises).
+
+    The "adaptive" rule (default) passes the mismatch shift's significance in noise units, (z² − 1)₊, with a
+    dimensionless scale; the "gate" rule passes the k3 divergence D with a scale κ in KL units."""
+    return alpha_max * -math.expm1(-severity / scale) * reliability / max(1.0, variance_amplification)
 
 
-def oracle_alpha(uncorrected_bias: float, correction_variance: float) -> float:
-    """Plug-in MSE-optimal mix of a biased and an unbiased estimate: α = b̂² / (b̂² + σ̂²), with
-    b̂ = mean_t d_t and σ̂² = var_t(d_t)/N for d_t = (w_t − 1)Â_t; α = 0 when both are 0."""
-    bias_squared = uncorrected_bias**2
-    total = bias_squared + correction_variance
+def oracle_alpha(mismatch_shift: float, mismatch_shift_se: float) -> float:
+    """Plug-in MSE-optimal mix of a biased and an unbiased estimate: α = b̂² / (b̂² + σ̂²), with b̂ the mismatch
+    shift and σ̂ its standard error; α = 0 when both are 0. (b̂² overestimates b² by σ̂² on average, so with no
+    systematic shift this α averages about 0.3, not 0.)"""
+    bias_squared = mismatch_shift**2
+    total = bias_squared + mismatch_shift_se**2
     return bias_squared / total if total > 0 else 0.0
+
+
+def mismatch_shift_statistics(tis_weights: Tensor, token_advantages: Tensor, valid: Tensor) -> dict[str, Tensor]:
+    """How much the correction would move the policy-gradient signal, and how much of that is systematic.
+
+    With d_t = (w_t − 1) Â_t per valid token (the change TIS makes to token t's signal Â_t), over the N valid
+    tokens and the n sequences that have one:
+
+    - `mismatch_shift` b̂ = mean_t d_t: the shift of the surrogate's signal that leaving the mismatch uncorrected
+      keeps (the uncorrected gradient's bias, seen through the advantages);
+    - `mismatch_shift_se` σ̂: its cluster-robust standard error with the sequences as clusters,
+      σ̂² = Σ_i (Σ_{t∈i} d_t − N_i b̂)² / N² — tokens of one sequence share its advantage and move together, so
+      the batch's independent units are its sequences;
+    - `shift_significance` z² = b̂² / σ̂² (0 when σ̂ = 0): the shift in units of the batch's own gradient noise.
+      When the mismatch is unrelated to the rewards (noise, exploration) z² behaves like a χ²₁ draw (mean 1);
+      when it systematically favours low- or high-advantage completions z² grows with the batch.
+    - `severity` = (z² − 1)₊: the excess over what noise alone gives, the default rule's severity.
+    """
+    shift = torch.where(valid, (tis_weights - 1.0) * token_advantages, 0.0)
+    num_tokens = valid.sum().float()
+    shift_mean = shift.sum() / num_tokens.clamp(min=1)
+    residual = shift.sum(dim=1) - valid.sum(dim=1).float() * shift_mean  # per sequence: Σ_t d_t − N_i b̂
+    standard_error = residual.square().sum().sqrt() / num_tokens.clamp(min=1)
+    significance = torch.where(standard_error > 0, shift_mean.square() / standard_error.square().clamp(min=1e-30), 0.0)
+    return {
+        "mismatch_shift": shift_mean,
+        "mismatch_shift_se": standard_error,
+        "shift_significance": significance,
+        "severity": (significance - 1.0).clamp(min=0.0),
+    }
 
 
 def _check_rule(rule: AlphaRule) -> None:
@@ -279,13 +314,14 @@ def _check_rule(rule: AlphaRule) -> None:
 
 def _mixing_coefficient(rule: AlphaRule, rule_inputs: dict[str, float]) -> float:
     """α from the rule (built-in name or user callable on the diagnostics), clamped to [0, 1]."""
-    if rule == "gate":
-        raw = gate_alpha(
-            rule_inputs["reliability"], rule_inputs["severity"],
-            rule_inputs["variance_amplification"], rule_inputs["kl_scale"], rule_inputs["alpha_max"],
-        )
+    if rule == "adaptive":
+        raw = gate_alpha(rule_inputs["reliability"], rule_inputs["severity"], rule_inputs["variance_amplification"],
+                         rule_inputs["snr_scale"], rule_inputs["alpha_max"])
+    elif rule == "gate":
+        raw = gate_alpha(rule_inputs["reliability"], rule_inputs["k3_kl"], rule_inputs["variance_amplification"],
+                         rule_inputs["kl_scale"], rule_inputs["alpha_max"])
     elif rule == "oracle":
-        raw = oracle_alpha(rule_inputs["uncorrected_bias"], rule_inputs["correction_variance"])
+        raw = oracle_alpha(rule_inputs["mismatch_shift"], rule_inputs["mismatch_shift_se"])
     else:
         raw = rule(dict(rule_inputs))
     rule_name = rule if isinstance(rule, str) else getattr(rule, "__name__", repr(rule))
@@ -304,8 +340,9 @@ def ais_weights(
     advantages: Tensor,
     mask: Tensor,
     clip: float = 2.0,
+    rule: AlphaRule = "adaptive",
+    snr_scale: float = 4.0,
     kl_scale: float = 1e-3,
-    rule: AlphaRule = "gate",
     alpha_max: float = 1.0,
     previous_alpha: float | None = None,
     alpha_ema: float = 0.0,
@@ -314,22 +351,26 @@ def ais_weights(
     w_t = min(ρ_t, C) the TIS weight — this project's formulation of AIS (ALGORITHMS.md §4).
 
     Batch diagnostics over the N valid tokens (Â_t = advantage of token t's sequence):
-    reliability R = (Σ w)²/(N Σ w²); severity D = mean(ρ − log ρ − 1);
-    variance_amplification V = Σ (w Â)² / Σ Â² (1 when all Â are 0); and, for the oracle rule,
-    uncorrected_bias b̂ = mean(d) and correction_variance σ̂² = var(d)/N (population variance)
-    with d_t = (w_t − 1)Â_t.
+    reliability R = (Σ w)²/(N Σ w²); variance_amplification V = Σ (w Â)² / Σ Â² (1 when all Â are 0);
+    the divergence D = mean(ρ − log ρ − 1) (`k3_kl`); and the mismatch shift of the gradient signal with its
+    noise and significance (`mismatch_shift_statistics`: b̂, σ̂, z², severity = (z² − 1)₊).
 
-    α comes from `rule`: "gate" (`gate_alpha`), "oracle" (`oracle_alpha`), or a callable taking
-    the diagnostics dict (plus `clip`, `kl_scale`, `alpha_max`) and returning a number; it is
-    clamped to [0, 1] (`alpha_max` is the gate's ceiling). With previous_alpha given and
-    alpha_ema > 0, α ← alpha_ema · previous_alpha + (1 − alpha_ema) · α (`alpha_raw` is the
-    value before smoothing). ŵ lies between 1 and w_t, so ŵ ≤ max(1, C); α = 0 gives ŵ = 1 and
-    α = 1 gives exactly the TIS weights.
+    α comes from `rule`:
+    - "adaptive" (default): `gate_alpha(R, (z² − 1)₊, V, snr_scale)` — scale-free: the mismatch is corrected
+      when its systematic effect on the gradient stands out of the batch's own gradient noise (z² ≫ 1), however
+      large D is in absolute terms (tiny models under FP8 show D ≈ 1e-2, LLaDA-8B ≈ 1e-3);
+    - "gate": `gate_alpha(R, D, V, kl_scale)` — the divergence against a fixed KL scale κ;
+    - "oracle": `oracle_alpha(b̂, σ̂)`;
+    - a callable taking the diagnostics dict (plus `clip`, `snr_scale`, `kl_scale`, `alpha_max`) and
+      returning a number.
+    α is clamped to [0, 1] (`alpha_max` is the gates' ceiling). With previous_alpha given and alpha_ema > 0,
+    α ← alpha_ema · previous_alpha + (1 − alpha_ema) · α (`alpha_raw` is the value before smoothing).
+    ŵ lies between 1 and w_t, so ŵ ≤ max(1, C); α = 0 gives ŵ = 1 and α = 1 gives exactly the TIS weights.
     """
     if not clip > 0:
         raise ValueError(f"clip must be > 0; got {clip}")
-    if not kl_scale > 0:
-        raise ValueError(f"kl_scale must be > 0; got {kl_scale}")
+    if not (snr_scale > 0 and kl_scale > 0):
+        raise ValueError(f"snr_scale and kl_scale must be > 0; got {snr_scale}, {kl_scale}")
     if not 0 <= alpha_max <= 1:
         raise ValueError(f"alpha_max must lie in [0, 1]; got {alpha_max}")
     if not 0 <= alpha_ema < 1:
@@ -341,9 +382,6 @@ def ais_weights(
     token_advantages = broadcast_advantages(advantages, valid)
 
     tis_weights, diagnostics = importance_weights(logp_old, logp_rollout, valid, clip=clip)
-    shift = (tis_weights - 1.0) * token_advantages
-    shift_mean = masked_mean(shift, valid)
-    num_tokens = valid.sum().float()
     advantage_energy = masked_sum(token_advantages.square(), valid)
     diagnostics.update(scalars_to_floats({
         "reliability": normalised_effective_sample_size(tis_weights, valid),
@@ -352,16 +390,12 @@ def ais_weights(
             masked_sum((tis_weights * token_advantages).square(), valid) / advantage_energy,
             1.0,
         ),
-        "uncorrected_bias": shift_mean,
-        "correction_variance": masked_mean((shift - shift_mean).square(), valid)
-        / num_tokens.clamp(min=1),
-        "num_tokens": num_tokens,
+        **mismatch_shift_statistics(tis_weights, token_advantages, valid),
+        "num_tokens": valid.sum().float(),
     }))
-    diagnostics["severity"] = diagnostics["k3_kl"]
 
-    alpha = _mixing_coefficient(
-        rule, {**diagnostics, "clip": clip, "kl_scale": kl_scale, "alpha_max": alpha_max}
-    )
+    alpha = _mixing_coefficient(rule, {**diagnostics, "clip": clip, "snr_scale": snr_scale, "kl_scale": kl_scale,
+                                       "alpha_max": alpha_max})
     diagnostics["alpha_raw"] = alpha
     if previous_alpha is not None and alpha_ema > 0:
         alpha = alpha_ema * previous_alpha + (1.0 - alpha_ema) * alpha
@@ -398,8 +432,9 @@ def correct(
     clip_low: float | None = None,
     level: str = "token",
     normalize: bool = False,
+    rule: AlphaRule = "adaptive",
+    snr_scale: float = 4.0,
     kl_scale: float = 1e-3,
-    rule: AlphaRule = "gate",
     alpha_max: float = 1.0,
     previous_alpha: float | None = None,
     alpha_ema: float = 0.0,
@@ -430,7 +465,7 @@ def correct(
         return Correction(valid.float(), None, _logged(diagnostics))
     if method == "ais":
         weights, diagnostics = ais_weights(
-            logp_old, logp_rollout, advantages, valid, clip=clip, kl_scale=kl_scale, rule=rule,
+            logp_old, logp_rollout, advantages, valid, clip=clip, rule=rule, snr_scale=snr_scale, kl_scale=kl_scale,
             alpha_max=alpha_max, previous_alpha=previous_alpha, alpha_ema=alpha_ema,
         )
         return Correction(weights, None, _logged(diagnostics))

@@ -424,8 +424,9 @@ class GRPOTrainer:
         global_mask = gather(rollout.completion_mask.long()).bool()
         corrections = [correct(
             cfg.correction, gather(old), gather(ro), all_advantages, global_mask, clip=cfg.is_clip,
-            clip_low=cfg.is_clip_low, level=cfg.is_level, normalize=cfg.is_normalize, kl_scale=cfg.ais_kl_scale,
-            rule=self.ais_rule, alpha_max=cfg.ais_alpha_max, previous_alpha=self.previous_alpha,
+            clip_low=cfg.is_clip_low, level=cfg.is_level, normalize=cfg.is_normalize, rule=self.ais_rule,
+            snr_scale=cfg.ais_snr_scale, kl_scale=cfg.ais_kl_scale, alpha_max=cfg.ais_alpha_max,
+            previous_alpha=self.previous_alpha,
             alpha_ema=cfg.ais_alpha_ema)
             for old, ro in zip(logp_old, logp_rollout)]
         if cfg.correction == "ais":  # the EMA advances once per generation batch, over its estimator seeds

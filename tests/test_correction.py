@@ -215,30 +215,84 @@ def test_acr_clip_scale_by_hand():
 def test_ais_diagnostics_and_gate_by_hand():
     logp_old, logp_rollout = logps_with_ratios(RATIOS_ONE_SEQUENCE)
     advantages = torch.tensor([2.0])
-    weights, diagnostics = ais_weights(logp_old, logp_rollout, advantages, MASK_ONE_SEQUENCE, kl_scale=0.1)
+    weights, diagnostics = ais_weights(logp_old, logp_rollout, advantages, MASK_ONE_SEQUENCE, rule="gate",
+                                       kl_scale=0.1)
     tis = [0.5, 1.5, 2.0]
     reliability = sum(tis) ** 2 / (3 * sum(w * w for w in tis))
-    severity = sum(r - math.log(r) - 1 for r in [0.5, 1.5, 3.0]) / 3
+    divergence = sum(r - math.log(r) - 1 for r in [0.5, 1.5, 3.0]) / 3
     amplification = sum((w * 2.0) ** 2 for w in tis) / (3 * 2.0**2)
-    alpha = (1 - math.exp(-severity / 0.1)) * reliability / amplification
+    alpha = (1 - math.exp(-divergence / 0.1)) * reliability / amplification
     assert diagnostics["reliability"] == pytest.approx(reliability, rel=1e-5)
-    assert diagnostics["severity"] == pytest.approx(severity, rel=1e-5)
+    assert diagnostics["k3_kl"] == pytest.approx(divergence, rel=1e-5)
     assert diagnostics["variance_amplification"] == pytest.approx(amplification, rel=1e-5)
     assert diagnostics["alpha"] == pytest.approx(alpha, rel=1e-5)
     expected = [(1 - alpha) + alpha * w for w in tis] + [0.0]
     torch.testing.assert_close(weights, torch.tensor([expected]))
 
 
-def test_ais_oracle_rule_by_hand():
-    logp_old, logp_rollout = logps_with_ratios(RATIOS_ONE_SEQUENCE)
-    _, diagnostics = ais_weights(logp_old, logp_rollout, torch.tensor([2.0]), MASK_ONE_SEQUENCE, rule="oracle")
-    shifts = [(w - 1) * 2.0 for w in [0.5, 1.5, 2.0]]  # d_t = (w_t − 1) Â_t = [−1, 1, 2]
-    bias = sum(shifts) / 3
-    variance = sum((d - bias) ** 2 for d in shifts) / 3 / 3
-    assert diagnostics["uncorrected_bias"] == pytest.approx(bias, rel=1e-5)
-    assert diagnostics["correction_variance"] == pytest.approx(variance, rel=1e-5)
-    assert diagnostics["alpha"] == pytest.approx(bias**2 / (bias**2 + variance), rel=1e-5)
+def test_mismatch_shift_statistics_by_hand():
+    """Two sequences: d_t = (w_t − 1)Â_t; b̂ = mean over the 5 tokens; σ̂ clusters by sequence."""
+    logp_old, logp_rollout = logps_with_ratios([[0.5, 1.5, 2.0], [1.25, 0.75, 1.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    advantages = torch.tensor([2.0, -1.0])
+    _, diagnostics = ais_weights(logp_old, logp_rollout, advantages, mask, rule="oracle")
+    shifts = [[(w - 1) * 2.0 for w in (0.5, 1.5, 2.0)], [(w - 1) * -1.0 for w in (1.25, 0.75)]]
+    bias = sum(map(sum, shifts)) / 5
+    se = math.sqrt(sum((sum(row) - len(row) * bias) ** 2 for row in shifts)) / 5
+    assert diagnostics["mismatch_shift"] == pytest.approx(bias, rel=1e-5)
+    assert diagnostics["mismatch_shift_se"] == pytest.approx(se, rel=1e-5)
+    assert diagnostics["shift_significance"] == pytest.approx(bias**2 / se**2, rel=1e-4)
+    assert diagnostics["severity"] == pytest.approx(max(0.0, bias**2 / se**2 - 1), rel=1e-4, abs=1e-7)
+    assert diagnostics["alpha"] == pytest.approx(bias**2 / (bias**2 + se**2), rel=1e-4)
     assert oracle_alpha(0.0, 0.0) == 0.0
+
+
+def batch_with_mismatch(correlation: float, scale: float = 0.15, sequences: int = 256, length: int = 12, seed: int = 0):
+    """Groups of 4 completions with 0/1 rewards and a per-token log-ratio log ρ = scale · (noise + correlation · Â):
+    with correlation 0 the mismatch is unrelated to the rewards (FP8-like noise), otherwise it systematically
+    favours one side."""
+    generator = torch.Generator().manual_seed(seed)
+    rewards = (torch.rand(sequences, generator=generator) < 0.5).float()
+    advantages = rewards - rewards.view(-1, 4).mean(1).repeat_interleave(4)
+    noise = torch.randn(sequences, length, generator=generator)
+    log_ratio = scale * (noise + correlation * advantages.unsqueeze(1))
+    logp_rollout = -1.0 - torch.rand(sequences, length, generator=generator)
+    return logp_rollout + log_ratio, logp_rollout, advantages, torch.ones(sequences, length, dtype=torch.bool)
+
+
+def test_adaptive_rule_is_scale_free_where_the_fixed_kl_gate_saturates():
+    """Issue: tiny models show k3 ≈ 1e-2 under FP8, so the κ = 1e-3 gate sat at α ≈ 1 whatever the mismatch did.
+    The adaptive rule stays low for a large mismatch unrelated to the rewards, over many batches."""
+    alphas, gate_alphas, divergences = [], [], []
+    for seed in range(20):
+        logp_old, logp_rollout, advantages, mask = batch_with_mismatch(correlation=0.0, seed=seed)
+        _, adaptive = ais_weights(logp_old, logp_rollout, advantages, mask)
+        _, gate = ais_weights(logp_old, logp_rollout, advantages, mask, rule="gate", kl_scale=1e-3)
+        alphas.append(adaptive["alpha"])
+        gate_alphas.append(gate["alpha"])
+        divergences.append(adaptive["k3_kl"])
+    assert min(divergences) > 5e-3
+    assert min(gate_alphas) > 0.8
+    assert sorted(alphas)[len(alphas) // 2] == 0.0  # the median batch: no correction at all
+    assert sum(alphas) / len(alphas) < 0.15
+
+
+def test_adaptive_rule_corrects_a_mismatch_that_favours_one_side():
+    """About the same divergence, but the engine over-samples the low-reward completions: α rises with the
+    systematic part of the mismatch (mean over batches), to full correction once it clearly exceeds the noise."""
+    mean_alphas = []
+    for correlation in (0.0, 0.1, 0.2, 0.4):
+        alphas = [ais_weights(*batch_with_mismatch(correlation=correlation, seed=seed))[1]["alpha"] for seed in range(8)]
+        mean_alphas.append(sum(alphas) / len(alphas))
+    assert mean_alphas[0] < 0.15 and mean_alphas[-1] > 0.85
+    assert all(a < b for a, b in zip(mean_alphas, mean_alphas[1:]))
+
+
+def test_adaptive_rule_ignores_the_scale_of_the_rewards():
+    logp_old, logp_rollout, advantages, mask = batch_with_mismatch(correlation=0.3)
+    _, unit = ais_weights(logp_old, logp_rollout, advantages, mask)
+    _, scaled = ais_weights(logp_old, logp_rollout, 1000.0 * advantages, mask)
+    assert scaled["alpha"] == pytest.approx(unit["alpha"], rel=1e-4)
 
 
 def test_ais_variance_amplification_is_one_without_advantage_signal(mismatched_batch):
@@ -287,24 +341,27 @@ def test_ais_property_3_endpoints(mismatched_batch):
 
 def test_ais_property_4_gate_monotonicity():
     severities = [0.0, 1e-4, 5e-4, 1e-3, 3e-3, 1e-2]
-    by_severity = [gate_alpha(0.9, d, 1.5, kl_scale=1e-3, alpha_max=1.0) for d in severities]
+    by_severity = [gate_alpha(0.9, d, 1.5, scale=1e-3, alpha_max=1.0) for d in severities]
     assert by_severity[0] == 0.0
     assert all(a < b for a, b in zip(by_severity, by_severity[1:]))
     reliabilities = [1.0, 0.8, 0.5, 0.2]
-    by_reliability = [gate_alpha(r, 2e-3, 1.5) for r in reliabilities]
+    by_reliability = [gate_alpha(r, 2e-3, 1.5, scale=1e-3) for r in reliabilities]
     assert all(a > b for a, b in zip(by_reliability, by_reliability[1:]))
     amplifications = [1.0, 1.5, 3.0, 10.0]
-    by_amplification = [gate_alpha(0.9, 2e-3, v) for v in amplifications]
+    by_amplification = [gate_alpha(0.9, 2e-3, v, scale=1e-3) for v in amplifications]
     assert all(a > b for a, b in zip(by_amplification, by_amplification[1:]))
-    assert gate_alpha(0.9, 2e-3, 0.5) == gate_alpha(0.9, 2e-3, 1.0)  # V < 1 never boosts α
-    assert gate_alpha(1.0, 1e-3, 1.0, kl_scale=1e-3) == pytest.approx(1 - math.exp(-1))
+    assert gate_alpha(0.9, 2e-3, 0.5, scale=1e-3) == gate_alpha(0.9, 2e-3, 1.0, scale=1e-3)  # V < 1 never boosts α
+    assert gate_alpha(1.0, 1e-3, 1.0, scale=1e-3) == pytest.approx(1 - math.exp(-1))
 
 
-def test_ais_gate_alpha_is_what_ais_weights_uses(mismatched_batch):
+def test_ais_gate_alpha_is_what_both_gate_rules_use(mismatched_batch):
     logp_old, logp_rollout, advantages, mask = mismatched_batch
-    _, d = ais_weights(logp_old, logp_rollout, advantages, mask, kl_scale=0.2, alpha_max=0.8)
-    expected = gate_alpha(d["reliability"], d["severity"], d["variance_amplification"], 0.2, 0.8)
+    _, d = ais_weights(logp_old, logp_rollout, advantages, mask, rule="gate", kl_scale=0.2, alpha_max=0.8)
+    expected = gate_alpha(d["reliability"], d["k3_kl"], d["variance_amplification"], 0.2, 0.8)
     assert 0.0 < d["alpha"] == pytest.approx(expected)
+    _, d = ais_weights(logp_old, logp_rollout, advantages, mask, snr_scale=0.5, alpha_max=0.8)
+    expected = gate_alpha(d["reliability"], d["severity"], d["variance_amplification"], 0.5, 0.8)
+    assert d["alpha"] == pytest.approx(expected)
 
 
 def test_ais_custom_rule_receives_diagnostics_and_is_validated(mismatched_batch):
@@ -316,7 +373,8 @@ def test_ais_custom_rule_receives_diagnostics_and_is_validated(mismatched_batch)
         return 3.0  # clamped to 1
 
     weights, diagnostics = ais_weights(logp_old, logp_rollout, advantages, mask, rule=rule)
-    required = {"reliability", "severity", "variance_amplification", "num_tokens", "clip", "kl_scale", "alpha_max"}
+    required = {"reliability", "severity", "variance_amplification", "mismatch_shift", "mismatch_shift_se",
+                "shift_significance", "k3_kl", "num_tokens", "clip", "snr_scale", "kl_scale", "alpha_max"}
     assert required <= set(seen)
     assert seen["num_tokens"] == mask.sum().item()
     assert diagnostics["alpha"] == 1.0
@@ -336,7 +394,8 @@ def test_ais_alpha_ema(mismatched_batch):
 
 
 @pytest.mark.parametrize(
-    "options", [{"rule": "adaptive"}, {"kl_scale": 0.0}, {"clip": -1.0}, {"alpha_max": 1.5}, {"alpha_ema": 1.0}]
+    "options", [{"rule": "clever"}, {"kl_scale": 0.0}, {"snr_scale": -1.0}, {"clip": -1.0}, {"alpha_max": 1.5},
+                {"alpha_ema": 1.0}]
 )
 def test_ais_bad_arguments_raise(mismatched_batch, options):
     logp_old, logp_rollout, advantages, mask = mismatched_batch
