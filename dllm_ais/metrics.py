@@ -19,6 +19,7 @@ CONSOLE_FIELDS = (  # (metric key, console label, format)
     ("reward", "reward", ".3f"),
     ("frac_reward_zero_std", "zero-std", ".2f"),
     ("ais/alpha", "α", ".3f"),
+    ("ais/shift_significance", "z²", ".1f"),
     ("rollout_corr/rollout_is_eff_sample_size", "ESS", ".3f"),
     ("rollout_corr/k3_kl", "k3", ".2e"),
     ("clip_ratio/region_mean", "clip", ".3f"),
@@ -27,7 +28,7 @@ CONSOLE_FIELDS = (  # (metric key, console label, format)
 )
 EVAL_CONSOLE_FIELDS = (("eval/reward", "reward", ".4f"), ("eval/accuracy", "accuracy", ".4f"))
 PLOTTED = ("reward", "eval/reward", "eval/accuracy", "frac_reward_zero_std", "entropy", "completions/mean_length",
-           "ais/alpha", "rollout_corr/rollout_is_eff_sample_size", "rollout_corr/k3_kl",
+           "ais/alpha", "ais/shift_significance", "rollout_corr/rollout_is_eff_sample_size", "rollout_corr/k3_kl",
            "rollout_corr/rollout_is_ratio_fraction_high", "kl")
 
 # verl's documented warning levels for the rollout/trainer mismatch: (metric, crossed?, the level)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 import math
 import numbers
+import random
 import warnings
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -88,6 +89,22 @@ def resolve_reward_functions(
                 f"task presets: {task_names()}, or 'package.module:function'"
             )
     return functions
+
+
+def permuted_reward(reward: RewardFunction, seed: int = 0) -> RewardFunction:
+    """A signal-free control of ``reward``: each call scores the completions with ``reward``, then shuffles the
+    scores across the batch (a ``random.Random(seed)`` stream). The rewards keep their distribution but no longer
+    say which completion earned them, so a run trained on this control shows what the updates do without a
+    learning signal (the random-reward control); compare its held-out change with the real run's."""
+    rng = random.Random(seed)
+
+    def permuted(prompts: list, completions: list, **kwargs) -> list:
+        scores = list(reward(prompts, completions, **kwargs))
+        rng.shuffle(scores)
+        return scores
+
+    permuted.__name__ = permuted.__qualname__ = f"permuted_{getattr(reward, '__name__', 'reward')}"
+    return permuted
 
 
 # ---------------------------------------------------------------------------------------------

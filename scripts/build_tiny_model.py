@@ -11,6 +11,7 @@ improve. Prints the greedy held-out reward of the result.
 from __future__ import annotations
 
 import argparse
+import random
 import sys
 from pathlib import Path
 
@@ -44,6 +45,21 @@ def tiny_model(family: str, tokenizer, d_model: int, n_layers: int) -> torch.nn.
         tie_word_embeddings=False, **ids))
 
 
+def noisy_demonstrations(dataset, descending_sort_fraction: float, seed: int):
+    """The SFT data of the warm start: the digits task's demonstrations, except that a share of the `sort` ones
+    sort in descending order — the habit an imperfect demonstrator leaves in a model. The reward knows the
+    right order (the RL data is untouched), so RL has a behaviour to find in the model's own samples."""
+    rng = random.Random(seed)
+
+    def demonstrate(row):
+        operation = row["prompt"][0]["content"].split()[0]
+        if operation == "sort" and rng.random() < descending_sort_fraction:
+            return {"answer": " ".join(sorted(row["answer"].split(), reverse=True))}
+        return {}
+
+    return dataset.map(demonstrate)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--family", choices=("llada", "qwen3"), default="llada")
@@ -54,6 +70,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--learning-rate", type=float, default=2e-3)
     parser.add_argument("--gen-length", type=int, default=16)
+    parser.add_argument("--descending-sort-fraction", type=float, default=0.6,
+                        help="share of the 'sort' demonstrations that sort in the wrong (descending) order")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     name = "embedded" if args.family == "llada" else "embedded-qwen3"
@@ -63,7 +81,8 @@ def main() -> None:
     tokenizer = build_hf_tokenizer()
     tokenizer.padding_side = "left"
     model = tiny_model(args.family, tokenizer, args.d_model, args.n_layers)
-    train = load_task_dataset("digits", "train", seed=args.seed)
+    train = noisy_demonstrations(load_task_dataset("digits", "train", seed=args.seed), args.descending_sort_fraction,
+                                 args.seed)
     mask_id = tokenizer.mask_token_id if args.family == "llada" else None
     losses = run_sft(model, tokenizer, train, SFTConfig(steps=args.steps, batch_size=args.batch_size,
                                                         learning_rate=args.learning_rate, gen_length=args.gen_length,

@@ -1,0 +1,234 @@
+"""The AIS paper's comparison in miniature: BF16 rollouts vs low-precision rollouts uncorrected, + TIS, + MIS, + AIS.
+
+    python scripts/compare_corrections.py --quick      # both tiny models, 3 seeds each, about 15 minutes on 2 cores
+    python scripts/compare_corrections.py              # the full setting (more steps and held-out prompts)
+    python scripts/compare_corrections.py --families qwen3 --precision fp8 --seeds 5 --jobs 2
+
+Every arm trains the shipped tiny recipe (LLaDA: `dllm-ais train`; Qwen3: recipes/tiny_qwen3_digits_fp8_ais.yaml)
+through the CLI from the same seeds, changing only `rollout_precision` and `correction`:
+
+  bf16 (reference)   rollout_precision=bf16, correction=none — on-policy
+  <p> uncorrected    rollout_precision=<p>,  correction=none
+  <p> + TIS / MIS / AIS
+
+and scores the greedy validation reward every `eval_steps`. Output (in --output-dir): `comparison.md` — per family
+and arm, the final held-out reward (mean over seeds ± 95 % confidence interval, t distribution), its paired change
+from the start, mean ESS, mean α (AIS), mean k3 KL, and the rollout share of the wall time — and `comparison.png`
+(held-out and training reward over steps with seed bands; α, ESS, k3 over steps). Runs already finished in
+--output-dir are reused, so an interrupted comparison continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+REPOSITORY = Path(__file__).resolve().parents[1]
+RECIPES = {"llada": None, "qwen3": REPOSITORY / "recipes" / "tiny_qwen3_digits_fp8_ais.yaml"}  # None: the embedded
+SETTINGS = {  # steps, held-out prompts, eval every
+    "quick": {"max_steps": 24, "eval_size": 128, "eval_steps": 8},
+    "full": {"max_steps": 60, "eval_size": 256, "eval_steps": 10},
+}
+T_QUANTILE_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
+@dataclass(frozen=True)
+class Run:
+    family: str
+    arm: str
+    seed: int
+    overrides: tuple[str, ...]
+    output_dir: Path
+
+    def command(self) -> list[str]:
+        recipe = [str(RECIPES[self.family])] if RECIPES[self.family] else []
+        return [sys.executable, "-m", "dllm_ais.cli", "train", *recipe, *self.overrides, f"--seed={self.seed}",
+                f"--output_dir={self.output_dir}", "--overwrite_output_dir=true", "--save_steps=0"]
+
+    @property
+    def finished(self) -> bool:
+        return any("eval/reward_before" in record for record in read_metrics(self.output_dir))
+
+
+def arms(precision: str) -> dict[str, tuple[str, ...]]:
+    return {
+        "bf16 (reference)": ("--rollout_precision=bf16", "--correction=none"),
+        f"{precision} uncorrected": (f"--rollout_precision={precision}", "--correction=none"),
+        f"{precision} + TIS": (f"--rollout_precision={precision}", "--correction=tis"),
+        f"{precision} + MIS": (f"--rollout_precision={precision}", "--correction=mis"),
+        f"{precision} + AIS": (f"--rollout_precision={precision}", "--correction=ais"),
+    }
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    path = output_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def execute(run: Run) -> None:
+    if run.finished:
+        return
+    run.output_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    with (run.output_dir / "train.log").open("w") as log:
+        code = subprocess.call(run.command(), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPOSITORY)
+    if code != 0:
+        raise RuntimeError(f"{run.family} / {run.arm} / seed {run.seed} failed (exit {code}); see "
+                           f"{run.output_dir / 'train.log'}")
+
+
+def mean_ci(values: list[float]) -> tuple[float, float]:
+    """Mean and half-width of its 95 % confidence interval (t distribution; 0 for one value)."""
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, 0.0
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    return mean, T_QUANTILE_975.get(n - 1, 1.96) * sd / math.sqrt(n)
+
+
+def series(records: list[dict], key: str) -> list[tuple[int, float]]:
+    return [(r["step"], r[key]) for r in records if "loss" in r and r.get(key) is not None]
+
+
+def summarise(runs: list[Run], num_iterations: dict[str, int]) -> dict:
+    """Per (family, arm): the per-seed final held-out reward, its paired change, and the run means of the rest."""
+    table: dict = {}
+    for run in runs:
+        records = read_metrics(run.output_dir)
+        closing = next(r for r in records if "eval/reward_before" in r)
+        steps = [r for r in records if "loss" in r]
+
+        def run_mean(key: str) -> float:
+            values = [r[key] for r in steps if r.get(key) is not None]
+            return sum(values) / len(values) if values else math.nan
+
+        mu = num_iterations[run.family]
+        sampling = sum(r["timing/sample_s"] for r in steps) / mu
+        wall = sum(r["timing/generation_batch_s"] for r in steps) / mu + sum(r["timing/optimisation_pass_s"]
+                                                                             for r in steps)
+        entry = table.setdefault((run.family, run.arm), {"final": [], "delta": [], "delta_se": [], "ess": [],
+                                                         "alpha": [], "k3": [], "rollout_share": [], "records": []})
+        entry["final"].append(closing["eval/reward"])
+        entry["delta"].append(closing["eval/reward_delta"])
+        entry["delta_se"].append(closing["eval/reward_delta_se"])
+        entry["ess"].append(run_mean("rollout_corr/rollout_is_eff_sample_size"))
+        entry["alpha"].append(run_mean("ais/alpha"))
+        entry["k3"].append(run_mean("rollout_corr/k3_kl"))
+        entry["rollout_share"].append(sampling / wall)
+        entry["records"].append(records)
+    return table
+
+
+def markdown(table: dict, header: str) -> str:
+    lines = [header, "", "| model | arm | held-out reward (95 % CI) | paired Δ from start (mean SE) | ESS | α | k3 KL | "
+             "rollout share of wall time |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for (family, arm), entry in table.items():
+        final, ci = mean_ci(entry["final"])
+        delta = sum(entry["delta"]) / len(entry["delta"])
+        delta_se = sum(entry["delta_se"]) / len(entry["delta_se"])
+        alpha = sum(entry["alpha"]) / len(entry["alpha"])
+        lines.append(f"| {family} | {arm} | {final:.4f} ± {ci:.4f} | {delta:+.4f} ({delta_se:.4f}) | "
+                     f"{sum(entry['ess']) / len(entry['ess']):.3f} | {'—' if math.isnan(alpha) else f'{alpha:.3f}'} | "
+                     f"{sum(entry['k3']) / len(entry['k3']):.2e} | {sum(entry['rollout_share']) / len(entry['rollout_share']):.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(table: dict, families: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("held-out reward (greedy)", "eval/reward"), ("training reward", "reward"), ("AIS α", "ais/alpha"),
+              ("ESS", "rollout_corr/rollout_is_eff_sample_size"), ("k3 KL(μ ‖ π_old)", "rollout_corr/k3_kl")]
+    figure, axes = plt.subplots(len(families), len(panels), figsize=(4.0 * len(panels), 3.2 * len(families)),
+                                squeeze=False)
+    for row, family in enumerate(families):
+        for column, (title, key) in enumerate(panels):
+            ax = axes[row][column]
+            for (entry_family, arm), entry in table.items():
+                if entry_family != family:
+                    continue
+                curves = [held_out_curve(records) if key == "eval/reward" else series(records, key)
+                          for records in entry["records"]]
+                curves = [c for c in curves if c]
+                if not curves:
+                    continue
+                steps = [step for step, _ in curves[0]]
+                values = [[dict(c).get(step, math.nan) for step in steps] for c in curves]
+                mean = [sum(v[i] for v in values) / len(values) for i in range(len(steps))]
+                low = [min(v[i] for v in values) for i in range(len(steps))]
+                high = [max(v[i] for v in values) for i in range(len(steps))]
+                (line,) = ax.plot(steps, mean, label=arm, linewidth=1.2)
+                ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.15, linewidth=0)
+            ax.set_title(f"{family}: {title}", fontsize=9)
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+            if key == "rollout_corr/k3_kl":
+                ax.set_yscale("log")
+        axes[row][0].legend(fontsize=7)
+    figure.suptitle("band: min–max over seeds", fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def held_out_curve(records: list[dict]) -> list[tuple[int, float]]:
+    """(step, held-out reward): the baseline at step 0, every `eval_steps` evaluation, and the final one."""
+    closing = next(r for r in records if "eval/reward_before" in r)
+    during = [(r["step"], r["eval/reward"]) for r in records if "loss" in r and "eval/reward" in r]
+    return sorted({0: closing["eval/reward_before"], **dict(during), closing["step"]: closing["eval/reward"]}.items())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="the ~15-minute setting")
+    parser.add_argument("--families", default="llada,qwen3")
+    parser.add_argument("--precision", default="int4", help="low-precision rollout mode compared against bf16")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--jobs", type=int, default=2, help="runs at a time (one CPU thread each)")
+    parser.add_argument("--output-dir", type=Path, default=REPOSITORY / "outputs" / "compare-corrections")
+    args, extra = parser.parse_known_args()
+    setting = SETTINGS["quick" if args.quick else "full"]
+    overrides = tuple(f"--{key}={value}" for key, value in setting.items()) + tuple(extra)
+    families = args.families.split(",")
+    runs = [Run(family, arm, seed, (*arm_overrides, *overrides),
+                args.output_dir / family / arm.replace(" ", "_").replace("(", "").replace(")", "") / f"seed{seed}")
+            for family in families for arm, arm_overrides in arms(args.precision).items()
+            for seed in range(args.seeds)]
+    start = time.perf_counter()
+    with ThreadPoolExecutor(args.jobs) as pool:
+        for index, _ in enumerate(pool.map(execute, runs), 1):
+            print(f"\r{index}/{len(runs)} runs done ({time.perf_counter() - start:.0f} s)", end="", flush=True)
+    print()
+    num_iterations = {family: _num_iterations(runs, family) for family in families}
+    table = summarise(runs, num_iterations)
+    header = (f"{'quick' if args.quick else 'full'} setting ({', '.join(overrides)}), {args.seeds} seeds, "
+              f"{args.precision} rollouts, {len(runs)} runs, {time.perf_counter() - start:.0f} s wall with "
+              f"{args.jobs} parallel jobs; command: python scripts/compare_corrections.py {' '.join(sys.argv[1:])}")
+    report = markdown(table, header)
+    (args.output_dir / "comparison.md").write_text(report)
+    plot(table, families, args.output_dir / "comparison.png")
+    print(report)
+    print(f"table: {args.output_dir / 'comparison.md'} | plot: {args.output_dir / 'comparison.png'}")
+
+
+def _num_iterations(runs: list[Run], family: str) -> int:
+    """μ of a family's runs, from the config one of them saved."""
+    from dllm_ais.validation import read_recipe
+
+    run = next(r for r in runs if r.family == family)
+    return int(read_recipe(run.output_dir / "config.yaml")["num_iterations"])
+
+
+if __name__ == "__main__":
+    main()
