@@ -85,6 +85,11 @@ def execute(run: Run) -> None:
                            f"{run.output_dir / 'train.log'}")
 
 
+def slug(arm: str) -> str:
+    """A directory name for an arm: `int4 + AIS` -> `int4-ais`."""
+    return "-".join("".join(ch if ch.isalnum() else " " for ch in arm.lower()).split())
+
+
 def mean_ci(values: list[float]) -> tuple[float, float]:
     """Mean and half-width of its 95 % confidence interval (t distribution; 0 for one value)."""
     n = len(values)
@@ -201,8 +206,7 @@ def main() -> None:
     setting = SETTINGS["quick" if args.quick else "full"]
     overrides = tuple(f"--{key}={value}" for key, value in setting.items()) + tuple(extra)
     families = args.families.split(",")
-    runs = [Run(family, arm, seed, (*arm_overrides, *overrides),
-                args.output_dir / family / arm.replace(" ", "_").replace("(", "").replace(")", "") / f"seed{seed}")
+    runs = [Run(family, arm, seed, (*arm_overrides, *overrides), args.output_dir / family / slug(arm) / f"seed{seed}")
             for family in families for arm, arm_overrides in arms(args.precision).items()
             for seed in range(args.seeds)]
     start = time.perf_counter()

@@ -50,11 +50,12 @@ def check_a_nan_gradient_on_one_process_skips_the_batch_on_all(trainer):
     DTensor, NaN on every process, so all skip the batch before the optimizer moves weights or AdamW moments."""
     logprobs = trainer.policy.logprobs
 
-    def poisoned(model, rollout, seed):
-        logp = logprobs(model, rollout, seed)
+    def poisoned(model, rollout, seed, compute_entropy=False):
+        result = logprobs(model, rollout, seed, compute_entropy=compute_entropy)
+        logp = result[0] if compute_entropy else result
         if torch.is_grad_enabled() and trainer.accelerator.process_index == 1:
             logp.register_hook(lambda grad: torch.full_like(grad, math.nan))
-        return logp
+        return result
 
     def snapshot():
         moments = [local(value).clone() for state in trainer.optimizer.state.values() for value in state.values()]

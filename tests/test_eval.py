@@ -83,7 +83,7 @@ def test_eval_on_the_embedded_digits_task_writes_the_report_and_table(tmp_path, 
     report = json.loads(output.read_text())
     assert report["task"] == "digits" and report["split"] == "test" and report["full_split"] is True
     assert report["protocol"] == {"name": "d1", "gen_lengths": [16], "block_length": 16, "temperature": 0.0,
-                                  "steps": "gen_length / 2", "batch_size": 32}
+                                  "steps": "gen_length / 2", "batch_size": 128}
     (entry,) = report["results"]
     assert entry["num_prompts"] == len(load_task_dataset("digits", "test")) == 500
     accuracy = torch.tensor(entry["per_prompt"]["accuracy"])

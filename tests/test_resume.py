@@ -83,7 +83,7 @@ def test_kill_9_after_a_checkpoint_then_resume_gives_the_uninterrupted_metrics(t
     changed = [f"--output_dir={output_dir}", *RUN, "--save_steps=2", "--resume_from_checkpoint=true"]
     assert main(["train", *changed, "--learning_rate=0.5", "--max_completion_length=32"]) == 2
     error = capsys.readouterr().err
-    assert "Cannot resume" in error and "learning_rate: 0.001 -> 0.5" in error and "max_completion_length" in error
+    assert "Cannot resume" in error and "learning_rate: 0.0005 -> 0.5" in error and "max_completion_length" in error
 
     resumed = train(output_dir, "--save_steps=2", "--save_total_limit=2", "--resume_from_checkpoint=true")
     assert resumed.wait() == 0, output_of(resumed)

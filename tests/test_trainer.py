@@ -149,31 +149,6 @@ def test_gradient_accumulation_scores_every_micro_batch_with_the_same_masks(toke
     assert metrics["policy_ratio/mean"] == 1.0 and metrics["clip_ratio/region_mean"] == 0.0
 
 
-def share_of_ones_reward(prompts, completions, **kwargs):
-    """A reward any policy can learn quickly: the share of '1' characters in the completion."""
-    texts = [c[0]["content"] for c in completions]
-    return [t.count("1") / max(len(t), 1) for t in texts]
-
-
-@pytest.mark.parametrize("recipe, overrides", [
-    ("tiny_qwen3_digits_fp8_ais.yaml", {}),
-    ("embedded", {"rollout_precision": "fp8", "correction": "ais"}),
-], ids=["qwen3", "llada-fp8-ais"])
-def test_grpo_raises_a_learnable_reward(tmp_path, recipe, overrides):
-    """End-to-end direction check: the shipped models learn to emit more '1's within 40 steps."""
-    from pathlib import Path
-
-    from dllm_ais.checkpoint import EMBEDDED_RECIPE
-    from dllm_ais.config import load_config
-
-    path = EMBEDDED_RECIPE if recipe == "embedded" else Path(__file__).parents[1] / "recipes" / recipe
-    config = load_config(path, {"max_steps": 40, "eval_size": 0, "num_iterations": 1, "beta": 0.0,
-                                "output_dir": str(tmp_path), **overrides})
-    history = GRPOTrainer(config, reward_funcs=[share_of_ones_reward]).train().history
-    rewards = [r["reward"] for r in history]
-    assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + 0.1
-
-
 def snapshot(trainer):
     """Bit-exact copies of the trainable weights and the whole optimizer state."""
     optimizer = trainer.optimizer.state_dict()
