@@ -147,9 +147,13 @@ def check_destination(final: Path, overwrite: bool, flag: str = "--overwrite") -
     if not overwrite:
         raise OutputExistsError(f"{final} is not empty (holds {describe_contents(final)}); choose a new directory "
                                 f"(e.g. {final / 'NAME'}) or pass {flag} to replace a directory that dllm-ais wrote.")
-    if provenance(final) is None:
+    marker = provenance(final)
+    if marker is None:
         raise OutputExistsError(f"{final} holds files dllm-ais did not write ({describe_contents(final)}); {flag} only "
                                 "replaces directories dllm-ais wrote. Choose a new directory or move this one away.")
+    if marker.get("run_directory"):
+        raise OutputExistsError(f"{final} is the output_dir of a training run (its checkpoints and metrics); {flag} "
+                                "never replaces one. Choose a new directory.")
 
 
 def fsync_directory(path: str | Path) -> None:
@@ -321,9 +325,10 @@ def load_saved_weights(model: torch.nn.Module, directory: str | Path) -> None:
 CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
 RESUMABLE_CHANGES = frozenset({  # fields a resumed run may change: they do not alter the training trajectory
     "max_steps", "logging_steps", "save_steps", "save_total_limit", "output_dir", "overwrite_output_dir",
-    "resume_from_checkpoint", "report_to", "eval_size", "dry_run", "max_consecutive_skipped_batches", "eval_steps",
-    "log_completions", "num_completions_to_print"})
+    "resume_from_checkpoint", "report_to", "run_name", "dry_run", "max_consecutive_skipped_batches", "eval_steps",
+    "log_completions", "num_completions_to_print"})  # not eval_size: the held-out baseline is paired with the end
 RUN_OUTPUTS = ("final",)  # directories a run writes besides its checkpoint-N
+RUN_FILES = ("config.yaml", "metrics.jsonl", "metrics.png", "completions.jsonl", "best_checkpoint.json")
 
 
 def run_checkpoints(output_dir: str | Path, run_id: str | None = None) -> list[tuple[int, Path]]:
@@ -387,13 +392,15 @@ def prepare_output_dir(config: GRPOConfig, is_main_process: bool = True) -> Path
 
     A resumed run continues in its own directory. A fresh run needs an empty `output_dir`, or
     `overwrite_output_dir=true`: then the `checkpoint-N/` and `final/` that dllm-ais wrote there are discarded (so a
-    later `resume_from_checkpoint=true` can never pick up a stale one) and the run's files are rewritten; nothing
-    else in the directory is touched. Every process checks; only the main process changes the directory (it first
-    cleans the leftovers of interrupted writes).
+    later `resume_from_checkpoint=true` can never pick up a stale one) and the run's files (`RUN_FILES`) are
+    rewritten — only when the directory itself carries the marker of an earlier run; nothing else in the directory
+    is touched. Every process checks; only the main process changes the directory (it first cleans the leftovers of
+    interrupted writes, then marks the directory as a run's).
     """
     output_dir = Path(config.output_dir)
     checkpoint = resume_checkpoint(config)
-    present = sorted(e for e in output_dir.iterdir() if not is_leftover(e)) if output_dir.is_dir() else []
+    present = sorted(e for e in output_dir.iterdir() if not is_leftover(e) and e.name != MARKER) \
+        if output_dir.is_dir() else []
     continues_here = checkpoint is not None and checkpoint.parent.resolve() == output_dir.resolve()
     if present and not continues_here and not config.overwrite_output_dir:
         replace = "--overwrite_output_dir=true to replace the outputs dllm-ais wrote there"
@@ -404,6 +411,8 @@ def prepare_output_dir(config: GRPOConfig, is_main_process: bool = True) -> Path
     ours = {path for _, path in run_checkpoints(output_dir)} | {output_dir / n for n in RUN_OUTPUTS}
     foreign = [e.name for e in present if (CHECKPOINT_NAME.fullmatch(e.name) or e.name in RUN_OUTPUTS)
                and provenance(e) is None]
+    if provenance(output_dir) is None:
+        foreign += [e.name for e in present if e.name in RUN_FILES]
     if foreign:
         raise ConfigError(f"output_dir {output_dir} holds {', '.join(foreign)} that dllm-ais did not write; the run "
                           "would replace them. Move them away or choose another --output_dir.")
@@ -412,4 +421,8 @@ def prepare_output_dir(config: GRPOConfig, is_main_process: bool = True) -> Path
         if not continues_here:
             for path in sorted(p for p in ours if p.is_dir()):
                 discard_directory(path)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        if provenance(output_dir) is None:
+            (output_dir / MARKER).write_text(json.dumps({"written_by": "dllm-ais", "run_directory": True}))
+            fsync_directory(output_dir)
     return checkpoint

@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 
+from dllm_ais.choices import PRECISIONS
+
 MAIN_HELP = """\
 RL fine-tuning of masked-diffusion (LLaDA) and autoregressive (Qwen3) LMs with FP8 rollouts and
 adaptive importance-sampling correction (AIS).
@@ -311,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     inference = argparse.ArgumentParser(add_help=False, parents=[common])
     inference.add_argument("recipe", nargs="?", help="optional YAML recipe for task/sampler settings")
     inference.add_argument("--model", help="hub id, model dir or adapter dir (default: the recipe's or 'embedded')")
-    inference.add_argument("--precision", default="bf16", choices=("bf16", "fp8", "fp8_weight_only"),
+    inference.add_argument("--precision", default="bf16", choices=PRECISIONS,
                            help="run the model through the rollout engine at this precision")
     inference.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the d1 eval protocol)")
 

@@ -182,7 +182,7 @@ class GRPOConfig:
         "help": "Samples per logged step with log_completions."})
     resume_from_checkpoint: str | bool | None = field(default=None, metadata={
         "help": "Continue a run exactly where a checkpoint left it: a checkpoint-N dir, or true = the latest in "
-                "output_dir. Only output, logging, saving, max_steps and eval_size may change."})
+                "output_dir. Only max_steps and the output, logging, saving, tracking and eval_steps fields may change."})
     overwrite_output_dir: bool = field(default=False, metadata={
         "help": "Start afresh in a non-empty output_dir, replacing what dllm-ais wrote there (nothing else)."})
     report_to: list[str] = field(default_factory=list, metadata={

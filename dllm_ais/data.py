@@ -65,8 +65,10 @@ def resolve_split(split: str, loaders: SplitLoaders) -> datasets.Dataset:
 
 
 def local_split_loaders(path: Path) -> SplitLoaders:
-    """Splits of a local source: a directory laid out as a dataset repository has its own splits; a single file
-    (json, jsonl, parquet or csv) is the test split whole, and train and validation are carved from it."""
+    """Splits of a local source: a directory laid out as a dataset repository has its own splits (files named
+    ``train.jsonl``, ``test.csv``, ...); a single file (json, jsonl, parquet or csv) is a source with only a train
+    split, so validation and test are carved from it and none of its test rows is ever trained on. To evaluate on a
+    whole file, put it in a directory as ``test.<ext>``."""
     if path.is_dir():
         dataset_dict = datasets.load_dataset(str(path))
         return {name: (lambda name=name: dataset_dict[name]) for name in dataset_dict}
@@ -79,7 +81,7 @@ def local_split_loaders(path: Path) -> SplitLoaders:
     def load() -> datasets.Dataset:
         return datasets.load_dataset(builder, data_files=str(path), split="train")
 
-    return {"train": load, "test": load}
+    return {"train": load}
 
 
 def hub_split_loaders(task: Task) -> SplitLoaders:

@@ -151,11 +151,17 @@ def evaluate_policy(model, tokenizer, policy, dataset, reward_funcs: list[Reward
 @dataclass(frozen=True)
 class EvalProtocol:
     """How completions are generated for an evaluation: d1's protocol (greedy, steps = gen_length / 2, one block
-    length) at each of ``gen_lengths``. For autoregressive policies gen_length is the number of new tokens."""
+    length, LLaDA's own sampler: low-confidence remasking, no KV cache, no parallel decoding, no guidance) at each
+    of ``gen_lengths``, whatever the model was trained with. For autoregressive policies gen_length is the number of
+    new tokens and the diffusion settings do not apply."""
 
     gen_lengths: tuple[int, ...]
     block_length: int
     temperature: float = 0.0
+    remasking: str = "low_confidence"
+    rollout_cache: str = "none"
+    rollout_threshold: float | None = None
+    cfg_scale: float = 0.0
 
     @classmethod
     def for_task(cls, task: Task, gen_lengths: tuple[int, ...] | None = None, block_length: int | None = None,
@@ -163,11 +169,13 @@ class EvalProtocol:
         """The task's protocol (d1's for the real tasks), with any of its settings replaced."""
         return cls(tuple(gen_lengths or task.eval_gen_lengths), block_length or task.eval_block_length, temperature)
 
-    def sampler_fields(self, gen_length: int) -> dict[str, int]:
+    def sampler_fields(self, gen_length: int) -> dict[str, Any]:
         """The config fields of the sampler at ``gen_length``: block min(block_length, gen_length), gen_length / 2
-        steps."""
+        steps, and the protocol's remasking, cache, parallel-decoding and guidance settings."""
         return {"max_completion_length": gen_length, "block_length": min(self.block_length, gen_length),
-                "diffusion_steps": max(gen_length // 2, 1)}
+                "diffusion_steps": max(gen_length // 2, 1), "remasking": self.remasking,
+                "rollout_cache": self.rollout_cache, "rollout_threshold": self.rollout_threshold,
+                "cfg_scale": self.cfg_scale}
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "steps": "gen_length / 2", "gen_lengths": list(self.gen_lengths)}

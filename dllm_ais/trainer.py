@@ -474,13 +474,15 @@ class GRPOTrainer:
         local_tokens = batch.rollout.completion_mask.sum().float()
         total_tokens = self.accelerator.gather(local_tokens.reshape(1)).mean().clamp(min=1).item()
         micro_batches = self.micro_batches(len(batch.advantages))
-        summed: dict[str, float] = {**batch.diagnostics[k], "entropy": 0.0}
-        bad_logprobs = bad_loss = False
+        summed: dict[str, float] = dict(batch.diagnostics[k])
+        first_pass = iteration == 0  # the policy's entropy on the batch: once, at θ_old (a full-vocabulary pass)
+        losses, entropies, finite = [], [], []
         for j, rows in enumerate(micro_batches):
             with self.accelerator.accumulate(self.model):
                 part = batch.rollout.select(rows)
-                logp, entropy = self.policy.logprobs(self.model, part, micro_seed(batch.seeds[k], j),
-                                                     compute_entropy=True)
+                scored = self.policy.logprobs(self.model, part, micro_seed(batch.seeds[k], j),
+                                              compute_entropy=first_pass)
+                logp, entropy = scored if first_pass else (scored, None)
                 loss, loss_metrics = grpo_loss(
                     logp, batch.logp_old[k][rows], batch.advantages[rows], part.completion_mask,
                     weights=batch.weights[k][rows],
@@ -489,17 +491,23 @@ class GRPOTrainer:
                     beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, loss_type=cfg.loss_type,
                     max_completion_length=cfg.max_completion_length, num_items_in_batch=total_tokens,
                     ratio_type=cfg.ratio_type)
-                bad_logprobs |= non_finite([logp], part.completion_mask)
-                bad_loss |= not torch.isfinite(loss).item()
+                finite.append(torch.stack([torch.isfinite(logp.detach()[part.completion_mask]).all(),
+                                           torch.isfinite(loss.detach())]))
                 scale = len(micro_batches) if cfg.loss_type == "dapo" else 1
                 # Non-finite or not, every process joins the gradient all-reduce; the step is decided below.
                 self.accelerator.backward(loss * scale)
-            summed["loss"] = summed.get("loss", 0.0) + loss.item() * scale / len(micro_batches)
-            summed["entropy"] += masked_mean(entropy, part.completion_mask).item() / len(micro_batches)
+            losses.append(loss.detach() * scale)
+            if entropy is not None:
+                entropies.append(masked_mean(entropy.detach(), part.completion_mask))
             for key, value in loss_metrics.items():
                 summed[key] = summed.get(key, 0.0) + value / len(micro_batches)
+        summed["loss"] = torch.stack(losses).mean().item()
+        if entropies:  # logged with every pass of this batch
+            summed["entropy"] = batch.metrics["entropy"] = torch.stack(entropies).mean().item()
+        bad_logprobs, bad_loss = (not flag for flag in torch.stack(finite).all(dim=0).tolist())
         grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
         bad_logprobs, bad_loss = self.any_process(bad_logprobs, bad_loss)
+        # DeepSpeed clips inside its engine and reports no norm: there only the log-prob and loss checks apply.
         bad_gradient = grad_norm is not None and not torch.isfinite(torch.as_tensor(grad_norm)).item()
         if bad_logprobs or bad_loss or bad_gradient:
             self.optimizer.zero_grad(set_to_none=True)
@@ -509,7 +517,6 @@ class GRPOTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.global_step += 1
-        # DeepSpeed clips inside its engine and reports no norm here.
         return {**summed, "grad_norm": float("nan") if grad_norm is None else float(grad_norm),
                 "learning_rate": self.scheduler.get_last_lr()[0]}
 

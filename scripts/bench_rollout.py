@@ -36,8 +36,8 @@ import torch
 from dllm_ais.checkpoint import load_model, load_tokenizer
 from dllm_ais.config import EMBEDDED_MODEL, GRPOConfig
 from dllm_ais.data import load_task_dataset, tokenize_prompts
-from dllm_ais.rewards import TASK_REWARDS, resolve_reward_functions
-from dllm_ais.trainer import build_policy, score_rollout
+from dllm_ais.rewards import resolve_reward_functions, score_rollout
+from dllm_ais.trainer import build_policy
 
 
 def variants(threshold: float, steps: int, gen_length: int) -> dict[str, dict]:
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = load_tokenizer(EMBEDDED_MODEL)
     model = load_model(EMBEDDED_MODEL, torch.float32).to(device).eval()
     dataset = load_task_dataset("digits", split="test", size=args.num_prompts, seed=args.seed)
-    reward_funcs = resolve_reward_functions(TASK_REWARDS["digits"])
+    reward_funcs = resolve_reward_functions("digits")
     batches = []
     for start in range(0, len(dataset), args.batch):
         rows = dataset.select(range(start, min(start + args.batch, len(dataset))))

@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import torch
 
+from dllm_ais.choices import PRECISIONS
 from dllm_ais.models import LLaDAConfig, LLaDAModelLM
 from dllm_ais.sampling.diffusion import DiffusionSamplerConfig, MaskedDiffusionSampler
 
@@ -181,7 +182,7 @@ def bench_engine_sync(args: argparse.Namespace) -> dict[str, float]:
     canvas_attention = torch.cat([attention_mask, attention_mask.new_ones((args.batch, args.gen_length))], dim=1)
     print("== engine sync vs one forward ==")
     results = {}
-    for precision in ("bf16", "fp8", "fp8_weight_only"):
+    for precision in PRECISIONS:
         engine = RolloutEngine(trainer, precision=precision)
 
         @torch.no_grad()

@@ -22,6 +22,8 @@ import time
 
 import torch
 
+from dllm_ais.choices import CACHE_MODES, PRECISIONS
+
 
 def tiny_llada(vocab: int, d_model: int, layers: int, max_len: int):
     from dllm_ais.models import LLaDAConfig, LLaDAModelLM
@@ -139,9 +141,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16, help="correction part: completions per step")
     parser.add_argument("--gen-length", type=int, default=16)
     parser.add_argument("--num-iterations", type=int, default=2)
-    parser.add_argument("--precision", default="fp8", choices=("bf16", "fp8", "fp8_weight_only"))
+    parser.add_argument("--precision", default="fp8", choices=PRECISIONS)
     parser.add_argument("--block-length", type=int, default=None, help="correction part: default gen-length")
-    parser.add_argument("--rollout-cache", default="none", choices=("none", "prefix", "dual"))
+    parser.add_argument("--rollout-cache", default="none", choices=CACHE_MODES)
     parser.add_argument("--rollout-threshold", type=float, default=None)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)

@@ -109,7 +109,8 @@ def test_gsm8k_from_a_local_directory_with_splits(tmp_path):
 
 def test_countdown_from_jsonl_keeps_every_row(tmp_path):
     rows = [{"nums": [25, 3, 2], "target": 44}, {"nums": [1, 3, 4, 6], "target": 24}]
-    dataset = load_task_dataset("countdown", "test", path=write_jsonl(tmp_path / "countdown.jsonl", rows))
+    write_jsonl(tmp_path / "test.jsonl", rows)
+    dataset = load_task_dataset("countdown", "test", path=tmp_path)
     assert dataset["nums"] == [[25, 3, 2], [1, 3, 4, 6]] and dataset["target"] == [44, 24]
     assert "[25, 3, 2]" in user_text(dataset[0]) and "44" in user_text(dataset[0])
     rewards = countdown_reward(dataset["prompt"], ["<answer>(25-3)*2</answer>", "<answer>6/(1-3/4)</answer>"],
@@ -118,15 +119,15 @@ def test_countdown_from_jsonl_keeps_every_row(tmp_path):
 
 
 def test_countdown_from_csv_with_text_lists(tmp_path):
-    (tmp_path / "countdown.csv").write_text('nums,target\n"[25, 3, 2]",44\n')
-    dataset = load_task_dataset("countdown", "test", path=tmp_path / "countdown.csv")
+    (tmp_path / "test.csv").write_text('nums,target\n"[25, 3, 2]",44\n')
+    dataset = load_task_dataset("countdown", "test", path=tmp_path)
     assert dataset[0]["nums"] == [25, 3, 2] and dataset[0]["target"] == 44
 
 
 def test_sudoku_csv_keeps_leading_zeros(tmp_path):
-    csv = tmp_path / "sudoku.csv"
-    csv.write_text("Puzzle,Solution\n0030000221000300,1234341221434321\n1030000221000300,1234341221434321\n")
-    dataset = load_task_dataset("sudoku", "test", path=csv)
+    (tmp_path / "test.csv").write_text("Puzzle,Solution\n0030000221000300,1234341221434321\n"
+                                       "1030000221000300,1234341221434321\n")
+    dataset = load_task_dataset("sudoku", "test", path=tmp_path)
     assert dataset["puzzle"] == ["0030000221000300", "1030000221000300"]
     assert dataset["solution"] == ["1234341221434321"] * 2
     assert "0030000221000300" in user_text(dataset[0])
@@ -137,18 +138,18 @@ def test_sudoku_csv_keeps_leading_zeros(tmp_path):
 
 def test_math500_from_parquet(tmp_path):
     rows = {"problem": ["Compute 14/3."], "solution": [r"It is $\boxed{\frac{14}{3}}$."], "answer": [r"\frac{14}{3}"]}
-    datasets.Dataset.from_dict(rows).to_parquet(str(tmp_path / "math.parquet"))
-    dataset = load_task_dataset("math500", "test", path=tmp_path / "math.parquet")
+    datasets.Dataset.from_dict(rows).to_parquet(str(tmp_path / "test.parquet"))
+    dataset = load_task_dataset("math500", "test", path=tmp_path)
     assert user_text(dataset[0]).endswith("Compute 14/3.") and "\\boxed{}" in user_text(dataset[0])
     assert dataset[0]["answer"] == r"\frac{14}{3}"
 
 
 def test_size_takes_a_seeded_subset(tmp_path):
-    path = write_jsonl(tmp_path / "g.jsonl", [{"question": f"q{i}", "answer": f"#### {i}"} for i in range(20)])
-    subset = load_task_dataset("gsm8k", "test", path=path, size=5, seed=1)
+    write_jsonl(tmp_path / "test.jsonl", [{"question": f"q{i}", "answer": f"#### {i}"} for i in range(20)])
+    subset = load_task_dataset("gsm8k", "test", path=tmp_path, size=5, seed=1)
     assert len(subset) == 5
-    assert subset["answer"] == load_task_dataset("gsm8k", "test", path=path, size=5, seed=1)["answer"]
-    assert len(load_task_dataset("gsm8k", "test", path=path, size=50)) == 20
+    assert subset["answer"] == load_task_dataset("gsm8k", "test", path=tmp_path, size=5, seed=1)["answer"]
+    assert len(load_task_dataset("gsm8k", "test", path=tmp_path, size=50)) == 20
 
 
 # --------------------------------------------------------------------------------- splits
@@ -182,11 +183,13 @@ def test_a_directorys_own_validation_split_is_used(tmp_path):
     assert len(answers("gsm8k", "train", tmp_path)) == 10
 
 
-def test_a_single_file_is_the_test_split_and_train_and_validation_are_carved_from_it(tmp_path):
-    path = write_jsonl(tmp_path / "g.jsonl", gsm8k_rows(20))
-    train, validation = answers("gsm8k", "train", path), answers("gsm8k", "validation", path)
-    assert len(validation) == 2 and not set(train) & set(validation) and len(train) + len(validation) == 20
-    assert len(answers("gsm8k", "test", path)) == 20
+def test_a_single_file_is_a_train_split_with_validation_and_test_carved_from_it(tmp_path):
+    """None of the rows `dllm-ais eval` scores is ever trained on, even when train and eval get the same file."""
+    path = write_jsonl(tmp_path / "g.jsonl", gsm8k_rows(40))
+    train, validation, test = (answers("gsm8k", split, path) for split in ("train", "validation", "test"))
+    assert len(test) == 4 and len(validation) == 4 and len(train) == 32
+    assert not set(train) & set(test) and not set(train) & set(validation) and not set(validation) & set(test)
+    assert sorted(train + validation + test) == sorted(row["answer"] for row in gsm8k_rows(40))
 
 
 def test_hub_splits_come_from_each_tasks_sources(monkeypatch):

@@ -19,8 +19,7 @@ from dllm_ais.tasks import get_task
 from dllm_ais.trainer import GRPOTrainer, build_policy
 
 DATA = Path(__file__).parent / "data"
-HUB_SCHEMA_FILES = {"gsm8k": "gsm8k.jsonl", "math500": "math500.jsonl", "countdown": "countdown.jsonl",
-                    "sudoku": "sudoku.csv"}
+HUB_SCHEMA_FILES = {task: task for task in ("gsm8k", "math500", "countdown", "sudoku")}  # directories: test.<ext>
 
 
 class ScriptedPolicy:
@@ -64,9 +63,20 @@ def test_evaluate_policy_keeps_every_prompts_values_in_dataset_order():
 def test_the_protocol_is_d1s_for_real_tasks_and_the_embedded_recipes_for_digits():
     gsm8k = EvalProtocol.for_task(get_task("gsm8k"))
     assert gsm8k == EvalProtocol((128, 256, 512), 32, 0.0)
-    assert gsm8k.sampler_fields(256) == {"max_completion_length": 256, "block_length": 32, "diffusion_steps": 128}
+    d1_sampler = {"remasking": "low_confidence", "rollout_cache": "none", "rollout_threshold": None, "cfg_scale": 0.0}
+    assert gsm8k.sampler_fields(256) == {"max_completion_length": 256, "block_length": 32, "diffusion_steps": 128,
+                                         **d1_sampler}
     digits = EvalProtocol.for_task(get_task("digits"))
-    assert digits.sampler_fields(16) == {"max_completion_length": 16, "block_length": 16, "diffusion_steps": 8}
+    assert digits.sampler_fields(16) == {"max_completion_length": 16, "block_length": 16, "diffusion_steps": 8,
+                                         **d1_sampler}
+    # a model trained with fast rollouts (AR order, cache, threshold) is still scored by LLaDA's own sampler
+    trained_fast = GRPOConfig(max_completion_length=32, remasking="left_to_right", rollout_cache="prefix",
+                              rollout_threshold=0.9, cfg_scale=1.0)
+    llada = AutoConfig.from_pretrained(EMBEDDED_MODELS["embedded"])
+    sampler = build_policy(dataclasses.replace(trained_fast, **digits.sampler_fields(16)), llada,
+                           load_tokenizer("embedded"), temperature=0.0).sampler.config
+    assert (sampler.remasking, sampler.cache, sampler.threshold, sampler.cfg_scale, sampler.steps) == (
+        "low_confidence", "none", None, 0.0, 8)
     custom = EvalProtocol.for_task(get_task("gsm8k"), gen_lengths=(64,), block_length=16)
     assert custom.gen_lengths == (64,) and custom.block_length == 16
     # for an autoregressive model the gen length is the number of new tokens
@@ -83,7 +93,8 @@ def test_eval_on_the_embedded_digits_task_writes_the_report_and_table(tmp_path, 
     report = json.loads(output.read_text())
     assert report["task"] == "digits" and report["split"] == "test" and report["full_split"] is True
     assert report["protocol"] == {"name": "d1", "gen_lengths": [16], "block_length": 16, "temperature": 0.0,
-                                  "steps": "gen_length / 2", "batch_size": 128}
+                                  "remasking": "low_confidence", "rollout_cache": "none", "rollout_threshold": None,
+                                  "cfg_scale": 0.0, "steps": "gen_length / 2", "batch_size": 128}
     (entry,) = report["results"]
     assert entry["num_prompts"] == len(load_task_dataset("digits", "test")) == 500
     accuracy = torch.tensor(entry["per_prompt"]["accuracy"])

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dllm_ais.checkpoint import (EMBEDDED_MODELS, MARKER, OutputExistsError, atomic_directory, begin_staging,
+                                 check_destination,
                                  clean_leftovers, commit_staging, load_model, prepare_output_dir,
                                  provenance, prune_checkpoints, run_checkpoints)
 from dllm_ais.cli import main
@@ -158,4 +159,19 @@ def test_save_total_limit_and_overwrite_touch_only_what_dllm_ais_wrote(tmp_path)
         prepare_output_dir(dataclasses.replace(config, overwrite_output_dir=True))
     os.rename(tmp_path / "final", tmp_path / "my-final")
     assert prepare_output_dir(dataclasses.replace(config, overwrite_output_dir=True)) is None
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["my-final", "notes.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [MARKER, "my-final", "notes.txt"]
+
+
+def test_overwrite_rewrites_a_runs_files_only_in_a_directory_a_run_marked(tmp_path):
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "config.yaml").write_text("mine")  # a name a run writes, in a directory no run has marked
+    config = GRPOConfig(output_dir=str(project), overwrite_output_dir=True)
+    with pytest.raises(ConfigError, match="config.yaml that dllm-ais did not write"):
+        prepare_output_dir(config)
+    os.rename(project / "config.yaml", project / "my-config.yaml")
+    assert prepare_output_dir(config) is None and provenance(project)["run_directory"] is True
+    (project / "metrics.jsonl").write_text("{}\n")  # the run's own files: a later overwrite may rewrite them
+    assert prepare_output_dir(config) is None
+    with pytest.raises(OutputExistsError, match="output_dir of a training run"):  # export/sft never replace it
+        check_destination(project, overwrite=True)

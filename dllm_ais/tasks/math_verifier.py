@@ -104,9 +104,13 @@ class MathVerifier:
     def _worker(self) -> subprocess.Popen:
         if self._process is not None and self._process.poll() is None:
             return self._process
+        # Its own session: a Ctrl-C or a scheduler's SIGTERM to the trainer's process group must not kill a
+        # comparison of the step the trainer is finishing (it would score 0 and break exact resume); the worker
+        # ends with its stdin when the trainer exits.
         self._process = subprocess.Popen(
             [sys.executable, "-c", _WORKER_BOOT, os.path.abspath(__file__)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True)
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True,
+            start_new_session=True)
         self._buffer = b""
         ready = self._read_line(time.monotonic() + STARTUP_SECONDS)
         message = json.loads(ready) if ready else {"error": "the worker did not start"}
