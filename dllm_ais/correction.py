@@ -277,26 +277,33 @@ def oracle_alpha(mismatch_shift: float, mismatch_shift_se: float) -> float:
     return bias_squared / total if total > 0 else 0.0
 
 
-def mismatch_shift_statistics(tis_weights: Tensor, token_advantages: Tensor, valid: Tensor) -> dict[str, Tensor]:
+def mismatch_shift_statistics(tis_weights: Tensor, token_advantages: Tensor, valid: Tensor,
+                              group_size: int = 1) -> dict[str, Tensor]:
     """How much the correction would move the policy-gradient signal, and how much of that is systematic.
 
     With d_t = (w_t − 1) Â_t per valid token (the change TIS makes to token t's signal Â_t), over the N valid
-    tokens and the n sequences that have one:
+    tokens and the batch's groups (consecutive runs of `group_size` sequences: GRPO's completions of one prompt):
 
     - `mismatch_shift` b̂ = mean_t d_t: the shift of the surrogate's signal that leaving the mismatch uncorrected
       keeps (the uncorrected gradient's bias, seen through the advantages);
-    - `mismatch_shift_se` σ̂: its cluster-robust standard error with the sequences as clusters,
-      σ̂² = Σ_i (Σ_{t∈i} d_t − N_i b̂)² / N² — tokens of one sequence share its advantage and move together, so
-      the batch's independent units are its sequences;
+    - `mismatch_shift_se` σ̂: its cluster-robust standard error with the groups as clusters,
+      σ̂² = Σ_g (Σ_{t∈g} d_t − N_g b̂)² / N² — a completion's tokens share its advantage, and a group's advantages
+      are measured from their common mean, so the batch's independent units are its prompts;
     - `shift_significance` z² = b̂² / σ̂² (0 when σ̂ = 0): the shift in units of the batch's own gradient noise.
       When the mismatch is unrelated to the rewards (noise, exploration) z² behaves like a χ²₁ draw (mean 1);
       when it systematically favours low- or high-advantage completions z² grows with the batch.
     - `severity` = (z² − 1)₊: the excess over what noise alone gives, the default rule's severity.
     """
+    if group_size < 1 or valid.shape[0] % group_size:
+        raise ValueError(f"group_size must divide the batch of {valid.shape[0]} sequences; got {group_size}")
     shift = torch.where(valid, (tis_weights - 1.0) * token_advantages, 0.0)
     num_tokens = valid.sum().float()
     shift_mean = shift.sum() / num_tokens.clamp(min=1)
-    residual = shift.sum(dim=1) - valid.sum(dim=1).float() * shift_mean  # per sequence: Σ_t d_t − N_i b̂
+
+    def per_group(values: Tensor) -> Tensor:
+        return values.sum(dim=1).view(-1, group_size).sum(dim=1)
+
+    residual = per_group(shift) - per_group(valid.float()) * shift_mean  # per group: Σ_t d_t − N_g b̂
     standard_error = residual.square().sum().sqrt() / num_tokens.clamp(min=1)
     significance = torch.where(standard_error > 0, shift_mean.square() / standard_error.square().clamp(min=1e-30), 0.0)
     return {
@@ -346,6 +353,7 @@ def ais_weights(
     alpha_max: float = 1.0,
     previous_alpha: float | None = None,
     alpha_ema: float = 0.0,
+    group_size: int = 1,
 ) -> tuple[Tensor, dict[str, float]]:
     """AIS effective weights ŵ_t = (1 − α) + α · w_t at valid tokens (0 elsewhere), with
     w_t = min(ρ_t, C) the TIS weight — this project's formulation of AIS (ALGORITHMS.md §4).
@@ -353,7 +361,8 @@ def ais_weights(
     Batch diagnostics over the N valid tokens (Â_t = advantage of token t's sequence):
     reliability R = (Σ w)²/(N Σ w²); variance_amplification V = Σ (w Â)² / Σ Â² (1 when all Â are 0);
     the divergence D = mean(ρ − log ρ − 1) (`k3_kl`); and the mismatch shift of the gradient signal with its
-    noise and significance (`mismatch_shift_statistics`: b̂, σ̂, z², severity = (z² − 1)₊).
+    noise and significance (`mismatch_shift_statistics` over groups of `group_size` consecutive sequences, the
+    completions of one prompt: b̂, σ̂, z², severity = (z² − 1)₊).
 
     α comes from `rule`:
     - "adaptive" (default): `gate_alpha(R, (z² − 1)₊, V, snr_scale)` — scale-free: the mismatch is corrected
@@ -390,7 +399,7 @@ def ais_weights(
             masked_sum((tis_weights * token_advantages).square(), valid) / advantage_energy,
             1.0,
         ),
-        **mismatch_shift_statistics(tis_weights, token_advantages, valid),
+        **mismatch_shift_statistics(tis_weights, token_advantages, valid, group_size),
         "num_tokens": valid.sum().float(),
     }))
 
@@ -438,6 +447,7 @@ def correct(
     alpha_max: float = 1.0,
     previous_alpha: float | None = None,
     alpha_ema: float = 0.0,
+    group_size: int = 1,
 ) -> Correction:
     """Apply the rollout-mismatch correction `method` (one of CORRECTION_METHODS):
 
@@ -466,7 +476,7 @@ def correct(
     if method == "ais":
         weights, diagnostics = ais_weights(
             logp_old, logp_rollout, advantages, valid, clip=clip, rule=rule, snr_scale=snr_scale, kl_scale=kl_scale,
-            alpha_max=alpha_max, previous_alpha=previous_alpha, alpha_ema=alpha_ema,
+            alpha_max=alpha_max, previous_alpha=previous_alpha, alpha_ema=alpha_ema, group_size=group_size,
         )
         return Correction(weights, None, _logged(diagnostics))
     weights, diagnostics = importance_weights(

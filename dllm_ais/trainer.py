@@ -426,8 +426,7 @@ class GRPOTrainer:
             cfg.correction, gather(old), gather(ro), all_advantages, global_mask, clip=cfg.is_clip,
             clip_low=cfg.is_clip_low, level=cfg.is_level, normalize=cfg.is_normalize, rule=self.ais_rule,
             snr_scale=cfg.ais_snr_scale, kl_scale=cfg.ais_kl_scale, alpha_max=cfg.ais_alpha_max,
-            previous_alpha=self.previous_alpha,
-            alpha_ema=cfg.ais_alpha_ema)
+            previous_alpha=self.previous_alpha, alpha_ema=cfg.ais_alpha_ema, group_size=cfg.num_generations)
             for old, ro in zip(logp_old, logp_rollout)]
         if cfg.correction == "ais":  # the EMA advances once per generation batch, over its estimator seeds
             self.previous_alpha = sum(c.diagnostics["ais/alpha"] for c in corrections) / len(corrections)

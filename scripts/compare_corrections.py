@@ -157,6 +157,8 @@ def plot(table: dict, families: list[str], path: Path) -> None:
               ("ESS", "rollout_corr/rollout_is_eff_sample_size"), ("k3 KL(μ ‖ π_old)", "rollout_corr/k3_kl")]
     figure, axes = plt.subplots(len(families), len(panels), figsize=(4.0 * len(panels), 3.2 * len(families)),
                                 squeeze=False)
+    arm_names = list(dict.fromkeys(arm for _, arm in table))
+    colors = {arm: plt.get_cmap("tab10")(index) for index, arm in enumerate(arm_names)}  # one color per arm
     for row, family in enumerate(families):
         for column, (title, key) in enumerate(panels):
             ax = axes[row][column]
@@ -173,8 +175,8 @@ def plot(table: dict, families: list[str], path: Path) -> None:
                 mean = [sum(v[i] for v in values) / len(values) for i in range(len(steps))]
                 low = [min(v[i] for v in values) for i in range(len(steps))]
                 high = [max(v[i] for v in values) for i in range(len(steps))]
-                (line,) = ax.plot(steps, mean, label=arm, linewidth=1.2)
-                ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.15, linewidth=0)
+                ax.plot(steps, mean, label=arm, linewidth=1.2, color=colors[arm])
+                ax.fill_between(steps, low, high, color=colors[arm], alpha=0.15, linewidth=0)
             ax.set_title(f"{family}: {title}", fontsize=9)
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)

@@ -245,6 +245,12 @@ def test_mismatch_shift_statistics_by_hand():
     assert diagnostics["severity"] == pytest.approx(max(0.0, bias**2 / se**2 - 1), rel=1e-4, abs=1e-7)
     assert diagnostics["alpha"] == pytest.approx(bias**2 / (bias**2 + se**2), rel=1e-4)
     assert oracle_alpha(0.0, 0.0) == 0.0
+    # the two sequences as one group (the completions of one prompt): one cluster
+    _, grouped = ais_weights(logp_old, logp_rollout, advantages, mask, rule="oracle", group_size=2)
+    assert grouped["mismatch_shift"] == pytest.approx(bias, rel=1e-5)
+    assert grouped["mismatch_shift_se"] == pytest.approx(abs(sum(map(sum, shifts)) - 5 * bias) / 5, abs=1e-6)
+    with pytest.raises(ValueError, match="group_size"):
+        ais_weights(logp_old, logp_rollout, advantages, mask, group_size=3)
 
 
 def batch_with_mismatch(correlation: float, scale: float = 0.15, sequences: int = 256, length: int = 12, seed: int = 0):
@@ -266,7 +272,7 @@ def test_adaptive_rule_is_scale_free_where_the_fixed_kl_gate_saturates():
     alphas, gate_alphas, divergences = [], [], []
     for seed in range(20):
         logp_old, logp_rollout, advantages, mask = batch_with_mismatch(correlation=0.0, seed=seed)
-        _, adaptive = ais_weights(logp_old, logp_rollout, advantages, mask)
+        _, adaptive = ais_weights(logp_old, logp_rollout, advantages, mask, group_size=4)
         _, gate = ais_weights(logp_old, logp_rollout, advantages, mask, rule="gate", kl_scale=1e-3)
         alphas.append(adaptive["alpha"])
         gate_alphas.append(gate["alpha"])
@@ -282,7 +288,8 @@ def test_adaptive_rule_corrects_a_mismatch_that_favours_one_side():
     systematic part of the mismatch (mean over batches), to full correction once it clearly exceeds the noise."""
     mean_alphas = []
     for correlation in (0.0, 0.1, 0.2, 0.4):
-        alphas = [ais_weights(*batch_with_mismatch(correlation=correlation, seed=seed))[1]["alpha"] for seed in range(8)]
+        alphas = [ais_weights(*batch_with_mismatch(correlation=correlation, seed=seed), group_size=4)[1]["alpha"]
+                  for seed in range(8)]
         mean_alphas.append(sum(alphas) / len(alphas))
     assert mean_alphas[0] < 0.15 and mean_alphas[-1] > 0.85
     assert all(a < b for a, b in zip(mean_alphas, mean_alphas[1:]))
