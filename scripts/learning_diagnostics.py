@@ -67,6 +67,7 @@ def shifted(trainer: GRPOTrainer, direction: torch.Tensor, step: float):
         parameter.add_(step * direction[offset:offset + count].view_as(parameter) / direction.norm())
         offset += count
 
+    @torch.no_grad()
     def undo():
         for parameter, value in zip(parameters, saved):
             parameter.copy_(value)
@@ -103,7 +104,8 @@ def gradient_part(config, args) -> None:
                 undo = shifted(trainer, direction, step)
                 change = paired_difference(baseline, expected_reward(trainer, columns, seed=config.seed + 1))
                 undo()
-                print(f"    step {step:g} along {label:6s}: expected reward {change}")
+                print(f"    step {step:g} along {label:6s}: expected reward Δ {change.mean:+.4f} ± "
+                      f"{change.standard_error:.4f} SE (paired over {change.num_prompts} completions)")
 
 
 def control_part(config, args) -> None:
