@@ -58,6 +58,20 @@ def dry_run_dataset(config: GRPOConfig) -> datasets.Dataset:
 
 def run_dry_run(config: GRPOConfig) -> dict:
     """Run one step of the recipe on a stand-in and print what ran; returns the step's metrics."""
+    with tempfile.TemporaryDirectory(prefix="dllm-ais-dry-run-") as scratch:
+        step = run_one_step_on_stand_in(config, scratch)
+    print(f"dry run OK: recipe valid ({config.model_name_or_path}, task={config.task}, "
+          f"policy={'diffusion' if recipe_is_diffusion(config) else 'autoregressive'}, "
+          f"rollout_precision={config.rollout_precision}, correction={config.correction}); one step on a tiny "
+          f"stand-in: reward={step['reward']:.3f} alpha={step.get('ais/alpha', float('nan')):.3f} "
+          f"loss={step['loss']:+.4f}")
+    for problem in missing_tracker_problems(config.report_to):  # dry runs log to no tracker; a real run checks them
+        print(f"note: a real run would stop here: {problem}")
+    return step
+
+
+def run_one_step_on_stand_in(config: GRPOConfig, output_dir: str) -> dict:
+    """One GRPO step of `config`'s recipe on the embedded tiny model, writing into the scratch `output_dir`."""
     from dllm_ais.trainer import GRPOTrainer
 
     diffusion = recipe_is_diffusion(config)
@@ -68,16 +82,8 @@ def run_dry_run(config: GRPOConfig) -> dict:
         num_iterations=1, max_steps=1, eval_size=0, eval_steps=0, block_length=block, max_completion_length=2 * block,
         diffusion_steps=block, max_prompt_length=4096, report_to=[], save_steps=0, dry_run=False,
         resume_from_checkpoint=None, overwrite_output_dir=False,
-        lora_target_modules=None, output_dir=tempfile.mkdtemp(prefix="dllm-ais-dry-run-"))
+        lora_target_modules=None, output_dir=output_dir)
     tokenizer = load_tokenizer(EMBEDDED_MODEL)
     trainer = GRPOTrainer(small, model=stand_in_model(diffusion, tokenizer), tokenizer=tokenizer,
                           train_dataset=dry_run_dataset(config))
-    result = trainer.train()
-    step = result.history[-1]
-    print(f"dry run OK: recipe valid ({config.model_name_or_path}, task={config.task}, "
-          f"policy={'diffusion' if diffusion else 'autoregressive'}, rollout_precision={config.rollout_precision}, "
-          f"correction={config.correction}); one step on a tiny stand-in: reward={step['reward']:.3f} "
-          f"alpha={step.get('ais/alpha', float('nan')):.3f} loss={step['loss']:+.4f}")
-    for problem in missing_tracker_problems(config.report_to):  # dry runs log to no tracker; a real run checks them
-        print(f"note: a real run would stop here: {problem}")
-    return step
+    return trainer.train().history[-1]

@@ -4,6 +4,7 @@ import json
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -99,10 +100,12 @@ def test_cli_train_eval_generate_export_on_the_embedded_model(tmp_path, capsys):
 @pytest.mark.parametrize("recipe, family", [("llada8b_gsm8k_lora_fp8_ais.yaml", "diffusion"),
                                             ("llada8b_gsm8k_ar_order.yaml", "diffusion"),
                                             ("qwen3_8b_gsm8k_lora_fp8_ais.yaml", "autoregressive")])
-def test_dry_run_of_the_gpu_recipes_runs_one_step_on_cpu(capsys, recipe, family):
+def test_dry_run_of_the_gpu_recipes_runs_one_step_on_cpu(capsys, monkeypatch, tmp_path, recipe, family):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     assert main(["train", str(ROOT / "recipes" / recipe), "--dry_run=true"]) == 0
     out = capsys.readouterr().out
     assert "dry run OK" in out and f"policy={family}" in out
+    assert list(tmp_path.iterdir()) == []  # the stand-in's scratch run is removed
 
 
 def test_cli_trains_the_tiny_qwen3_through_the_shared_loop(tmp_path, capsys):
