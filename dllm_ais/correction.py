@@ -277,25 +277,36 @@ def oracle_alpha(mismatch_shift: float, mismatch_shift_se: float) -> float:
     return bias_squared / total if total > 0 else 0.0
 
 
+MIN_GROUPS_FOR_NOISE = 4
+"""The adaptive and oracle rules measure the batch's gradient noise across its GRPO groups; with fewer groups
+than this the noise estimate has no usable reference distribution (t² with < 3 degrees of freedom has no mean),
+and α follows the k3 gate instead."""
+
+
 def mismatch_shift_statistics(tis_weights: Tensor, token_advantages: Tensor, valid: Tensor,
                               group_size: int = 1) -> dict[str, Tensor]:
     """How much the correction would move the policy-gradient signal, and how much of that is systematic.
 
     With d_t = (w_t − 1) Â_t per valid token (the change TIS makes to token t's signal Â_t), over the N valid
-    tokens and the batch's groups (consecutive runs of `group_size` sequences: GRPO's completions of one prompt):
+    tokens and the batch's G groups (consecutive runs of `group_size` sequences: GRPO's completions of one prompt):
 
     - `mismatch_shift` b̂ = mean_t d_t: the shift of the surrogate's signal that leaving the mismatch uncorrected
       keeps (the uncorrected gradient's bias, seen through the advantages);
-    - `mismatch_shift_se` σ̂: its cluster-robust standard error with the groups as clusters,
-      σ̂² = Σ_g (Σ_{t∈g} d_t − N_g b̂)² / N² — a completion's tokens share its advantage, and a group's advantages
-      are measured from their common mean, so the batch's independent units are its prompts;
+    - `mismatch_shift_se` σ̂: its cluster-robust standard error with the groups as clusters and the small-sample
+      factor G/(G − 1), σ̂² = G/(G − 1) · Σ_g (Σ_{t∈g} d_t − N_g b̂)² / N² — a completion's tokens share its
+      advantage, and a group's advantages are measured from their common mean, so the batch's independent units
+      are its prompts (σ̂ = 0 with one group);
     - `shift_significance` z² = b̂² / σ̂² (0 when σ̂ = 0): the shift in units of the batch's own gradient noise.
-      When the mismatch is unrelated to the rewards (noise, exploration) z² behaves like a χ²₁ draw (mean 1);
-      when it systematically favours low- or high-advantage completions z² grows with the batch.
-    - `severity` = (z² − 1)₊: the excess over what noise alone gives, the default rule's severity.
+      When the mismatch is unrelated to the rewards (noise, exploration) z² is approximately a squared Student t
+      with G − 1 degrees of freedom, of mean (G − 1)/(G − 3) (→ 1, a χ²₁ draw, for many groups); when it
+      systematically favours low- or high-advantage completions z² grows with the batch.
+    - `severity` = (z² (G − 3)/(G − 1) − 1)₊: the excess over what noise alone gives on average, the default
+      rule's severity; 0 with fewer than `MIN_GROUPS_FOR_NOISE` groups, where that reference does not exist.
+    - `num_groups` G.
     """
     if group_size < 1 or valid.shape[0] % group_size:
         raise ValueError(f"group_size must divide the batch of {valid.shape[0]} sequences; got {group_size}")
+    num_groups = valid.shape[0] // group_size
     shift = torch.where(valid, (tis_weights - 1.0) * token_advantages, 0.0)
     num_tokens = valid.sum().float()
     shift_mean = shift.sum() / num_tokens.clamp(min=1)
@@ -304,13 +315,16 @@ def mismatch_shift_statistics(tis_weights: Tensor, token_advantages: Tensor, val
         return values.sum(dim=1).view(-1, group_size).sum(dim=1)
 
     residual = per_group(shift) - per_group(valid.float()) * shift_mean  # per group: Σ_t d_t − N_g b̂
-    standard_error = residual.square().sum().sqrt() / num_tokens.clamp(min=1)
+    small_sample = num_groups / (num_groups - 1) if num_groups > 1 else 0.0
+    standard_error = (small_sample * residual.square().sum()).sqrt() / num_tokens.clamp(min=1)
     significance = torch.where(standard_error > 0, shift_mean.square() / standard_error.square().clamp(min=1e-30), 0.0)
+    null_mean = (num_groups - 1) / (num_groups - 3) if num_groups >= MIN_GROUPS_FOR_NOISE else math.inf
     return {
         "mismatch_shift": shift_mean,
         "mismatch_shift_se": standard_error,
         "shift_significance": significance,
-        "severity": (significance - 1.0).clamp(min=0.0),
+        "severity": (significance / null_mean - 1.0).clamp(min=0.0),
+        "num_groups": torch.tensor(float(num_groups)),
     }
 
 
@@ -321,6 +335,8 @@ def _check_rule(rule: AlphaRule) -> None:
 
 def _mixing_coefficient(rule: AlphaRule, rule_inputs: dict[str, float]) -> float:
     """α from the rule (built-in name or user callable on the diagnostics), clamped to [0, 1]."""
+    if rule in ("adaptive", "oracle") and rule_inputs["num_groups"] < MIN_GROUPS_FOR_NOISE:
+        rule = "gate"  # too few groups to measure the batch's noise
     if rule == "adaptive":
         raw = gate_alpha(rule_inputs["reliability"], rule_inputs["severity"], rule_inputs["variance_amplification"],
                          rule_inputs["snr_scale"], rule_inputs["alpha_max"])
@@ -361,15 +377,17 @@ def ais_weights(
     Batch diagnostics over the N valid tokens (Â_t = advantage of token t's sequence):
     reliability R = (Σ w)²/(N Σ w²); variance_amplification V = Σ (w Â)² / Σ Â² (1 when all Â are 0);
     the divergence D = mean(ρ − log ρ − 1) (`k3_kl`); and the mismatch shift of the gradient signal with its
-    noise and significance (`mismatch_shift_statistics` over groups of `group_size` consecutive sequences, the
-    completions of one prompt: b̂, σ̂, z², severity = (z² − 1)₊).
+    noise and significance (`mismatch_shift_statistics` over the G groups of `group_size` consecutive sequences,
+    the completions of one prompt: b̂, σ̂, z², severity = (z² (G − 3)/(G − 1) − 1)₊).
 
     α comes from `rule`:
-    - "adaptive" (default): `gate_alpha(R, (z² − 1)₊, V, snr_scale)` — scale-free: the mismatch is corrected
-      when its systematic effect on the gradient stands out of the batch's own gradient noise (z² ≫ 1), however
-      large D is in absolute terms (tiny models under FP8 show D ≈ 1e-2, LLaDA-8B ≈ 1e-3);
+    - "adaptive" (default): `gate_alpha(R, severity, V, snr_scale)` — scale-free: the mismatch is corrected
+      when its systematic effect on the gradient stands out of the batch's own gradient noise (z² ≫ its null
+      mean), however large D is in absolute terms (tiny models under FP8 show D ≈ 1e-2, LLaDA-8B ≈ 1e-3);
     - "gate": `gate_alpha(R, D, V, kl_scale)` — the divergence against a fixed KL scale κ;
     - "oracle": `oracle_alpha(b̂, σ̂)`;
+    "adaptive" and "oracle" need the batch's noise: with fewer than `MIN_GROUPS_FOR_NOISE` groups they follow
+    "gate".
     - a callable taking the diagnostics dict (plus `clip`, `snr_scale`, `kl_scale`, `alpha_max`) and
       returning a number.
     α is clamped to [0, 1] (`alpha_max` is the gates' ceiling). With previous_alpha given and alpha_ema > 0,

@@ -15,6 +15,7 @@ import torch
 
 from dllm_ais.checkpoint import load_model_config, load_tokenizer
 from dllm_ais.config import EMBEDDED_MODEL, GRPOConfig
+from dllm_ais.correction import MIN_GROUPS_FOR_NOISE
 from dllm_ais.data import examples_from_rows, load_task_dataset
 from dllm_ais.tasks import get_task
 from dllm_ais.trackers import missing_tracker_problems
@@ -78,8 +79,8 @@ def run_one_step_on_stand_in(config: GRPOConfig, output_dir: str) -> dict:
     block = min(config.block_length, 8)
     small = dataclasses.replace(
         config, model_name_or_path=EMBEDDED_MODEL, policy="diffusion" if diffusion else "autoregressive",
-        dtype="float32", num_generations=2, per_device_train_batch_size=2, gradient_accumulation_steps=1,
-        num_iterations=1, max_steps=1, eval_size=0, eval_steps=0, block_length=block, max_completion_length=2 * block,
+        dtype="float32", num_generations=2, per_device_train_batch_size=2 * MIN_GROUPS_FOR_NOISE,
+        gradient_accumulation_steps=1, num_iterations=1, max_steps=1, eval_size=0, eval_steps=0, block_length=block, max_completion_length=2 * block,
         diffusion_steps=block, max_prompt_length=4096, report_to=[], save_steps=0, dry_run=False,
         resume_from_checkpoint=None, overwrite_output_dir=False,
         lora_target_modules=None, output_dir=output_dir)

@@ -37,7 +37,7 @@ from dllm_ais.checkpoint import (atomic_directory, begin_staging, commit_staging
                                  load_tokenizer, prepare_output_dir, prune_checkpoints, resolve_dtype, special_tokens,
                                  staging_directory)
 from dllm_ais.config import ConfigError, GRPOConfig, save_config
-from dllm_ais.correction import correct
+from dllm_ais.correction import MIN_GROUPS_FOR_NOISE, correct
 from dllm_ais.data import load_task_dataset, tokenize_prompts
 from dllm_ais.engine import RolloutEngine
 from dllm_ais.evaluation import EvalResult, evaluate_policy, paired_difference
@@ -232,10 +232,13 @@ class GRPOTrainer:
         reward_funcs: callables with TRL's signature; by default the task preset or `config.reward_funcs`.
         train_dataset / eval_dataset: `datasets.Dataset` with a `prompt` column (+ reward columns).
         ais_rule: optional callable diagnostics → α replacing `config.ais_rule`.
+        eval_reward_funcs: reward functions of the held-out evaluation (default: `reward_funcs`), e.g. the task's
+            own rewards for a run trained on shaped or control rewards.
     """
 
     def __init__(self, config: GRPOConfig, model=None, tokenizer=None, reward_funcs: list[Callable] | None = None,
-                 train_dataset=None, eval_dataset=None, ais_rule: Callable[[dict], float] | None = None):
+                 train_dataset=None, eval_dataset=None, ais_rule: Callable[[dict], float] | None = None,
+                 eval_reward_funcs: list[Callable] | None = None):
         self.config = config.validate()
         check_run_environment(config)
         # No autocast: the trainer computes in its weights' dtype (bf16 on GPU by default), the same dtype as the
@@ -251,6 +254,7 @@ class GRPOTrainer:
         set_seed(config.seed, device_specific=True)
         self.ais_rule = ais_rule or config.ais_rule
         self.reward_funcs = resolve_reward_functions(reward_funcs or config.reward_funcs or config.task)
+        self.eval_reward_funcs = resolve_reward_functions(eval_reward_funcs) if eval_reward_funcs else self.reward_funcs
         self.train_dataset = train_dataset if train_dataset is not None else load_task_dataset(
             config.task, split="train", path=config.dataset_path, size=config.dataset_size, seed=config.seed)
         self.eval_dataset = eval_dataset if eval_dataset is not None or not config.eval_size else load_task_dataset(
@@ -284,6 +288,13 @@ class GRPOTrainer:
         self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
         self.trainable_parameters = [p for p in self.model.parameters() if p.requires_grad]  # as prepared (sharded)
 
+        groups = config.generation_batch_size * self.accelerator.num_processes // config.num_generations
+        if (config.correction == "ais" and self.ais_rule in ("adaptive", "oracle") and groups < MIN_GROUPS_FOR_NOISE
+                and self.accelerator.is_main_process):
+            print(f"note: a generation batch holds {groups} GRPO group(s) over all processes; ais_rule={self.ais_rule} "
+                  f"needs {MIN_GROUPS_FOR_NOISE} to measure the batch's gradient noise, so alpha follows the k3 gate "
+                  f"(ais_kl_scale={config.ais_kl_scale:g}). Raise per_device_train_batch_size * "
+                  f"gradient_accumulation_steps * processes / num_generations to {MIN_GROUPS_FOR_NOISE} to use it.")
         self.run_id = broadcast_object_list([uuid.uuid4().hex])[0]  # names this run and its resumptions
         self.global_step = 0
         self.generation_index = 0
@@ -563,7 +574,7 @@ class GRPOTrainer:
         held-out (validation) prompts."""
         self.model.eval()
         return evaluate_policy(self.unwrapped_model, self.tokenizer, self.greedy_policy,
-                               dataset if dataset is not None else self.eval_dataset, self.reward_funcs,
+                               dataset if dataset is not None else self.eval_dataset, self.eval_reward_funcs,
                                self.config.reward_weights, self.config.per_device_train_batch_size,
                                self.config.max_prompt_length, accuracy=get_task(self.config.task).accuracy)
 
@@ -573,7 +584,7 @@ class GRPOTrainer:
         if not cfg.eval_steps:
             return
         known = ["eval/reward", *(["eval/accuracy"] if get_task(cfg.task).accuracy is not None else []),
-                 *(f"eval/rewards/{name}/mean" for name in reward_function_names(self.reward_funcs))]
+                 *(f"eval/rewards/{name}/mean" for name in reward_function_names(self.eval_reward_funcs))]
         if cfg.best_metric_key not in known:
             raise ConfigError(f"metric_for_best_model={cfg.metric_for_best_model!r} is not a validation score of this "
                               f"run; choose one of {', '.join(key.removeprefix('eval/') for key in known)}.")

@@ -3,13 +3,14 @@
     python scripts/bench_mismatch.py                  # both embedded models, every low-precision mode
     python scripts/bench_mismatch.py --prompts 256 --precisions fp8,int4
 
-For each model, completions are sampled (temperature 1) from the full-precision policy for validation prompts of
-its task. Then, on exactly the canvases the likelihood stage scores — causal LM: the prompt + completion,
-teacher-forced; LLaDA: the one-step canvas (prompt + fully masked completion) — the trainer's and the engine's
-full next-token distributions are compared at every completion position:
+For each model and precision, completions are sampled (temperature 1) by the rollout engine for validation prompts
+of its task, as in training. Then, on exactly the canvases the likelihood stage scores — causal LM: the prompt +
+completion, teacher-forced; LLaDA: the one-step canvas (the recipe's prompt masking, fully masked completion) — the
+trainer's and the engine's full next-token distributions are compared at every completion position:
 
   KL      mean over positions of KL(π_trainer ‖ π_engine), exact over the vocabulary;
-  k3      mean over the sampled tokens of ρ − log ρ − 1 with ρ = π_trainer / π_engine (what AIS logs);
+  k3      mean over the engine's sampled tokens of ρ − log ρ − 1 with ρ = π_trainer / π_engine: the estimate of
+          KL(π_engine ‖ π_trainer) the trainer logs as rollout_corr/k3_kl;
   max|Δ|  the largest |log π_trainer − log π_engine| over the sampled tokens.
 """
 
@@ -40,7 +41,7 @@ def completion_log_probs(model, config, rollout, diffusion: bool) -> torch.Tenso
     length = rollout.gen_length
     if diffusion:
         canvas = one_step_masked_input(rollout.sequences, rollout.attention_mask, rollout.prompt_length,
-                                       model.config.mask_token_id, seed=0, p_mask_prompt=0.0)
+                                       model.config.mask_token_id, seed=0, p_mask_prompt=config.p_mask_prompt)
         logits = model(input_ids=canvas, attention_mask=rollout.attention_mask, logits_to_keep=length).logits
     else:
         positions = (rollout.attention_mask.cumsum(-1) - 1).clamp(min=0)
@@ -58,8 +59,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"device: cpu ({platform.processor() or platform.machine()}), torch {torch.__version__}, float32 trainer; "
-          f"{args.prompts} validation prompts per model, completions sampled at temperature 1")
-    print("| model | precision | token KL(trainer ‖ engine) | k3 of sampled tokens | max abs Δ log p |")
+          f"{args.prompts} validation prompts per model, completions sampled by the engine at temperature 1")
+    print("| model | precision | token KL(trainer ‖ engine) | k3 of the engine's tokens | max abs Δ log p |")
     print("| --- | --- | --- | --- | --- |")
     for family in args.families.split(","):
         config = load_config(RECIPES[family], ["--output_dir=/tmp/unused"])
@@ -69,12 +70,11 @@ def main() -> None:
         prompts = load_task_dataset(config.task, "validation", size=args.prompts, seed=args.seed)["prompt"]
         input_ids, attention_mask = tokenize_prompts(tokenizer, prompts, config.max_prompt_length)
         policy = build_policy(config, model.config, tokenizer, temperature=1.0)
-        rollout = policy.sample(model, input_ids, attention_mask, torch.Generator().manual_seed(args.seed))
-        mask = rollout.completion_mask
-        reference = completion_log_probs(model, config, rollout, diffusion)
-        tokens = rollout.completion_ids.unsqueeze(-1)
         for precision in args.precisions.split(","):
             engine = RolloutEngine(model, precision=precision).model
+            rollout = policy.sample(engine, input_ids, attention_mask, torch.Generator().manual_seed(args.seed))
+            mask, tokens = rollout.completion_mask, rollout.completion_ids.unsqueeze(-1)
+            reference = completion_log_probs(model, config, rollout, diffusion)
             engine_logp = completion_log_probs(engine, config, rollout, diffusion)
             kl = (reference.exp() * (reference - engine_logp)).sum(-1)[mask].mean().item()
             log_ratio = (reference.gather(-1, tokens) - engine_logp.gather(-1, tokens)).squeeze(-1)[mask]

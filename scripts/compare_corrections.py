@@ -11,16 +11,18 @@ through the CLI from the same seeds, changing only `rollout_precision` and `corr
   <p> uncorrected    rollout_precision=<p>,  correction=none
   <p> + TIS / MIS / AIS
 
-and scores the greedy validation reward every `eval_steps`. Output (in --output-dir): `comparison.md` — per family
-and arm, the final held-out reward (mean over seeds ± 95 % confidence interval, t distribution), its paired change
-from the start, mean ESS, mean α (AIS), mean k3 KL, and the rollout share of the wall time — and `comparison.png`
-(held-out and training reward over steps with seed bands; α, ESS, k3 over steps). Runs already finished in
---output-dir are reused, so an interrupted comparison continues where it stopped.
+and scores the greedy validation reward every `eval_steps`. Output (in --output-dir/<quick|full>/<overrides>/):
+`comparison.md` — per family and arm, the final held-out reward (mean over seeds ± 95 % confidence interval, t
+distribution), its change from the start, its difference from the bf16 run of the same seed, mean ESS, mean α
+(AIS), mean k3 KL, and the rollout share of the wall time — and `comparison.png` (held-out and training reward over
+steps with seed bands; α, ESS, k3 over steps). Runs already finished in that directory are reused, so an
+interrupted comparison continues where it stopped.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -33,11 +35,14 @@ from pathlib import Path
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 RECIPES = {"llada": None, "qwen3": REPOSITORY / "recipes" / "tiny_qwen3_digits_fp8_ais.yaml"}  # None: the embedded
+REFERENCE_ARM = "bf16 (reference)"
 SETTINGS = {  # steps, held-out prompts, eval every
     "quick": {"max_steps": 24, "eval_size": 128, "eval_steps": 8},
     "full": {"max_steps": 60, "eval_size": 256, "eval_steps": 10},
 }
-T_QUANTILE_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+T_QUANTILE_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
+                  10: 2.228, 11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101,
+                  19: 2.093, 20: 2.086, 25: 2.060, 30: 2.042}  # Student t, two-sided 95 %, by degrees of freedom
 
 
 @dataclass(frozen=True)
@@ -60,7 +65,7 @@ class Run:
 
 def arms(precision: str) -> dict[str, tuple[str, ...]]:
     return {
-        "bf16 (reference)": ("--rollout_precision=bf16", "--correction=none"),
+        REFERENCE_ARM: ("--rollout_precision=bf16", "--correction=none"),
         f"{precision} uncorrected": (f"--rollout_precision={precision}", "--correction=none"),
         f"{precision} + TIS": (f"--rollout_precision={precision}", "--correction=tis"),
         f"{precision} + MIS": (f"--rollout_precision={precision}", "--correction=mis"),
@@ -97,7 +102,8 @@ def mean_ci(values: list[float]) -> tuple[float, float]:
     if n < 2:
         return mean, 0.0
     sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-    return mean, T_QUANTILE_975.get(n - 1, 1.96) * sd / math.sqrt(n)
+    quantile = T_QUANTILE_975[max(df for df in T_QUANTILE_975 if df <= n - 1)]  # the nearest tabulated, conservative
+    return mean, quantile * sd / math.sqrt(n)
 
 
 def series(records: list[dict], key: str) -> list[tuple[int, float]]:
@@ -120,11 +126,10 @@ def summarise(runs: list[Run], num_iterations: dict[str, int]) -> dict:
         sampling = sum(r["timing/sample_s"] for r in steps) / mu
         wall = sum(r["timing/generation_batch_s"] for r in steps) / mu + sum(r["timing/optimisation_pass_s"]
                                                                              for r in steps)
-        entry = table.setdefault((run.family, run.arm), {"final": [], "delta": [], "delta_se": [], "ess": [],
-                                                         "alpha": [], "k3": [], "rollout_share": [], "records": []})
+        entry = table.setdefault((run.family, run.arm), {"final": [], "delta": [], "ess": [], "alpha": [], "k3": [],
+                                                         "rollout_share": [], "records": []})
         entry["final"].append(closing["eval/reward"])
         entry["delta"].append(closing["eval/reward_delta"])
-        entry["delta_se"].append(closing["eval/reward_delta_se"])
         entry["ess"].append(run_mean("rollout_corr/rollout_is_eff_sample_size"))
         entry["alpha"].append(run_mean("ais/alpha"))
         entry["k3"].append(run_mean("rollout_corr/k3_kl"))
@@ -134,14 +139,22 @@ def summarise(runs: list[Run], num_iterations: dict[str, int]) -> dict:
 
 
 def markdown(table: dict, header: str) -> str:
-    lines = [header, "", "| model | arm | held-out reward (95 % CI) | paired Δ from start (mean SE) | ESS | α | k3 KL | "
-             "rollout share of wall time |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    """One row per (family, arm). The 95 % intervals are over seeds (t distribution); "vs bf16" pairs each seed's
+    final held-out reward with the bf16 reference run of the same seed (same prompts, same initial model)."""
+    lines = [header, "", "| model | arm | held-out reward (95 % CI) | Δ from start (95 % CI) | vs bf16, paired by seed "
+             "(95 % CI) | ESS | α | k3 KL | rollout share of wall time |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for (family, arm), entry in table.items():
         final, ci = mean_ci(entry["final"])
-        delta = sum(entry["delta"]) / len(entry["delta"])
-        delta_se = sum(entry["delta_se"]) / len(entry["delta_se"])
+        delta, delta_ci = mean_ci(entry["delta"])
+        reference = next(values for (f, a), values in table.items() if f == family and a == REFERENCE_ARM)
+        if arm == REFERENCE_ARM:
+            versus = "—"
+        else:
+            difference, difference_ci = mean_ci([x - r for x, r in zip(entry["final"], reference["final"])])
+            versus = f"{difference:+.4f} ± {difference_ci:.4f}"
         alpha = sum(entry["alpha"]) / len(entry["alpha"])
-        lines.append(f"| {family} | {arm} | {final:.4f} ± {ci:.4f} | {delta:+.4f} ({delta_se:.4f}) | "
+        lines.append(f"| {family} | {arm} | {final:.4f} ± {ci:.4f} | {delta:+.4f} ± {delta_ci:.4f} | {versus} | "
                      f"{sum(entry['ess']) / len(entry['ess']):.3f} | {'—' if math.isnan(alpha) else f'{alpha:.3f}'} | "
                      f"{sum(entry['k3']) / len(entry['k3']):.2e} | {sum(entry['rollout_share']) / len(entry['rollout_share']):.2f} |")
     return "\n".join(lines) + "\n"
@@ -208,7 +221,10 @@ def main() -> None:
     setting = SETTINGS["quick" if args.quick else "full"]
     overrides = tuple(f"--{key}={value}" for key, value in setting.items()) + tuple(extra)
     families = args.families.split(",")
-    runs = [Run(family, arm, seed, (*arm_overrides, *overrides), args.output_dir / family / slug(arm) / f"seed{seed}")
+    # runs are reused only from a directory of the same setting and extra overrides
+    setting_dir = args.output_dir / ("quick" if args.quick else "full") / (
+        hashlib.sha1(" ".join(extra).encode()).hexdigest()[:8] if extra else "recipe")
+    runs = [Run(family, arm, seed, (*arm_overrides, *overrides), setting_dir / family / slug(arm) / f"seed{seed}")
             for family in families for arm, arm_overrides in arms(args.precision).items()
             for seed in range(args.seeds)]
     start = time.perf_counter()
@@ -222,10 +238,10 @@ def main() -> None:
               f"{args.precision} rollouts, {len(runs)} runs, {time.perf_counter() - start:.0f} s wall with "
               f"{args.jobs} parallel jobs; command: python scripts/compare_corrections.py {' '.join(sys.argv[1:])}")
     report = markdown(table, header)
-    (args.output_dir / "comparison.md").write_text(report)
-    plot(table, families, args.output_dir / "comparison.png")
+    (setting_dir / "comparison.md").write_text(report)
+    plot(table, families, setting_dir / "comparison.png")
     print(report)
-    print(f"table: {args.output_dir / 'comparison.md'} | plot: {args.output_dir / 'comparison.png'}")
+    print(f"table: {setting_dir / 'comparison.md'} | plot: {setting_dir / 'comparison.png'}")
 
 
 def _num_iterations(runs: list[Run], family: str) -> int:

@@ -8,14 +8,17 @@
 `gradient` — on ONE batch (`--prompts` × num_generations completions sampled by the recipe's policy):
   * frac_reward_zero_std: groups whose completions all score the same (they carry no gradient);
   * the gradient g of the policy-gradient surrogate Σ_i A_i Σ_t ℓ_it / N for each likelihood estimator, and the
-    same with the advantages permuted across the batch (no signal, same magnitudes): the gradient's signal-to-noise
-    SNR = (|g|² − mean |g_perm|²) / mean |g_perm|² (≤ 0: indistinguishable from noise at this batch size);
+    same with the advantages permuted within each group (no signal, same magnitudes, each group's advantages
+    still summing to 0): the gradient's signal-to-noise SNR = (|g|² − mean |g_perm|²) / mean |g_perm|²
+    (≤ 0: indistinguishable from noise at this batch size);
   * the first-order test: step the trainable weights by η · g/|g| and re-sample the same prompts with the same
-    random numbers; the paired change of the expected reward (Δ ± SE) must be > 0 along g for an estimator whose
-    gradient points uphill, and ≈ 0 (or < 0, from curvature) along a permuted g.
+    random numbers; the change of the expected reward (Δ ± SE, paired per prompt over its completions' mean)
+    must be > 0 along g for an estimator whose gradient points uphill, and ≈ 0 (or < 0, from curvature) along a
+    permuted g.
 `control` — the random-reward control: the recipe trained twice from the same seed, on the task's rewards and on
-  the same rewards permuted across each batch (`dllm_ais.rewards.permuted_reward`); the paired greedy held-out
-  change of each. A real run must beat its control by several standard errors.
+  the same rewards permuted across each batch (`dllm_ais.rewards.permuted_reward`; both evaluated with the task's
+  own rewards); the paired greedy held-out change of each, and the paired difference of their final held-out
+  rewards. A real run must beat its control by several standard errors.
 """
 
 from __future__ import annotations
@@ -48,12 +51,20 @@ def flat_gradient(trainer: GRPOTrainer, policy, rollout, advantages: torch.Tenso
     return gradient
 
 
+def permuted_within_groups(advantages: torch.Tensor, group_size: int, generator: torch.Generator) -> torch.Tensor:
+    """The advantages shuffled inside each group of `group_size` consecutive completions (a no-signal control)."""
+    groups = advantages.view(-1, group_size)
+    order = torch.rand(groups.shape, generator=generator).argsort(dim=1)
+    return groups.gather(1, order).flatten()
+
+
 @torch.no_grad()
 def expected_reward(trainer: GRPOTrainer, columns, seed: int) -> torch.Tensor:
-    """Per-completion reward of a fresh sample of the batch's prompts, with a fixed sampling seed."""
+    """Per-prompt mean reward of a fresh sample of the batch's completions, with a fixed sampling seed."""
     generator = torch.Generator(trainer.accelerator.device).manual_seed(seed)
     rollout = trainer.sample(trainer.policy, trainer.unwrapped_model, columns, generator)
-    return score_rollout(trainer.tokenizer, trainer.reward_funcs, columns, rollout, trainer.config.reward_weights)[0]
+    rewards = score_rollout(trainer.tokenizer, trainer.reward_funcs, columns, rollout, trainer.config.reward_weights)[0]
+    return rewards.view(-1, trainer.config.num_generations).mean(dim=1)
 
 
 @torch.no_grad()
@@ -75,7 +86,8 @@ def shifted(trainer: GRPOTrainer, direction: torch.Tensor, step: float):
 
 
 def gradient_part(config, args) -> None:
-    trainer = GRPOTrainer(dataclasses.replace(config, eval_size=0, output_dir=tempfile.mkdtemp()))
+    scratch = tempfile.TemporaryDirectory()
+    trainer = GRPOTrainer(dataclasses.replace(config, eval_size=0, output_dir=scratch.name))
     trainer.model.eval()
     rows = trainer.train_dataset.select(range(args.prompts))
     G = config.num_generations
@@ -93,8 +105,7 @@ def gradient_part(config, args) -> None:
         policy = build_policy(dataclasses.replace(config, likelihood_estimator=estimator), trainer.unwrapped_model.config,
                               trainer.tokenizer)
         gradient = flat_gradient(trainer, policy, rollout, advantages, seed=config.seed)
-        controls = [flat_gradient(trainer, policy, rollout, advantages[torch.randperm(len(advantages),
-                                                                                       generator=permutations)],
+        controls = [flat_gradient(trainer, policy, rollout, permuted_within_groups(advantages, G, permutations),
                                   seed=config.seed) for _ in range(args.permutations)]
         noise = sum(c.square().sum() for c in controls).item() / len(controls)
         snr = (gradient.square().sum().item() - noise) / noise
@@ -105,18 +116,24 @@ def gradient_part(config, args) -> None:
                 change = paired_difference(baseline, expected_reward(trainer, columns, seed=config.seed + 1))
                 undo()
                 print(f"    step {step:g} along {label:6s}: expected reward Δ {change.mean:+.4f} ± "
-                      f"{change.standard_error:.4f} SE (paired over {change.num_prompts} completions)")
+                      f"{change.standard_error:.4f} SE (paired over {change.num_prompts} prompts)")
 
 
 def control_part(config, args) -> None:
-    for label, rewards in (("task rewards", None), ("permuted rewards (control)", "permuted")):
-        funcs = resolve_reward_functions(config.reward_funcs or config.task)
-        if rewards == "permuted":
-            funcs = [permuted_reward(fn, seed=config.seed) for fn in funcs]
-        trainer = GRPOTrainer(dataclasses.replace(config, max_steps=args.control_steps or config.max_steps,
-                                                  output_dir=tempfile.mkdtemp()), reward_funcs=funcs)
-        result = trainer.train()
-        print(f"{label}: {held_out_line(result.eval_before, result.eval_after)}")
+    task_rewards = resolve_reward_functions(config.reward_funcs or config.task)
+    results = {}
+    for label, funcs in (("task rewards", task_rewards),
+                         ("permuted rewards (control)", [permuted_reward(fn, seed=config.seed) for fn in task_rewards])):
+        with tempfile.TemporaryDirectory() as output_dir:
+            trainer = GRPOTrainer(dataclasses.replace(config, max_steps=args.control_steps or config.max_steps,
+                                                      output_dir=output_dir),
+                                  reward_funcs=funcs, eval_reward_funcs=task_rewards)
+            results[label] = trainer.train()
+        print(f"{label}: {held_out_line(results[label].eval_before, results[label].eval_after)}")
+    real, control = results.values()
+    beats = paired_difference(control.eval_after.per_prompt_reward, real.eval_after.per_prompt_reward)
+    print(f"real - control, final held-out reward: {beats.mean:+.4f} ± {beats.standard_error:.4f} SE "
+          f"({beats.mean / max(beats.standard_error, 1e-12):+.1f} SE, paired over {beats.num_prompts} prompts)")
 
 
 def main() -> None:

@@ -231,26 +231,47 @@ def test_ais_diagnostics_and_gate_by_hand():
 
 
 def test_mismatch_shift_statistics_by_hand():
-    """Two sequences: d_t = (w_t − 1)Â_t; b̂ = mean over the 5 tokens; σ̂ clusters by sequence."""
-    logp_old, logp_rollout = logps_with_ratios([[0.5, 1.5, 2.0], [1.25, 0.75, 1.0]])
-    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
-    advantages = torch.tensor([2.0, -1.0])
-    _, diagnostics = ais_weights(logp_old, logp_rollout, advantages, mask, rule="oracle")
-    shifts = [[(w - 1) * 2.0 for w in (0.5, 1.5, 2.0)], [(w - 1) * -1.0 for w in (1.25, 0.75)]]
-    bias = sum(map(sum, shifts)) / 5
-    se = math.sqrt(sum((sum(row) - len(row) * bias) ** 2 for row in shifts)) / 5
+    """Four sequences: d_t = (w_t − 1)Â_t; b̂ = mean over the valid tokens; σ̂ clusters by group with the small-sample
+    factor G/(G − 1); the severity is z² over its null mean (G − 1)/(G − 3), minus 1."""
+    ratios = [[0.5, 1.5, 2.0], [1.25, 0.75, 1.0], [1.5, 0.5, 1.0], [0.8, 1.0, 1.2]]
+    logp_old, logp_rollout = logps_with_ratios(ratios)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 0, 0]])
+    advantages = [2.0, -1.0, 0.5, -1.5]
+    shifts = [[(w - 1) * a for w, m in zip(row, valid) if m] for row, valid, a in zip(ratios, mask.tolist(), advantages)]
+    num_tokens = 9
+    bias = sum(map(sum, shifts)) / num_tokens
+
+    def expected(group_size):
+        groups = [sum(shifts[i:i + group_size], []) for i in range(0, 4, group_size)]
+        G = len(groups)
+        se = math.sqrt(G / (G - 1) * sum((sum(g) - len(g) * bias) ** 2 for g in groups)) / num_tokens if G > 1 else 0
+        return G, se
+
+    G, se = expected(1)
+    _, diagnostics = ais_weights(logp_old, logp_rollout, torch.tensor(advantages), mask, rule="oracle")
+    assert diagnostics["num_groups"] == G == 4
     assert diagnostics["mismatch_shift"] == pytest.approx(bias, rel=1e-5)
     assert diagnostics["mismatch_shift_se"] == pytest.approx(se, rel=1e-5)
     assert diagnostics["shift_significance"] == pytest.approx(bias**2 / se**2, rel=1e-4)
-    assert diagnostics["severity"] == pytest.approx(max(0.0, bias**2 / se**2 - 1), rel=1e-4, abs=1e-7)
+    assert diagnostics["severity"] == pytest.approx(max(0.0, bias**2 / se**2 / 3 - 1), rel=1e-4, abs=1e-7)
     assert diagnostics["alpha"] == pytest.approx(bias**2 / (bias**2 + se**2), rel=1e-4)
     assert oracle_alpha(0.0, 0.0) == 0.0
-    # the two sequences as one group (the completions of one prompt): one cluster
-    _, grouped = ais_weights(logp_old, logp_rollout, advantages, mask, rule="oracle", group_size=2)
+
+    # pairs of sequences as groups (the completions of one prompt): 2 clusters, too few to measure the noise,
+    # so the noise-based rules follow the k3 gate; one group has no standard error at all
+    G, se = expected(2)
+    _, grouped = ais_weights(logp_old, logp_rollout, torch.tensor(advantages), mask, rule="oracle", group_size=2)
     assert grouped["mismatch_shift"] == pytest.approx(bias, rel=1e-5)
-    assert grouped["mismatch_shift_se"] == pytest.approx(abs(sum(map(sum, shifts)) - 5 * bias) / 5, abs=1e-6)
+    assert grouped["mismatch_shift_se"] == pytest.approx(se, rel=1e-5)
+    assert grouped["severity"] == 0.0
+    _, gate = ais_weights(logp_old, logp_rollout, torch.tensor(advantages), mask, rule="gate", group_size=2)
+    for rule in ("oracle", "adaptive"):
+        _, few = ais_weights(logp_old, logp_rollout, torch.tensor(advantages), mask, rule=rule, group_size=2)
+        assert few["alpha"] == gate["alpha"] > 0
+    _, one = ais_weights(logp_old, logp_rollout, torch.tensor(advantages), mask, group_size=4)
+    assert (one["mismatch_shift_se"], one["shift_significance"], one["alpha"]) == (0.0, 0.0, gate["alpha"])
     with pytest.raises(ValueError, match="group_size"):
-        ais_weights(logp_old, logp_rollout, advantages, mask, group_size=3)
+        ais_weights(logp_old, logp_rollout, torch.tensor(advantages), mask, group_size=3)
 
 
 def batch_with_mismatch(correlation: float, scale: float = 0.15, sequences: int = 256, length: int = 12, seed: int = 0):
@@ -280,6 +301,19 @@ def test_adaptive_rule_is_scale_free_where_the_fixed_kl_gate_saturates():
     assert min(divergences) > 5e-3
     assert min(gate_alphas) > 0.8
     assert sorted(alphas)[len(alphas) // 2] == 0.0  # the median batch: no correction at all
+    assert sum(alphas) / len(alphas) < 0.15
+
+
+def test_adaptive_rule_stays_calibrated_with_few_groups():
+    """With 4 groups the noise estimate has 3 degrees of freedom and z² under pure noise is a squared t₃ (mean 3, not
+    χ²₁'s 1): (z² − 1)₊ would fire in about 45 % of noise-only batches, the severity against z²'s null mean in
+    about 18 %, and α stays as low as with many groups."""
+    alphas, fired = [], 0
+    for seed in range(200):
+        _, diagnostics = ais_weights(*batch_with_mismatch(correlation=0.0, sequences=16, seed=seed), group_size=4)
+        alphas.append(diagnostics["alpha"])
+        fired += diagnostics["severity"] > 0
+    assert fired / len(alphas) < 0.3
     assert sum(alphas) / len(alphas) < 0.15
 
 
@@ -381,7 +415,7 @@ def test_ais_custom_rule_receives_diagnostics_and_is_validated(mismatched_batch)
 
     weights, diagnostics = ais_weights(logp_old, logp_rollout, advantages, mask, rule=rule)
     required = {"reliability", "severity", "variance_amplification", "mismatch_shift", "mismatch_shift_se",
-                "shift_significance", "k3_kl", "num_tokens", "clip", "snr_scale", "kl_scale", "alpha_max"}
+                "shift_significance", "num_groups", "k3_kl", "num_tokens", "clip", "snr_scale", "kl_scale", "alpha_max"}
     assert required <= set(seen)
     assert seen["num_tokens"] == mask.sum().item()
     assert diagnostics["alpha"] == 1.0

@@ -60,9 +60,10 @@ def test_shipped_run_improves_held_out_reward_and_beats_the_random_reward_contro
     config = load_config(RECIPES[family], {"max_steps": 8, "per_device_train_batch_size": 64, "eval_size": 64,
                                            "output_dir": str(tmp_path / "real")})
     real = GRPOTrainer(config).train()
-    control_rewards = [permuted_reward(fn, seed=config.seed) for fn in resolve_reward_functions(config.task)]
+    task_rewards = resolve_reward_functions(config.task)
     control = GRPOTrainer(dataclasses.replace(config, output_dir=str(tmp_path / "control")),
-                          reward_funcs=control_rewards).train()
+                          reward_funcs=[permuted_reward(fn, seed=config.seed) for fn in task_rewards],
+                          eval_reward_funcs=task_rewards).train()  # held out: the task's own rewards, unpermuted
     gain = paired_difference(real.eval_before.per_prompt_reward, real.eval_after.per_prompt_reward)
     control_gain = paired_difference(control.eval_before.per_prompt_reward, control.eval_after.per_prompt_reward)
     assert gain.mean > 2 * gain.standard_error
