@@ -12,8 +12,9 @@ Every variant is the one `MaskedDiffusionSampler`, configured through the traine
 Per variant and gen_length: the wall-time speed-up over the official algorithm (same prompts, same batches, measured
 in this run), the model token-positions computed per generated token (every forward's batch x positions, summed,
 over batch x gen_length), the share of the official greedy tokens it reproduces (over the positions of the official
-completions, through their first EOS), mean denoising steps per row, and the mean reward with its standard error
-over the prompts (`--num-prompts` large enough for SE <= 0.01; the script says when it is not).
+completions, through their first EOS), mean denoising steps per row, the mean reward with its standard error over
+the prompts, and its difference from the official algorithm's, paired per prompt, with that difference's standard
+error (`--num-prompts` large enough for a paired SE <= 0.01; the script says when it is not).
 
     python scripts/bench_rollout.py                                  # gen 64 and 256, block 32, 1024 prompts
     python scripts/bench_rollout.py --gen-lengths 64 --num-prompts 64 --batch 32    # a quick check
@@ -42,15 +43,16 @@ from dllm_ais.trainer import build_policy
 
 def variants(threshold: float, steps: int, gen_length: int) -> dict[str, dict]:
     """Variant name -> GRPOConfig fields of its sampler."""
-    return {
-        "official": dict(diffusion_steps=steps),
-        "prefix": dict(diffusion_steps=steps, rollout_cache="prefix"),
-        "dual": dict(diffusion_steps=steps, rollout_cache="dual"),
+    variant_fields = {
+        "official": {},
+        "prefix": dict(rollout_cache="prefix"),
+        "dual": dict(rollout_cache="dual"),
         f"threshold {threshold}": dict(rollout_threshold=threshold),
         "prefix+threshold": dict(rollout_cache="prefix", rollout_threshold=threshold),
         "dual+threshold": dict(rollout_cache="dual", rollout_threshold=threshold),
         "AR-order+prefix": dict(diffusion_steps=gen_length, remasking="left_to_right", rollout_cache="prefix"),
     }
+    return {name: {"diffusion_steps": steps, **fields} for name, fields in variant_fields.items()}
 
 
 @contextlib.contextmanager
@@ -96,6 +98,10 @@ def run_variant(policy, model, tokenizer, batches, reward_funcs, device) -> dict
             "masks": torch.cat(masks), "rewards": torch.cat(rewards).double(), "steps": torch.cat(steps).double()}
 
 
+def standard_error(values: torch.Tensor) -> float:
+    return values.std().item() / math.sqrt(len(values)) if len(values) > 1 else math.nan
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gen-lengths", type=int, nargs="+", default=[64, 256])
@@ -136,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
                     f"threshold={args.threshold} | {where}")
         print(f"\n== {settings} ==")
         print(f"{'variant':<18} {'speed-up':>9} {'positions/token':>16} {'agreement':>10} {'steps/row':>10} "
-              f"{'reward ± SE':>16}")
+              f"{'reward ± SE':>16} {'Δ vs official ± SE (paired)':>28}")
         results = {}
         for name, fields in variants(args.threshold, steps, gen_length).items():
             config = GRPOConfig(max_completion_length=gen_length, block_length=args.block_length, temperature=0.0,
@@ -147,13 +153,16 @@ def main(argv: list[str] | None = None) -> None:
             scored = official["masks"]
             agreement = (result["completions"] == official["completions"])[scored].double().mean().item()
             rewards = result["rewards"]
-            error = rewards.std().item() / math.sqrt(len(rewards)) if len(rewards) > 1 else math.nan
+            error = standard_error(rewards)
+            difference = rewards - official["rewards"]
             per_token = result["positions"] / (len(rewards) * gen_length)
             print(f"{name:<18} {official['seconds'] / result['seconds']:>8.2f}x {per_token:>16.2f} {agreement:>10.4f} "
-                  f"{result['steps'].mean().item():>10.1f} {rewards.mean().item():>9.4f} ± {error:.4f}   [{settings}]")
-        errors = [r["rewards"].std().item() / math.sqrt(len(r["rewards"])) for r in results.values()]
+                  f"{result['steps'].mean().item():>10.1f} {rewards.mean().item():>9.4f} ± {error:.4f} "
+                  f"{difference.mean().item():>+19.4f} ± {standard_error(difference):.4f}   [{settings}]")
+        errors = [standard_error(r["rewards"] - results["official"]["rewards"]) for r in results.values()]
         if max(errors) > 0.01:
-            print(f"note: a standard error is {max(errors):.4f} > 0.01; raise --num-prompts for the target precision.")
+            print(f"note: a paired standard error is {max(errors):.4f} > 0.01; raise --num-prompts for the target "
+                  f"precision.")
 
 
 if __name__ == "__main__":
