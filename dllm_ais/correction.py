@@ -386,10 +386,10 @@ def ais_weights(
       mean), however large D is in absolute terms (tiny models under FP8 show D ≈ 1e-2, LLaDA-8B ≈ 1e-3);
     - "gate": `gate_alpha(R, D, V, kl_scale)` — the divergence against a fixed KL scale κ;
     - "oracle": `oracle_alpha(b̂, σ̂)`;
-    "adaptive" and "oracle" need the batch's noise: with fewer than `MIN_GROUPS_FOR_NOISE` groups they follow
-    "gate".
     - a callable taking the diagnostics dict (plus `clip`, `snr_scale`, `kl_scale`, `alpha_max`) and
       returning a number.
+    "adaptive" and "oracle" need the batch's noise: with fewer than `MIN_GROUPS_FOR_NOISE` groups they follow
+    "gate".
     α is clamped to [0, 1] (`alpha_max` is the gates' ceiling). With previous_alpha given and alpha_ema > 0,
     α ← alpha_ema · previous_alpha + (1 − alpha_ema) · α (`alpha_raw` is the value before smoothing).
     ŵ lies between 1 and w_t, so ŵ ≤ max(1, C); α = 0 gives ŵ = 1 and α = 1 gives exactly the TIS weights.

@@ -80,10 +80,10 @@ def run_one_step_on_stand_in(config: GRPOConfig, output_dir: str) -> dict:
     small = dataclasses.replace(
         config, model_name_or_path=EMBEDDED_MODEL, policy="diffusion" if diffusion else "autoregressive",
         dtype="float32", num_generations=2, per_device_train_batch_size=2 * MIN_GROUPS_FOR_NOISE,
-        gradient_accumulation_steps=1, num_iterations=1, max_steps=1, eval_size=0, eval_steps=0, block_length=block, max_completion_length=2 * block,
-        diffusion_steps=block, max_prompt_length=4096, report_to=[], save_steps=0, dry_run=False,
-        resume_from_checkpoint=None, overwrite_output_dir=False,
-        lora_target_modules=None, output_dir=output_dir)
+        gradient_accumulation_steps=1, num_iterations=1, max_steps=1, eval_size=0, eval_steps=0, block_length=block,
+        max_completion_length=2 * block, diffusion_steps=block, max_prompt_length=4096, report_to=[], save_steps=0,
+        dry_run=False, resume_from_checkpoint=None, overwrite_output_dir=False, lora_target_modules=None,
+        output_dir=output_dir)
     tokenizer = load_tokenizer(EMBEDDED_MODEL)
     trainer = GRPOTrainer(small, model=stand_in_model(diffusion, tokenizer), tokenizer=tokenizer,
                           train_dataset=dry_run_dataset(config))
