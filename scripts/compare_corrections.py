@@ -1,7 +1,7 @@
 """The AIS paper's comparison in miniature: BF16 rollouts vs low-precision rollouts uncorrected, + TIS, + MIS, + AIS.
 
     python scripts/compare_corrections.py --quick      # both tiny models, 3 seeds each: 18 minutes on 2 idle cores
-    python scripts/compare_corrections.py              # the full setting (more steps and held-out prompts)
+    python scripts/compare_corrections.py              # the full setting (60 steps, 256 held-out prompts): 41 minutes
     python scripts/compare_corrections.py --families qwen3 --precision fp8 --seeds 5 --jobs 2
 
 Every arm trains the shipped tiny recipe (LLaDA: `dllm-ais train`; Qwen3: recipes/tiny_qwen3_digits_fp8_ais.yaml)
