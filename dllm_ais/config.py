@@ -35,6 +35,7 @@ EMBEDDED_MODEL_DIR = EMBEDDED_MODELS[EMBEDDED_MODEL]
 EMBEDDED_RECIPE = EMBEDDED_MODEL_DIR / "recipe.yaml"
 POLICIES = ("auto", "diffusion", "autoregressive")
 ESTIMATORS = ("one_step", "trajectory")
+LIKELIHOOD_ORDERS = ("rollout", "exact")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 
@@ -117,6 +118,11 @@ class GRPOConfig:
     likelihood_estimator: str = field(default="one_step", metadata={**_choice(*ESTIMATORS),
         "help": "Diffusion log-prob estimator: d1's one-step surrogate or the exact trajectory replay."})
     p_mask_prompt: float = field(default=0.15, metadata={"range": "[0, 1)"})
+    likelihood_order: str = field(default="rollout", metadata={**_choice(*LIKELIHOOD_ORDERS),
+        "help": "Trajectory estimator: the commit order it scores. rollout = the order the rollout sampler took (the "
+                "ratio sees a cache's logit error); exact = the completion replayed by the engine along the exact "
+                "decoder's order (no cache, fixed schedule, low confidence), so training happens at the states the "
+                "exact decoder visits; the ratio then sees precision only and the fast decoder's approximation is unseen."})
 
     # --- correction ---
     correction: str = field(default="ais", metadata={**_choice(*CORRECTION_METHODS),
@@ -205,6 +211,17 @@ class GRPOConfig:
         return name if name.startswith("eval/") else f"eval/{name}"
 
     @property
+    def fast_rollouts(self) -> bool:
+        """Whether rollouts decode approximately (a block KV cache or parallel commits)."""
+        return self.rollout_cache != "none" or self.rollout_threshold is not None
+
+    def decoding(self, exact: bool) -> "GRPOConfig":
+        """This config as an evaluation decodes: `exact` = d1's protocol (no cache, no parallel commits, whatever the
+        rollouts use), else the rollout sampler; either way without the trajectory estimator's order replay."""
+        fast = {} if not exact else {"rollout_cache": "none", "rollout_threshold": None}
+        return dataclasses.replace(self, likelihood_order="rollout", **fast)
+
+    @property
     def generation_batch_size(self) -> int:
         """Completions sampled per device per generation batch (reused for `num_iterations` passes)."""
         return self.per_device_train_batch_size * self.gradient_accumulation_steps
@@ -239,6 +256,9 @@ class GRPOConfig:
              "correction=ais mixes with min(rho, is_clip): leave is_clip_low=null and is_normalize=false"),
             (self.likelihood_estimator != "trajectory" or self.cfg_scale == 0,
              "likelihood_estimator=trajectory replays the plain model: set cfg_scale=0 or use one_step"),
+            (self.likelihood_order == "rollout" or self.likelihood_estimator == "trajectory",
+             f"likelihood_order={self.likelihood_order} orders the trajectory estimator's replay: set "
+             "likelihood_estimator=trajectory, or likelihood_order=rollout"),
             (not (self.overwrite_output_dir and self.resume_from_checkpoint not in (None, False)),
              "resume_from_checkpoint continues the run in output_dir; overwrite_output_dir=true starts afresh: set one"),
             (self.eval_steps == 0 or self.eval_size > 0,

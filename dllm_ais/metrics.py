@@ -74,6 +74,13 @@ def reward_metrics(rewards: torch.Tensor, num_generations: int) -> dict[str, flo
             "frac_reward_zero_std": torch.isclose(group_std, torch.zeros_like(group_std)).float().mean().item()}
 
 
+def distinct_completions(completion_ids: torch.Tensor, completion_mask: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """[groups] the share of distinct completions in each group of `num_generations` consecutive rows (1 = all
+    different, 1/G = one completion G times): the group's exploration. Tokens outside `completion_mask` are ignored."""
+    tokens = completion_ids.masked_fill(~completion_mask.bool(), -1).view(-1, num_generations, completion_ids.shape[1])
+    return torch.tensor([len({tuple(row) for row in group.tolist()}) / num_generations for group in tokens])
+
+
 def ends_with_eos(completion_ids: torch.Tensor, eos_token_ids: tuple[int, ...]) -> torch.Tensor:
     """[B] bool: whether each completion [B, L] holds an end token, i.e. stopped before max_completion_length."""
     return torch.isin(completion_ids, torch.tensor(eos_token_ids, device=completion_ids.device)).any(dim=1)

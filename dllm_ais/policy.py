@@ -6,6 +6,7 @@ per-token log-probs [B, L], so both policy families share one correction path.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -66,6 +67,7 @@ class DiffusionPolicy:
     sampler_config: DiffusionSamplerConfig
     estimator: str = "one_step"
     p_mask_prompt: float = 0.15
+    likelihood_order: str = "rollout"
 
     def __post_init__(self):
         if self.estimator not in ("one_step", "trajectory"):
@@ -75,9 +77,20 @@ class DiffusionPolicy:
                              "guidance or EOS suppression. Set cfg_scale=0 and suppress_eos=False, or use "
                              "likelihood_estimator=one_step.")
         self.sampler = MaskedDiffusionSampler(self.sampler_config)
+        self.exact_order_sampler = None
+        if self.estimator == "trajectory" and self.likelihood_order == "exact":
+            exact = dataclasses.replace(self.sampler_config, cache="none", cache_refresh_interval=None, threshold=None,
+                                        factor=None)
+            self.exact_order_sampler = MaskedDiffusionSampler(exact)
 
     def sample(self, model, input_ids, attention_mask, generator) -> Rollout:
-        return self.sampler.sample(model, input_ids, attention_mask=attention_mask, generator=generator)
+        """A rollout of the sampler; with `likelihood_order="exact"` its completions replayed by the same `model`
+        along the exact decoder's order (`MaskedDiffusionSampler.replay`): `commit_step` and `step_logprobs` are
+        then those of that order, and `num_steps` stays the sampler's own."""
+        rollout = self.sampler.sample(model, input_ids, attention_mask=attention_mask, generator=generator)
+        if self.exact_order_sampler is None:
+            return rollout
+        return dataclasses.replace(self.exact_order_sampler.replay(model, rollout), num_steps=rollout.num_steps)
 
     def logprobs(self, model, rollout: Rollout, seed: int, compute_entropy: bool = False):
         if self.estimator == "trajectory":

@@ -44,8 +44,8 @@ from dllm_ais.evaluation import EvalResult, evaluate_policy, paired_difference
 from dllm_ais.interruption import StopSignals, TrainingInterrupted
 from dllm_ais.launch import check_processes, check_prompt_lengths, check_run_environment, use_fsdp_on_cpu
 from dllm_ais.loss import grpo_loss, group_advantages
-from dllm_ais.metrics import (MetricsLog, completion_metrics, console_line, ends_with_eos, eval_line, mismatch_warnings,
-                              plot_metrics, reward_metrics)
+from dllm_ais.metrics import (MetricsLog, completion_metrics, console_line, distinct_completions, ends_with_eos,
+                              eval_line, mismatch_warnings, plot_metrics, reward_metrics)
 from dllm_ais.ops import masked_mean
 from dllm_ais.policy import AutoregressivePolicy, DiffusionPolicy, Policy, lora_target_modules
 from dllm_ais.rewards import (NonFiniteRewardError, completion_texts, resolve_reward_functions, reward_function_names,
@@ -74,7 +74,8 @@ def build_policy(config: GRPOConfig, model_config, tokenizer, temperature: float
             temperature=temperature, remasking=config.remasking, mask_token_id=tokens.mask_token_id,
             eos_token_ids=tokens.eos_token_ids, pad_token_id=tokens.pad_token_id, cfg_scale=config.cfg_scale,
             cache=config.rollout_cache, threshold=config.rollout_threshold)
-        return DiffusionPolicy(sampler, estimator=config.likelihood_estimator, p_mask_prompt=config.p_mask_prompt)
+        return DiffusionPolicy(sampler, estimator=config.likelihood_estimator, p_mask_prompt=config.p_mask_prompt,
+                               likelihood_order=config.likelihood_order)
     sampler = AutoregressiveSamplerConfig(
         max_new_tokens=config.max_completion_length, temperature=temperature, top_k=config.top_k, top_p=config.top_p,
         eos_token_ids=tokens.eos_token_ids, pad_token_id=tokens.pad_token_id)
@@ -199,6 +200,14 @@ def held_out_metrics(before: EvalResult | None, after: EvalResult) -> dict[str, 
     return metrics
 
 
+def rollout_sampler_metrics(result: EvalResult | None) -> dict[str, float]:
+    """`eval/rollout_sampler/*`: the held-out scores of greedy completions decoded by the run's own (fast) sampler,
+    beside the exact-decoding `eval/*` ones; {} without such a result."""
+    if result is None:
+        return {}
+    return {f"eval/rollout_sampler/{key.removeprefix('eval/')}": value for key, value in result.summary().items()}
+
+
 def held_out_line(before: EvalResult | None, after: EvalResult) -> str:
     """The run's closing line: greedy held-out reward (and accuracy) before → after training, with the paired
     per-prompt difference and its standard error; just the final value when there is no baseline (a resumed run
@@ -267,7 +276,9 @@ class GRPOTrainer:
         model = model or load_model(config.model_name_or_path, resolve_dtype(config.dtype), config.trust_remote_code,
                                     is_trainable=True)
         self.policy = build_policy(config, model.config, self.tokenizer)
-        self.greedy_policy = build_policy(config, model.config, self.tokenizer, temperature=0.0)
+        self.greedy_policy = build_policy(config.decoding(exact=True), model.config, self.tokenizer, temperature=0.0)
+        self.rollout_sampler_policy = (build_policy(config.decoding(exact=False), model.config, self.tokenizer,
+                                                    temperature=0.0) if config.fast_rollouts else None)
         if config.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         if config.use_peft and not isinstance(model, PeftModel):
@@ -445,8 +456,11 @@ class GRPOTrainer:
 
         lengths = gather(rollout.completion_mask.sum(1))
         terminated = gather(ends_with_eos(rollout.completion_ids, self.policy.sampler_config.eos_token_ids).long())
+        distinct = gather(distinct_completions(rollout.completion_ids, rollout.completion_mask, cfg.num_generations)
+                          .to(self.accelerator.device))
         metrics = {
             **reward_metrics(all_rewards, cfg.num_generations), **completion_metrics(lengths, terminated),
+            "completions/distinct_per_group": distinct.mean().item(),
             **({} if rollout.num_steps is None else {"completions/mean_steps": rollout.num_steps.float().mean().item()}),
             "num_tokens": float(self.num_input_tokens_seen), **per_function_metrics, **timings,
         }
@@ -569,11 +583,12 @@ class GRPOTrainer:
                        f"{self.config.max_consecutive_skipped_batches}).")
 
     # ----------------------------------------------------------------------------------------------- driver
-    def evaluate(self, dataset=None) -> EvalResult:
+    def evaluate(self, dataset=None, policy: Policy | None = None) -> EvalResult:
         """Per-prompt rewards and accuracy of greedy completions of the trainer's (full-precision) policy on the
-        held-out (validation) prompts."""
+        held-out (validation) prompts, decoded exactly (d1's protocol: no cache, no parallel commits) unless another
+        `policy` is given."""
         self.model.eval()
-        return evaluate_policy(self.unwrapped_model, self.tokenizer, self.greedy_policy,
+        return evaluate_policy(self.unwrapped_model, self.tokenizer, policy or self.greedy_policy,
                                dataset if dataset is not None else self.eval_dataset, self.eval_reward_funcs,
                                self.config.reward_weights, self.config.per_device_train_batch_size,
                                self.config.max_prompt_length, accuracy=get_task(self.config.task).accuracy)
@@ -656,10 +671,12 @@ class GRPOTrainer:
                             self.save_checkpoint()
                     self.stop_if_signalled(signals)
                 progress.close()
-                eval_after = None
+                eval_after = eval_after_rollout_sampler = None
                 if self.eval_dataset is not None:
                     scored_now = self.latest_eval is not None and self.latest_eval[0] == self.global_step
                     eval_after = self.latest_eval[1] if scored_now else self.evaluate()
+                    if self.rollout_sampler_policy is not None:
+                        eval_after_rollout_sampler = self.evaluate(policy=self.rollout_sampler_policy)
                 self.stop_if_signalled(signals)
                 self.save(output_dir / "final")
                 saved_now = self.last_checkpoint is not None and self.last_checkpoint[0] == self.global_step
@@ -668,8 +685,12 @@ class GRPOTrainer:
             if is_main:
                 self.write_best_record()
                 if eval_after:
-                    log.write({"step": self.global_step, **held_out_metrics(self.eval_before, eval_after)})
+                    log.write({"step": self.global_step, **held_out_metrics(self.eval_before, eval_after),
+                               **rollout_sampler_metrics(eval_after_rollout_sampler)})
                     tqdm.write(held_out_line(self.eval_before, eval_after))
+                if eval_after_rollout_sampler:
+                    tqdm.write(f"held-out reward decoded by the rollout sampler (cache {cfg.rollout_cache}, threshold "
+                               f"{cfg.rollout_threshold}): {eval_after_rollout_sampler.summary()['eval/reward']:.4f}")
                 plot = plot_metrics(log.records, output_dir / "metrics.png")
                 tqdm.write(f"metrics: {log.path}" + (f" | plot: {plot}" if plot else "")
                            + f" | model: {output_dir / 'final'}")

@@ -549,3 +549,29 @@ def test_sampling_logprobs_is_tempered_log_softmax():
         result = sampling_logprobs(logits, tokens, temperature)
         assert result.dtype == torch.float32
         torch.testing.assert_close(result, expected)
+
+
+def test_replay_scores_the_completion_along_the_samplers_own_order(model):
+    """`replay` teacher-forces a completion through the sampler's stages: its tokens are unchanged, every position is
+    committed once on the sampler's schedule, the recorded log-probs are the trajectory estimator's along the replayed
+    order, and a fast (dual cache, threshold) rollout replayed by the exact sampler gets the exact schedule's order."""
+    ids, attention = left_padded(random_prompts([5, 9, 7], seed=3))
+    exact = MaskedDiffusionSampler(DiffusionSamplerConfig(gen_length=16, block_length=8, steps=8, temperature=0.9,
+                                                          mask_token_id=MASK))
+    fast = MaskedDiffusionSampler(DiffusionSamplerConfig(gen_length=16, block_length=8, steps=8, temperature=0.9,
+                                                         mask_token_id=MASK, cache="dual", threshold=0.5))
+    rollout = fast.sample(model, ids, attention, generator=torch.Generator().manual_seed(1))
+    replayed = exact.replay(model, rollout)
+    assert torch.equal(replayed.sequences, rollout.sequences)
+    assert torch.equal(replayed.completion_mask, rollout.completion_mask)
+    steps = replayed.commit_step
+    assert torch.equal(torch.stack([torch.bincount(row, minlength=8) for row in steps]), torch.full((3, 8), 2))
+    assert bool((steps[:, :8] < 4).all() and (steps[:, 8:] >= 4).all())  # block by block
+    torch.testing.assert_close(replayed.step_logprobs, trajectory_logprobs(model, replayed, MASK, temperature=0.9),
+                               atol=1e-5, rtol=0)
+    assert not torch.equal(replayed.commit_step, rollout.commit_step)  # the fast sampler took another order
+
+    # The order is the remasking rule's on the forced tokens: left-to-right replays in autoregressive order.
+    ar = MaskedDiffusionSampler(DiffusionSamplerConfig(gen_length=16, block_length=8, steps=16, temperature=0.9,
+                                                       mask_token_id=MASK, remasking="left_to_right"))
+    assert torch.equal(ar.replay(model, rollout).commit_step, torch.arange(16).expand(3, -1))

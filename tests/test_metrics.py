@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from dllm_ais.metrics import (MetricsLog, completion_metrics, console_line, ends_with_eos, mismatch_warnings,
-                              reward_metrics)
+from dllm_ais.metrics import (MetricsLog, completion_metrics, console_line, distinct_completions, ends_with_eos,
+                              mismatch_warnings, reward_metrics)
 
 
 def test_reward_metrics_are_trls_group_statistics():
@@ -57,3 +57,10 @@ def test_a_resumed_log_keeps_mid_run_validation_lines_but_not_the_closing_one(tm
     log.write({"step": 2, "prompt": "d"})
     log.close()
     assert [json.loads(x)["prompt"] for x in (tmp_path / "completions.jsonl").read_text().splitlines()] == ["a", "d"]
+
+
+def test_distinct_completions_counts_each_groups_different_completions_within_their_masks():
+    ids = torch.tensor([[1, 2, 9], [1, 2, 8], [3, 4, 5], [3, 4, 5]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0], [1, 1, 1], [1, 1, 1]], dtype=torch.bool)
+    assert distinct_completions(ids, mask, num_generations=2).tolist() == [0.5, 0.5]
+    assert distinct_completions(ids, torch.ones_like(mask), num_generations=2).tolist() == [1.0, 0.5]

@@ -44,6 +44,7 @@ per step with parallel decoding (its data-dependent counts, which also tell when
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -446,6 +447,32 @@ class MaskedDiffusionSampler:
         `attention_mask` [B, P] marks real prompt tokens (1) against padding (0); it is extended with ones over the
         completion and given to every forward. Without it the model attends to every position, as LLaDA does.
         """
+        return self._denoise(model, input_ids, attention_mask, generator)
+
+    @torch.no_grad()
+    def replay(self, model: Any, rollout: Rollout, generator: torch.Generator | None = None) -> Rollout:
+        """The order in which this sampler would commit `rollout`'s completion tokens, teacher-forced.
+
+        The denoising loop runs with this sampler's stages (logits, cache, remasking rule, schedule or parallel
+        rule) but every candidate is the token the completion already holds, scored by `token_logprobs`. The result
+        has the same sequences, with `commit_step`, `step_logprobs` and `num_steps` of this sampler's order: e.g. a
+        fast-sampled completion replayed along the exact decoder's order (low confidence under `model`'s logits,
+        ``steps`` commits on its fixed schedule), so a trajectory-type estimator trains at the canvas states that
+        decoder visits.
+        """
+        attention_mask = rollout.attention_mask[:, :rollout.prompt_length]
+        replayed = self._denoise(model, rollout.prompt_ids, attention_mask, generator, rollout.completion_ids)
+        return dataclasses.replace(replayed, completion_mask=rollout.completion_mask)
+
+    def _denoise(
+        self,
+        model: Any,
+        input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None,
+        generator: torch.Generator | None,
+        forced_completion: torch.LongTensor | None = None,
+    ) -> Rollout:
+        """The denoising loop of `sample`; with `forced_completion` [B, L] its candidates are those tokens."""
         config = self.config
         token_ids = self.resolve_token_ids(model)
         self.check_inputs(model, input_ids, attention_mask, generator, token_ids)
@@ -481,7 +508,11 @@ class MaskedDiffusionSampler:
                 logits = self.block_logits(model, canvas, canvas_attention, prompt_length, block, token_ids, cache)
                 # Tokens are drawn only for still-masked positions, gathered to the front of a [B, M, V] tensor.
                 active = masked_positions_first(still_masked, max(masked_left))
-                drawn, drawn_logprobs = self.propose_tokens(logits[rows, active], generator)
+                if forced_completion is None:
+                    drawn, drawn_logprobs = self.propose_tokens(logits[rows, active], generator)
+                else:
+                    drawn = forced_completion[:, completion_block].gather(1, active)
+                    drawn_logprobs = self.token_logprobs(logits[rows, active], drawn)
                 candidates = canvas[:, block].scatter(1, active, drawn)
                 scores = _checked_scores(self.remasking_rule(logits, candidates, generator), candidates)
                 if schedule is not None:
@@ -553,9 +584,13 @@ class MaskedDiffusionSampler:
         `logits` [B, M, V] are those of the block's still-masked positions (rows with fewer than M masked positions
         are completed with committed ones, whose candidates are ignored).
         """
-        temperature = self.config.temperature
-        candidates = gumbel_argmax(logits, temperature, generator)
-        return candidates, sampling_logprobs(logits, candidates, temperature)
+        candidates = gumbel_argmax(logits, self.config.temperature, generator)
+        return candidates, self.token_logprobs(logits, candidates)
+
+    def token_logprobs(self, logits: torch.Tensor, tokens: torch.LongTensor) -> torch.Tensor:
+        """float32 log-prob [B, M] of `tokens` under the distribution `propose_tokens` draws from: softmax(logits / τ)
+        (a subclass that changes the draw, e.g. to top-p, changes this with it; `replay` scores with it)."""
+        return sampling_logprobs(logits, tokens, self.config.temperature)
 
     def choose_positions(self, row_scores: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """[B, T] bool: per row b, the `counts[b]` top-scored positions of the full canvas row.
