@@ -111,7 +111,9 @@ def series(records: list[dict], key: str) -> list[tuple[int, float]]:
 
 
 def summarise(runs: list[Run], num_iterations: dict[str, int]) -> dict:
-    """Per (family, arm): the per-seed final held-out reward, its paired change, and the run means of the rest."""
+    """Per (family, arm), one value per seed: the final held-out reward and accuracy (exact decoding) and the same
+    decoded by the run's own sampler, the reward's paired change, sampling and training seconds, and the run means
+    of ESS, α, k3, distinct completions per group, frac_reward_zero_std, entropy and denoising steps per row."""
     table: dict = {}
     for run in runs:
         records = read_metrics(run.output_dir)
@@ -126,14 +128,20 @@ def summarise(runs: list[Run], num_iterations: dict[str, int]) -> dict:
         sampling = sum(r["timing/sample_s"] for r in steps) / mu
         wall = sum(r["timing/generation_batch_s"] for r in steps) / mu + sum(r["timing/optimisation_pass_s"]
                                                                              for r in steps)
-        entry = table.setdefault((run.family, run.arm), {"final": [], "delta": [], "ess": [], "alpha": [], "k3": [],
-                                                         "rollout_share": [], "records": []})
-        entry["final"].append(closing["eval/reward"])
-        entry["delta"].append(closing["eval/reward_delta"])
-        entry["ess"].append(run_mean("rollout_corr/rollout_is_eff_sample_size"))
-        entry["alpha"].append(run_mean("ais/alpha"))
-        entry["k3"].append(run_mean("rollout_corr/k3_kl"))
-        entry["rollout_share"].append(sampling / wall)
+        values = {
+            "final": closing["eval/reward"], "delta": closing["eval/reward_delta"],
+            "accuracy": closing.get("eval/accuracy", math.nan),
+            "own_reward": closing.get("eval/rollout_sampler/reward", closing["eval/reward"]),
+            "own_accuracy": closing.get("eval/rollout_sampler/accuracy", closing.get("eval/accuracy", math.nan)),
+            "ess": run_mean("rollout_corr/rollout_is_eff_sample_size"), "alpha": run_mean("ais/alpha"),
+            "k3": run_mean("rollout_corr/k3_kl"), "sampling_s": sampling, "wall_s": wall,
+            "rollout_share": sampling / wall, "distinct": run_mean("completions/distinct_per_group"),
+            "zero_std": run_mean("frac_reward_zero_std"), "entropy": run_mean("entropy"),
+            "steps_per_row": run_mean("completions/mean_steps"),
+        }
+        entry = table.setdefault((run.family, run.arm), {"records": [], **{key: [] for key in values}})
+        for key, value in values.items():
+            entry[key].append(value)
         entry["records"].append(records)
     return table
 
