@@ -112,6 +112,31 @@ def test_cached_parallel_rollouts_show_their_approximation_in_the_trajectory_rat
     assert cached.history[0]["completions/mean_steps"] == 8  # never 90 % confident: one token per step
 
 
+def test_exact_order_replay_sees_precision_only_and_keeps_the_samplers_own_steps(tokenizer, tmp_path):
+    """likelihood_order=exact with a dual cache + threshold rollouts and the bf16 engine: the completions are
+    replayed along the exact decoder's order on both sides, so the ratio is 1 (the decoder's approximation is unseen,
+    as documented); `completions/mean_steps` stays the fast sampler's."""
+    run = make_trainer(tokenizer, tmp_path, rollout_precision="bf16", likelihood_estimator="trajectory",
+                       likelihood_order="exact", rollout_cache="dual", rollout_threshold=0.9).train()
+    for record in run.history:
+        assert record["rollout_corr/k3_kl"] == pytest.approx(0.0, abs=1e-6)
+        assert record["completions/mean_steps"] == 8  # one token per step: the threshold sampler's own count
+
+
+def test_validation_decodes_exactly_whatever_the_rollouts_use(tokenizer, tmp_path):
+    """d1's protocol: a run with fast rollouts (dual cache, threshold) scores its validation prompts with the exact
+    decoder — the same per-prompt rewards as a run with exact rollouts — and reports its own sampler's score beside
+    it after training (`eval/rollout_sampler/*`)."""
+    validation = make_digits_dataset(8, seed=5)
+    fast = make_trainer(tokenizer, tmp_path / "fast", rollout_cache="dual", rollout_threshold=0.9, eval_size=8)
+    exact = make_trainer(tokenizer, tmp_path / "exact", eval_size=8)
+    assert fast.greedy_policy.sampler_config.cache == "none" and fast.greedy_policy.sampler_config.threshold is None
+    torch.testing.assert_close(fast.evaluate(validation).per_prompt_reward, exact.evaluate(validation).per_prompt_reward)
+    fast.eval_dataset = validation
+    closing = fast.train().history[-1]
+    assert {"eval/reward", "eval/rollout_sampler/reward", "eval/rollout_sampler/num_prompts"} <= set(closing)
+
+
 def test_reward_function_errors_name_the_function(tokenizer, tmp_path):
     def exploding_reward(prompts, completions, **kwargs):
         raise KeyError("no such column")

@@ -99,6 +99,7 @@ def test_values_outside_the_declared_range_are_rejected(name):
     ({"remasking": "lowest_confidence"}, "remasking='lowest_confidence'"),
     ({"task": "sudoku"}, "task=sudoku has no default dataset"),
     ({"diffusion_steps": 32}, "diffusion_steps=32 must be <= max_completion_length=16"),
+    ({"likelihood_order": "exact"}, "likelihood_order=exact orders the trajectory estimator's replay"),
 ])
 def test_invalid_values_fail_in_load_config_naming_the_field(overrides, message):
     assert message in problems_of(overrides)
