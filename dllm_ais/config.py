@@ -215,6 +215,19 @@ class GRPOConfig:
         """Whether rollouts decode approximately (a block KV cache or parallel commits)."""
         return self.rollout_cache != "none" or self.rollout_threshold is not None
 
+    @property
+    def unseen_approximation(self) -> str | None:
+        """What the importance ratio of this run cannot see of its fast rollouts, said once at start; None when it
+        sees everything (exact rollouts) — measured costs in BENCHMARKS.md, "Fast rollouts"."""
+        if not self.fast_rollouts or self.policy == "autoregressive":
+            return None
+        if self.likelihood_estimator == "trajectory" and self.likelihood_order == "rollout":
+            return ("the trajectory estimator scores the fast sampler's own order: its ratio sees the cache's logit "
+                    "error but not the shift of the visited canvas states, which cost the most exact-decoding accuracy "
+                    "on the embedded task; likelihood_order=exact replays the exact decoder's order instead")
+        return ("the fast decoder's approximation (cache, parallel commits) is not seen by the importance ratio, "
+                "which compares the engine and the trainer on the same canvases; only the rollout precision is")
+
     def decoding(self, exact: bool) -> "GRPOConfig":
         """This config as an evaluation decodes: `exact` = d1's protocol (no cache, no parallel commits, whatever the
         rollouts use), else the rollout sampler; either way without the trajectory estimator's order replay."""

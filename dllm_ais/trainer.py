@@ -306,6 +306,9 @@ class GRPOTrainer:
                   f"needs {MIN_GROUPS_FOR_NOISE} to measure the batch's gradient noise, so alpha follows the k3 gate "
                   f"(ais_kl_scale={config.ais_kl_scale:g}). Raise per_device_train_batch_size * "
                   f"gradient_accumulation_steps * processes / num_generations to {MIN_GROUPS_FOR_NOISE} to use it.")
+        if config.unseen_approximation and self.accelerator.is_main_process:
+            print(f"note: rollout_cache={config.rollout_cache}, rollout_threshold={config.rollout_threshold}: "
+                  f"{config.unseen_approximation}. Exact rollouts: --rollout_cache=none --rollout_threshold=null.")
         self.run_id = broadcast_object_list([uuid.uuid4().hex])[0]  # names this run and its resumptions
         self.global_step = 0
         self.generation_index = 0
