@@ -1,113 +1,31 @@
-"""Loading policies and tokenizers, and writing checkpoints that a crash cannot corrupt."""
+"""Run directories and checkpoints: atomic directory writes and their markers, saving, resuming and the best
+record."""
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import secrets
 import shutil
 import socket
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from accelerate.utils import gather_object, send_to_device
+from peft import PeftModel
 
-from dllm_ais.config import (  # noqa: F401  (EMBEDDED_* are re-exported)
-    EMBEDDED_MODEL, EMBEDDED_MODEL_DIR, EMBEDDED_MODELS, EMBEDDED_RECIPE, ConfigError, GRPOConfig,
-)
+from dllm_ais.components import StepComponents
+from dllm_ais.config import ConfigError, GRPOConfig, save_config
+from dllm_ais.evaluation import EvalResult
+from dllm_ais.grpo import GenerationBatch, any_process
 from dllm_ais.validation import read_recipe, show
 
-END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|endoftext|>")
-
-
-def resolve_model_path(name_or_path: str) -> str:
-    """The directory or hub id to load: `embedded` / `embedded-qwen3` name the tiny models shipped in the package."""
-    if name_or_path in EMBEDDED_MODELS:
-        directory = EMBEDDED_MODELS[name_or_path]
-        if not (directory / "config.json").is_file():
-            raise FileNotFoundError(f"The embedded model is missing from {directory}; rebuild it with "
-                                    "`python scripts/build_tiny_model.py`.")
-        return str(directory)
-    return name_or_path
-
-
-def resolve_dtype(name: str) -> torch.dtype:
-    """`auto` = bfloat16 on CUDA, float32 on CPU (CPU matmuls in bf16 are slow and gain nothing here)."""
-    if name == "auto":
-        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    return getattr(torch, name)
-
-
-def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
-    """The policy's tokenizer, left-padding (prompts are left padded so completions share one canvas offset)."""
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(name_or_path))
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
-
-
-def load_model(name_or_path: str, dtype: torch.dtype, trust_remote_code: bool = False,
-               is_trainable: bool = False) -> torch.nn.Module:
-    """`AutoModelForCausalLM.from_pretrained` (safetensors only); LLaDA resolves to dllm_ais' native model.
-
-    A directory holding a peft adapter (as `dllm-ais train` writes) loads as its base model with the adapter on
-    (trainable when `is_trainable`, to continue training it). The model keeps `name_or_path` as given — a Hub id or
-    `embedded`, not the package's asset path on this machine — so adapters and cards record a portable base.
-    """
-    path = resolve_model_path(name_or_path)
-    if (Path(path) / "adapter_config.json").is_file():
-        from peft import PeftConfig, PeftModel
-
-        base = load_model(PeftConfig.from_pretrained(path).base_model_name_or_path, dtype, trust_remote_code)
-        return PeftModel.from_pretrained(base, path, is_trainable=is_trainable)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
-                                                 use_safetensors=True)
-    model.name_or_path = model.config.name_or_path = name_or_path
-    return model
-
-
-def load_model_config(name_or_path: str, trust_remote_code: bool = False):
-    """The model's config; for an adapter directory, its base model's config."""
-    path = resolve_model_path(name_or_path)
-    if (Path(path) / "adapter_config.json").is_file():
-        from peft import PeftConfig
-
-        path = resolve_model_path(PeftConfig.from_pretrained(path).base_model_name_or_path)
-    return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-
-
-@dataclass(frozen=True)
-class SpecialTokens:
-    """Token ids the samplers need: the diffusion mask (None for causal LMs), completion terminators and padding."""
-
-    mask_token_id: int | None
-    eos_token_ids: tuple[int, ...]
-    pad_token_id: int
-
-
-def special_tokens(tokenizer: PreTrainedTokenizerBase, model_config, diffusion: bool) -> SpecialTokens:
-    """Collect mask / end-of-completion / pad ids from the model config and tokenizer, with errors naming the fix."""
-    mask_id = getattr(model_config, "mask_token_id", None)
-    if mask_id is None:
-        mask_id = tokenizer.mask_token_id
-    if diffusion and mask_id is None:
-        raise ValueError("No mask token id: set `mask_token_id` in the model's config.json or the tokenizer's "
-                         "mask_token (LLaDA-8B uses 126336, <|mdm_mask|>).")
-    vocab = tokenizer.get_vocab()
-    eos = {tokenizer.eos_token_id} | {vocab[t] for t in END_OF_TURN_TOKENS if t in vocab}
-    config_eos = getattr(model_config, "eos_token_id", None)
-    eos |= set(config_eos) if isinstance(config_eos, (list, tuple)) else {config_eos}
-    eos.discard(None)
-    pad_id = tokenizer.pad_token_id
-    if diffusion and pad_id == mask_id:
-        raise ValueError("The pad token equals the mask token; padding would be denoised. Set a distinct pad token.")
-    return SpecialTokens(mask_token_id=mask_id, eos_token_ids=tuple(sorted(eos)), pad_token_id=pad_id)
-
+if TYPE_CHECKING:
+    from dllm_ais.trainer import GRPOTrainer
 
 # ------------------------------------------------------------------------------------------ safe directory writes
 MARKER = ".dllm-ais.json"  # provenance file inside every directory dllm-ais writes; its proof of ownership
@@ -118,13 +36,18 @@ class OutputExistsError(FileExistsError):
     """A destination is in the way (not empty, or not written by dllm-ais); the message names the way out."""
 
 
-def provenance(directory: str | Path) -> dict[str, Any] | None:
-    """The marker dllm-ais leaves in each directory it writes; None when absent or unreadable (not provably ours)."""
+def dllm_ais_record(path: str | Path) -> dict[str, Any] | None:
+    """The JSON object in the file at `path` when dllm-ais wrote it (its `written_by` says so); None otherwise."""
     try:
-        marker = json.loads((Path(directory) / MARKER).read_text())
+        record = json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return None
-    return marker if isinstance(marker, dict) and marker.get("written_by") == "dllm-ais" else None
+    return record if isinstance(record, dict) and record.get("written_by") == "dllm-ais" else None
+
+
+def provenance(directory: str | Path) -> dict[str, Any] | None:
+    """The marker dllm-ais leaves in each directory it writes; None when absent or unreadable (not provably ours)."""
+    return dllm_ais_record(Path(directory) / MARKER)
 
 
 def is_leftover(entry: Path) -> bool:
@@ -426,3 +349,178 @@ def prepare_output_dir(config: GRPOConfig, is_main_process: bool = True) -> Path
             (output_dir / MARKER).write_text(json.dumps({"written_by": "dllm-ais", "run_directory": True}))
             fsync_directory(output_dir)
     return checkpoint
+
+
+# ------------------------------------------------------------------------------------------ saving and resuming a run
+BEST_CHECKPOINT_FILE = "best_checkpoint.json"
+
+
+class NonFiniteError(FloatingPointError):
+    """Training stopped: `max_consecutive_skipped_batches` batches in a row were non-finite, or weights to be saved are."""
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Replace the file at `path` with `text` by one rename: readers see the old content or the new, never a part."""
+    staging = path.with_name(f".tmp-{path.name}")
+    staging.write_text(text)
+    os.replace(staging, path)
+
+
+class TrainingProgress:
+    """What a checkpoint needs besides weights, optimizer, scheduler and the global RNGs (accelerate saves those):
+    the trainer's counters (steps, generation batches, tokens seen), prompt order and cursor, the α EMA, the held-out
+    baseline, the best validation score so far (TRL's `best_metric`, `best_global_step`, `best_model_checkpoint`),
+    the skip counters, the completion samples not yet logged and the generation batch in flight on every process
+    (each holds its own prompts' rollouts). The samplers' and estimators' generators are seeded from
+    `generation_index`.
+
+    This is the object `accelerator.register_for_checkpointing` stores (state_dict / load_state_dict); it holds
+    tensors and plain values only, so resuming can check the file loads with `torch.load(weights_only=True)`.
+    accelerate writes it from the main process only, so `state_dict` (called on every process) gathers the batches.
+    """
+
+    FIELDS = ("run_id", "global_step", "generation_index", "previous_alpha", "prompt_order", "prompt_cursor",
+              "batch_iteration", "skipped_batches", "consecutive_skipped_batches", "num_input_tokens_seen",
+              "best_metric", "best_global_step", "best_model_checkpoint", "completion_samples")
+
+    def __init__(self, trainer: "GRPOTrainer"):
+        self.trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        batch, eval_before = self.trainer.batch, self.trainer.eval_before
+        batches = [None if batch is None else send_to_device(batch.state_dict(), "cpu")]
+        if self.trainer.accelerator.num_processes > 1:
+            batches = gather_object(batches)
+        return {**{name: getattr(self.trainer, name) for name in self.FIELDS}, "batches": batches,
+                "eval_before": None if eval_before is None else eval_before.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name in self.FIELDS:
+            setattr(self.trainer, name, state[name])
+        batch, eval_before = state["batches"][self.trainer.accelerator.process_index], state["eval_before"]
+        self.trainer.batch = None if batch is None else GenerationBatch.from_state_dict(batch, self.trainer.accelerator.device)
+        self.trainer.eval_before = None if eval_before is None else EvalResult.from_state_dict(eval_before)
+
+
+class Checkpointer:
+    """Saving and resuming one training run in `config.output_dir`: the model directory (`save_model`), resumable
+    `checkpoint-N` directories (`save_checkpoint`, `resume`) and the best-score record (`write_best_record`).
+
+    It registers `TrainingProgress(trainer)` and the weight hooks with accelerate, so `save_state` / `load_state`
+    carry the trainer's progress and leave the weights to save_pretrained's files."""
+
+    def __init__(self, config: GRPOConfig, parts: StepComponents, tokenizer, trainer: "GRPOTrainer"):
+        self.config, self.parts, self.tokenizer, self.trainer = config, parts, tokenizer, trainer
+        self.output_dir = Path(config.output_dir)
+        self.last_checkpoint: tuple[int, Path] | None = None
+        parts.accelerator.register_save_state_pre_hook(self._leave_weights_to_save_pretrained)
+        parts.accelerator.register_load_state_pre_hook(self._load_weights_from_save_pretrained)
+        parts.accelerator.register_for_checkpointing(TrainingProgress(trainer))
+
+    def write_best_record(self) -> None:
+        """`output_dir/best_checkpoint.json`: the best validation score so far, its step, and the directory holding
+        the weights of that step (a checkpoint-N, final/ when the last step scored best, or null when that step was
+        not saved). Written atomically; without a score yet, a record an earlier run left there is removed."""
+        path, run = self.output_dir / BEST_CHECKPOINT_FILE, self.trainer
+        if run.best_global_step is None:
+            if dllm_ais_record(path) is not None:
+                path.unlink()
+            return
+        record = {"written_by": "dllm-ais", "run": run.run_id, "metric_for_best_model": self.config.best_metric_key,
+                  "greater_is_better": self.config.greater_is_better, "best_metric": run.best_metric,
+                  "best_global_step": run.best_global_step, "best_model_checkpoint": run.best_model_checkpoint}
+        atomic_write_text(path, json.dumps(record, indent=2) + "\n")
+
+    def checked_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state dict to save (a collective under FSDP / ZeRO-3: every process calls this); raises
+        NonFiniteError when a trainable weight is NaN or inf, so nothing non-finite is ever written."""
+        accelerator = self.parts.accelerator
+        accelerator.wait_for_everyone()
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in self.parts.trainable_parameters]
+        if any_process(accelerator, not all(torch.isfinite(p).all() for p in local))[0]:
+            raise NonFiniteError(f"refusing to save non-finite weights at step {self.trainer.global_step}; the last "
+                                 "checkpoint holds finite ones.")
+        return accelerator.get_state_dict(self.parts.model)
+
+    def write_model(self, directory: Path, state_dict: dict[str, torch.Tensor]) -> None:
+        """The adapter (or full model) via save_pretrained, the tokenizer and the config: a directory that
+        `dllm-ais eval --model`, `generate` and `export` load."""
+        model = self.parts.unwrapped_model
+        # The vocabulary is never resized here; peft's "auto" would look the base model up on the Hub to check.
+        peft_only = {"save_embedding_layers": False} if isinstance(model, PeftModel) else {}
+        model.save_pretrained(directory, state_dict=state_dict, safe_serialization=True, **peft_only)
+        self.tokenizer.save_pretrained(directory)
+        save_config(self.config, directory / "dllm_ais_config.yaml")
+
+    def save_model(self, directory: Path) -> None:
+        """Write the model directory (see `write_model`) atomically into `directory`."""
+        state_dict = self.checked_state_dict()
+        if self.parts.accelerator.is_main_process:
+            with atomic_directory(directory, overwrite=True) as staging:
+                self.write_model(staging, state_dict)
+
+    def save_checkpoint(self, validation: dict[str, float] | None = None) -> Path:
+        """Write `output_dir/checkpoint-<step>` atomically: the model directory plus accelerate's `save_state`
+        (optimizer, scheduler, every process' RNGs and `TrainingProgress`), from which `resume` continues the run
+        exactly; then keep only the newest `save_total_limit` checkpoints of this run (and the best one). The
+        directory's marker records the step's `validation` scores when it was scored."""
+        run, accelerator = self.trainer, self.parts.accelerator
+        directory = self.output_dir / f"checkpoint-{run.global_step}"
+        if self.last_checkpoint is not None and self.last_checkpoint[0] == run.global_step:
+            return self.last_checkpoint[1]
+        if run.best_global_step == run.global_step:
+            run.best_model_checkpoint = str(directory)
+        state_dict = self.checked_state_dict()
+        staging = staging_directory(directory, run.run_id[:8])
+        if accelerator.is_main_process:
+            begin_staging(directory, run.run_id[:8], run=run.run_id, step=run.global_step, validation=validation)
+            self.write_model(staging, state_dict)
+        accelerator.wait_for_everyone()
+        accelerator.save_state(str(staging))
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            commit_staging(staging, directory, overwrite=True)
+            if self.config.save_total_limit:
+                prune_checkpoints(self.output_dir, run.run_id, self.config.save_total_limit,
+                                  protect=run.best_model_checkpoint)
+            self.write_best_record()
+        accelerator.wait_for_everyone()
+        self.last_checkpoint = (run.global_step, directory)
+        return directory
+
+    def saved_now(self) -> bool:
+        """Whether a checkpoint of the current step exists."""
+        return self.last_checkpoint is not None and self.last_checkpoint[0] == self.trainer.global_step
+
+    def resume(self, checkpoint: Path, num_prompts: int) -> None:
+        """Restore what `save_checkpoint` wrote: weights, optimizer, scheduler, RNGs and the trainer's progress;
+        the run must have `num_prompts` training prompts, as the checkpoint's did."""
+        accelerator = self.parts.accelerator
+        for file in sorted(checkpoint.glob("custom_checkpoint_*.pkl")):
+            try:  # accelerate unpickles this file without restriction: first make sure it holds only data
+                torch.load(file, weights_only=True)
+            except pickle.UnpicklingError as error:
+                raise ConfigError(f"{file} holds more than tensors and plain values; refusing to resume from it "
+                                  f"({error}).") from error
+        written_by = len(list(checkpoint.glob("random_states_*.pkl")))  # accelerate writes one per process
+        if written_by != accelerator.num_processes:
+            raise ConfigError(f"Cannot resume from {checkpoint}: it was written by {written_by} process(es), this run "
+                              f"has {accelerator.num_processes}; launch it with --num_processes {written_by}.")
+        accelerator.load_state(str(checkpoint))
+        trained_on = len(self.trainer.prompt_order)
+        if trained_on != num_prompts:
+            raise ConfigError(f"Cannot resume from {checkpoint}: it was trained on {trained_on} prompts, "
+                              f"the dataset now has {num_prompts}.")
+        self.last_checkpoint = (self.trainer.global_step, checkpoint)
+
+    def _leave_weights_to_save_pretrained(self, models, weights, output_dir) -> None:
+        """accelerate's save_state hook: it would store the full state dict (a LoRA run's frozen base included); the
+        checkpoint's save_pretrained files hold the weights instead. (Under FSDP and DeepSpeed accelerate writes
+        and reads its own model files and passes no state dicts.)"""
+        weights.clear()
+
+    def _load_weights_from_save_pretrained(self, models, input_dir) -> None:
+        """accelerate's load_state hook, the counterpart of `_leave_weights_to_save_pretrained`."""
+        if models:
+            load_saved_weights(self.parts.unwrapped_model, input_dir)
+            models.clear()

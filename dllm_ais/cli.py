@@ -124,7 +124,7 @@ def inference_config(args: argparse.Namespace, overrides: list[str]):
     else the embedded run's recipe; command-line overrides win."""
     from pathlib import Path
 
-    from dllm_ais.checkpoint import EMBEDDED_RECIPE
+    from dllm_ais.config import EMBEDDED_RECIPE
     from dllm_ais.config import load_config, parse_overrides
 
     values = {**({"model_name_or_path": args.model} if args.model else {}), **parse_overrides(overrides)}
@@ -138,8 +138,8 @@ def _load_for_inference(args: argparse.Namespace, config):
     """Model (through the rollout engine at --precision) and tokenizer of `config` for eval/generate."""
     import torch
 
-    from dllm_ais.checkpoint import load_model, load_tokenizer, resolve_dtype
     from dllm_ais.engine import RolloutEngine
+    from dllm_ais.loading import load_model, load_tokenizer, resolve_dtype
 
     tokenizer = load_tokenizer(config.model_name_or_path)
     model = load_model(config.model_name_or_path, resolve_dtype(config.dtype), config.trust_remote_code)
@@ -182,13 +182,13 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     import shlex
     import time
 
-    from dllm_ais.checkpoint import resolve_dtype
     from dllm_ais.data import load_task_dataset
     from dllm_ais.evaluation import (EvalProtocol, dataset_provenance, device_name, evaluate_policy, library_versions,
                                      markdown_table, model_provenance, report_entry, write_report)
+    from dllm_ais.loading import resolve_dtype
+    from dllm_ais.policy import build_policy
     from dllm_ais.rewards import resolve_reward_functions
     from dllm_ais.tasks import get_task
-    from dllm_ais.trainer import build_policy
 
     config = inference_config(args, overrides)
     task = get_task(config.task)
@@ -230,9 +230,9 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
 def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
     import torch
 
-    from dllm_ais.data import load_task_dataset, tokenize_prompts
+    from dllm_ais.data import load_task_dataset
+    from dllm_ais.policy import build_policy, sample_prompts
     from dllm_ais.rewards import completion_texts
-    from dllm_ais.trainer import build_policy
 
     config = inference_config(args, overrides)
     model, tokenizer = _load_for_inference(args, config)
@@ -243,9 +243,8 @@ def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
         prompts = list(load_task_dataset(config.task, split="validation", path=config.dataset_path,
                                          size=args.num_prompts, seed=config.seed)["prompt"])
     device = next(model.parameters()).device
-    input_ids, attention_mask = tokenize_prompts(tokenizer, prompts, config.max_prompt_length, device)
     generator = torch.Generator(device).manual_seed(config.seed)
-    rollout = policy.sample(model, input_ids, attention_mask, generator)
+    rollout = sample_prompts(policy, model, tokenizer, prompts, config.max_prompt_length, device, generator)
     for prompt, completion in zip(prompts, completion_texts(tokenizer, rollout)):
         print(f"> {prompt[-1]['content']}\n{completion}\n")
     return 0
@@ -271,8 +270,10 @@ def _export(args: argparse.Namespace, overrides: list[str]) -> int:
 def _sft(args: argparse.Namespace, overrides: list[str]) -> int:
     from pathlib import Path
 
-    from dllm_ais.checkpoint import atomic_directory, check_destination, load_model, load_tokenizer, resolve_dtype
+    from dllm_ais.checkpoint import atomic_directory, check_destination
     from dllm_ais.data import load_task_dataset
+    from dllm_ais.loading import load_model, load_tokenizer, resolve_dtype
+    from dllm_ais.policy import is_diffusion
     from dllm_ais.sft import SFTConfig, run_sft
 
     if overrides:
@@ -280,7 +281,7 @@ def _sft(args: argparse.Namespace, overrides: list[str]) -> int:
     check_destination(Path(args.output_dir), args.overwrite)
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model, resolve_dtype(args.dtype))
-    mask_id = model.config.mask_token_id if model.config.model_type == "llada" else None
+    mask_id = model.config.mask_token_id if is_diffusion("auto", model.config.model_type) else None
     dataset = load_task_dataset(args.task, split="train", size=args.dataset_size, seed=args.seed)
     config = SFTConfig(steps=args.steps, batch_size=args.batch_size, learning_rate=args.learning_rate,
                        gen_length=args.gen_length, seed=args.seed)

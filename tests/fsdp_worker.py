@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from dllm_ais.checkpoint import EMBEDDED_RECIPE, load_model
+from dllm_ais.config import EMBEDDED_RECIPE
+from dllm_ais.loading import load_model
 from dllm_ais.config import load_config
 from dllm_ais.engine import RolloutEngine
 from dllm_ais.launch import end_process_group, relaunch_as_cpu_processes, requested_cpu_launch

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dllm_ais.checkpoint import EMBEDDED_RECIPE
+from dllm_ais.config import EMBEDDED_RECIPE
 from dllm_ais.cli import main
 from dllm_ais.config import ConfigError, GRPOConfig, load_config, parse_overrides
 

@@ -11,7 +11,9 @@ import pytest
 import torch
 import yaml
 
-from dllm_ais.checkpoint import EMBEDDED_MODELS, MARKER, load_model
+from dllm_ais.checkpoint import MARKER
+from dllm_ais.config import EMBEDDED_MODELS
+from dllm_ais.loading import load_model
 from dllm_ais.cli import main
 from dllm_ais.config import GRPOConfig, save_config
 from dllm_ais.export import export_merged_model, model_card, portable_name

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from dllm_ais.checkpoint import EMBEDDED_RECIPE
+from dllm_ais.config import EMBEDDED_RECIPE
 from dllm_ais.cli import main
 from dllm_ais.config import load_config
 from dllm_ais.trainer import GRPOTrainer
