@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from dllm_ais.choices import (
-    ALPHA_RULES, CACHE_MODES, CORRECTION_METHODS, IS_LEVELS, LOSS_TYPES, PRECISIONS, RATIO_TYPES, REWARD_SCALINGS,
+    ALPHA_RULES, CACHE_MODES, CORRECTION_METHODS, ESTIMATORS, IS_LEVELS, LOSS_TYPES, PRECISIONS, RATIO_TYPES, REWARD_SCALINGS,
 )
 from dllm_ais.tasks import TaskNames
 from dllm_ais.trackers import TRACKERS, normalize_report_to
@@ -34,7 +34,6 @@ EMBEDDED_MODELS = {  # name usable as model_name_or_path -> directory shipped in
 EMBEDDED_MODEL_DIR = EMBEDDED_MODELS[EMBEDDED_MODEL]
 EMBEDDED_RECIPE = EMBEDDED_MODEL_DIR / "recipe.yaml"
 POLICIES = ("auto", "diffusion", "autoregressive")
-ESTIMATORS = ("one_step", "trajectory")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from dllm_ais.data import tokenize_prompts
-from dllm_ais.likelihood import causal_logprobs, one_step_logprobs, trajectory_logprobs
+from dllm_ais.likelihood import DIFFUSION_ESTIMATORS, causal_logprobs
 from dllm_ais.loading import special_tokens
 from dllm_ais.sampling.autoregressive import AutoregressiveSampler, AutoregressiveSamplerConfig
 from dllm_ais.sampling.diffusion import DiffusionSamplerConfig, MaskedDiffusionSampler
@@ -65,7 +65,7 @@ class DiffusionPolicy:
 
     Rollout-side and trainer-side log-probs use the same estimator with the same seed, so their ratio measures
     the precision mismatch and nothing else. For the trajectory estimator the rollout side is free: it is the
-    sampler's recorded per-step unmasking log-prob. `estimator` is one of `config.ESTIMATORS`; `GRPOConfig` checks
+    sampler's recorded per-step unmasking log-prob. `estimator` names one of `DIFFUSION_ESTIMATORS`; `GRPOConfig` checks
     it and that the trajectory estimator, which replays the plain model, is not asked to reproduce guidance.
     """
 
@@ -75,25 +75,23 @@ class DiffusionPolicy:
 
     def __post_init__(self):
         self.sampler = MaskedDiffusionSampler(self.sampler_config)
+        self.scorer = DIFFUSION_ESTIMATORS[self.estimator]
 
     def sample(self, model, input_ids, attention_mask, generator) -> Rollout:
         return self.sampler.sample(model, input_ids, attention_mask=attention_mask, generator=generator)
 
     def logprobs(self, model, rollout: Rollout, seed: int, compute_entropy: bool = False):
-        if self.estimator == "trajectory":
-            return trajectory_logprobs(model, rollout, self.sampler_config.mask_token_id, self.sampler_config.temperature,
-                                       compute_entropy=compute_entropy)
-        return one_step_logprobs(model, rollout.sequences, rollout.attention_mask, rollout.prompt_length,
-                                 self.sampler_config.mask_token_id, seed, p_mask_prompt=self.p_mask_prompt,
-                                 compute_entropy=compute_entropy)
+        config = self.sampler_config
+        return self.scorer.logprobs(model, rollout, config.mask_token_id, config.temperature, seed, self.p_mask_prompt,
+                                    compute_entropy)
 
     def rollout_logprobs(self, engine_model, rollout: Rollout, seed: int) -> torch.Tensor:
-        if self.estimator == "trajectory":
+        if self.scorer.recorded_by_sampler:
             return rollout.step_logprobs
         return self.logprobs(engine_model, rollout, seed)
 
     def num_estimator_seeds(self, num_iterations: int) -> int:
-        return num_iterations if self.estimator == "one_step" else 1
+        return num_iterations if self.scorer.fresh_masks_per_iteration else 1
 
 
 @dataclass
