@@ -65,8 +65,8 @@ class DiffusionPolicy:
 
     Rollout-side and trainer-side log-probs use the same estimator with the same seed, so their ratio measures
     the precision mismatch and nothing else. For the trajectory estimator the rollout side is free: it is the
-    sampler's recorded per-step unmasking log-prob. `estimator` names one of `DIFFUSION_ESTIMATORS`; `GRPOConfig` checks
-    it and that the trajectory estimator, which replays the plain model, is not asked to reproduce guidance.
+    sampler's recorded per-step unmasking log-prob. `estimator` names one of `DIFFUSION_ESTIMATORS`; `GRPOConfig`
+    checks it and that the trajectory estimator, which replays the plain model, is not asked to reproduce guidance.
     """
 
     sampler_config: DiffusionSamplerConfig

@@ -23,13 +23,13 @@ from pathlib import Path
 
 import torch
 
-from dllm_ais.loading import load_model, load_tokenizer
 from dllm_ais.config import EMBEDDED_RECIPE, load_config
 from dllm_ais.data import load_task_dataset, tokenize_prompts
 from dllm_ais.engine import RolloutEngine
 from dllm_ais.likelihood import one_step_masked_input
-from dllm_ais.quantization import PRECISIONS
+from dllm_ais.loading import load_model, load_tokenizer
 from dllm_ais.policy import build_policy, is_diffusion
+from dllm_ais.quantization import PRECISIONS
 
 RECIPES = {"llada": EMBEDDED_RECIPE,
            "qwen3": Path(__file__).parents[1] / "recipes" / "tiny_qwen3_digits_fp8_ais.yaml"}

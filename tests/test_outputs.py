@@ -13,11 +13,10 @@ import torch
 from dllm_ais.checkpoint import (MARKER, OutputExistsError, atomic_directory, begin_staging, check_destination,
                                  clean_leftovers, commit_staging, prepare_output_dir, provenance, prune_checkpoints,
                                  run_checkpoints)
-from dllm_ais.config import EMBEDDED_MODELS
-from dllm_ais.loading import load_model
 from dllm_ais.cli import main
-from dllm_ais.config import ConfigError, GRPOConfig
+from dllm_ais.config import EMBEDDED_MODELS, ConfigError, GRPOConfig
 from dllm_ais.export import export_merged_model
+from dllm_ais.loading import load_model
 from dllm_ais.metrics import MetricsLog
 
 

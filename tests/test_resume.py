@@ -11,9 +11,8 @@ import time
 
 import pytest
 
-from dllm_ais.config import EMBEDDED_RECIPE
 from dllm_ais.cli import main
-from dllm_ais.config import load_config
+from dllm_ais.config import EMBEDDED_RECIPE, load_config
 from dllm_ais.trainer import GRPOTrainer
 
 RUN = ["--max_steps=8", "--per_device_train_batch_size=8", "--num_iterations=2", "--eval_size=4",
