@@ -350,6 +350,9 @@ def staged_directory(final: str | Path, token: str | None = None, is_main_proces
 class NoSpaceLeft(OSError):
     """The disk has no room for what is being written; the message says where and how much is needed."""
 
+    def __str__(self) -> str:
+        return self.strerror
+
 
 def directory_size(directory: Path) -> int:
     """Bytes of the files under `directory` (0 when it does not exist)."""
@@ -394,6 +397,20 @@ def no_space_error(error: BaseException, final: Path, staging: Path | None = Non
         return None
     needed = checkpoint_size_estimate(parent) or (directory_size(staging) if staging is not None else 0)
     return NoSpaceLeft(errno.ENOSPC, no_space_message(parent, needed))
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                   "sentencepiece.bpe.model")
+
+
+def check_tokenizer_files(name_or_path: str) -> None:
+    """Raise FileNotFoundError (one line, naming the directory and the fix) when `name_or_path` is a local model
+    directory without tokenizer files — transformers would otherwise suggest installing sentencepiece or tiktoken."""
+    path = Path(resolve_model_path(name_or_path))
+    if not path.is_dir() or any((path / name).is_file() for name in TOKENIZER_FILES) or any(path.glob("*.tiktoken")):
+        return
+    raise FileNotFoundError(f"{path} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...); copy its "
+                            "base model's tokenizer there (tokenizer.save_pretrained(path)) or pass the base model.")
 
 
 def file_digest(path: Path) -> str:
