@@ -336,7 +336,7 @@ def staged_directory(final: str | Path, token: str | None = None, is_main_proces
     try:
         yield staging
     except BaseException as error:
-        no_space = no_space_error(error, final, staging)
+        no_space = no_space_error(error, final)
         if is_main_process and staging.exists():
             remove_directory(staging)
         if no_space is not None:
@@ -365,9 +365,10 @@ def checkpoint_size_estimate(parent: Path) -> int:
     return directory_size(newest[-1][1]) if newest else 0
 
 
-def no_space_message(where: Path, needed: int, free: int | None = None) -> str:
+def no_space_message(where: Path, needed: int, free: int | None = None, at_least: bool = False) -> str:
     free_text = f"{free / MIB:.1f} MB free; " if free is not None else ""
-    return f"no space left on {where} ({free_text}a checkpoint needs ~{max(needed, 1) / MIB:.1f} MB)"
+    amount = f"more than {needed / MIB:.1f}" if at_least else f"~{needed / MIB:.1f}"
+    return f"no space left on {where} ({free_text}a checkpoint needs {amount} MB)"
 
 
 def check_free_space(final: Path) -> None:
@@ -379,10 +380,11 @@ def check_free_space(final: Path) -> None:
         raise NoSpaceLeft(errno.ENOSPC, no_space_message(final.parent, needed, free))
 
 
-def no_space_error(error: BaseException, final: Path, staging: Path | None = None) -> NoSpaceLeft | None:
+def no_space_error(error: BaseException, final: Path) -> NoSpaceLeft | None:
     """`error` as NoSpaceLeft when it came from a full disk — ENOSPC or EDQUOT anywhere in its chain, or any write
     error while less than 1 MB is left on `final`'s disk (torch reports a full disk as `RuntimeError: ... unexpected
-    pos`) — else None. The size needed is the newest checkpoint's, else what `staging` held when the write failed."""
+    pos`) — else None. The size needed is the newest checkpoint's; without one, more than the staging directories
+    beside `final` held when the write failed."""
     if isinstance(error, NoSpaceLeft):
         return error
     cause: BaseException | None = error
@@ -395,8 +397,11 @@ def no_space_error(error: BaseException, final: Path, staging: Path | None = Non
         full = shutil.disk_usage(parent).free < MIB
     if not full:
         return None
-    needed = checkpoint_size_estimate(parent) or (directory_size(staging) if staging is not None else 0)
-    return NoSpaceLeft(errno.ENOSPC, no_space_message(parent, needed))
+    needed = checkpoint_size_estimate(parent)
+    if needed:
+        return NoSpaceLeft(errno.ENOSPC, no_space_message(parent, needed))
+    written = sum(directory_size(entry) for entry in parent.glob(".tmp-*") if entry.is_dir())
+    return NoSpaceLeft(errno.ENOSPC, no_space_message(parent, written, at_least=True))
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",

@@ -132,6 +132,29 @@ def test_a_full_disk_leaves_no_staging_directory_and_says_so(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1.5 MB tmpfs (needs root): the tiny run's first checkpoint (about 2 MB) does not fit."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1500k", "tmpfs", str(disk)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    yield disk
+    release_run_lock(disk / "run")  # this process ran the training: its lock keeps the mount busy
+    subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_a_checkpoint_on_a_full_disk_is_one_line_and_leaves_nothing(small_disk, capsys):
+    run = small_disk / "run"
+    assert main(["train", f"--output_dir={run}", "--max_steps=2", "--save_steps=2", "--eval_size=4",
+                 "--per_device_train_batch_size=8"]) == 1
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith(f"error: no space left on {run} (a checkpoint needs more than"), error
+    assert "start the run again (no checkpoint was written)" in error
+    assert not [entry.name for entry in run.iterdir() if entry.name.startswith((".tmp-", ".trash-", ".old-"))]
+
+
 def test_empty_leftovers_of_interrupted_deletions_are_recovered(tmp_path):
     for name in (".trash-checkpoint-2-0a1b2c3d", ".tmp-final-0a1b2c3d"):
         (tmp_path / name).mkdir()  # killed after the marker went / before it was written
@@ -175,7 +198,8 @@ def test_each_bad_dataset_file_is_one_line_naming_it(bad_inputs, case, tmp_path,
     assert code == 2 and len(error.splitlines()) <= ERROR_LINES and str(path) in error and detail in error, error
 
 
-def test_inference_input_errors_are_one_line_naming_the_fix(tmp_path, capsys):
+def test_inference_input_errors_are_one_line_naming_the_fix(tmp_path):
+    """In fresh processes, as a user runs them (the libraries' progress bars are silenced only before import)."""
     model_dir = tmp_path / "model-without-tokenizer"
     model_dir.mkdir()
     (model_dir / "config.json").write_text("{}")
@@ -184,9 +208,12 @@ def test_inference_input_errors_are_one_line_naming_the_fix(tmp_path, capsys):
         (["generate", "--prompt", "what is <|mdm_mask|>?"], "mask token"),
         (["generate", "--prompt", "1" * 2000], "--max_prompt_length=N"),
         (["generate", "--prompt", "hi", "--max_completion_length=4096", "--block_length=4096"], "max_sequence_length"),
-        (["eval", "--gen_lengths", "1", "--limit", "2"], "must be even"),
+        (["eval", "--gen_lengths", "1", "--limit", "2", f"--output={tmp_path / 'report.json'}"], "must be even"),
     ]
-    for argv, expected in cases:
-        assert main(argv) == 2, argv
-        error = capsys.readouterr().err.strip()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    processes = [subprocess.Popen([sys.executable, "-m", "dllm_ais.cli", *argv], stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path) for argv, _ in cases]
+    for process, (argv, expected) in zip(processes, cases):
+        error = process.communicate(timeout=600)[1].strip()
+        assert process.returncode == 2, (argv, error)
         assert len(error.splitlines()) <= ERROR_LINES and expected in error, (argv, error)
