@@ -8,11 +8,10 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
-from dllm_ais.checkpoint import (MARKER, NoSpaceLeft, begin_staging, check_destination, clean_leftovers,
+from dllm_ais.checkpoint import (NoSpaceLeft, begin_staging, check_destination, clean_leftovers,
                                  commit_staging, prepare_output_dir, resume_checkpoint, staged_directory,
                                  verify_checkpoint)
 from dllm_ais.cli import main
@@ -173,8 +172,7 @@ def bad_inputs(tmp_path_factory):
     root = tmp_path_factory.mktemp("bad")
     row = {"question": "1 + 1?", "answer": "#### 2"}
     files = {
-        "broken JSON line": ("broken.jsonl", (json.dumps(row) + "\n{\"question\": \n" + json.dumps(row) + "\n").encode(),
-                             ":2:"),
+        "broken JSON line": ("broken.jsonl", f'{json.dumps(row)}\n{{"question": \n{json.dumps(row)}\n'.encode(), ":2:"),
         "not UTF-8": ("latin1.jsonl", json.dumps(row).encode() + b"\n" + b'{"question": "caf\xe9"}\n', ":2:"),
         "empty file": ("empty.jsonl", b"", "empty"),
         "missing column": ("no_answer_column.jsonl", (json.dumps({"question": "q"}) + "\n").encode(), "answer"),
