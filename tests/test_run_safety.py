@@ -187,17 +187,30 @@ def bad_inputs(tmp_path_factory):
     return cases
 
 
-@pytest.mark.parametrize("case", ["broken JSON line", "not UTF-8", "empty file", "missing column", "missing answer",
-                                  "null question"])
-def test_each_bad_dataset_file_is_one_line_naming_it(bad_inputs, case, tmp_path, capsys):
-    path, detail = bad_inputs[case]
-    code = main(["train", "--task=gsm8k", f"--dataset_path={path}", f"--output_dir={tmp_path / 'run'}"])
-    error = capsys.readouterr().err.strip()
-    assert code == 2 and len(error.splitlines()) <= ERROR_LINES and str(path) in error and detail in error, error
+def run_cli(argv_list, cwd):
+    """Run `dllm-ais ARGV` for each ARGV at once, in fresh processes as a user runs them (the libraries' progress
+    bars are silenced only before they are imported): [(exit code, stderr)]."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    processes = [subprocess.Popen([sys.executable, "-m", "dllm_ais.cli", *argv], stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, text=True, env=env, cwd=cwd) for argv in argv_list]
+    results = []
+    for process in processes:
+        error = process.communicate(timeout=600)[1]
+        results.append((process.returncode, error.strip()))
+    return results
+
+
+def test_each_bad_dataset_file_is_one_line_naming_it(bad_inputs, tmp_path):
+    argv_list = [["train", "--task=gsm8k", f"--dataset_path={path}", f"--output_dir={tmp_path / path.stem}"]
+                 for path, _ in bad_inputs.values()]
+    argv_list.append(["eval", "--task=gsm8k", f"--dataset_path={bad_inputs['broken JSON line'][0]}"])
+    cases = [*bad_inputs.values(), bad_inputs["broken JSON line"]]
+    for (code, error), (path, detail), argv in zip(run_cli(argv_list, tmp_path), cases, argv_list):
+        assert code == 2 and len(error.splitlines()) <= ERROR_LINES, (argv, error)
+        assert str(path) in error and detail in error, (argv, error)
 
 
 def test_inference_input_errors_are_one_line_naming_the_fix(tmp_path):
-    """In fresh processes, as a user runs them (the libraries' progress bars are silenced only before import)."""
     model_dir = tmp_path / "model-without-tokenizer"
     model_dir.mkdir()
     (model_dir / "config.json").write_text("{}")
@@ -208,10 +221,6 @@ def test_inference_input_errors_are_one_line_naming_the_fix(tmp_path):
         (["generate", "--prompt", "hi", "--max_completion_length=4096", "--block_length=4096"], "max_sequence_length"),
         (["eval", "--gen_lengths", "1", "--limit", "2", f"--output={tmp_path / 'report.json'}"], "must be even"),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    processes = [subprocess.Popen([sys.executable, "-m", "dllm_ais.cli", *argv], stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path) for argv, _ in cases]
-    for process, (argv, expected) in zip(processes, cases):
-        error = process.communicate(timeout=600)[1].strip()
-        assert process.returncode == 2, (argv, error)
+    for (code, error), (argv, expected) in zip(run_cli([argv for argv, _ in cases], tmp_path), cases):
+        assert code == 2, (argv, error)
         assert len(error.splitlines()) <= ERROR_LINES and expected in error, (argv, error)
