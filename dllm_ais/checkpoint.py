@@ -3,6 +3,8 @@ record."""
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import pickle
@@ -10,6 +12,7 @@ import re
 import secrets
 import shutil
 import socket
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
@@ -21,7 +24,10 @@ from peft import PeftModel
 from dllm_ais.components import StepComponents
 from dllm_ais.config import ConfigError, GRPOConfig, save_config
 from dllm_ais.evaluation import EvalResult
+from dllm_ais.loading import resolve_model_path
 from dllm_ais.grpo import GenerationBatch, any_process
+from dllm_ais.metrics import sync_logs_in
+from dllm_ais.run_lock import LOCK_FILE, check_not_in_use, give_up_run_lock, hold_run_lock, holds_run_lock
 from dllm_ais.validation import read_recipe, show
 
 if TYPE_CHECKING:
@@ -30,6 +36,9 @@ if TYPE_CHECKING:
 # ------------------------------------------------------------------------------------------ safe directory writes
 MARKER = ".dllm-ais.json"  # provenance file inside every directory dllm-ais writes; its proof of ownership
 LEFTOVER_PREFIXES = (".tmp-", ".old-", ".trash-")
+BOOKKEEPING = (MARKER, LOCK_FILE)  # files of dllm-ais' own in a directory, never counted as its contents
+MIB = 1024 * 1024
+TOKENED_LEFTOVER = re.compile(r"\.(tmp|trash)-.+-[0-9a-f]{8}")  # the names staging_directory / discard_directory give
 
 
 class OutputExistsError(FileExistsError):
@@ -51,18 +60,27 @@ def provenance(directory: str | Path) -> dict[str, Any] | None:
 
 
 def is_leftover(entry: Path) -> bool:
-    """A staging, displaced or half-deleted directory of an interrupted dllm-ais write."""
-    return entry.name.startswith(LEFTOVER_PREFIXES) and entry.is_dir() and provenance(entry) is not None
+    """A staging, displaced or half-deleted directory of an interrupted dllm-ais write: one carrying the marker, or
+    an empty `.tmp-`/`.trash-<name>-<token>` one (a staging directory killed before its marker was written, or a
+    deletion killed after its marker went: removing it loses nothing)."""
+    if not (entry.name.startswith(LEFTOVER_PREFIXES) and entry.is_dir() and not entry.is_symlink()):
+        return False
+    return provenance(entry) is not None or (TOKENED_LEFTOVER.fullmatch(entry.name) is not None
+                                             and not any(entry.iterdir()))
 
 
 def describe_contents(directory: Path, limit: int = 4) -> str:
-    names = sorted(e.name + ("/" if e.is_dir() else "") for e in directory.iterdir() if not is_leftover(e))
+    names = sorted(e.name + ("/" if e.is_dir() else "") for e in directory.iterdir()
+                   if not is_leftover(e) and e.name not in BOOKKEEPING)
     return ", ".join(names[:limit]) + (f", … ({len(names)} entries)" if len(names) > limit else "")
 
 
 def check_destination(final: Path, overwrite: bool, flag: str = "--overwrite") -> None:
     """Raise OutputExistsError unless `final` may be written: absent, empty, or — with `overwrite` — a directory
-    that dllm-ais wrote. Nothing else is ever replaced, so no command can delete what it did not create."""
+    that dllm-ais wrote. Nothing else is ever replaced, so no command can delete what it did not create. A directory
+    (or the parent of one) that a live run holds is refused whatever `overwrite` says."""
+    check_not_in_use(final.parent)
+    check_not_in_use(final)
     if not final.exists() or (final.is_dir() and not any(final.iterdir())):
         return
     if not final.is_dir():
@@ -138,7 +156,8 @@ def clean_leftovers(parent: str | Path, name: str | None = None) -> None:
     """Finish what interrupted atomic writes left in `parent` (for directory `name`, or for all): a `.tmp-<name>-*`
     staging directory is deleted unless its writer still runs; `.old-<name>` (a complete previous copy moved aside)
     is renamed back when `<name>` is missing — the crash fell between the two renames — and deleted otherwise;
-    `.trash-*` is deleted. Only directories carrying dllm-ais' marker are touched."""
+    `.trash-*` is deleted. Only directories carrying dllm-ais' marker are touched, and empty ones (an interrupted
+    deletion's last step)."""
     parent = Path(parent)
     if not parent.is_dir():
         return
@@ -149,13 +168,18 @@ def clean_leftovers(parent: str | Path, name: str | None = None) -> None:
         target = rest if prefix == "old" else rest.rpartition("-")[0]
         if name is not None and target != name:
             continue
-        if prefix == "tmp" and _writer_is_running(provenance(entry)):
+        marker = provenance(entry)
+        if marker is None:  # empty: see is_leftover
+            entry.rmdir()
+        elif prefix == "tmp" and _writer_is_running(marker):
             continue
-        if prefix == "old" and not (parent / target).exists():
+        elif prefix == "old" and not (parent / target).exists():
             os.rename(entry, parent / target)
             fsync_directory(parent)
-        else:
+        elif prefix == "trash":
             remove_directory(entry)
+        else:
+            discard_directory(entry, target)
 
 
 def staging_directory(final: Path, token: str) -> Path:
@@ -164,7 +188,9 @@ def staging_directory(final: Path, token: str) -> Path:
 
 
 def begin_staging(final: Path, token: str | None = None, **fields: Any) -> Path:
-    """Create the staging directory of `final`, marked as dllm-ais' (with `fields`)."""
+    """Create the staging directory of `final`, marked as dllm-ais' (with `fields`), after checking that the disk
+    has room for it (see `check_free_space`)."""
+    check_free_space(final)
     staging = staging_directory(final, token or secrets.token_hex(4))
     staging.mkdir(parents=True)
     marker = {"written_by": "dllm-ais", "pid": os.getpid(), "host": socket.gethostname(), **fields}
@@ -173,14 +199,17 @@ def begin_staging(final: Path, token: str | None = None, **fields: Any) -> Path:
 
 
 def commit_staging(staging: Path, final: Path, overwrite: bool = False) -> None:
-    """Make the finished `staging` directory `final` by renames only, after flushing it to disk.
+    """Make the finished `staging` directory `final` by renames only, after recording every file's size and hash in
+    its marker (`verify_checkpoint` checks them) and flushing it — and the run's open JSONL logs — to disk.
 
     `final` may be absent or empty, or (with `overwrite`) a directory dllm-ais wrote: that one is first renamed to
     `.old-<name>` and deleted once the new copy is in place, so a complete copy always exists under one of the names.
     Nothing beside `final` is touched. On failure the staging directory is removed.
     """
     try:
+        record_manifest(staging)
         fsync_tree(staging)
+        sync_logs_in(final.parent)
         check_destination(final, overwrite)
         displaced = None
         if final.is_dir() and any(final.iterdir()):
@@ -204,19 +233,147 @@ def atomic_directory(final: str | Path, overwrite: bool = False, flag: str = "--
 
     `final` must be absent or empty unless `overwrite` allows replacing a directory dllm-ais wrote (checked before
     the block runs, so a refused destination costs nothing); `flag` is how the user says "overwrite" in the error.
-    A crash leaves `final` as it was plus a leftover that the next write to `final` cleans up.
+    A crash leaves `final` as it was plus a leftover that the next write to `final` cleans up; an exception removes
+    the staging directory (a full disk is reported as `NoSpaceLeft`).
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     clean_leftovers(final.parent, final.name)
     check_destination(final, overwrite, flag)
-    staging = begin_staging(final)
+    with staged_directory(final, overwrite=overwrite) as staging:
+        yield staging
+
+
+@contextmanager
+def staged_directory(final: str | Path, token: str | None = None, is_main_process: bool = True,
+                     overwrite: bool = True, **fields: Any) -> Iterator[Path]:
+    """Yield the staging directory of `final` (see `begin_staging`; `fields` go into its marker); once the block
+    has written everything, it becomes `final` (`commit_staging`). The trainer's checkpoints use this with the run's
+    `token`, so that every process writes into one staging directory; only the main process creates and commits it.
+
+    Any exception removes the staging directory (it never stays, holding the space); a full disk — ENOSPC, or a
+    library's write error while the disk has no room left — is raised as `NoSpaceLeft`, saying how much a
+    checkpoint needs.
+    """
+    final = Path(final)
+    staging = begin_staging(final, token, **fields) if is_main_process else staging_directory(final, token)
     try:
         yield staging
-    except BaseException:
-        remove_directory(staging)
+    except BaseException as error:
+        no_space = no_space_error(error, final)
+        if is_main_process and staging.exists():
+            remove_directory(staging)
+        if no_space is not None:
+            raise no_space from error
         raise
-    commit_staging(staging, final, overwrite)
+    if is_main_process:
+        commit_staging(staging, final, overwrite)
+
+
+# ------------------------------------------------------------------------------------------ integrity and space
+class NoSpaceLeft(OSError):
+    """The disk has no room for what is being written; the message says where and how much is needed."""
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def directory_size(directory: Path) -> int:
+    """Bytes of the files under `directory` (0 when it does not exist)."""
+    return sum(os.path.getsize(os.path.join(root, name)) for root, _, files in os.walk(directory) for name in files)
+
+
+def checkpoint_size_estimate(parent: Path) -> int:
+    """Bytes the next checkpoint in `parent` needs: the size of the newest checkpoint-N there (0 when none)."""
+    newest = run_checkpoints(parent)
+    return directory_size(newest[-1][1]) if newest else 0
+
+
+def no_space_message(where: Path, needed: int, free: int | None = None, at_least: bool = False) -> str:
+    free_text = f"{free / MIB:.1f} MB free; " if free is not None else ""
+    amount = f"more than {needed / MIB:.1f}" if at_least else f"~{needed / MIB:.1f}"
+    return f"no space left on {where} ({free_text}a checkpoint needs {amount} MB)"
+
+
+def check_free_space(final: Path) -> None:
+    """Raise NoSpaceLeft before writing `final` when its disk has less room than the newest checkpoint beside it
+    took (plus 10 %): better a clear refusal than a library's error halfway through the write."""
+    needed = int(1.1 * checkpoint_size_estimate(final.parent))
+    free = shutil.disk_usage(final.parent).free if final.parent.is_dir() else None
+    if needed and free is not None and free < needed:
+        raise NoSpaceLeft(errno.ENOSPC, no_space_message(final.parent, needed, free))
+
+
+def no_space_error(error: BaseException, final: Path) -> NoSpaceLeft | None:
+    """`error` as NoSpaceLeft when it came from a full disk — ENOSPC or EDQUOT anywhere in its chain, or any write
+    error while less than 1 MB is left on `final`'s disk (torch reports a full disk as `RuntimeError: ... unexpected
+    pos`) — else None. The size needed is the newest checkpoint's; without one, more than the staging directories
+    beside `final` held when the write failed."""
+    if isinstance(error, NoSpaceLeft):
+        return error
+    cause: BaseException | None = error
+    full = False
+    while cause is not None and not full:
+        full = isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT)
+        cause = cause.__cause__ or cause.__context__
+    parent = final.parent
+    if not full and isinstance(error, (OSError, RuntimeError)) and parent.is_dir():
+        full = shutil.disk_usage(parent).free < MIB
+    if not full:
+        return None
+    needed = checkpoint_size_estimate(parent)
+    if needed:
+        return NoSpaceLeft(errno.ENOSPC, no_space_message(parent, needed))
+    written = sum(directory_size(entry) for entry in parent.glob(".tmp-*") if entry.is_dir())
+    return NoSpaceLeft(errno.ENOSPC, no_space_message(parent, written, at_least=True))
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                   "sentencepiece.bpe.model")
+
+
+def check_tokenizer_files(name_or_path: str) -> None:
+    """Raise FileNotFoundError (one line, naming the directory and the fix) when `name_or_path` is a local model
+    directory without tokenizer files — transformers would otherwise suggest installing sentencepiece or tiktoken."""
+    path = Path(resolve_model_path(name_or_path))
+    if not path.is_dir() or any((path / name).is_file() for name in TOKENIZER_FILES) or any(path.glob("*.tiktoken")):
+        return
+    raise FileNotFoundError(f"{path} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...); copy its "
+                            "base model's tokenizer there (tokenizer.save_pretrained(path)) or pass the base model.")
+
+
+def file_digest(path: Path) -> str:
+    """The sha256 of a file's bytes, in hex."""
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        while chunk := file.read(4 * MIB):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def record_manifest(directory: Path) -> None:
+    """Add to `directory`'s marker the size and sha256 of every file in it (its `files`, by relative path)."""
+    marker = json.loads((directory / MARKER).read_text())
+    marker["files"] = {str(path.relative_to(directory)): {"size": path.stat().st_size, "sha256": file_digest(path)}
+                       for path in sorted(directory.rglob("*")) if path.is_file() and path.name != MARKER}
+    (directory / MARKER).write_text(json.dumps(marker))
+
+
+def verify_checkpoint(directory: str | Path) -> str | None:
+    """Why `directory` is damaged — a file its marker lists that is missing, of another size or with other bytes
+    than when it was written — or None when every file verifies (or the marker predates manifests)."""
+    directory = Path(directory)
+    files = (provenance(directory) or {}).get("files")
+    for name, expected in (files or {}).items():
+        path = directory / name
+        if not path.is_file():
+            return f"{path} is missing"
+        size = path.stat().st_size
+        if size != expected["size"]:
+            return f"{path} is damaged ({size} bytes, {expected['size']} when written)"
+        if file_digest(path) != expected["sha256"]:
+            return f"{path} is damaged (its bytes changed since it was written)"
+    return None
 
 
 def load_saved_weights(model: torch.nn.Module, directory: str | Path) -> None:
@@ -281,23 +438,46 @@ def resumable(directory: Path) -> bool:
             and (directory / "dllm_ais_config.yaml").is_file())
 
 
-def resume_checkpoint(config: GRPOConfig) -> Path | None:
-    """The checkpoint `resume_from_checkpoint` names (true = the latest checkpoint-N in output_dir), checked to be a
-    complete dllm-ais checkpoint whose run the current config continues unchanged; None for a fresh run."""
+def newest_intact_checkpoint(output_dir: str | Path, before: int | None = None) -> tuple[Path | None, list[str]]:
+    """The newest complete checkpoint-N in `output_dir` (with N < `before` if given) whose files verify, and why
+    each newer one was skipped (one line each)."""
+    skipped = []
+    for step, path in reversed(run_checkpoints(output_dir)):
+        if before is not None and step >= before:
+            continue
+        problem = "incomplete (no trainer state)" if not resumable(path) else verify_checkpoint(path)
+        if problem is None:
+            return path, skipped
+        skipped.append(f"skipped {path}: {problem}")
+    return None, skipped
+
+
+def resume_checkpoint(config: GRPOConfig, report_skipped: bool = True) -> Path | None:
+    """The checkpoint `resume_from_checkpoint` names (true = the newest checkpoint-N in output_dir that verifies;
+    the damaged ones skipped are reported on stderr when `report_skipped`), checked to be a complete, intact
+    dllm-ais checkpoint whose run the current config continues unchanged; None for a fresh run."""
     wanted = config.resume_from_checkpoint
     if wanted is None or wanted is False:
         return None
     if wanted is True:
-        complete = [path for _, path in run_checkpoints(config.output_dir) if resumable(path)]
-        if not complete:
-            raise ConfigError(f"resume_from_checkpoint=true: {config.output_dir} holds no checkpoint-N written by "
-                              "dllm-ais. Pass a checkpoint directory, or start a fresh run without it.")
-        checkpoint = complete[-1]
+        checkpoint, skipped = newest_intact_checkpoint(config.output_dir)
+        if checkpoint is None:
+            found = f" ({'; '.join(skipped)})" if skipped else ""
+            raise ConfigError(f"resume_from_checkpoint=true: {config.output_dir} holds no intact checkpoint-N written "
+                              f"by dllm-ais{found}. Pass a checkpoint directory, or start a fresh run without it.")
+        for line in skipped if report_skipped else ():
+            print(f"warning: resume_from_checkpoint=true {line}; resuming from {checkpoint}", file=sys.stderr)
     else:
         checkpoint = Path(wanted)
         if not resumable(checkpoint):
             raise ConfigError(f"resume_from_checkpoint={wanted}: not a complete dllm-ais training checkpoint (a "
                               "checkpoint-N directory written by `dllm-ais train`, with its trainer state).")
+        if (problem := verify_checkpoint(checkpoint)) is not None:
+            match = CHECKPOINT_NAME.fullmatch(checkpoint.name)
+            previous = newest_intact_checkpoint(checkpoint.parent, int(match.group(1)))[0] if match else None
+            fix = (f"resume from the previous intact checkpoint: --resume_from_checkpoint={previous}"
+                   if previous is not None else "no earlier intact checkpoint exists; start a fresh run")
+            raise ConfigError(f"resume_from_checkpoint={wanted}: {problem}; {fix}.")
     saved = read_recipe(checkpoint / "dllm_ais_config.yaml")
     defaults = GRPOConfig().to_dict()
     changed = [f"{name}: {show(saved.get(name, defaults[name]))} -> {show(value)}" for name, value in config.to_dict().items()
@@ -310,8 +490,12 @@ def resume_checkpoint(config: GRPOConfig) -> Path | None:
 
 
 def prepare_output_dir(config: GRPOConfig, is_main_process: bool = True) -> Path | None:
-    """Check, before anything loads, that this run may write into `output_dir`; return the checkpoint to resume
-    from (None for a fresh run).
+    """Take the run directory for this run and check, before anything loads, that it may write there; return the
+    checkpoint to resume from (None for a fresh run).
+
+    The main process first takes `output_dir`'s exclusive lock (`dllm_ais.run_lock`), held until the process ends:
+    a second run, a resume or an export into a directory a live run holds is refused with the holder's pid and host.
+    A refused run gives the lock up and leaves nothing it created behind.
 
     A resumed run continues in its own directory. A fresh run needs an empty `output_dir`, or
     `overwrite_output_dir=true`: then the `checkpoint-N/` and `final/` that dllm-ais wrote there are discarded (so a
@@ -321,8 +505,26 @@ def prepare_output_dir(config: GRPOConfig, is_main_process: bool = True) -> Path
     interrupted writes, then marks the directory as a run's).
     """
     output_dir = Path(config.output_dir)
-    checkpoint = resume_checkpoint(config)
-    present = sorted(e for e in output_dir.iterdir() if not is_leftover(e) and e.name != MARKER) \
+    if not is_main_process:
+        return _check_output_dir(config, is_main_process)
+    if holds_run_lock(output_dir):  # an earlier run of this process took it
+        return _check_output_dir(config, is_main_process)
+    existed = output_dir.is_dir()
+    created_lock = hold_run_lock(output_dir)
+    try:
+        return _check_output_dir(config, is_main_process)
+    except BaseException:
+        give_up_run_lock(output_dir, created_lock)
+        if not existed and output_dir.is_dir() and not any(output_dir.iterdir()):
+            output_dir.rmdir()
+        raise
+
+
+def _check_output_dir(config: GRPOConfig, is_main_process: bool) -> Path | None:
+    """`prepare_output_dir` once the main process holds the lock."""
+    output_dir = Path(config.output_dir)
+    checkpoint = resume_checkpoint(config, report_skipped=is_main_process)
+    present = sorted(e for e in output_dir.iterdir() if not is_leftover(e) and e.name not in BOOKKEEPING) \
         if output_dir.is_dir() else []
     continues_here = checkpoint is not None and checkpoint.parent.resolve() == output_dir.resolve()
     if present and not continues_here and not config.overwrite_output_dir:
@@ -471,15 +673,14 @@ class Checkpointer:
         if run.best_global_step == run.global_step:
             run.best_model_checkpoint = str(directory)
         state_dict = self.checked_state_dict()
-        staging = staging_directory(directory, run.run_id[:8])
+        with staged_directory(directory, run.run_id[:8], accelerator.is_main_process, overwrite=True,
+                              run=run.run_id, step=run.global_step, validation=validation) as staging:
+            if accelerator.is_main_process:
+                self.write_model(staging, state_dict)
+            accelerator.wait_for_everyone()
+            accelerator.save_state(str(staging))
+            accelerator.wait_for_everyone()
         if accelerator.is_main_process:
-            begin_staging(directory, run.run_id[:8], run=run.run_id, step=run.global_step, validation=validation)
-            self.write_model(staging, state_dict)
-        accelerator.wait_for_everyone()
-        accelerator.save_state(str(staging))
-        accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            commit_staging(staging, directory, overwrite=True)
             if self.config.save_total_limit:
                 prune_checkpoints(self.output_dir, run.run_id, self.config.save_total_limit,
                                   protect=run.best_model_checkpoint)

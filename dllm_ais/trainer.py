@@ -33,6 +33,7 @@ from dllm_ais.launch import (check_metric_for_best_model, check_processes, check
                              note_too_few_groups, use_fsdp_on_cpu)
 from dllm_ais.loading import load_tokenizer
 from dllm_ais.reporting import RunReporter
+from dllm_ais.run_lock import release_run_lock
 from dllm_ais.rewards import resolve_reward_functions, reward_function_names
 from dllm_ais.tasks import get_task
 
@@ -276,6 +277,8 @@ class GRPOTrainer:
             raise
         finally:
             self.reporter.close()
+        if self.parts.accelerator.is_main_process:  # a failed run keeps it: the CLI cleans up what the run left
+            release_run_lock(self.config.output_dir)
         return TrainResult(self.global_step, self.reporter.records, self.eval_before, eval_after, final.parent)
 
     def report(self, metrics: dict[str, float]) -> None:

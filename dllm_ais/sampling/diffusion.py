@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from dllm_ais.choices import CACHE_MODES
-from dllm_ais.sampling.rollout import Rollout, completion_mask_through_first_eos, token_id_tuple
+from dllm_ais.sampling.rollout import PromptError, Rollout, completion_mask_through_first_eos, token_id_tuple
 
 __all__ = [
     "CACHE_MODES",
@@ -415,13 +415,13 @@ class MaskedDiffusionSampler:
         max_length = getattr(model_config, "max_sequence_length", None) or getattr(model_config, "max_position_embeddings", None)
         canvas_length = input_ids.shape[1] + self.config.gen_length
         if max_length is not None and canvas_length > max_length:
-            raise ValueError(
+            raise PromptError(
                 f"prompt length {input_ids.shape[1]} + gen_length {self.config.gen_length} = {canvas_length} exceeds the "
                 f"model's max_sequence_length={max_length}: truncate the prompts or lower gen_length."
             )
         rows_with_mask = (input_ids == token_ids.mask).any(dim=1).nonzero().flatten().tolist()
         if rows_with_mask:
-            raise ValueError(
+            raise PromptError(
                 f"Prompts {rows_with_mask} contain the mask token id {token_ids.mask}, which the sampler would overwrite: "
                 "remove it from the prompt text or check that mask_token_id is the model's mask token."
             )
