@@ -1,8 +1,9 @@
 """dllm-ais: RL fine-tuning of masked-diffusion LMs with FP8 rollouts and adaptive importance sampling.
 
-The package layout follows one GRPO step: `sampling` → `rewards` → `likelihood` → `correction` → `loss` → `trainer`
-(with `engine` for the low-precision rollout copy, `policy` as the diffusion/autoregressive seam, `tasks` holding one
-module per task and `evaluation` scoring a policy on held-out prompts).
+The package layout follows one GRPO step (`grpo`): `sampling` → `rewards` → `likelihood` → `correction` → `loss`,
+run by the loop in `trainer` (with `engine` for the low-precision rollout copy, `policy` as the diffusion/autoregressive
+seam, `tasks` holding one module per task and `evaluation` scoring a policy on held-out prompts). docs/architecture.md
+has one line per module.
 
 `import dllm_ais` is light (no torch), so `dllm-ais --help` is instant: the names below load on first use, and the
 native LLaDA is registered with transformers' Auto classes as soon as transformers is imported (at once if it already

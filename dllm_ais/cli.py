@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from contextlib import contextmanager
 
 from dllm_ais.choices import PRECISIONS
 
@@ -48,9 +49,11 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 
         run_dry_run(config)
         return 0
+    from dllm_ais.checkpoint import check_tokenizer_files
     from dllm_ais.interruption import TrainingInterrupted
     from dllm_ais.trainer import GRPOTrainer, NonFiniteError
 
+    check_tokenizer_files(config.model_name_or_path)
     try:
         GRPOTrainer(config).train()
     except TrainingInterrupted as stop:
@@ -69,9 +72,33 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     except KeyboardInterrupt:  # Ctrl-C while loading, before training installs its handler
         print("interrupted before the first step; nothing to resume", file=sys.stderr)
         return 130
+    except Exception as error:
+        return _train_failed(args, overrides, config, error)
     finally:
         end_process_group()
     return 0
+
+
+def _train_failed(args: argparse.Namespace, overrides: list[str], config, error: Exception) -> int:
+    """After a run of this process failed: remove the staging directories it left in its output_dir (only while it
+    holds the run's lock); a full disk is one line with the resume command from the newest intact checkpoint, any
+    other error is raised on."""
+    from pathlib import Path
+
+    from dllm_ais.checkpoint import clean_leftovers, newest_intact_checkpoint, no_space_error
+    from dllm_ais.run_lock import holds_run_lock
+
+    if not holds_run_lock(config.output_dir):
+        raise error
+    no_space = no_space_error(error, Path(config.output_dir) / "checkpoint")
+    clean_leftovers(config.output_dir)
+    if no_space is None or args.verbose:
+        raise error
+    checkpoint = newest_intact_checkpoint(config.output_dir)[0]
+    print(f"error: {no_space}. Free some space, then " + (
+        f"resume with: {resume_command(args, overrides, checkpoint)}" if checkpoint is not None
+        else "start the run again (no checkpoint was written)"), file=sys.stderr)
+    return 1
 
 
 def resume_command(args: argparse.Namespace, overrides: list[str], checkpoint) -> str:
@@ -124,7 +151,7 @@ def inference_config(args: argparse.Namespace, overrides: list[str]):
     else the embedded run's recipe; command-line overrides win."""
     from pathlib import Path
 
-    from dllm_ais.checkpoint import EMBEDDED_RECIPE
+    from dllm_ais.config import EMBEDDED_RECIPE
     from dllm_ais.config import load_config, parse_overrides
 
     values = {**({"model_name_or_path": args.model} if args.model else {}), **parse_overrides(overrides)}
@@ -138,9 +165,11 @@ def _load_for_inference(args: argparse.Namespace, config):
     """Model (through the rollout engine at --precision) and tokenizer of `config` for eval/generate."""
     import torch
 
-    from dllm_ais.checkpoint import load_model, load_tokenizer, resolve_dtype
+    from dllm_ais.checkpoint import check_tokenizer_files
     from dllm_ais.engine import RolloutEngine
+    from dllm_ais.loading import load_model, load_tokenizer, resolve_dtype
 
+    check_tokenizer_files(config.model_name_or_path)
     tokenizer = load_tokenizer(config.model_name_or_path)
     model = load_model(config.model_name_or_path, resolve_dtype(config.dtype), config.trust_remote_code)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -182,13 +211,14 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     import shlex
     import time
 
-    from dllm_ais.checkpoint import resolve_dtype
+    from dllm_ais.config import ConfigError
     from dllm_ais.data import load_task_dataset
     from dllm_ais.evaluation import (EvalProtocol, dataset_provenance, device_name, evaluate_policy, library_versions,
                                      markdown_table, model_provenance, report_entry, write_report)
+    from dllm_ais.loading import resolve_dtype
+    from dllm_ais.policy import build_policy, is_diffusion
     from dllm_ais.rewards import resolve_reward_functions
     from dllm_ais.tasks import get_task
-    from dllm_ais.trainer import build_policy
 
     config = inference_config(args, overrides)
     task = get_task(config.task)
@@ -196,6 +226,10 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     protocol = EvalProtocol.for_task(task, args.gen_lengths, args.block_length, args.temperature)
     reward_funcs = resolve_reward_functions(config.reward_funcs or list(task.reward_funcs))
     model, tokenizer = _load_for_inference(args, config)
+    odd = [length for length in protocol.gen_lengths if length % 2]
+    if odd and is_diffusion(config.policy, model.config.model_type):
+        raise ConfigError(f"--gen_lengths {','.join(map(str, odd))}: the protocol denoises in gen_length / 2 steps, "
+                          "so every gen length must be even (e.g. 16,32).")
     try:  # every gen length's sampler is checked before the first one runs
         policies = {gen_length: build_policy(dataclasses.replace(config, **protocol.sampler_fields(gen_length)),
                                              model.config, tokenizer, temperature=protocol.temperature)
@@ -209,8 +243,9 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     results = []
     for gen_length, policy in policies.items():
         start = time.perf_counter()
-        result = evaluate_policy(model, tokenizer, policy, dataset, reward_funcs, config.reward_weights, batch_size,
-                                 max_prompt_length=None, accuracy=task.accuracy, seed=config.seed)
+        with prompt_errors_named(f"--gen_lengths {gen_length}", "lower --gen_lengths or use shorter prompts"):
+            result = evaluate_policy(model, tokenizer, policy, dataset, reward_funcs, config.reward_weights,
+                                     batch_size, max_prompt_length=None, accuracy=task.accuracy, seed=config.seed)
         results.append(report_entry(gen_length, result, time.perf_counter() - start))
     report = {
         "task": config.task, "split": args.split, "full_split": args.limit is None,
@@ -230,9 +265,10 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
 def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
     import torch
 
-    from dllm_ais.data import load_task_dataset, tokenize_prompts
+    from dllm_ais.console import printable
+    from dllm_ais.data import load_task_dataset
+    from dllm_ais.policy import build_policy, sample_prompts
     from dllm_ais.rewards import completion_texts
-    from dllm_ais.trainer import build_policy
 
     config = inference_config(args, overrides)
     model, tokenizer = _load_for_inference(args, config)
@@ -243,12 +279,26 @@ def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
         prompts = list(load_task_dataset(config.task, split="validation", path=config.dataset_path,
                                          size=args.num_prompts, seed=config.seed)["prompt"])
     device = next(model.parameters()).device
-    input_ids, attention_mask = tokenize_prompts(tokenizer, prompts, config.max_prompt_length, device)
     generator = torch.Generator(device).manual_seed(config.seed)
-    rollout = policy.sample(model, input_ids, attention_mask, generator)
+    with prompt_errors_named("generate", "shorten the prompt, or pass --max_prompt_length=N / "
+                                         "--max_completion_length=N within the model's context"):
+        rollout = sample_prompts(policy, model, tokenizer, prompts, config.max_prompt_length, device, generator)
     for prompt, completion in zip(prompts, completion_texts(tokenizer, rollout)):
-        print(f"> {prompt[-1]['content']}\n{completion}\n")
+        print(f"> {printable(prompt[-1]['content'])}\n{printable(completion)}\n")
     return 0
+
+
+@contextmanager
+def prompt_errors_named(command: str, fix: str):
+    """Turn a sampler's PromptError (a prompt too long, holding the mask token) into one ConfigError line that
+    names the `command` and the `fix` its flags offer."""
+    from dllm_ais.config import ConfigError
+    from dllm_ais.sampling.rollout import PromptError
+
+    try:
+        yield
+    except PromptError as error:
+        raise ConfigError(f"{command}: {error} ({fix})") from error
 
 
 def _export(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -271,16 +321,19 @@ def _export(args: argparse.Namespace, overrides: list[str]) -> int:
 def _sft(args: argparse.Namespace, overrides: list[str]) -> int:
     from pathlib import Path
 
-    from dllm_ais.checkpoint import atomic_directory, check_destination, load_model, load_tokenizer, resolve_dtype
+    from dllm_ais.checkpoint import atomic_directory, check_destination, check_tokenizer_files
     from dllm_ais.data import load_task_dataset
+    from dllm_ais.loading import load_model, load_tokenizer, resolve_dtype
+    from dllm_ais.policy import is_diffusion
     from dllm_ais.sft import SFTConfig, run_sft
 
     if overrides:
         raise SystemExit(f"Unknown sft arguments {overrides}; see `dllm-ais sft --help`.")
     check_destination(Path(args.output_dir), args.overwrite)
+    check_tokenizer_files(args.model)
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model, resolve_dtype(args.dtype))
-    mask_id = model.config.mask_token_id if model.config.model_type == "llada" else None
+    mask_id = model.config.mask_token_id if is_diffusion("auto", model.config.model_type) else None
     dataset = load_task_dataset(args.task, split="train", size=args.dataset_size, seed=args.seed)
     config = SFTConfig(steps=args.steps, batch_size=args.batch_size, learning_rate=args.learning_rate,
                        gen_length=args.gen_length, seed=args.seed)
@@ -383,11 +436,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _is_user_error(error: Exception) -> bool:
-    """Errors whose message names what to fix (bad config or path, a misbehaving reward function): no traceback."""
+    """Errors whose message names what to fix (bad config, path, dataset file or prompt, a full disk, a misbehaving
+    reward function): one line, no traceback."""
+    import errno
+
     from dllm_ais.config import ConfigError
+    from dllm_ais.sampling.rollout import PromptError
 
     rewards = sys.modules.get("dllm_ais.rewards")  # imported whenever a reward function ran
-    return isinstance(error, (ConfigError, FileNotFoundError, FileExistsError)) or (
+    full_disk = isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
+    return full_disk or isinstance(error, (ConfigError, PromptError, FileNotFoundError, FileExistsError)) or (
         rewards is not None and isinstance(error, rewards.RewardFunctionError))
 
 
@@ -401,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.handler(args, overrides)
     except Exception as error:
-        if not _is_user_error(error):
+        if args.verbose or not _is_user_error(error):
             raise
         print(f"error: {error}", file=sys.stderr)
         return 2

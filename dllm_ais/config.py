@@ -17,7 +17,8 @@ from typing import Any
 import yaml
 
 from dllm_ais.choices import (
-    ALPHA_RULES, CACHE_MODES, CORRECTION_METHODS, IS_LEVELS, LOSS_TYPES, PRECISIONS, RATIO_TYPES, REWARD_SCALINGS,
+    ALPHA_RULES, CACHE_MODES, CORRECTION_METHODS, ESTIMATORS, IS_LEVELS, LOSS_TYPES, PRECISIONS, RATIO_TYPES,
+    REWARD_SCALINGS,
 )
 from dllm_ais.tasks import TaskNames
 from dllm_ais.trackers import TRACKERS, normalize_report_to
@@ -34,7 +35,6 @@ EMBEDDED_MODELS = {  # name usable as model_name_or_path -> directory shipped in
 EMBEDDED_MODEL_DIR = EMBEDDED_MODELS[EMBEDDED_MODEL]
 EMBEDDED_RECIPE = EMBEDDED_MODEL_DIR / "recipe.yaml"
 POLICIES = ("auto", "diffusion", "autoregressive")
-ESTIMATORS = ("one_step", "trajectory")
 LIKELIHOOD_ORDERS = ("rollout", "exact")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
@@ -111,6 +111,12 @@ class GRPOConfig:
     rollout_threshold: float | None = field(default=None, metadata={"range": "[0, 1]",
         "help": "Diffusion parallel decoding: commit every block position with confidence > this (>= 1 per step; "
                 "Fast-dLLM: 0.9); diffusion_steps then no longer applies. None = the fixed step schedule."})
+    rollout_factor: float | None = field(default=None, metadata={**POSITIVE,
+        "help": "Diffusion parallel decoding, Fast-dLLM's factor rule: each step commits the largest n with "
+                "(n + 1)(1 - c_(n)) < this (>= 1 per step; Fast-dLLM: 1.0); instead of rollout_threshold. None = off."})
+    rollout_cache_refresh_interval: int | None = field(default=None, metadata={**AT_LEAST_ONE,
+        "help": "With rollout_cache: also refresh the cache every this many steps inside a block (1 = every step, "
+                "the uncached algorithm). None = only at each block's first step."})
     top_k: int = field(default=0, metadata={**NON_NEGATIVE, "help": "Autoregressive sampling only; 0 = off."})
     top_p: float = field(default=1.0, metadata={"range": "(0, 1]", "help": "Autoregressive sampling only; 1 = off."})
 
@@ -213,7 +219,7 @@ class GRPOConfig:
     @property
     def fast_rollouts(self) -> bool:
         """Whether rollouts decode approximately (a block KV cache or parallel commits)."""
-        return self.rollout_cache != "none" or self.rollout_threshold is not None
+        return self.rollout_cache != "none" or self.rollout_threshold is not None or self.rollout_factor is not None
 
     @property
     def unseen_approximation(self) -> str | None:
@@ -231,7 +237,8 @@ class GRPOConfig:
     def decoding(self, exact: bool) -> "GRPOConfig":
         """This config as an evaluation decodes: `exact` = d1's protocol (no cache, no parallel commits, whatever the
         rollouts use), else the rollout sampler; either way without the trajectory estimator's order replay."""
-        fast = {} if not exact else {"rollout_cache": "none", "rollout_threshold": None}
+        fast = {} if not exact else {"rollout_cache": "none", "rollout_threshold": None, "rollout_factor": None,
+                                     "rollout_cache_refresh_interval": None}
         return dataclasses.replace(self, likelihood_order="rollout", **fast)
 
     @property
@@ -255,18 +262,15 @@ class GRPOConfig:
              f"by num_generations={self.num_generations} (whole groups per device)"),
             (self.policy == "autoregressive" or self.max_completion_length % self.block_length == 0,
              f"max_completion_length={self.max_completion_length} must be a multiple of block_length={self.block_length}"),
-            (self.policy == "autoregressive" or self.rollout_threshold is not None
+            (self.rollout_threshold is None or self.rollout_factor is None,
+             "rollout_threshold and rollout_factor are two parallel-decoding rules: set one of them"),
+            (self.policy == "autoregressive" or self.rollout_threshold is not None or self.rollout_factor is not None
              or self.diffusion_steps % max(self.max_completion_length // self.block_length, 1) == 0,
              f"diffusion_steps={self.diffusion_steps} must be a multiple of the number of blocks, max_completion_length "
              f"/ block_length = {self.max_completion_length // self.block_length}"),
             (self.policy == "autoregressive" or self.diffusion_steps <= self.max_completion_length,
              f"diffusion_steps={self.diffusion_steps} must be <= max_completion_length={self.max_completion_length} "
              "(at most one denoising step per token)"),
-            (self.is_clip_low is None or self.is_clip_low <= self.is_clip, "is_clip_low must be <= is_clip"),
-            (self.correction not in ("acr", "ais") or self.is_level == "token",
-             f"correction={self.correction} works on token-level ratios: set is_level=token"),
-            (self.correction != "ais" or (self.is_clip_low is None and not self.is_normalize),
-             "correction=ais mixes with min(rho, is_clip): leave is_clip_low=null and is_normalize=false"),
             (self.likelihood_estimator != "trajectory" or self.cfg_scale == 0,
              "likelihood_estimator=trajectory replays the plain model: set cfg_scale=0 or use one_step"),
             (self.likelihood_order == "rollout" or self.likelihood_estimator == "trajectory",
@@ -286,7 +290,7 @@ class GRPOConfig:
             (not set(self.report_to) - set(TRACKERS),
              f"report_to={show(self.report_to)}: supported trackers are {', '.join(TRACKERS)} (or none, all)"),
         ]
-        return problems + [message for ok, message in checks if not ok]
+        return problems + [message for ok, message in checks if not ok] + _correction_problems(self)
 
     def validate(self) -> "GRPOConfig":
         """Raise ConfigError listing every problem (see `problems`) with its fix; return self when valid."""
@@ -304,6 +308,17 @@ GRPO_FIELD_TYPES = typing.get_type_hints(GRPOConfig)
 
 def _problem_list(problems: list[str]) -> str:
     return problem_list("Invalid configuration:", problems)
+
+
+def _correction_problems(config: GRPOConfig) -> list[str]:
+    """The correction's rules (`dllm_ais.correction.CorrectionSettings`, their one home) applied to `config`."""
+    from dllm_ais.correction import CorrectionSettings, CorrectionSettingsError
+
+    try:
+        CorrectionSettings.from_config(config)
+    except CorrectionSettingsError as error:
+        return error.problems
+    return []
 
 
 def _reference_problems(config: GRPOConfig, invalid: set[str]) -> list[str]:

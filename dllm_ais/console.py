@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import warnings
 
 LIBRARY_SWITCHES = {
@@ -22,6 +23,7 @@ LIBRARY_SWITCHES = {
 # Loggers of notices that are not ours: torchao's "Skipping import of cpp extensions", torch's `_pytree` warnings
 # about torchao's enums, HTTP clients.
 NOISY_LOGGERS = ("torchao", "torch.utils._pytree", "httpx", "urllib3", "accelerate")
+CONTROL_CHARACTERS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # C0 and C1 controls but tab and newline
 LIBRARIES = r"(transformers|torch|torchao|peft|accelerate|datasets|huggingface_hub|math_verify)(\.|$)"
 
 
@@ -36,3 +38,9 @@ def configure_console(verbose: bool = False) -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
     for category in (FutureWarning, DeprecationWarning):
         warnings.filterwarnings("ignore", category=category, module=LIBRARIES)
+
+
+def printable(text: str) -> str:
+    """`text` safe to print on a terminal: control characters (ESC of escape sequences, carriage returns, ...) are
+    shown as Python escapes (`\\x1b`); tabs and newlines are kept."""
+    return CONTROL_CHARACTERS.sub(lambda match: match.group().encode("unicode_escape").decode(), text)

@@ -328,11 +328,6 @@ def mismatch_shift_statistics(tis_weights: Tensor, token_advantages: Tensor, val
     }
 
 
-def _check_rule(rule: AlphaRule) -> None:
-    if not callable(rule):
-        check_choice("rule", rule, ALPHA_RULES)
-
-
 def _mixing_coefficient(rule: AlphaRule, rule_inputs: dict[str, float]) -> float:
     """α from the rule (built-in name or user callable on the diagnostics), clamped to [0, 1]."""
     if rule in ("adaptive", "oracle") and rule_inputs["num_groups"] < MIN_GROUPS_FOR_NOISE:
@@ -394,17 +389,16 @@ def ais_weights(
     α ← alpha_ema · previous_alpha + (1 − alpha_ema) · α (`alpha_raw` is the value before smoothing).
     ŵ lies between 1 and w_t, so ŵ ≤ max(1, C); α = 0 gives ŵ = 1 and α = 1 gives exactly the TIS weights.
     """
-    if not clip > 0:
-        raise ValueError(f"clip must be > 0; got {clip}")
-    if not (snr_scale > 0 and kl_scale > 0):
-        raise ValueError(f"snr_scale and kl_scale must be > 0; got {snr_scale}, {kl_scale}")
-    if not 0 <= alpha_max <= 1:
-        raise ValueError(f"alpha_max must lie in [0, 1]; got {alpha_max}")
-    if not 0 <= alpha_ema < 1:
-        raise ValueError(f"alpha_ema must lie in [0, 1); got {alpha_ema}")
+    settings = CorrectionSettings("ais", clip=clip, rule=rule, snr_scale=snr_scale, kl_scale=kl_scale,
+                                  alpha_max=alpha_max, alpha_ema=alpha_ema, group_size=group_size)
+    return _ais_weights(settings, logp_old, logp_rollout, advantages, mask, previous_alpha)
+
+
+def _ais_weights(settings: "CorrectionSettings", logp_old: Tensor, logp_rollout: Tensor, advantages: Tensor,
+                 mask: Tensor, previous_alpha: float | None) -> tuple[Tensor, dict[str, float]]:
     if previous_alpha is not None and not 0 <= previous_alpha <= 1:
         raise ValueError(f"previous_alpha must lie in [0, 1] or be None; got {previous_alpha}")
-    _check_rule(rule)
+    clip, rule, alpha_ema = settings.clip, settings.rule, settings.alpha_ema
     valid = as_token_mask(mask, logp_old, logp_rollout)
     token_advantages = broadcast_advantages(advantages, valid)
 
@@ -417,12 +411,12 @@ def ais_weights(
             masked_sum((tis_weights * token_advantages).square(), valid) / advantage_energy,
             1.0,
         ),
-        **mismatch_shift_statistics(tis_weights, token_advantages, valid, group_size),
+        **mismatch_shift_statistics(tis_weights, token_advantages, valid, settings.group_size),
         "num_tokens": valid.sum().float(),
     }))
 
-    alpha = _mixing_coefficient(rule, {**diagnostics, "clip": clip, "snr_scale": snr_scale, "kl_scale": kl_scale,
-                                       "alpha_max": alpha_max})
+    alpha = _mixing_coefficient(rule, {**diagnostics, "clip": clip, "snr_scale": settings.snr_scale,
+                                       "kl_scale": settings.kl_scale, "alpha_max": settings.alpha_max})
     diagnostics["alpha_raw"] = alpha
     if previous_alpha is not None and alpha_ema > 0:
         alpha = alpha_ema * previous_alpha + (1.0 - alpha_ema) * alpha
@@ -435,8 +429,77 @@ def ais_weights(
 
 
 # ---------------------------------------------------------------------------------------------
-# The dispatcher the trainer calls
+# The settings, their rules, and the correction of a generation batch
 # ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CorrectionSettings:
+    """One correction method and its options: the config's `correction`, `is_*` and `ais_*` fields, and the GRPO
+    group size. Constructing one checks every rule (`problems`), so the functions taking it trust it.
+
+    `method` is one of CORRECTION_METHODS: "none" (w = 1, the ratio diagnostics still logged), "tis" / "mis"
+    (`importance_weights` at `level`, truncating / masking at `clip` and `clip_low`, optionally `normalize`d),
+    "acr" (token TIS weights plus the ACR clip scale) or "ais" (`ais_weights` with `rule`, `snr_scale`, `kl_scale`,
+    `alpha_max` and the EMA `alpha_ema` of α across generation batches). `rule` may be a callable diagnostics → α.
+    """
+
+    method: str = "ais"
+    level: str = "token"
+    clip: float = 2.0
+    clip_low: float | None = None
+    normalize: bool = False
+    rule: AlphaRule = "adaptive"
+    snr_scale: float = 4.0
+    kl_scale: float = 1e-3
+    alpha_max: float = 1.0
+    alpha_ema: float = 0.0
+    group_size: int = 1
+
+    @classmethod
+    def from_config(cls, config, rule: AlphaRule | None = None) -> "CorrectionSettings":
+        """The settings of a `GRPOConfig` (`rule` replaces `config.ais_rule`, e.g. a callable)."""
+        return cls(config.correction, level=config.is_level, clip=config.is_clip, clip_low=config.is_clip_low,
+                   normalize=config.is_normalize, rule=rule or config.ais_rule, snr_scale=config.ais_snr_scale,
+                   kl_scale=config.ais_kl_scale, alpha_max=config.ais_alpha_max, alpha_ema=config.ais_alpha_ema,
+                   group_size=config.num_generations)
+
+    def problems(self) -> list[str]:
+        """Every rule these settings break, named by the config fields that set them; [] when they are usable."""
+        def choice(name: str, value, options: tuple[str, ...]) -> list[str]:
+            return [] if value in options else [f"{name} must be one of {', '.join(map(repr, options))}; got {value!r}"]
+
+        problems = choice("correction", self.method, CORRECTION_METHODS) + choice("is_level", self.level, IS_LEVELS)
+        if not callable(self.rule):
+            problems += choice("ais_rule", self.rule, ALPHA_RULES)
+        checks = [
+            (self.clip > 0, f"is_clip must be > 0; got {self.clip}"),
+            (self.clip_low is None or 0 <= self.clip_low <= self.clip,
+             f"is_clip_low must lie in [0, is_clip={self.clip}]; got {self.clip_low}"),
+            (self.snr_scale > 0 and self.kl_scale > 0,
+             f"ais_snr_scale and ais_kl_scale must be > 0; got {self.snr_scale}, {self.kl_scale}"),
+            (0 <= self.alpha_max <= 1, f"ais_alpha_max must lie in [0, 1]; got {self.alpha_max}"),
+            (0 <= self.alpha_ema < 1, f"ais_alpha_ema must lie in [0, 1); got {self.alpha_ema}"),
+            (self.group_size >= 1, f"the group size must be >= 1; got {self.group_size}"),
+            (self.method not in ("acr", "ais") or self.level == "token",
+             f"correction={self.method} works on token-level ratios: set is_level=token (got {self.level!r})"),
+            (self.method != "ais" or (self.clip_low is None and not self.normalize),
+             "correction=ais mixes with min(rho, is_clip): leave is_clip_low=null and is_normalize=false"),
+        ]
+        return problems + [message for ok, message in checks if not ok]
+
+    def __post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise CorrectionSettingsError(problems)
+
+
+class CorrectionSettingsError(ValueError):
+    """Correction settings that break a rule; `problems` lists each, named by its config fields."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("; ".join(problems))
+
+
 @dataclass(frozen=True)
 class Correction:
     """A correction's output for the loss: detached float32 per-token weights [B, L] (0 at
@@ -448,64 +511,54 @@ class Correction:
     diagnostics: dict[str, float]
 
 
-def correct(
-    method: str,
-    logp_old: Tensor,
-    logp_rollout: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    clip: float = 2.0,
-    clip_low: float | None = None,
-    level: str = "token",
-    normalize: bool = False,
-    rule: AlphaRule = "adaptive",
-    snr_scale: float = 4.0,
-    kl_scale: float = 1e-3,
-    alpha_max: float = 1.0,
-    previous_alpha: float | None = None,
-    alpha_ema: float = 0.0,
-    group_size: int = 1,
-) -> Correction:
-    """Apply the rollout-mismatch correction `method` (one of CORRECTION_METHODS):
+def correct(settings: CorrectionSettings, logp_old: Tensor, logp_rollout: Tensor, advantages: Tensor, mask: Tensor,
+            previous_alpha: float | None = None) -> Correction:
+    """Apply the rollout-mismatch correction `settings.method` (see `CorrectionSettings`); `previous_alpha` is the
+    smoothed α of the previous generation batch (AIS with alpha_ema > 0).
 
-    - "none": w = mask, but the ratio diagnostics are still computed and logged;
-    - "tis" / "mis": `importance_weights` at `level` with mode truncate / mask;
-    - "acr": token-level TIS weights plus clip_scale = `acr_clip_scale`;
-    - "ais": `ais_weights` (token level; no clip_low, no normalize).
-    Options a method cannot honour raise ValueError instead of being silently ignored
-    (except for "none", which uses level, clip and clip_low only as the diagnostics' thresholds).
-
-    The diagnostics come under the names they are logged with (`logged_name`): verl's rollout-correction metrics
-    `rollout_corr/*`, TRL's `sampling/importance_sampling_ratio/{min,mean,max}` (the weights applied; absent for
-    "none") and `sampling/sampling_logp_difference/{mean,max}`, and the AIS diagnostics (α, ...) `ais/*`.
+    For "none" the level, clip and clip_low are only the diagnostics' thresholds. The diagnostics come under the
+    names they are logged with (`logged_name`): verl's rollout-correction metrics `rollout_corr/*`, TRL's
+    `sampling/importance_sampling_ratio/{min,mean,max}` (the weights applied; absent for "none") and
+    `sampling/sampling_logp_difference/{mean,max}`, and the AIS diagnostics (α, ...) `ais/*`.
     """
-    check_choice("method", method, CORRECTION_METHODS)
-    if method in ("acr", "ais") and level != "token":
-        raise ValueError(f"method {method!r} works on token ratios; level must be 'token', got {level!r}")
-    if method == "ais" and (clip_low is not None or normalize):
-        raise ValueError("method 'ais' supports neither clip_low nor normalize; leave them unset")
+    method = settings.method
     valid = as_token_mask(mask, logp_old, logp_rollout)
     if method == "none":
         log_ratio = log_importance_ratio(logp_old, logp_rollout, valid)
-        diagnostics = ratio_diagnostics(log_ratio, valid, level=level, clip=clip, clip_low=clip_low)
+        diagnostics = ratio_diagnostics(log_ratio, valid, level=settings.level, clip=settings.clip,
+                                        clip_low=settings.clip_low)
         diagnostics.update(perplexity_diagnostics(logp_old, logp_rollout, valid))
         return Correction(valid.float(), None, _logged(diagnostics))
     if method == "ais":
-        weights, diagnostics = ais_weights(
-            logp_old, logp_rollout, advantages, valid, clip=clip, rule=rule, snr_scale=snr_scale, kl_scale=kl_scale,
-            alpha_max=alpha_max, previous_alpha=previous_alpha, alpha_ema=alpha_ema, group_size=group_size,
-        )
+        weights, diagnostics = _ais_weights(settings, logp_old, logp_rollout, advantages, valid, previous_alpha)
         return Correction(weights, None, _logged(diagnostics))
     weights, diagnostics = importance_weights(
-        logp_old, logp_rollout, valid, level=level, mode="mask" if method == "mis" else "truncate",
-        clip=clip, clip_low=clip_low, normalize=normalize,
+        logp_old, logp_rollout, valid, level=settings.level, mode="mask" if method == "mis" else "truncate",
+        clip=settings.clip, clip_low=settings.clip_low, normalize=settings.normalize,
     )
     clip_scale = None
     if method == "acr":
-        clip_scale = acr_clip_scale(log_importance_ratio(logp_old, logp_rollout, valid), valid, clip)
+        clip_scale = acr_clip_scale(log_importance_ratio(logp_old, logp_rollout, valid), valid, settings.clip)
     return Correction(weights, clip_scale, _logged(diagnostics))
 
 
 def _logged(diagnostics: dict[str, float]) -> dict[str, float]:
     return {logged_name(key): value for key, value in diagnostics.items()}
+
+
+class RolloutCorrection:
+    """The correction a run applies to each generation batch: its settings and, for AIS, the moving average of α
+    (`previous_alpha`, the state a checkpoint keeps)."""
+
+    def __init__(self, settings: CorrectionSettings):
+        self.settings = settings
+        self.previous_alpha: float | None = None
+
+    def __call__(self, pairs: list[tuple[Tensor, Tensor]], advantages: Tensor, mask: Tensor) -> list[Correction]:
+        """One `Correction` per estimator seed's (ℓ_old, ℓ_rollout); AIS's α average then advances once, over the
+        seeds."""
+        corrections = [correct(self.settings, old, rollout, advantages, mask, self.previous_alpha)
+                       for old, rollout in pairs]
+        if self.settings.method == "ais":
+            self.previous_alpha = sum(c.diagnostics["ais/alpha"] for c in corrections) / len(corrections)
+        return corrections

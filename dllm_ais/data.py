@@ -10,6 +10,7 @@ does not depend on the run, so the carved rows never appear in the training spli
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 import random
@@ -19,6 +20,8 @@ from typing import Any
 
 import datasets
 
+from dllm_ais.config import ConfigError
+from dllm_ais.sampling.rollout import PromptError
 from dllm_ais.tasks import Task, get_task
 
 logger = logging.getLogger(__name__)
@@ -31,6 +34,10 @@ MAX_CARVED_ROWS = 500
 LOCAL_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 SplitLoaders = dict[str, Callable[[], datasets.Dataset]]
+
+
+class DatasetFileError(ConfigError):
+    """A dataset file that cannot be used as it is; the message names the file (and line or row) and the fix."""
 
 
 def carve(dataset: datasets.Dataset) -> tuple[datasets.Dataset, datasets.Dataset]:
@@ -70,18 +77,71 @@ def local_split_loaders(path: Path) -> SplitLoaders:
     split, so validation and test are carved from it and none of its test rows is ever trained on. To evaluate on a
     whole file, put it in a directory as ``test.<ext>``."""
     if path.is_dir():
-        dataset_dict = datasets.load_dataset(str(path))
+        try:
+            dataset_dict = datasets.load_dataset(str(path))
+        except Exception as error:
+            files = sorted(f for f in path.iterdir() if f.suffix.lower() in LOCAL_FILE_BUILDERS)
+            problems = [problem for file in files if (problem := file_problem(file)) is not None]
+            raise DatasetFileError(problems[0] if problems else f"{path}: cannot read it as a dataset directory "
+                                   f"({first_line(error)}); put train/validation/test files of one format in it") \
+                from error
         return {name: (lambda name=name: dataset_dict[name]) for name in dataset_dict}
     if not path.is_file():
         raise FileNotFoundError(f"dataset path {path} does not exist")
     builder = LOCAL_FILE_BUILDERS.get(path.suffix.lower())
     if builder is None:
-        raise ValueError(f"cannot read {path}: use one of {sorted(LOCAL_FILE_BUILDERS)} or a directory")
+        raise DatasetFileError(f"cannot read {path}: use one of {sorted(LOCAL_FILE_BUILDERS)} or a directory")
 
     def load() -> datasets.Dataset:
-        return datasets.load_dataset(builder, data_files=str(path), split="train")
+        if (problem := file_problem(path)) is not None:  # the library's errors name neither the file nor the line
+            raise DatasetFileError(problem)
+        try:
+            return datasets.load_dataset(builder, data_files=str(path), split="train")
+        except Exception as error:
+            raise DatasetFileError(f"{path}: cannot read it as {builder} ({first_line(error)}); check that it is a "
+                                   f"valid {path.suffix} file") from error
 
     return {"train": load}
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an exception's message (its type when it has none), at most 200 characters."""
+    text = str(error).strip().splitlines()
+    return (text[0] if text else type(error).__name__)[:200]
+
+
+def file_problem(path: Path) -> str | None:
+    """What makes a local dataset file unreadable, naming the file and line: empty, not UTF-8 (json, jsonl, csv),
+    or a line that is not a JSON object (jsonl, and json files that are not one JSON document); None when none of
+    these is found."""
+    data = path.read_bytes()
+    if not data.strip():
+        return f"{path}: the file is empty; put the rows in it (one JSON object per line for .jsonl)"
+    if path.suffix.lower() == ".parquet":
+        return None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data[:error.start].count(b"\n") + 1
+        return f"{path}:{line}: not UTF-8 text (byte {error.start}); save the file as UTF-8"
+    if path.suffix.lower() == ".csv":
+        return None
+    if path.suffix.lower() == ".json":
+        try:
+            json.loads(text)
+            return None
+        except ValueError:
+            pass  # not one document: JSON lines
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as error:
+            return f"{path}:{number}: not valid JSON ({error}); fix or remove this line"
+        if not isinstance(row, dict):
+            return f"{path}:{number}: a {type(row).__name__}, not a JSON object of column: value; fix or remove it"
+    return None
 
 
 def hub_split_loaders(task: Task) -> SplitLoaders:
@@ -96,9 +156,10 @@ def hub_split_loaders(task: Task) -> SplitLoaders:
     return {split: loader(source) for split, source in sources.items() if source is not None}
 
 
-def with_required_columns(dataset: datasets.Dataset, task: Task) -> datasets.Dataset:
+def with_required_columns(dataset: datasets.Dataset, task: Task, source: str = "") -> datasets.Dataset:
     """Rename case variants of the required columns (``Puzzle`` -> ``puzzle``) and raise a
-    ValueError naming the expected columns when a required group has none present."""
+    DatasetFileError naming the `source` and the expected columns when a required group has none present, or
+    when rows have no value (null or blank) in a required group: those are never trained on silently."""
     by_lower_name = {name.lower(): name for name in dataset.column_names}
     renames = {}
     for group in task.required_columns:
@@ -110,10 +171,18 @@ def with_required_columns(dataset: datasets.Dataset, task: Task) -> datasets.Dat
     missing = [group for group in task.required_columns if not any(c in dataset.column_names for c in group)]
     if missing:
         expected = ", ".join(" or ".join(group) for group in task.required_columns)
-        raise ValueError(
-            f"the {task.name} data lacks column(s) {[' or '.join(group) for group in missing]}; "
+        raise DatasetFileError(
+            f"{source or f'the {task.name} data'} lacks column(s) {[' or '.join(group) for group in missing]}; "
             f"expected columns: {expected}; found: {dataset.column_names}"
         )
+    for group in task.required_columns:
+        present = [column for column in group if column in dataset.column_names]
+        empty = [index for index, values in enumerate(zip(*(dataset[column] for column in present)))
+                 if all(value is None or (isinstance(value, str) and not value.strip()) for value in values)]
+        if empty:
+            raise DatasetFileError(
+                f"{source or f'the {task.name} data'}: {len(empty)} row(s) have no {' or '.join(group)} (first: row "
+                f"{empty[0] + 1}); fill the value in or remove those rows")
     return dataset
 
 
@@ -164,13 +233,15 @@ def load_task_dataset(
             raise ValueError(f"the {task} task is generated and reads no files; leave path unset")
         return spec.generate(split, size, seed)
     if path is not None:
-        loaders = local_split_loaders(Path(path))
+        loaders, source = local_split_loaders(Path(path)), str(path)
     elif spec.hub_train is None and spec.hub_test is None:
         expected = ", ".join(" or ".join(group) for group in spec.required_columns)
         raise ValueError(f"the {task} task has no default dataset; pass path= a local file with columns {expected}")
     else:
-        loaders = hub_split_loaders(spec)
-    dataset = with_required_columns(resolve_split(split, loaders), spec)
+        loaders, source = hub_split_loaders(spec), f"the {task} hub data"
+    checked = {name: (lambda name=name, load=load: with_required_columns(load(), spec, f"{source} ({name} split)"))
+               for name, load in loaders.items()}  # checked whole, before carving: row numbers are the source's
+    dataset = resolve_split(split, checked)
     return examples_from_rows(subsample(dataset, size, seed), spec)
 
 
@@ -203,6 +274,6 @@ def tokenize_prompts(tokenizer: Any, prompts: list, max_prompt_length: int | Non
     """
     encoded = tokenizer(prompt_texts(tokenizer, prompts), return_tensors="pt", padding=True, add_special_tokens=False)
     if max_prompt_length is not None and encoded.input_ids.shape[1] > max_prompt_length:
-        raise ValueError(f"A prompt has {encoded.input_ids.shape[1]} tokens > max_prompt_length={max_prompt_length}; "
+        raise PromptError(f"A prompt has {encoded.input_ids.shape[1]} tokens > max_prompt_length={max_prompt_length}; "
                          "raise max_prompt_length or filter long prompts from the dataset.")
     return encoded.input_ids.to(device), encoded.attention_mask.to(device)

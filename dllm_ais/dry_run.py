@@ -13,22 +13,25 @@ import tempfile
 import datasets
 import torch
 
-from dllm_ais.checkpoint import load_model_config, load_tokenizer
 from dllm_ais.config import EMBEDDED_MODEL, GRPOConfig
 from dllm_ais.correction import MIN_GROUPS_FOR_NOISE
 from dllm_ais.data import examples_from_rows, load_task_dataset
+from dllm_ais.loading import load_model_config, load_tokenizer
+from dllm_ais.policy import is_diffusion
 from dllm_ais.tasks import get_task
 from dllm_ais.trackers import missing_tracker_problems
 
 
 def recipe_is_diffusion(config: GRPOConfig) -> bool:
-    """The recipe's policy family, without downloading weights (config.json if reachable, else the model name)."""
+    """The recipe's policy family, without downloading weights (the model type from config.json if reachable, else
+    guessed from the model name)."""
     if config.policy != "auto":
-        return config.policy == "diffusion"
+        return is_diffusion(config.policy, None)
     try:
-        return load_model_config(config.model_name_or_path, config.trust_remote_code).model_type == "llada"
+        model_type = load_model_config(config.model_name_or_path, config.trust_remote_code).model_type
     except (OSError, ValueError):
-        return "llada" in config.model_name_or_path.lower()
+        model_type = "llada" if "llada" in config.model_name_or_path.lower() else None
+    return is_diffusion(config.policy, model_type)
 
 
 def stand_in_model(diffusion: bool, tokenizer) -> torch.nn.Module:

@@ -24,7 +24,7 @@ from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from dllm_ais.quantization import SkipRule, check_precision, quantize_model_, requantize_
+from dllm_ais.quantization import SkipRule, quantize_model_, requantize_
 
 __all__ = ["RolloutEngine", "adapter_host", "load_merged_weights_", "lm_head_skip_rule", "merged_state_items"]
 
@@ -46,9 +46,8 @@ class RolloutEngine:
     def __init__(self, trainer_model: nn.Module, precision: str = "fp8", dtype: torch.dtype | None = None):
         """Copy `trainer_model` (LoRA adapters merged in, the trainer's model left untouched), cast it to
         `dtype` (None keeps the trainer's parameter dtypes, so "bf16" reproduces the trainer bit for bit)
-        and quantize its linear layers to `precision`.
+        and quantize its linear layers to `precision` (`quantize_model_` checks it is one of PRECISIONS).
         """
-        check_precision(precision)
         # The copy drops the LoRA layers without merging them: the merged weights are loaded below by the
         # code `sync_from` uses, so a fresh engine and a synced one agree bit for bit.
         model = _without_adapters(copy.deepcopy(adapter_host(trainer_model)))

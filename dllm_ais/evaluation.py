@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from dllm_ais.checkpoint import resolve_model_path
-from dllm_ais.data import tokenize_prompts
+from dllm_ais.loading import resolve_model_path
+from dllm_ais.policy import sample_prompts
 from dllm_ais.rewards import RewardTable, score_rollout_table
 from dllm_ais.tasks import RewardFunction, Task
 
@@ -112,6 +112,40 @@ def paired_difference(before: torch.Tensor, after: torch.Tensor) -> PairedDiffer
     return PairedDifference(differences.mean().item(), standard_error(differences), len(differences))
 
 
+def held_out_metrics(before: EvalResult | None, after: EvalResult,
+                     rollout_sampler: EvalResult | None = None) -> dict[str, float]:
+    """`eval/*` after training, the same `_before` (when there is a baseline), the paired change of the reward
+    (`eval/reward_delta`, `eval/reward_delta_se`) and, for a run with fast rollouts, `eval/rollout_sampler/*`: the
+    scores of greedy completions decoded by the run's own sampler instead of exactly."""
+    metrics = after.summary()
+    if rollout_sampler is not None:
+        metrics.update({f"eval/rollout_sampler/{key.removeprefix('eval/')}": value
+                        for key, value in rollout_sampler.summary().items()})
+    if before is not None:
+        metrics.update({f"{key}_before": value for key, value in before.summary().items()})
+        delta = paired_difference(before.per_prompt_reward, after.per_prompt_reward)
+        metrics.update({"eval/reward_delta": delta.mean, "eval/reward_delta_se": delta.standard_error})
+    return metrics
+
+
+def held_out_line(before: EvalResult | None, after: EvalResult, rollout_sampler: EvalResult | None = None) -> str:
+    """The run's closing line: greedy held-out reward (and accuracy) before → after training, decoded exactly, with
+    the paired per-prompt difference and its standard error; just the final value when there is no baseline (a
+    resumed run that turned evaluation on); then the reward decoded by a fast rollout sampler, when there is one."""
+    if rollout_sampler is not None:
+        return (f"{held_out_line(before, after)}\nheld-out reward decoded by the rollout sampler (not exact): "
+                f"{rollout_sampler.summary()['eval/reward']:.4f}")
+    if before is None:
+        return f"held-out reward after training: {after.summary()['eval/reward']:.4f} ({after.num_prompts} prompts, greedy)"
+    parts = [f"held-out reward: before {before.per_prompt_reward.mean():.4f} → after {after.per_prompt_reward.mean():.4f} "
+             f"({paired_difference(before.per_prompt_reward, after.per_prompt_reward)}, greedy)"]
+    if before.per_prompt_accuracy is not None and after.per_prompt_accuracy is not None:
+        accuracy = paired_difference(before.per_prompt_accuracy, after.per_prompt_accuracy)
+        parts.append(f"accuracy {before.per_prompt_accuracy.mean():.4f} → {after.per_prompt_accuracy.mean():.4f} "
+                     f"(Δ {accuracy.mean:+.4f} ± {accuracy.standard_error:.4f} SE)")
+    return "; ".join(parts)
+
+
 @torch.no_grad()
 def evaluate_policy(model, tokenizer, policy, dataset, reward_funcs: list[RewardFunction],
                     reward_weights: list[float] | None = None, batch_size: int = 16, max_prompt_length: int = 256,
@@ -130,8 +164,7 @@ def evaluate_policy(model, tokenizer, policy, dataset, reward_funcs: list[Reward
     for start in tqdm(range(0, len(dataset), batch_size), desc="eval", leave=False):
         rows = dataset.select(range(start, min(start + batch_size, len(dataset))))
         columns = {column: list(rows[column]) for column in rows.column_names}
-        input_ids, attention_mask = tokenize_prompts(tokenizer, columns["prompt"], max_prompt_length, device)
-        rollout = policy.sample(model, input_ids, attention_mask, generator)
+        rollout = sample_prompts(policy, model, tokenizer, columns["prompt"], max_prompt_length, device, generator)
         tables.append(score_rollout_table(tokenizer, functions, columns, rollout))
     names = tables[0].names
     values = torch.cat([table.values for table in tables])

@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-from dllm_ais.checkpoint import (EMBEDDED_MODELS, MARKER, atomic_directory, check_destination, load_model,
-                                 resolve_model_path)
-from dllm_ais.config import ConfigError, GRPOConfig
+from dllm_ais.checkpoint import MARKER, atomic_directory, check_destination
+from dllm_ais.config import EMBEDDED_MODELS, ConfigError, GRPOConfig
+from dllm_ais.loading import load_model, resolve_model_path
 
 REMOTE_CODE_FILE = "modeling_llada.py"
 LLADA_AUTO_MAP = {"AutoConfig": "modeling_llada.LLaDAConfig", "AutoModel": "modeling_llada.LLaDAModelLM",

@@ -93,6 +93,41 @@ def check_prompt_lengths(tokenizer: Any, datasets: dict[str, Any], max_prompt_le
         raise ConfigError(problem_list("Invalid configuration:", problems))
 
 
+def check_metric_for_best_model(config: GRPOConfig, eval_reward_names: list[str]) -> None:
+    """With eval_steps, `metric_for_best_model` must name a validation score this run produces: the reward, the
+    task's accuracy or one of the evaluation's reward functions (`eval_reward_names`); ConfigError otherwise."""
+    from dllm_ais.tasks import get_task
+
+    if not config.eval_steps:
+        return
+    known = ["eval/reward", *(["eval/accuracy"] if get_task(config.task).accuracy is not None else []),
+             *(f"eval/rewards/{name}/mean" for name in eval_reward_names)]
+    if config.best_metric_key not in known:
+        raise ConfigError(f"metric_for_best_model={config.metric_for_best_model!r} is not a validation score of this "
+                          f"run; choose one of {', '.join(key.removeprefix('eval/') for key in known)}.")
+
+
+def note_unseen_approximation(config: GRPOConfig) -> None:
+    """Say once at start what the importance ratio cannot see of this run's fast rollouts (if anything)."""
+    if config.unseen_approximation:
+        print(f"note: rollout_cache={config.rollout_cache}, rollout_threshold={config.rollout_threshold}, "
+              f"rollout_factor={config.rollout_factor}: {config.unseen_approximation}. Exact rollouts: "
+              "--rollout_cache=none --rollout_threshold=null.")
+
+
+def note_too_few_groups(config: GRPOConfig, rule, num_processes: int) -> None:
+    """Tell the user when the adaptive / oracle AIS `rule` falls back to the k3 gate: a generation batch over all
+    processes holds fewer GRPO groups than it needs to measure the batch's gradient noise."""
+    from dllm_ais.correction import MIN_GROUPS_FOR_NOISE
+
+    groups = config.generation_batch_size * num_processes // config.num_generations
+    if config.correction == "ais" and rule in ("adaptive", "oracle") and groups < MIN_GROUPS_FOR_NOISE:
+        print(f"note: a generation batch holds {groups} GRPO group(s) over all processes; ais_rule={rule} "
+              f"needs {MIN_GROUPS_FOR_NOISE} to measure the batch's gradient noise, so alpha follows the k3 gate "
+              f"(ais_kl_scale={config.ais_kl_scale:g}). Raise per_device_train_batch_size * "
+              f"gradient_accumulation_steps * processes / num_generations to {MIN_GROUPS_FOR_NOISE} to use it.")
+
+
 def requested_cpu_launch() -> argparse.Namespace | None:
     """accelerate's launch arguments (its config file's settings filled in) when this process was started by
     `accelerate launch --cpu --num_processes N` (N > 1) without mpirun, else None.

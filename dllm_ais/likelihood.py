@@ -20,6 +20,7 @@ vocabulary for every position at once; `selective_log_softmax` works on `chunk_s
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Callable
 
@@ -33,6 +34,8 @@ if TYPE_CHECKING:  # a runtime import would cycle: the samplers import this modu
 
 __all__ = [
     "DEFAULT_CHUNK_ROWS",
+    "DIFFUSION_ESTIMATORS",
+    "DiffusionEstimator",
     "causal_logprobs",
     "causal_position_ids",
     "check_sampling_parameters",
@@ -437,3 +440,37 @@ def causal_logprobs(
     process = partial(shape_logits, temperature=temperature, top_k=top_k, top_p=top_p)
     return selective_log_softmax(logits, sequences[:, prompt_length:], chunk_size, process_logits=process,
                                  compute_entropy=compute_entropy)
+
+
+# ---------------------------------------------------------------------------------------------
+# The diffusion estimators a config can name (`likelihood_estimator`, choices.ESTIMATORS)
+# ---------------------------------------------------------------------------------------------
+def _one_step_of_rollout(model: nn.Module, rollout: Rollout, mask_token_id: int, temperature: float, seed: int,
+                         p_mask_prompt: float, compute_entropy: bool):
+    return one_step_logprobs(model, rollout.sequences, rollout.attention_mask, rollout.prompt_length, mask_token_id,
+                             seed, p_mask_prompt=p_mask_prompt, compute_entropy=compute_entropy)
+
+
+def _trajectory_of_rollout(model: nn.Module, rollout: Rollout, mask_token_id: int, temperature: float, seed: int,
+                           p_mask_prompt: float, compute_entropy: bool):
+    return trajectory_logprobs(model, rollout, mask_token_id, temperature, compute_entropy=compute_entropy)
+
+
+@dataclass(frozen=True)
+class DiffusionEstimator:
+    """How a masked-diffusion policy scores a rollout.
+
+    `logprobs(model, rollout, mask_token_id, temperature, seed, p_mask_prompt, compute_entropy)` gives the
+    per-token log-probs [B, L] (and entropies with `compute_entropy`); `recorded_by_sampler`: the rollout side is
+    the sampler's recorded per-step log-prob, no engine forward; `fresh_masks_per_iteration`: the estimator is
+    random and draws new masks for every inner iteration (one estimator seed each)."""
+
+    logprobs: Callable
+    recorded_by_sampler: bool = False
+    fresh_masks_per_iteration: bool = False
+
+
+DIFFUSION_ESTIMATORS = {
+    "one_step": DiffusionEstimator(_one_step_of_rollout, fresh_masks_per_iteration=True),
+    "trajectory": DiffusionEstimator(_trajectory_of_rollout, recorded_by_sampler=True),
+}

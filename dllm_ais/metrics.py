@@ -7,9 +7,15 @@ Names follow the libraries users read them in: TRL's GRPO metrics (`reward`, `re
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import secrets
+import shutil
+import sys
+import time
+import weakref
 from pathlib import Path
 from typing import Any, Callable
 
@@ -97,10 +103,15 @@ def completion_metrics(lengths: torch.Tensor, terminated: torch.Tensor) -> dict[
 
 class MetricsLog:
     """One JSON object per record in `<output_dir>/<name>` (one per logged step in metrics.jsonl, one per sampled
-    completion in completions.jsonl), flushed and synced at once (a crash keeps it).
+    completion in completions.jsonl). The file is opened for appending and every record is one whole line written by
+    one `write` call (a process killed at any moment leaves whole lines); `sync` — run before every checkpoint is
+    committed (`sync_logs_in`) and at `close` — puts them on the disk.
 
-    The file belongs to one run: a fresh run starts it empty; a run resumed at step N keeps the lines of `previous`
-    (the file of the run it resumes, by default this one) up to step N and continues after them.
+    The file belongs to one run: a fresh run starts it empty; a run resumed at step N keeps the valid lines of
+    `previous` (the file of the run it resumes, by default this one) up to step N and continues after them. Damaged
+    lines never cut the file short: they are reported with their line numbers, every valid line up to step N is
+    kept, and a damaged file of this run is first copied aside (`<name>.damaged-<time>`) so that nothing is lost.
+    The new starting content replaces the file by a rename, never by truncating it.
     """
 
     def __init__(self, output_dir: str | Path, resume_step: int | None = None, previous: str | Path | None = None,
@@ -108,45 +119,94 @@ class MetricsLog:
         self.path = Path(output_dir) / name
         self.path.parent.mkdir(parents=True, exist_ok=True)
         previous = Path(previous) if previous is not None else self.path
-        kept = _lines_up_to(previous, resume_step) if resume_step is not None and previous.is_file() else []
+        kept: list[bytes] = []
+        if resume_step is not None and previous.is_file():
+            kept, damaged = lines_up_to(previous, resume_step)
+            if damaged:
+                report_damaged_lines(previous, damaged, kept, resume_step, keep_copy=previous.resolve() == self.path.resolve())
         self.records: list[dict[str, Any]] = [json.loads(line) for line in kept]
-        if self.path.is_file() and previous.resolve() == self.path.resolve():
-            os.truncate(self.path, sum(len(line) for line in kept))
-            self._file = self.path.open("ab")
-        else:
-            self._file = self.path.open("wb")
-            self._file.write(b"".join(kept))
-        self._sync()
+        replace_file(self.path, b"".join(kept))
+        self._descriptor = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+        _open_logs.add(self)
 
     def write(self, record: dict[str, Any]) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         self.records.append(clean)
-        self._file.write((json.dumps(clean) + "\n").encode())
-        self._sync()
+        line = (json.dumps(clean) + "\n").encode()
+        written = os.write(self._descriptor, line)
+        if written != len(line):  # a regular file takes a whole write unless the disk is full
+            raise OSError(errno.ENOSPC, f"{self.path}: only {written} of {len(line)} bytes of a line written")
 
-    def _sync(self) -> None:
-        self._file.flush()
-        os.fsync(self._file.fileno())
+    def sync(self) -> None:
+        """Put every line written so far on the disk."""
+        os.fsync(self._descriptor)
 
     def close(self) -> None:
-        self._file.close()
+        if self._descriptor is not None:
+            self.sync()
+            os.close(self._descriptor)
+            self._descriptor = None
+            _open_logs.discard(self)
 
 
-def _lines_up_to(path: Path, step: int) -> list[bytes]:
-    """The leading complete lines of a run's JSONL file with `step` <= the given one (a run's closing held-out line —
-    validation scores without training metrics —, a torn last line and anything after them are dropped)."""
-    kept = []
+_open_logs: "weakref.WeakSet[MetricsLog]" = weakref.WeakSet()
+
+
+def sync_logs_in(directory: str | Path) -> None:
+    """Sync the open logs of the run in `directory` (before a checkpoint is committed: its step's lines are then on
+    disk too, so a resume from it finds them)."""
+    directory = Path(directory).resolve()
+    for log in list(_open_logs):
+        if log.path.parent.resolve() == directory:
+            log.sync()
+
+
+def replace_file(path: Path, content: bytes) -> None:
+    """Make `path` hold `content` by writing a `.tmp-` file beside it and renaming it over `path`."""
+    staging = path.with_name(f".tmp-{path.name}-{secrets.token_hex(4)}")
+    try:
+        with staging.open("wb") as file:
+            file.write(content)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(staging, path)
+    except BaseException:
+        staging.unlink(missing_ok=True)
+        raise
+
+
+def lines_up_to(path: Path, step: int) -> tuple[list[bytes], list[int]]:
+    """(the valid lines of a run's JSONL file with `step` <= the given one, the numbers of its damaged lines).
+
+    A valid line is a whole JSON object ending in a newline; damaged lines (torn, cut, NUL bytes) are skipped, never
+    a reason to drop what follows them. A run's closing held-out line (validation scores without training
+    metrics) and lines past `step` belong to steps the resumed run writes again, and are left out."""
+    kept, damaged = [], []
     with path.open("rb") as file:
-        for line in file:
+        for number, line in enumerate(file, start=1):
             try:
-                record = json.loads(line)
+                record = json.loads(line) if line.endswith(b"\n") else None
             except ValueError:
-                break
+                record = None
+            if not isinstance(record, dict):
+                damaged.append(number)
+                continue
             closing = "eval/reward" in record and "loss" not in record
-            if not line.endswith(b"\n") or record.get("step", step + 1) > step or closing:
-                break
-            kept.append(line)
-    return kept
+            if not closing and isinstance(record.get("step"), int) and record["step"] <= step:
+                kept.append(line)
+    return kept, damaged
+
+
+def report_damaged_lines(path: Path, damaged: list[int], kept: list[bytes], step: int, keep_copy: bool) -> None:
+    """Warn (one line on stderr) that `path` has damaged lines; with `keep_copy`, first copy it aside."""
+    numbers = ", ".join(map(str, damaged[:10])) + (f" and {len(damaged) - 10} more" if len(damaged) > 10 else "")
+    aside = ""
+    if keep_copy:
+        copy = path.with_name(f"{path.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
+        shutil.copyfile(path, copy)
+        aside = f"; the original file is kept as {copy}"
+    print(f"warning: {path}: line(s) {numbers} damaged (not a whole JSON record), left out; kept its {len(kept)} "
+          f"valid line(s) up to step {step}{aside}", file=sys.stderr)
 
 
 def plot_metrics(records: list[dict[str, Any]], path: str | Path, keys: tuple[str, ...] = PLOTTED) -> Path | None:

@@ -8,15 +8,20 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
 
-from dllm_ais.likelihood import causal_logprobs, one_step_logprobs, trajectory_logprobs
+from dllm_ais.data import tokenize_prompts
+from dllm_ais.likelihood import DIFFUSION_ESTIMATORS, causal_logprobs
+from dllm_ais.loading import special_tokens
 from dllm_ais.sampling.autoregressive import AutoregressiveSampler, AutoregressiveSamplerConfig
 from dllm_ais.sampling.diffusion import DiffusionSamplerConfig, MaskedDiffusionSampler
 from dllm_ais.sampling.rollout import Rollout
+
+if TYPE_CHECKING:
+    from dllm_ais.config import GRPOConfig
 
 LORA_TARGET_PRESETS: dict[str, str | list[str]] = {
     # `ff_out` names both each block's down-projection and LLaDA's LM head: the regex pins it to blocks.N.
@@ -61,7 +66,8 @@ class DiffusionPolicy:
 
     Rollout-side and trainer-side log-probs use the same estimator with the same seed, so their ratio measures
     the precision mismatch and nothing else. For the trajectory estimator the rollout side is free: it is the
-    sampler's recorded per-step unmasking log-prob.
+    sampler's recorded per-step unmasking log-prob. `estimator` names one of `DIFFUSION_ESTIMATORS`; `GRPOConfig`
+    checks it and that the trajectory estimator, which replays the plain model, is not asked to reproduce guidance.
     """
 
     sampler_config: DiffusionSamplerConfig
@@ -70,13 +76,8 @@ class DiffusionPolicy:
     likelihood_order: str = "rollout"
 
     def __post_init__(self):
-        if self.estimator not in ("one_step", "trajectory"):
-            raise ValueError(f"Unknown likelihood estimator {self.estimator!r}; choose one_step or trajectory.")
-        if self.estimator == "trajectory" and (self.sampler_config.cfg_scale or self.sampler_config.suppress_eos):
-            raise ValueError("The trajectory estimator replays the plain model: it does not reproduce classifier-free "
-                             "guidance or EOS suppression. Set cfg_scale=0 and suppress_eos=False, or use "
-                             "likelihood_estimator=one_step.")
         self.sampler = MaskedDiffusionSampler(self.sampler_config)
+        self.scorer = DIFFUSION_ESTIMATORS[self.estimator]
         self.exact_order_sampler = None
         if self.estimator == "trajectory" and self.likelihood_order == "exact":
             exact = dataclasses.replace(self.sampler_config, cache="none", cache_refresh_interval=None, threshold=None,
@@ -93,20 +94,17 @@ class DiffusionPolicy:
         return dataclasses.replace(self.exact_order_sampler.replay(model, rollout), num_steps=rollout.num_steps)
 
     def logprobs(self, model, rollout: Rollout, seed: int, compute_entropy: bool = False):
-        if self.estimator == "trajectory":
-            return trajectory_logprobs(model, rollout, self.sampler_config.mask_token_id, self.sampler_config.temperature,
-                                       compute_entropy=compute_entropy)
-        return one_step_logprobs(model, rollout.sequences, rollout.attention_mask, rollout.prompt_length,
-                                 self.sampler_config.mask_token_id, seed, p_mask_prompt=self.p_mask_prompt,
-                                 compute_entropy=compute_entropy)
+        config = self.sampler_config
+        return self.scorer.logprobs(model, rollout, config.mask_token_id, config.temperature, seed, self.p_mask_prompt,
+                                    compute_entropy)
 
     def rollout_logprobs(self, engine_model, rollout: Rollout, seed: int) -> torch.Tensor:
-        if self.estimator == "trajectory":
+        if self.scorer.recorded_by_sampler:
             return rollout.step_logprobs
         return self.logprobs(engine_model, rollout, seed)
 
     def num_estimator_seeds(self, num_iterations: int) -> int:
-        return num_iterations if self.estimator == "one_step" else 1
+        return num_iterations if self.scorer.fresh_masks_per_iteration else 1
 
 
 @dataclass
@@ -136,3 +134,42 @@ class AutoregressivePolicy:
 
     def num_estimator_seeds(self, num_iterations: int) -> int:
         return 1
+
+
+def is_diffusion(policy: str, model_type: str | None) -> bool:
+    """Whether the `policy` setting (auto, diffusion or autoregressive) names a masked-diffusion policy for a model
+    of `model_type`: with auto, whether the model is LLaDA."""
+    if policy == "auto":
+        return model_type == "llada"
+    return policy == "diffusion"
+
+
+def build_policy(config: "GRPOConfig", model_config, tokenizer, temperature: float | None = None) -> Policy:
+    """The diffusion or autoregressive policy for this config (`temperature` overrides, e.g. 0 for greedy eval)."""
+    diffusion = is_diffusion(config.policy, getattr(model_config, "model_type", None))
+    tokens = special_tokens(tokenizer, model_config, diffusion)
+    temperature = config.temperature if temperature is None else temperature
+    if diffusion:
+        sampler = DiffusionSamplerConfig(
+            gen_length=config.max_completion_length, block_length=config.block_length, steps=config.diffusion_steps,
+            temperature=temperature, remasking=config.remasking, mask_token_id=tokens.mask_token_id,
+            eos_token_ids=tokens.eos_token_ids, pad_token_id=tokens.pad_token_id, cfg_scale=config.cfg_scale,
+            cache=config.rollout_cache, cache_refresh_interval=config.rollout_cache_refresh_interval,
+            threshold=config.rollout_threshold, factor=config.rollout_factor)
+        return DiffusionPolicy(sampler, estimator=config.likelihood_estimator, p_mask_prompt=config.p_mask_prompt,
+                               likelihood_order=config.likelihood_order)
+    sampler = AutoregressiveSamplerConfig(
+        max_new_tokens=config.max_completion_length, temperature=temperature, top_k=config.top_k, top_p=config.top_p,
+        eos_token_ids=tokens.eos_token_ids, pad_token_id=tokens.pad_token_id)
+    return AutoregressivePolicy(sampler)
+
+
+def sample_prompts(policy: Policy, model: nn.Module, tokenizer, prompts: list, max_prompt_length: int | None,
+                   device: torch.device, generator: torch.Generator | None,
+                   micro_batch_size: int | None = None) -> Rollout:
+    """Tokenize `prompts` (left padded on one canvas) and roll them out with `policy` on `model`, in micro-batches
+    of `micro_batch_size` (default: all at once)."""
+    input_ids, attention_mask = tokenize_prompts(tokenizer, prompts, max_prompt_length, device)
+    size = micro_batch_size or len(input_ids)
+    return Rollout.concatenate([policy.sample(model, input_ids[i:i + size], attention_mask[i:i + size], generator)
+                                for i in range(0, len(input_ids), size)])

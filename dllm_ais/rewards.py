@@ -239,27 +239,6 @@ def score_completions(
     return RewardTable(names, values, timeouts)
 
 
-def compute_rewards(
-    reward_funcs: Sequence[RewardFunction],
-    prompts: list,
-    completions: list,
-    columns: Mapping[str, list],
-    reward_weights: Sequence[float] | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Call every reward function and combine them.
-
-    Returns ``(rewards, metrics)``: ``rewards`` is a float32 tensor [N] with, per completion, the
-    weighted sum of the rewards that apply to it (None entries are skipped; a completion to which
-    no reward applies gets 0 and a warning). ``metrics`` has ``rewards/<name>/mean`` and
-    ``rewards/<name>/std`` (population std) of each function's unweighted values over the
-    completions it applies to (NaN when it applies to none), and ``rewards/<name>/timeouts``.
-    ``columns`` are passed as keyword arguments (dataset columns and ``completion_ids``), each a
-    list aligned with ``completions``.
-    """
-    table = score_completions(reward_funcs, prompts, completions, columns)
-    return table.weighted_sum(reward_weights), table.metrics()
-
-
 # ---------------------------------------------------------------------------------------------
 # From a rollout
 # ---------------------------------------------------------------------------------------------
@@ -288,6 +267,7 @@ def score_rollout_table(tokenizer, reward_funcs, columns: dict[str, list], rollo
 
 def score_rollout(tokenizer, reward_funcs, columns: dict[str, list], rollout: Rollout,
                   reward_weights: list[float] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """Rewards [B] (float32) of a rollout's completions and reward metrics (see :func:`compute_rewards`)."""
+    """Rewards [B] (float32) of a rollout's completions (the weighted sum, see `RewardTable.weighted_sum`) and
+    the reward metrics (`RewardTable.metrics`)."""
     table = score_rollout_table(tokenizer, reward_funcs, columns, rollout)
     return table.weighted_sum(reward_weights), table.metrics()

@@ -23,13 +23,13 @@ from pathlib import Path
 
 import torch
 
-from dllm_ais.checkpoint import load_model, load_tokenizer
 from dllm_ais.config import EMBEDDED_RECIPE, load_config
 from dllm_ais.data import load_task_dataset, tokenize_prompts
 from dllm_ais.engine import RolloutEngine
 from dllm_ais.likelihood import one_step_masked_input
+from dllm_ais.loading import load_model, load_tokenizer
+from dllm_ais.policy import build_policy, is_diffusion
 from dllm_ais.quantization import PRECISIONS
-from dllm_ais.trainer import build_policy, is_diffusion
 
 RECIPES = {"llada": EMBEDDED_RECIPE,
            "qwen3": Path(__file__).parents[1] / "recipes" / "tiny_qwen3_digits_fp8_ais.yaml"}
@@ -66,7 +66,7 @@ def main() -> None:
         config = load_config(RECIPES[family], ["--output_dir=/tmp/unused"])
         tokenizer = load_tokenizer(config.model_name_or_path)
         model = load_model(config.model_name_or_path, torch.float32).eval()
-        diffusion = is_diffusion(config, model.config)
+        diffusion = is_diffusion(config.policy, model.config.model_type)
         prompts = load_task_dataset(config.task, "validation", size=args.prompts, seed=args.seed)["prompt"]
         input_ids, attention_mask = tokenize_prompts(tokenizer, prompts, config.max_prompt_length)
         policy = build_policy(config, model.config, tokenizer, temperature=1.0)

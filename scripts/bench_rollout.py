@@ -34,11 +34,11 @@ import time
 
 import torch
 
-from dllm_ais.checkpoint import load_model, load_tokenizer
 from dllm_ais.config import EMBEDDED_MODEL, GRPOConfig
 from dllm_ais.data import load_task_dataset, tokenize_prompts
+from dllm_ais.loading import load_model, load_tokenizer
+from dllm_ais.policy import build_policy
 from dllm_ais.rewards import resolve_reward_functions, score_rollout
-from dllm_ais.trainer import build_policy
 
 
 def variants(threshold: float, steps: int, gen_length: int) -> dict[str, dict]:

@@ -38,10 +38,12 @@ def tiny_llada(vocab: int, d_model: int, layers: int, max_len: int):
 def bench_correction_share(args) -> None:
     from transformers import AutoTokenizer
 
-    from dllm_ais.checkpoint import EMBEDDED_MODEL_DIR
-    from dllm_ais.config import GRPOConfig
+    from dllm_ais.components import build_components, make_accelerator
+    from dllm_ais.config import EMBEDDED_MODEL_DIR, GRPOConfig
+    from dllm_ais.correction import CorrectionSettings, RolloutCorrection
+    from dllm_ais.grpo import grouped_prompts, make_generation_batch, optimisation_pass
+    from dllm_ais.rewards import resolve_reward_functions
     from dllm_ais.tasks.digits import make_digits_dataset
-    from dllm_ais.trainer import GRPOTrainer
 
     tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
     tokenizer.padding_side = "left"
@@ -50,23 +52,29 @@ def bench_correction_share(args) -> None:
                         diffusion_steps=args.gen_length // 2, num_iterations=args.num_iterations,
                         max_steps=10_000, rollout_precision=args.precision, correction="ais", lora_r=8,
                         dtype="float32", max_prompt_length=64, output_dir=tempfile.mkdtemp(),
-                        rollout_cache=args.rollout_cache, rollout_threshold=args.rollout_threshold)
+                        rollout_cache=args.rollout_cache, rollout_threshold=args.rollout_threshold).validate()
     model = tiny_llada(len(tokenizer), args.d_model, args.layers, 512)
     model.config.mask_token_id = tokenizer.mask_token_id
-    trainer = GRPOTrainer(config, model=model, tokenizer=tokenizer, train_dataset=make_digits_dataset(256, seed=0))
+    parts = build_components(config, tokenizer, make_accelerator(config), model)
+    correction = RolloutCorrection(CorrectionSettings.from_config(config))
+    reward_funcs = resolve_reward_functions(config.task)
+    dataset = make_digits_dataset(256, seed=0)
+    prompts_per_batch = config.generation_batch_size // config.num_generations
     shares, rollout_shares, corrections, steps = [], [], [], []
     for repeat in range(args.warmup + args.repeats):
+        rows = dataset.select([(repeat * prompts_per_batch + i) % len(dataset) for i in range(prompts_per_batch)])
         start = time.perf_counter()
-        batch = trainer.make_generation_batch()
+        batch = make_generation_batch(config, parts, tokenizer, reward_funcs,
+                                      grouped_prompts(rows, config.num_generations), repeat, correction)
         for iteration in range(config.num_iterations):
-            trainer.optimisation_pass(batch, iteration)
+            optimisation_pass(config, parts, batch, iteration)
         step = time.perf_counter() - start
         if repeat >= args.warmup:
             corrections.append(batch.metrics["timing/correction_s"])
             steps.append(step)
             shares.append(batch.metrics["timing/correction_s"] / step)
             rollout_shares.append(batch.metrics["timing/sample_s"] / step)
-    print(f"[step shares] device={trainer.accelerator.device} torch={torch.__version__} dtype=float32 "
+    print(f"[step shares] device={parts.accelerator.device} torch={torch.__version__} dtype=float32 "
           f"model=LLaDA d_model={args.d_model} layers={args.layers} vocab={len(tokenizer)} "
           f"completions={args.batch} gen_length={args.gen_length} block_length={config.block_length} "
           f"num_iterations={config.num_iterations} "

@@ -27,14 +27,14 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 sys.path.insert(0, str(Path(__file__).parent))
 from build_tokenizer import build_hf_tokenizer  # noqa: E402
 
-from dllm_ais.checkpoint import EMBEDDED_MODELS, atomic_directory  # noqa: E402
-from dllm_ais.config import GRPOConfig  # noqa: E402
+from dllm_ais.checkpoint import atomic_directory  # noqa: E402
+from dllm_ais.config import EMBEDDED_MODELS, GRPOConfig  # noqa: E402
 from dllm_ais.data import load_task_dataset  # noqa: E402
 from dllm_ais.evaluation import evaluate_policy  # noqa: E402
 from dllm_ais.models import LLaDAConfig, LLaDAModelLM  # noqa: E402
+from dllm_ais.policy import build_policy  # noqa: E402
 from dllm_ais.sft import SFTConfig, run_sft  # noqa: E402
 from dllm_ais.tasks.digits import TASK as DIGITS  # noqa: E402
-from dllm_ais.trainer import build_policy  # noqa: E402
 
 
 def tiny_model(family: str, tokenizer, d_model: int, n_layers: int) -> torch.nn.Module:

@@ -27,14 +27,14 @@ import platform
 
 import torch
 
-from dllm_ais.checkpoint import load_model, load_tokenizer
 from dllm_ais.config import EMBEDDED_RECIPE, load_config
 from dllm_ais.data import load_task_dataset, tokenize_prompts
 from dllm_ais.likelihood import trajectory_logprobs
+from dllm_ais.loading import load_model, load_tokenizer
 from dllm_ais.metrics import distinct_completions
+from dllm_ais.policy import build_policy
 from dllm_ais.rewards import resolve_reward_functions, score_rollout_table
 from dllm_ais.tasks import get_task
-from dllm_ais.trainer import build_policy
 
 DECODERS = {"exact": {}, "dual cache": {"rollout_cache": "dual"}, "threshold 0.9": {"rollout_threshold": 0.9},
             "dual + threshold 0.9": {"rollout_cache": "dual", "rollout_threshold": 0.9},

@@ -27,22 +27,40 @@ import argparse
 import dataclasses
 import math
 import tempfile
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from dllm_ais.config import EMBEDDED_RECIPE, load_config
-from dllm_ais.evaluation import paired_difference
+from accelerate.utils import set_seed
+
+from dllm_ais.components import StepComponents, build_components, make_accelerator
+from dllm_ais.config import EMBEDDED_RECIPE, GRPOConfig, load_config
+from dllm_ais.data import load_task_dataset
+from dllm_ais.evaluation import held_out_line, paired_difference
+from dllm_ais.grpo import grouped_prompts, micro_batches
+from dllm_ais.loading import load_tokenizer
 from dllm_ais.loss import group_advantages
+from dllm_ais.policy import build_policy, sample_prompts
 from dllm_ais.rewards import permuted_reward, resolve_reward_functions, score_rollout
-from dllm_ais.trainer import GRPOTrainer, build_policy, held_out_line
 
 
-def flat_gradient(trainer: GRPOTrainer, policy, rollout, advantages: torch.Tensor, seed: int) -> torch.Tensor:
+@dataclass
+class Setup:
+    """The recipe's policy, model and rewards, as a training run would build them."""
+
+    config: GRPOConfig
+    parts: StepComponents
+    tokenizer: Any
+    reward_funcs: list
+
+
+def flat_gradient(setup: Setup, policy, rollout, advantages: torch.Tensor, seed: int) -> torch.Tensor:
     """∇θ of Σ_i A_i Σ_t m_it ℓ_it / N (the surrogate's signal at θ = θ_old), micro-batch by micro-batch."""
-    model, mask = trainer.unwrapped_model, rollout.completion_mask
-    parameters = trainer.trainable_parameters
+    model, mask = setup.parts.unwrapped_model, rollout.completion_mask
+    parameters = setup.parts.trainable_parameters
     model.zero_grad(set_to_none=True)
-    for rows in trainer.micro_batches(len(advantages)):
+    for rows in micro_batches(len(advantages), setup.config.per_device_train_batch_size):
         logp = policy.logprobs(model, rollout.select(rows), seed)
         objective = (torch.where(mask[rows], logp, 0.0) * advantages[rows, None]).sum() / mask.sum()
         objective.backward()
@@ -58,19 +76,26 @@ def permuted_within_groups(advantages: torch.Tensor, group_size: int, generator:
     return groups.gather(1, order).flatten()
 
 
+def sample(setup: Setup, columns, seed: int):
+    """The policy's completions of the batch's prompts with a fixed sampling seed, in training micro-batches."""
+    device = setup.parts.accelerator.device
+    return sample_prompts(setup.parts.policy, setup.parts.unwrapped_model, setup.tokenizer, columns["prompt"],
+                          setup.config.max_prompt_length, device, torch.Generator(device).manual_seed(seed),
+                          setup.config.per_device_train_batch_size)
+
+
 @torch.no_grad()
-def expected_reward(trainer: GRPOTrainer, columns, seed: int) -> torch.Tensor:
+def expected_reward(setup: Setup, columns, seed: int) -> torch.Tensor:
     """Per-prompt mean reward of a fresh sample of the batch's completions, with a fixed sampling seed."""
-    generator = torch.Generator(trainer.accelerator.device).manual_seed(seed)
-    rollout = trainer.sample(trainer.policy, trainer.unwrapped_model, columns, generator)
-    rewards = score_rollout(trainer.tokenizer, trainer.reward_funcs, columns, rollout, trainer.config.reward_weights)[0]
-    return rewards.view(-1, trainer.config.num_generations).mean(dim=1)
+    rollout = sample(setup, columns, seed)
+    rewards = score_rollout(setup.tokenizer, setup.reward_funcs, columns, rollout, setup.config.reward_weights)[0]
+    return rewards.view(-1, setup.config.num_generations).mean(dim=1)
 
 
 @torch.no_grad()
-def shifted(trainer: GRPOTrainer, direction: torch.Tensor, step: float):
+def shifted(setup: Setup, direction: torch.Tensor, step: float):
     """Move the trainable weights by `step` along the unit vector of `direction` (in place); returns the undo."""
-    parameters = trainer.trainable_parameters
+    parameters = setup.parts.trainable_parameters
     saved = [p.detach().clone() for p in parameters]
     offset = 0
     for parameter in parameters:
@@ -86,40 +111,44 @@ def shifted(trainer: GRPOTrainer, direction: torch.Tensor, step: float):
 
 
 def gradient_part(config, args) -> None:
-    scratch = tempfile.TemporaryDirectory()
-    trainer = GRPOTrainer(dataclasses.replace(config, eval_size=0, output_dir=scratch.name))
-    trainer.model.eval()
-    rows = trainer.train_dataset.select(range(args.prompts))
+    set_seed(config.seed, device_specific=True)
+    reward_funcs = resolve_reward_functions(config.reward_funcs or config.task)
+    dataset = load_task_dataset(config.task, split="train", path=config.dataset_path, size=config.dataset_size,
+                                seed=config.seed)
+    tokenizer = load_tokenizer(config.model_name_or_path)
+    setup = Setup(config, build_components(config, tokenizer, make_accelerator(config)), tokenizer, reward_funcs)
+    setup.parts.model.eval()
     G = config.num_generations
-    columns = {column: [value for value in rows[column] for _ in range(G)] for column in rows.column_names}
-    generator = torch.Generator(trainer.accelerator.device).manual_seed(config.seed)
-    rollout = trainer.sample(trainer.policy, trainer.unwrapped_model, columns, generator)
-    rewards, _ = score_rollout(trainer.tokenizer, trainer.reward_funcs, columns, rollout, config.reward_weights)
+    columns = grouped_prompts(dataset.select(range(args.prompts)), G)
+    rollout = sample(setup, columns, config.seed)
+    rewards, _ = score_rollout(tokenizer, setup.reward_funcs, columns, rollout, config.reward_weights)
     advantages = group_advantages(rewards, G, config.scale_rewards)
     zero_std = (rewards.view(-1, G).std(dim=1) == 0).float().mean().item()
     print(f"batch: {args.prompts} prompts x {G}, mean reward {rewards.mean():.4f}, frac_reward_zero_std {zero_std:.3f}, "
           f"temperature {config.temperature}")
-    baseline = expected_reward(trainer, columns, seed=config.seed + 1)
+    baseline = expected_reward(setup, columns, seed=config.seed + 1)
     permutations = torch.Generator().manual_seed(1)
     for estimator in args.estimators.split(","):
-        policy = build_policy(dataclasses.replace(config, likelihood_estimator=estimator), trainer.unwrapped_model.config,
-                              trainer.tokenizer)
-        gradient = flat_gradient(trainer, policy, rollout, advantages, seed=config.seed)
-        controls = [flat_gradient(trainer, policy, rollout, permuted_within_groups(advantages, G, permutations),
+        policy = build_policy(dataclasses.replace(config, likelihood_estimator=estimator),
+                              setup.parts.unwrapped_model.config, tokenizer)
+        gradient = flat_gradient(setup, policy, rollout, advantages, seed=config.seed)
+        controls = [flat_gradient(setup, policy, rollout, permuted_within_groups(advantages, G, permutations),
                                   seed=config.seed) for _ in range(args.permutations)]
         noise = sum(c.square().sum() for c in controls).item() / len(controls)
         snr = (gradient.square().sum().item() - noise) / noise
         print(f"[{estimator}] |g| {gradient.norm():.4g}, mean |g_perm| {math.sqrt(noise):.4g}, gradient SNR {snr:+.3f}")
         for step in args.steps:
             for label, direction in (("g", gradient), ("g_perm", controls[0])):
-                undo = shifted(trainer, direction, step)
-                change = paired_difference(baseline, expected_reward(trainer, columns, seed=config.seed + 1))
+                undo = shifted(setup, direction, step)
+                change = paired_difference(baseline, expected_reward(setup, columns, seed=config.seed + 1))
                 undo()
                 print(f"    step {step:g} along {label:6s}: expected reward Δ {change.mean:+.4f} ± "
                       f"{change.standard_error:.4f} SE (paired over {change.num_prompts} prompts)")
 
 
 def control_part(config, args) -> None:
+    from dllm_ais.trainer import GRPOTrainer  # this part trains two runs
+
     task_rewards = resolve_reward_functions(config.reward_funcs or config.task)
     results = {}
     for label, funcs in (("task rewards", task_rewards),

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
 
-from dllm_ais.checkpoint import EMBEDDED_MODEL_DIR
+from dllm_ais.config import EMBEDDED_MODEL_DIR
 from dllm_ais.models import LLaDAConfig, LLaDAModelLM
 
 

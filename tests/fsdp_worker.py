@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from dllm_ais.checkpoint import EMBEDDED_RECIPE, load_model
-from dllm_ais.config import load_config
+from dllm_ais.config import EMBEDDED_RECIPE, load_config
 from dllm_ais.engine import RolloutEngine
 from dllm_ais.launch import end_process_group, relaunch_as_cpu_processes, requested_cpu_launch
+from dllm_ais.loading import load_model
 from dllm_ais.trainer import GRPOTrainer
 from test_resume import comparable  # this script's directory, tests/, is on sys.path
 

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dllm_ais.checkpoint import EMBEDDED_RECIPE
 from dllm_ais.cli import main
-from dllm_ais.config import ConfigError, GRPOConfig, load_config, parse_overrides
+from dllm_ais.config import EMBEDDED_RECIPE, ConfigError, GRPOConfig, load_config, parse_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml")) + [EMBEDDED_RECIPE]

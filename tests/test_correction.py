@@ -7,6 +7,7 @@ import torch
 from dllm_ais.correction import (
     ALPHA_RULES,
     CORRECTION_METHODS,
+    CorrectionSettings,
     acr_clip_scale,
     ais_weights,
     correct,
@@ -449,7 +450,7 @@ def test_ais_bad_arguments_raise(mismatched_batch, options):
 # ----------------------------------------------------------------------------- dispatcher
 def test_correct_none_keeps_logging_the_mismatch(mismatched_batch):
     logp_old, logp_rollout, advantages, mask = mismatched_batch
-    correction = correct("none", logp_old, logp_rollout, advantages, mask)
+    correction = correct(CorrectionSettings("none"), logp_old, logp_rollout, advantages, mask)
     assert torch.equal(correction.weights, mask.float())
     assert correction.clip_scale is None
     assert correction.diagnostics["rollout_corr/k3_kl"] > 1e-3
@@ -458,7 +459,7 @@ def test_correct_none_keeps_logging_the_mismatch(mismatched_batch):
 
 def test_correct_logs_under_verl_trl_and_ais_names(mismatched_batch):
     logp_old, logp_rollout, advantages, mask = mismatched_batch
-    diagnostics = correct("ais", logp_old, logp_rollout, advantages, mask).diagnostics
+    diagnostics = correct(CorrectionSettings("ais"), logp_old, logp_rollout, advantages, mask).diagnostics
     _, plain = ais_weights(logp_old, logp_rollout, advantages, mask)
     assert diagnostics == {logged_name(key): value for key, value in plain.items()}
     for key in ("rollout_is_mean", "rollout_is_std", "rollout_is_min", "rollout_is_max", "rollout_is_eff_sample_size",
@@ -475,14 +476,14 @@ def test_correct_logs_under_verl_trl_and_ais_names(mismatched_batch):
 def test_correct_dispatches_to_the_weight_functions(mismatched_batch):
     logp_old, logp_rollout, advantages, mask = mismatched_batch
     tis, _ = importance_weights(logp_old, logp_rollout, mask, level="geometric", clip=1.5)
-    assert torch.equal(correct("tis", logp_old, logp_rollout, advantages, mask, level="geometric", clip=1.5).weights, tis)
+    assert torch.equal(correct(CorrectionSettings("tis", level="geometric", clip=1.5), logp_old, logp_rollout, advantages, mask).weights, tis)
     mis, _ = importance_weights(logp_old, logp_rollout, mask, mode="mask", clip_low=0.5)
-    assert torch.equal(correct("mis", logp_old, logp_rollout, advantages, mask, clip_low=0.5).weights, mis)
-    acr = correct("acr", logp_old, logp_rollout, advantages, mask, clip=1.2)
+    assert torch.equal(correct(CorrectionSettings("mis", clip_low=0.5), logp_old, logp_rollout, advantages, mask).weights, mis)
+    acr = correct(CorrectionSettings("acr", clip=1.2), logp_old, logp_rollout, advantages, mask)
     assert torch.equal(acr.weights, importance_weights(logp_old, logp_rollout, mask, clip=1.2)[0])
     expected_scale = acr_clip_scale(log_importance_ratio(logp_old, logp_rollout, mask), mask, clip=1.2)
     assert torch.equal(acr.clip_scale, expected_scale) and expected_scale.min() < 1
-    ais = correct("ais", logp_old, logp_rollout, advantages, mask, rule="oracle")
+    ais = correct(CorrectionSettings("ais", rule="oracle"), logp_old, logp_rollout, advantages, mask)
     assert torch.equal(ais.weights, ais_weights(logp_old, logp_rollout, advantages, mask, rule="oracle")[0])
     assert "ais/alpha" in ais.diagnostics
 
@@ -490,9 +491,9 @@ def test_correct_dispatches_to_the_weight_functions(mismatched_batch):
 def test_correct_rejects_unknown_methods_and_unusable_options(mismatched_batch):
     logp_old, logp_rollout, advantages, mask = mismatched_batch
     with pytest.raises(ValueError) as error:
-        correct("fp8", logp_old, logp_rollout, advantages, mask)
+        CorrectionSettings("fp8")
     assert all(repr(method) in str(error.value) for method in CORRECTION_METHODS)
     with pytest.raises(ValueError, match="level"):
-        correct("ais", logp_old, logp_rollout, advantages, mask, level="sequence")
+        CorrectionSettings("ais", level="sequence")
     with pytest.raises(ValueError, match="normalize"):
-        correct("ais", logp_old, logp_rollout, advantages, mask, normalize=True)
+        CorrectionSettings("ais", normalize=True)

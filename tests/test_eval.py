@@ -9,14 +9,15 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from dllm_ais.checkpoint import EMBEDDED_MODELS, load_tokenizer
 from dllm_ais.cli import main
-from dllm_ais.config import GRPOConfig
+from dllm_ais.config import EMBEDDED_MODELS, GRPOConfig
 from dllm_ais.data import load_task_dataset
 from dllm_ais.evaluation import EvalProtocol, evaluate_policy, standard_error
+from dllm_ais.loading import load_tokenizer
+from dllm_ais.policy import build_policy
 from dllm_ais.sampling.rollout import Rollout
 from dllm_ais.tasks import get_task
-from dllm_ais.trainer import GRPOTrainer, build_policy
+from dllm_ais.trainer import GRPOTrainer
 
 DATA = Path(__file__).parent / "data"
 HUB_SCHEMA_FILES = {task: task for task in ("gsm8k", "math500", "countdown", "sudoku")}  # directories: test.<ext>

@@ -11,10 +11,11 @@ import pytest
 import torch
 import yaml
 
-from dllm_ais.checkpoint import EMBEDDED_MODELS, MARKER, load_model
+from dllm_ais.checkpoint import MARKER
 from dllm_ais.cli import main
-from dllm_ais.config import GRPOConfig, save_config
+from dllm_ais.config import EMBEDDED_MODELS, GRPOConfig, save_config
 from dllm_ais.export import export_merged_model, model_card, portable_name
+from dllm_ais.loading import load_model
 from dllm_ais.policy import lora_target_modules
 
 PROMPT_IDS = [[5, 17, 42, 9, 6, 6, 6, 6]]  # a prompt followed by mask tokens (id 6), as the sampler's canvas

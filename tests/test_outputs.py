@@ -10,14 +10,15 @@ import sys
 import pytest
 import torch
 
-from dllm_ais.checkpoint import (EMBEDDED_MODELS, MARKER, OutputExistsError, atomic_directory, begin_staging,
-                                 check_destination,
-                                 clean_leftovers, commit_staging, load_model, prepare_output_dir,
-                                 provenance, prune_checkpoints, run_checkpoints)
+from dllm_ais.checkpoint import (MARKER, OutputExistsError, atomic_directory, begin_staging, check_destination,
+                                 clean_leftovers, commit_staging, prepare_output_dir, provenance, prune_checkpoints,
+                                 run_checkpoints)
 from dllm_ais.cli import main
-from dllm_ais.config import ConfigError, GRPOConfig
+from dllm_ais.config import EMBEDDED_MODELS, ConfigError, GRPOConfig
 from dllm_ais.export import export_merged_model
+from dllm_ais.loading import load_model
 from dllm_ais.metrics import MetricsLog
+from dllm_ais.run_lock import LOCK_FILE
 
 
 def user_files(root):
@@ -159,7 +160,7 @@ def test_save_total_limit_and_overwrite_touch_only_what_dllm_ais_wrote(tmp_path)
         prepare_output_dir(dataclasses.replace(config, overwrite_output_dir=True))
     os.rename(tmp_path / "final", tmp_path / "my-final")
     assert prepare_output_dir(dataclasses.replace(config, overwrite_output_dir=True)) is None
-    assert sorted(p.name for p in tmp_path.iterdir()) == [MARKER, "my-final", "notes.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [MARKER, LOCK_FILE, "my-final", "notes.txt"]
 
 
 def test_overwrite_rewrites_a_runs_files_only_in_a_directory_a_run_marked(tmp_path):

@@ -11,9 +11,8 @@ import time
 
 import pytest
 
-from dllm_ais.checkpoint import EMBEDDED_RECIPE
 from dllm_ais.cli import main
-from dllm_ais.config import load_config
+from dllm_ais.config import EMBEDDED_RECIPE, load_config
 from dllm_ais.trainer import GRPOTrainer
 
 RUN = ["--max_steps=8", "--per_device_train_batch_size=8", "--num_iterations=2", "--eval_size=4",
@@ -96,7 +95,7 @@ def test_kill_9_after_a_checkpoint_then_resume_gives_the_uninterrupted_metrics(t
     assert best["best_model_checkpoint"] == str(output_dir / f"checkpoint-{best['best_global_step']}")
     kept = {"checkpoint-6", "checkpoint-8", f"checkpoint-{best['best_global_step']}"}  # the newest two and the best
     assert sorted(p.name for p in output_dir.iterdir()) == sorted([  # no leftovers
-        *kept, ".dllm-ais.json", "best_checkpoint.json", "completions.jsonl", "config.yaml", "final", "metrics.jsonl",
+        *kept, ".dllm-ais.json", ".dllm-ais.lock", "best_checkpoint.json", "completions.jsonl", "config.yaml", "final", "metrics.jsonl",
         "metrics.png"])
 
 
@@ -161,6 +160,7 @@ def test_a_checkpoint_whose_trainer_state_holds_code_is_refused_before_accelerat
 
     import torch
 
+    from dllm_ais.checkpoint import record_manifest
     from dllm_ais.config import ConfigError
     from test_trainer import make_trainer
 
@@ -168,6 +168,9 @@ def test_a_checkpoint_whose_trainer_state_holds_code_is_refused_before_accelerat
     tampered = tmp_path / "tampered" / "checkpoint-1"
     shutil.copytree(tmp_path / "run" / "checkpoint-1", tampered)
     torch.save({"run_id": Payload(tmp_path / "pwned")}, tampered / "custom_checkpoint_0.pkl")
+    with pytest.raises(ConfigError, match="custom_checkpoint_0.pkl is damaged"):  # its manifest tells at once
+        make_trainer(tokenizer, tmp_path / "resumed", max_steps=2, resume_from_checkpoint=str(tampered))
+    record_manifest(tampered)  # a tamperer who rewrites the manifest too meets the weights-only check
     with pytest.raises(ConfigError, match="refusing to resume"):
         make_trainer(tokenizer, tmp_path / "resumed", max_steps=2, resume_from_checkpoint=str(tampered))
     assert not (tmp_path / "pwned").exists()

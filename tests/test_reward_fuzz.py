@@ -8,8 +8,8 @@ import signal
 import threading
 
 import pytest
+from test_rewards import weighted_rewards
 
-from dllm_ais.rewards import compute_rewards
 from dllm_ais.tasks import get_task, math500, task_names
 from dllm_ais.tasks.fuzzing import adversarial_completions, example_rows, fuzz_reward, non_string_completions
 from dllm_ais.tasks.gsm8k import has_soft_layout, has_strict_layout
@@ -85,7 +85,7 @@ def run_in_thread(function, *args, **kwargs):
 
 def test_math_timeout_off_the_main_thread_scores_zero_and_is_counted(short_math_deadline):
     completions = [r"\boxed{9^{9^{9}}}", r"\boxed{\frac{1}{2}}"]
-    rewards, metrics = run_in_thread(compute_rewards, [math500.math_correctness_reward], ["p"] * 2, completions,
+    rewards, metrics = run_in_thread(weighted_rewards, [math500.math_correctness_reward], ["p"] * 2, completions,
                                      {"answer": ["7", "0.5"]})
     assert rewards.tolist() == [0.0, 2.0]
     assert metrics["rewards/math_correctness_reward/timeouts"] == 1.0

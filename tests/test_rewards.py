@@ -1,5 +1,5 @@
 """Tests for the task rewards (dllm_ais.tasks.*), the safe Countdown arithmetic, the registry and
-compute_rewards' combination and error reporting."""
+the combination of reward functions (`score_completions`, `RewardTable.weighted_sum`) and its error reporting."""
 import functools
 import math
 import threading
@@ -11,7 +11,7 @@ from dllm_ais.rewards import (
     REWARD_FUNCTIONS,
     TASK_REWARDS,
     RewardFunctionError,
-    compute_rewards,
+    score_completions,
     resolve_reward_functions,
 )
 from dllm_ais.tasks import math500
@@ -251,7 +251,11 @@ def test_resolve_reward_functions_rejects_unknown_names_with_the_list():
         resolve_reward_functions(["dllm_ais.rewards:no_such_function"])
 
 
-# --------------------------------------------------------------------------------- compute_rewards
+# --------------------------------------------------------------------------------- combining rewards
+def weighted_rewards(reward_funcs, prompts, completions, columns, reward_weights=None):
+    """The rewards [N] and reward metrics the GRPO step takes from `score_completions`."""
+    table = score_completions(reward_funcs, prompts, completions, columns)
+    return table.weighted_sum(reward_weights), table.metrics()
 
 
 def constant_reward(value):
@@ -261,10 +265,10 @@ def constant_reward(value):
     return reward
 
 
-def test_compute_rewards_weighted_sum_and_metrics():
+def test_weighted_rewards_weighted_sum_and_metrics():
     completions = ["1 3 4 9", "1 3 4", "9"]
     columns = {"answer": ["1 3 4 9"] * 3}
-    rewards, metrics = compute_rewards(
+    rewards, metrics = weighted_rewards(
         [digits_reward, boxed_format_reward], ["p"] * 3, completions, columns, reward_weights=[2.0, 1.0]
     )
     assert rewards.dtype == torch.float32 and rewards.shape == (3,)
@@ -275,43 +279,43 @@ def test_compute_rewards_weighted_sum_and_metrics():
     assert metrics["rewards/boxed_format_reward/mean"] == 0.0
 
 
-def test_compute_rewards_passes_columns_and_completion_ids():
+def test_weighted_rewards_passes_columns_and_completion_ids():
     seen = {}
 
     def spy(prompts, completions, **kwargs):
         seen.update(kwargs)
         return [1.0] * len(completions)
 
-    compute_rewards([spy], ["p"], ["c"], {"answer": ["a"], "completion_ids": [[1, 2]]})
+    weighted_rewards([spy], ["p"], ["c"], {"answer": ["a"], "completion_ids": [[1, 2]]})
     assert seen == {"answer": ["a"], "completion_ids": [[1, 2]]}
 
 
-def test_compute_rewards_excludes_none_entries():
+def test_weighted_rewards_excludes_none_entries():
     def only_first(prompts, completions, **kwargs):
         return [3.0] + [None] * (len(completions) - 1)
 
-    rewards, metrics = compute_rewards([only_first, constant_reward(1.0)], ["p"] * 3, ["a", "b", "c"], {})
+    rewards, metrics = weighted_rewards([only_first, constant_reward(1.0)], ["p"] * 3, ["a", "b", "c"], {})
     assert rewards.tolist() == [4.0, 1.0, 1.0]
     assert metrics["rewards/only_first/mean"] == 3.0
     assert metrics["rewards/only_first/std"] == 0.0
 
 
-def test_compute_rewards_sample_without_any_reward_gets_zero_and_a_warning():
+def test_weighted_rewards_sample_without_any_reward_gets_zero_and_a_warning():
     def never(prompts, completions, **kwargs):
         return [None] * len(completions)
 
     with pytest.warns(UserWarning, match="returned None"):
-        rewards, metrics = compute_rewards([never], ["p"] * 2, ["a", "b"], {})
+        rewards, metrics = weighted_rewards([never], ["p"] * 2, ["a", "b"], {})
     assert rewards.tolist() == [0.0, 0.0]
     assert math.isnan(metrics["rewards/never/mean"])
 
 
-def test_compute_rewards_names_a_raising_function():
+def test_weighted_rewards_names_a_raising_function():
     def exploding_reward(prompts, completions, **kwargs):
         raise KeyError("solution")
 
     with pytest.raises(RewardFunctionError, match="exploding_reward.*KeyError.*solution") as error:
-        compute_rewards([constant_reward(1.0), exploding_reward], ["p"], ["c"], {})
+        weighted_rewards([constant_reward(1.0), exploding_reward], ["p"], ["c"], {})
     assert isinstance(error.value, RuntimeError)
     assert isinstance(error.value.__cause__, KeyError)
 
@@ -326,28 +330,28 @@ def test_compute_rewards_names_a_raising_function():
         (1.0, "float"),
     ],
 )
-def test_compute_rewards_rejects_bad_outputs_naming_the_function(values, message):
+def test_weighted_rewards_rejects_bad_outputs_naming_the_function(values, message):
     def bad_reward(prompts, completions, **kwargs):
         return values
 
     with pytest.raises(RewardFunctionError, match=f"'bad_reward' returned {message}"):
-        compute_rewards([bad_reward], ["p", "q"], ["a", "b"], {})
+        weighted_rewards([bad_reward], ["p", "q"], ["a", "b"], {})
 
 
-def test_compute_rewards_accepts_tensors_and_names_partials_and_duplicates():
+def test_weighted_rewards_accepts_tensors_and_names_partials_and_duplicates():
     def tensor_reward(prompts, completions, scale, **kwargs):
         return torch.full((len(completions),), scale)
 
     funcs = [functools.partial(tensor_reward, scale=1.0), functools.partial(tensor_reward, scale=2.0)]
-    rewards, metrics = compute_rewards(funcs, ["p"], ["c"], {})
+    rewards, metrics = weighted_rewards(funcs, ["p"], ["c"], {})
     assert rewards.tolist() == [3.0]
     assert metrics["rewards/tensor_reward/mean"] == 1.0 and metrics["rewards/tensor_reward_2/mean"] == 2.0
 
 
-def test_compute_rewards_checks_argument_lengths():
+def test_weighted_rewards_checks_argument_lengths():
     with pytest.raises(ValueError, match="2 reward weights for 1"):
-        compute_rewards([constant_reward(1.0)], ["p"], ["c"], {}, reward_weights=[1.0, 2.0])
+        weighted_rewards([constant_reward(1.0)], ["p"], ["c"], {}, reward_weights=[1.0, 2.0])
     with pytest.raises(ValueError, match="one entry per completion"):
-        compute_rewards([constant_reward(1.0)], ["p"], ["c"], {"answer": ["a", "b"]})
+        weighted_rewards([constant_reward(1.0)], ["p"], ["c"], {"answer": ["a", "b"]})
     with pytest.raises(ValueError, match="2 prompts for 1"):
-        compute_rewards([constant_reward(1.0)], ["p", "q"], ["c"], {})
+        weighted_rewards([constant_reward(1.0)], ["p", "q"], ["c"], {})

@@ -8,7 +8,7 @@ import torch
 
 from conftest import tiny_llada, tiny_qwen3
 from dllm_ais.config import GRPOConfig
-from dllm_ais.correction import correct
+from dllm_ais.correction import CorrectionSettings, correct
 from dllm_ais.loss import grpo_loss
 from dllm_ais.rewards import RewardFunctionError
 from dllm_ais.tasks.digits import digits_reward, make_digits_dataset
@@ -73,9 +73,9 @@ def test_alpha_one_gives_the_tis_update(tokenizer, tmp_path):
                                max_steps=1, **overrides)
         batch = trainer.make_generation_batch()
         assert batch.advantages.abs().sum() > 0
-        tis = correct("tis", batch.logp_old[0], trainer.policy.rollout_logprobs(trainer.engine.model, batch.rollout,
-                                                                                batch.seeds[0]),
-                      batch.advantages, batch.rollout.completion_mask, clip=2.0)
+        tis = correct(CorrectionSettings("tis", clip=2.0), batch.logp_old[0],
+                      trainer.policy.rollout_logprobs(trainer.engine.model, batch.rollout, batch.seeds[0]),
+                      batch.advantages, batch.rollout.completion_mask)
         assert torch.equal(batch.weights[0], tis.weights)
         before = lora_parameters(trainer)
         assert trainer.optimisation_pass(batch, 0)["grad_norm"] > 0
@@ -130,7 +130,8 @@ def test_validation_decodes_exactly_whatever_the_rollouts_use(tokenizer, tmp_pat
     validation = make_digits_dataset(8, seed=5)
     fast = make_trainer(tokenizer, tmp_path / "fast", rollout_cache="dual", rollout_threshold=0.9, eval_size=8)
     exact = make_trainer(tokenizer, tmp_path / "exact", eval_size=8)
-    assert fast.greedy_policy.sampler_config.cache == "none" and fast.greedy_policy.sampler_config.threshold is None
+    exact_decoder = fast.parts.greedy_policy.sampler_config
+    assert exact_decoder.cache == "none" and exact_decoder.threshold is None and exact_decoder.factor is None
     torch.testing.assert_close(fast.evaluate(validation).per_prompt_reward, exact.evaluate(validation).per_prompt_reward)
     fast.eval_dataset = validation
     closing = fast.train().history[-1]
@@ -214,8 +215,10 @@ def inject_old_logprobs(trainer, monkeypatch):
 
 
 def inject_reference_logprobs(trainer, monkeypatch):
-    reference = trainer.reference_logprobs
-    monkeypatch.setattr(trainer, "reference_logprobs", lambda rollout, seed: nan_like(reference(rollout, seed)))
+    import dllm_ais.grpo as grpo
+
+    reference = grpo.reference_logprobs
+    monkeypatch.setattr(grpo, "reference_logprobs", lambda *args: nan_like(reference(*args)))
 
 
 def inject_policy_logprobs(trainer, monkeypatch):
@@ -230,10 +233,10 @@ def inject_policy_logprobs(trainer, monkeypatch):
 
 
 def inject_loss(trainer, monkeypatch):
-    import dllm_ais.trainer as trainer_module
+    import dllm_ais.grpo as grpo
 
-    loss_fn = trainer_module.grpo_loss
-    monkeypatch.setattr(trainer_module, "grpo_loss", lambda *a, **k: (lambda loss, m: (loss * math.nan, m))(*loss_fn(*a, **k)))
+    loss_fn = grpo.grpo_loss
+    monkeypatch.setattr(grpo, "grpo_loss", lambda *a, **k: (lambda loss, m: (loss * math.nan, m))(*loss_fn(*a, **k)))
 
 
 def inject_gradient(trainer, monkeypatch, value=math.nan):
@@ -343,14 +346,16 @@ def test_mismatch_warnings_come_once_per_run_and_samples_reach_tracker_tables(sc
     from tqdm.auto import tqdm
 
     from dllm_ais.metrics import MetricsLog
+    from dllm_ais.reporting import RunReporter
 
     trainer, _, _ = scored_run
     capsys.readouterr()
     log, progress = MetricsLog(tmp_path), tqdm(disable=True)
+    trainer.reporter = RunReporter(trainer.config, trainer.accelerator, log, None, progress)
     degenerate = {"step": 4, "reward": 0.0, "loss": 0.0, "rollout_corr/rollout_is_eff_sample_size": 0.2,
                   "rollout_corr/kl": -0.5, "rollout_corr/chi2_token": 0.5}
-    trainer.report(degenerate, log, None, progress)
-    trainer.report(degenerate, log, None, progress)
+    trainer.report(degenerate)
+    trainer.report(degenerate)
     warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 2 and "rollout_is_eff_sample_size = 0.2, below 0.3" in warnings[0]
     assert "|kl| above 0.1" in warnings[1]
@@ -365,7 +370,7 @@ def test_mismatch_warnings_come_once_per_run_and_samples_reach_tracker_tables(sc
     trainer.accelerator.trackers = [TableTracker(), object()]  # a tracker without tables gets none
     trainer.accelerator.log = lambda metrics, step: None
     trainer.completion_samples = [{"prompt": "sort 3 1", "completion": "1 3", "reward": 1.0}]
-    trainer.report(degenerate, log, None, progress)
+    trainer.report(degenerate)
     assert TableTracker.tables == [("completions", ["step", "prompt", "completion", "reward"],
                                     [[trainer.global_step, "sort 3 1", "1 3", 1.0]], trainer.global_step)]
     assert trainer.completion_samples is None

@@ -10,8 +10,9 @@ import pytest
 import torch
 import yaml
 
-from dllm_ais.checkpoint import EMBEDDED_MODEL_DIR, load_model
 from dllm_ais.cli import main
+from dllm_ais.config import EMBEDDED_MODEL_DIR
+from dllm_ais.loading import load_model
 from dllm_ais.rewards import resolve_reward_functions
 
 PAYLOAD = "from pathlib import Path\nPath({marker!r}).write_text('ran')\n\ndef run(prompts, completions, **kw):\n    return [9.0] * len(completions)\n"

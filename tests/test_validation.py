@@ -192,10 +192,11 @@ def test_report_to_takes_trls_forms(monkeypatch, value, expected):
 
 
 def test_a_missing_tracker_stops_the_run_before_the_model_loads(monkeypatch, tmp_path):
+    import dllm_ais.components as components
     import dllm_ais.trainer as trainer_module
 
     monkeypatch.setattr(trackers, "tracker_installed", lambda name: False)
-    monkeypatch.setattr(trainer_module, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(components, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     config = load_config(EMBEDDED_RECIPE, {"report_to": "tensorboard", "output_dir": str(tmp_path)})
     with pytest.raises(ConfigError, match=r'tensorboard is not installed; pip install "dllm-ais\[trackers\]"'):
         trainer_module.GRPOTrainer(config)
@@ -223,15 +224,16 @@ def test_reward_functions_that_do_not_import_are_reported_with_the_field():
 
 
 def test_too_small_max_prompt_length_fails_before_the_model_loads(monkeypatch, tmp_path):
+    import dllm_ais.components as components
     import dllm_ais.trainer as trainer_module
-    from dllm_ais.checkpoint import load_tokenizer
+    from dllm_ais.loading import load_tokenizer
     from dllm_ais.tasks.digits import make_digits_dataset
 
     tokenizer = load_tokenizer("embedded")
     dataset = make_digits_dataset(8, seed=0)
     with pytest.raises(ConfigError, match=r"max_prompt_length=4: the longest train prompt has \d+ tokens"):
         check_prompt_lengths(tokenizer, {"train": dataset, "eval": None}, 4)
-    monkeypatch.setattr(trainer_module, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(components, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     config = load_config(EMBEDDED_RECIPE, {"max_prompt_length": 4, "output_dir": str(tmp_path), "eval_size": 0})
     with pytest.raises(ConfigError, match="max_prompt_length=4"):
         trainer_module.GRPOTrainer(config, tokenizer=tokenizer, train_dataset=dataset)

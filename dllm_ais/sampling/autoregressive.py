@@ -26,7 +26,7 @@ from dllm_ais.likelihood import (
     selective_log_softmax,
     shape_logits,
 )
-from dllm_ais.sampling.rollout import Rollout, completion_mask_through_first_eos, token_id_tuple
+from dllm_ais.sampling.rollout import PromptError, Rollout, completion_mask_through_first_eos, token_id_tuple
 
 __all__ = ["AutoregressiveSampler", "AutoregressiveSamplerConfig"]
 
@@ -219,7 +219,7 @@ class AutoregressiveSampler:
             )
         max_positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
         if max_positions is not None and input_ids.shape[1] + self.config.max_new_tokens > max_positions:
-            raise ValueError(
+            raise PromptError(
                 f"prompt length {input_ids.shape[1]} + max_new_tokens {self.config.max_new_tokens} exceeds the model's "
                 f"max_position_embeddings={max_positions}; shorten the prompts or lower max_new_tokens."
             )

@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from dllm_ais.choices import CACHE_MODES
-from dllm_ais.sampling.rollout import Rollout, completion_mask_through_first_eos, token_id_tuple
+from dllm_ais.sampling.rollout import PromptError, Rollout, completion_mask_through_first_eos, token_id_tuple
 
 __all__ = [
     "CACHE_MODES",
@@ -219,7 +219,6 @@ class DiffusionSamplerConfig:
         pad_token_id: the id prompts are left-padded with, checked to differ from the mask id;
             None = ``model.config.pad_token_id``.
         cfg_scale: classifier-free guidance s; logits = u + (s + 1)(c − u) with u from the prompt fully masked.
-        suppress_eos: set the EOS logits to −∞ before choosing candidates (no completion ends early).
         cache: block KV cache: "none" (the official algorithm: every step a full forward), "prefix" (later steps of
             a block recompute the block and everything after it) or "dual" (they recompute the block only); the
             other positions' keys/values come from the block's first step. Needs a model whose forward takes
@@ -244,7 +243,6 @@ class DiffusionSamplerConfig:
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
     cfg_scale: float = 0.0
-    suppress_eos: bool = False
     cache: str = "none"
     cache_refresh_interval: int | None = None
     threshold: float | None = None
@@ -418,13 +416,13 @@ class MaskedDiffusionSampler:
         max_length = getattr(model_config, "max_sequence_length", None) or getattr(model_config, "max_position_embeddings", None)
         canvas_length = input_ids.shape[1] + self.config.gen_length
         if max_length is not None and canvas_length > max_length:
-            raise ValueError(
+            raise PromptError(
                 f"prompt length {input_ids.shape[1]} + gen_length {self.config.gen_length} = {canvas_length} exceeds the "
                 f"model's max_sequence_length={max_length}: truncate the prompts or lower gen_length."
             )
         rows_with_mask = (input_ids == token_ids.mask).any(dim=1).nonzero().flatten().tolist()
         if rows_with_mask:
-            raise ValueError(
+            raise PromptError(
                 f"Prompts {rows_with_mask} contain the mask token id {token_ids.mask}, which the sampler would overwrite: "
                 "remove it from the prompt text or check that mask_token_id is the model's mask token."
             )
@@ -556,8 +554,7 @@ class MaskedDiffusionSampler:
         (``config.cache`` = prefix | dual) its `BlockCache.block_forward`.
 
         With cfg_scale s > 0 the canvas and a copy with every prompt position (padding included) set to the mask id
-        run as one [2B] forward (the cache then holds both halves), and ``logits = u + (s + 1)(c − u)``. With
-        suppress_eos the EOS logits are −∞.
+        run as one [2B] forward (the cache then holds both halves), and ``logits = u + (s + 1)(c − u)``.
         """
         scale = self.config.cfg_scale
         inputs, inputs_attention = canvas, attention_mask
@@ -573,9 +570,6 @@ class MaskedDiffusionSampler:
         if scale > 0:
             conditional, unconditional = logits.chunk(2)
             logits = unconditional + (scale + 1) * (conditional - unconditional)
-        if self.config.suppress_eos:
-            for eos in token_ids.eos:
-                logits[..., eos] = -math.inf  # in place: the forward's output is not used elsewhere
         return logits
 
     def propose_tokens(self, logits: torch.Tensor, generator: torch.Generator | None) -> tuple[torch.LongTensor, torch.Tensor]:

@@ -8,6 +8,10 @@ from dataclasses import dataclass, fields
 import torch
 
 
+class PromptError(ValueError):
+    """Prompts a sampler cannot complete (too long for the model, holding the mask token); the message says why."""
+
+
 @dataclass
 class Rollout:
     """A batch of sampled completions on a fixed canvas `[left-padded prompt | completion]`.

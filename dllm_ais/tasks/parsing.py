@@ -111,8 +111,8 @@ def numeric_answers_match(predicted: str, reference: str) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# Timeouts: a reward that gives up on a completion scores it 0 and says so here; compute_rewards
-# reports the count as ``rewards/<fn>/timeouts``.
+# Timeouts: a reward that gives up on a completion scores it 0 and says so here; the reward
+# table reports the count as ``rewards/<fn>/timeouts``.
 # ---------------------------------------------------------------------------------------------
 
 _timeout_count: ContextVar[list[int] | None] = ContextVar("reward_timeouts", default=None)

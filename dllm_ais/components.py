@@ -1,0 +1,82 @@
+"""The collaborators of a GRPO step, built from a validated config: the policy (sampler + estimator), the trainer's
+model (LoRA-wrapped, prepared by accelerate), the rollout engine, the reference model, optimizer and scheduler."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from accelerate import Accelerator
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import get_scheduler
+
+from dllm_ais.config import GRPOConfig
+from dllm_ais.engine import RolloutEngine
+from dllm_ais.loading import load_model, resolve_dtype
+from dllm_ais.policy import Policy, build_policy, lora_target_modules
+
+
+@dataclass
+class StepComponents:
+    """What one GRPO step works with. `model` is the prepared (possibly wrapped or sharded) trainer model;
+    `reference_model` is None when the reference is the model with its adapter disabled (or when beta = 0).
+    `greedy_policy` decodes held-out prompts exactly (d1's protocol, whatever the rollouts use);
+    `rollout_sampler_policy` decodes them greedily with the rollout sampler, when that one is fast."""
+
+    accelerator: Accelerator
+    policy: Policy
+    greedy_policy: Policy
+    rollout_sampler_policy: Policy | None
+    model: torch.nn.Module
+    engine: RolloutEngine
+    reference_model: torch.nn.Module | None
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+
+    @property
+    def unwrapped_model(self) -> torch.nn.Module:
+        return self.accelerator.unwrap_model(self.model)
+
+    @property
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """The trainable parameters as prepared (sharded under FSDP)."""
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+
+def make_accelerator(config: GRPOConfig) -> Accelerator:
+    """No autocast: the trainer computes in its weights' dtype (bf16 on GPU by default), the same dtype as the rollout
+    engine, so the `bf16` engine reproduces the trainer's log-probs exactly. The scheduler steps once per optimizer
+    step whatever the number of processes."""
+    return Accelerator(log_with=config.report_to or None, project_dir=config.output_dir, mixed_precision="no",
+                       gradient_accumulation_steps=config.gradient_accumulation_steps,
+                       step_scheduler_with_optimizer=False)
+
+
+def build_components(config: GRPOConfig, tokenizer, accelerator: Accelerator, model=None) -> StepComponents:
+    """Load the model (unless given), wrap it in LoRA (`use_peft`), copy the reference (full fine-tuning with
+    beta > 0) and the rollout engine, and prepare model, AdamW and the scheduler with `accelerator`."""
+    model = model or load_model(config.model_name_or_path, resolve_dtype(config.dtype), config.trust_remote_code,
+                                is_trainable=True)
+    policy = build_policy(config, model.config, tokenizer)
+    greedy_policy = build_policy(config.decoding(exact=True), model.config, tokenizer, temperature=0.0)
+    rollout_sampler_policy = (build_policy(config.decoding(exact=False), model.config, tokenizer, temperature=0.0)
+                              if config.fast_rollouts else None)
+    if config.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    if config.use_peft and not isinstance(model, PeftModel):
+        targets = config.lora_target_modules or lora_target_modules(model.config.model_type)
+        model = get_peft_model(model, LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha,
+                                                 lora_dropout=config.lora_dropout, target_modules=targets))
+    model.to(accelerator.device)
+    reference_model = None
+    if config.beta > 0 and not isinstance(model, PeftModel):
+        reference_model = copy.deepcopy(model).eval().requires_grad_(False)
+    engine = RolloutEngine(model, precision=config.rollout_precision)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=config.weight_decay,
+                                  betas=(config.adam_beta1, config.adam_beta2))
+    scheduler = get_scheduler(config.lr_scheduler_type, optimizer, num_warmup_steps=config.warmup_steps,
+                              num_training_steps=config.max_steps)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    return StepComponents(accelerator, policy, greedy_policy, rollout_sampler_policy, model, engine, reference_model, optimizer, scheduler)

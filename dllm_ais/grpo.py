@@ -1,0 +1,295 @@
+"""One GRPO step as plain functions: a generation batch, then `num_iterations` optimisation passes over it.
+
+`make_generation_batch` (per device: `per_device_train_batch_size × gradient_accumulation_steps` completions):
+
+1. sync the rollout engine (FP8 copy of the policy) from the trainer, in place;
+2. sample G completions per prompt with the engine;
+3. score them with the reward functions; group advantages over the batch gathered from every process;
+4. log-probs with one estimator on both sides, per estimator seed: ℓ_rollout (engine), ℓ_old (trainer, no grad),
+   ℓ_ref (adapter disabled, if β > 0);
+5. correction weights (AIS by default) from ℓ_old vs ℓ_rollout.
+
+`optimisation_pass`: the clipped GRPO loss × weights over the batch's micro-batches, one optimizer step.
+
+Both take their collaborators (`StepComponents`, the tokenizer, reward functions, the correction) as arguments, so
+scripts and tests run a step without a trainer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from accelerate import Accelerator
+
+from dllm_ais.components import StepComponents
+from dllm_ais.config import GRPOConfig
+from dllm_ais.correction import RolloutCorrection
+from dllm_ais.loss import grpo_loss, group_advantages
+from dllm_ais.metrics import completion_metrics, distinct_completions, ends_with_eos, reward_metrics
+from dllm_ais.ops import masked_mean
+from dllm_ais.policy import sample_prompts
+from dllm_ais.rewards import NonFiniteRewardError, RewardTable, completion_texts, score_rollout_table
+from dllm_ais.sampling.rollout import Rollout
+
+
+@dataclass
+class GenerationBatch:
+    """Everything the loss needs from one generation batch, computed once before the μ optimisation passes.
+
+    `metrics["num_tokens"]` counts the tokens seen by the run up to this batch, all processes together;
+    `completion_samples` (not checkpointed) are the samples `log_completions` logs, on the main process."""
+
+    rollout: Rollout
+    advantages: torch.Tensor  # [B]
+    logp_old: list[torch.Tensor]  # per estimator seed: [B, L]
+    logp_ref: list[torch.Tensor | None]
+    weights: list[torch.Tensor]
+    clip_scale: list[torch.Tensor | None]
+    diagnostics: list[dict[str, float]]
+    seeds: list[int]
+    metrics: dict[str, float] = field(default_factory=dict)
+    completion_samples: list[dict[str, Any]] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Tensors and plain values only: a checkpoint keeps the batch a run is in the middle of."""
+        state = dataclasses.asdict(dataclasses.replace(self, completion_samples=None))
+        del state["completion_samples"]
+        return state
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any], device: torch.device) -> "GenerationBatch":
+        def to_device(values):
+            return [None if v is None else v.to(device) for v in values]
+
+        return cls(Rollout(**state["rollout"]).to(device), state["advantages"].to(device), to_device(state["logp_old"]),
+                   to_device(state["logp_ref"]), to_device(state["weights"]), to_device(state["clip_scale"]),
+                   state["diagnostics"], state["seeds"], state["metrics"])
+
+
+SKIP_HINTS = {
+    "reward": "check the reward functions (return a finite float, or None to exclude a completion)",
+    "loss": "try a lower learning_rate or max_grad_norm",
+    "gradient": "try a lower learning_rate or max_grad_norm",
+}
+LOGPROB_HINT = "NaN/inf log-probs usually mean an overflow in low precision: try dtype=float32 or rollout_precision=bf16"
+
+
+class SkippedBatch(Exception):
+    """A NaN or inf at `stage` (reward, a log-prob, the loss or the gradient): the generation batch is dropped before
+    any optimizer step, so the weights and the optimizer state stay untouched."""
+
+    def __init__(self, stage: str, detail: str = ""):
+        self.stage = stage
+        super().__init__(f"non-finite {stage}" + (f": {detail}" if detail else ""))
+
+    @property
+    def hint(self) -> str:
+        """What usually fixes a run that keeps skipping at this stage."""
+        return SKIP_HINTS.get(self.stage, LOGPROB_HINT)
+
+
+def grouped_prompts(rows, num_generations: int) -> dict[str, list]:
+    """The columns of the dataset `rows` with every row repeated `num_generations` times: one GRPO group per
+    prompt, the input of `make_generation_batch`."""
+    return {column: [value for value in rows[column] for _ in range(num_generations)] for column in rows.column_names}
+
+
+def micro_seed(seed: int, micro_batch: int) -> int:
+    """The estimator seed of one micro-batch: distinct across micro-batches and across inner iterations' seeds."""
+    return seed + 100_003 * micro_batch
+
+
+def micro_batches(size: int, micro_batch_size: int) -> list[slice]:
+    """The row slices of a batch of `size` rows, `micro_batch_size` at a time."""
+    return [slice(start, start + micro_batch_size) for start in range(0, size, micro_batch_size)]
+
+
+def estimator_seeds(config: GRPOConfig, num_seeds: int, generation_index: int, process_index: int) -> list[int]:
+    """The generation batch's estimator seeds: one per inner iteration (one-step surrogate) or a single one."""
+    base = config.seed * 1_000_003 + generation_index * 1_009 + process_index * 7_919_001
+    return [base + n for n in range(num_seeds)]
+
+
+def any_process(accelerator: Accelerator, *flags: bool) -> list[bool]:
+    """Each flag OR-ed over all processes (one gather), so that every process takes the same branch."""
+    local = torch.tensor([[float(flag) for flag in flags]], device=accelerator.device)
+    if accelerator.num_processes > 1:
+        local = accelerator.gather(local)
+    return [bool(value) for value in local.amax(0).tolist()]
+
+
+def non_finite(tensors: list[torch.Tensor | None], mask: torch.Tensor) -> bool:
+    """Whether any [B, L] tensor holds NaN or inf at a completion position (padding is never read)."""
+    return any(t is not None and not torch.isfinite(t.detach()[mask]).all() for t in tensors)
+
+
+def micro_batched_logprobs(score: Callable, model, rollout: Rollout, seed: int, micro_batch_size: int) -> torch.Tensor:
+    """Log-probs [B, L] by `score` (a policy's `logprobs` or `rollout_logprobs`), micro-batch by micro-batch,
+    micro-batch j with estimator seed `micro_seed(seed, j)`.
+
+    ℓ_θ is computed per micro-batch during the optimisation passes; computing ℓ_rollout, ℓ_old and ℓ_ref over the
+    very same slices with the very same seeds gives every side identical random masks.
+    """
+    return torch.cat([score(model, rollout.select(rows), micro_seed(seed, j))
+                      for j, rows in enumerate(micro_batches(len(rollout.sequences), micro_batch_size))])
+
+
+@torch.no_grad()
+def reference_logprobs(parts: StepComponents, rollout: Rollout, seed: int, micro_batch_size: int) -> torch.Tensor:
+    """ℓ_ref: the reference model's log-probs, or the trainer's with its LoRA adapter disabled."""
+    if parts.reference_model is not None:
+        return micro_batched_logprobs(parts.policy.logprobs, parts.reference_model, rollout, seed, micro_batch_size)
+    with parts.unwrapped_model.disable_adapter():
+        return micro_batched_logprobs(parts.policy.logprobs, parts.model, rollout, seed, micro_batch_size)
+
+
+def sample_records(columns: dict[str, list], rollout: Rollout, tokenizer, table: RewardTable, rewards: torch.Tensor,
+                   advantages: torch.Tensor, count: int) -> list[dict[str, Any]]:
+    """`count` of this process' completions, for `log_completions`: the prompt (its last message), the completion,
+    the reward, each reward function's value and the advantage."""
+    rows = slice(0, count)
+    prompts = [p[-1]["content"] if isinstance(p, list) else str(p) for p in columns["prompt"][rows]]
+    texts = completion_texts(tokenizer, rollout.select(rows))
+    values = table.values[rows].tolist()
+    return [{"prompt": prompt, "completion": text, "reward": reward, "advantage": advantage,
+             **{f"rewards/{name}": value for name, value in zip(table.names, row)}}
+            for prompt, text, reward, advantage, row in zip(prompts, texts, rewards[rows].tolist(),
+                                                            advantages[rows].tolist(), values)]
+
+
+def make_generation_batch(config: GRPOConfig, parts: StepComponents, tokenizer, reward_funcs: list[Callable],
+                          columns: dict[str, list], generation_index: int, correction: RolloutCorrection,
+                          tokens_seen: int = 0) -> GenerationBatch:
+    """Sample `columns["prompt"]` (whole groups of G) with the engine, score them, and compute log-probs and
+    correction weights; `tokens_seen` is the run's token count before this batch.
+
+    Raises SkippedBatch (on every process alike) when a reward or a log-prob is NaN or inf.
+    """
+    accelerator, gather, rank = parts.accelerator, parts.accelerator.gather, parts.accelerator.process_index
+    micro_batch_size = config.per_device_train_batch_size
+    timings = {"timing/sync_s": parts.engine.sync_from(parts.unwrapped_model)}
+    generator = torch.Generator(accelerator.device).manual_seed(config.seed + 7919 * generation_index + 104_729 * rank)
+    start = time.perf_counter()
+    rollout = sample_prompts(parts.policy, parts.engine.model, tokenizer, columns["prompt"], config.max_prompt_length,
+                             accelerator.device, generator, micro_batch_size)
+    timings["timing/sample_s"] = time.perf_counter() - start
+    tokens = rollout.attention_mask[:, :rollout.prompt_length].sum() + rollout.completion_mask.sum()
+    tokens_seen += int(gather(tokens.reshape(1)).sum())
+
+    problem, table = "", None
+    try:
+        table = score_rollout_table(tokenizer, reward_funcs, columns, rollout)
+        rewards, per_function_metrics = table.weighted_sum(config.reward_weights), table.metrics()
+    except NonFiniteRewardError as error:
+        rewards, per_function_metrics, problem = torch.full((len(rollout.sequences),), math.nan), {}, str(error)
+    all_rewards = gather(rewards.to(accelerator.device))
+    if not torch.isfinite(all_rewards).all():
+        raise SkippedBatch("reward", problem)
+    all_advantages = group_advantages(all_rewards, config.num_generations, config.scale_rewards)
+    local = slice(rank * len(rewards), (rank + 1) * len(rewards))
+    advantages = all_advantages[local]
+
+    start = time.perf_counter()
+    seeds = estimator_seeds(config, parts.policy.num_estimator_seeds(config.num_iterations), generation_index, rank)
+    parts.model.eval()
+    with torch.no_grad():
+        logp_rollout = [micro_batched_logprobs(parts.policy.rollout_logprobs, parts.engine.model, rollout, s,
+                                               micro_batch_size) for s in seeds]
+        logp_old = [micro_batched_logprobs(parts.policy.logprobs, parts.model, rollout, s, micro_batch_size)
+                    for s in seeds]
+    logp_ref = [None if config.beta == 0 else reference_logprobs(parts, rollout, s, micro_batch_size) for s in seeds]
+    timings["timing/logprob_s"] = time.perf_counter() - start
+    logprobs = {"rollout log-probs": logp_rollout, "old log-probs": logp_old, "reference log-probs": logp_ref}
+    bad = any_process(accelerator, *(non_finite(values, rollout.completion_mask) for values in logprobs.values()))
+    if any(bad):
+        raise SkippedBatch(next(stage for stage, flag in zip(logprobs, bad) if flag))
+
+    start = time.perf_counter()
+    # Weights and diagnostics (ESS, α, ...) are computed over the whole batch, gathered from every process.
+    global_mask = gather(rollout.completion_mask.long()).bool()
+    corrections = correction([(gather(old), gather(ro)) for old, ro in zip(logp_old, logp_rollout)], all_advantages,
+                             global_mask)
+    timings["timing/correction_s"] = time.perf_counter() - start
+
+    lengths = gather(rollout.completion_mask.sum(1))
+    terminated = gather(ends_with_eos(rollout.completion_ids, parts.policy.sampler_config.eos_token_ids).long())
+    metrics = {
+        **reward_metrics(all_rewards, config.num_generations), **completion_metrics(lengths, terminated),
+        "completions/distinct_per_group": gather(distinct_completions(
+            rollout.completion_ids, rollout.completion_mask, config.num_generations).to(accelerator.device)).mean().item(),
+        **({} if rollout.num_steps is None else {"completions/mean_steps": rollout.num_steps.float().mean().item()}),
+        "num_tokens": float(tokens_seen), **per_function_metrics, **timings,
+    }
+    samples = None
+    if config.log_completions and accelerator.is_main_process:
+        samples = sample_records(columns, rollout, tokenizer, table, rewards, advantages,
+                                 config.num_completions_to_print)
+    return GenerationBatch(rollout, advantages, logp_old, logp_ref, [c.weights[local] for c in corrections],
+                           [None if c.clip_scale is None else c.clip_scale[local] for c in corrections],
+                           [c.diagnostics for c in corrections], seeds, metrics, samples)
+
+
+def optimisation_pass(config: GRPOConfig, parts: StepComponents, batch: GenerationBatch,
+                      iteration: int) -> dict[str, float]:
+    """One optimizer step over the generation batch: gradient accumulation over its micro-batches.
+
+    accelerate divides each micro-batch loss by gradient_accumulation_steps; `dapo` already normalises by the
+    token count of the whole generation batch (averaged over processes), so its loss is scaled back up.
+    The step is taken only when the policy log-probs, the loss and the gradient norm are finite on every
+    process; otherwise the gradients are dropped and SkippedBatch raised before `optimizer.step` (which would
+    move AdamW's moments and, through weight decay, the weights even for a zero gradient).
+    """
+    accelerator, model, optimizer = parts.accelerator, parts.model, parts.optimizer
+    k = iteration % len(batch.seeds)
+    model.train()
+    local_tokens = batch.rollout.completion_mask.sum().float()
+    total_tokens = accelerator.gather(local_tokens.reshape(1)).mean().clamp(min=1).item()
+    rows_of = micro_batches(len(batch.advantages), config.per_device_train_batch_size)
+    summed: dict[str, float] = dict(batch.diagnostics[k])
+    first_pass = iteration == 0  # the policy's entropy on the batch: once, at θ_old (a full-vocabulary pass)
+    losses, entropies, finite = [], [], []
+    for j, rows in enumerate(rows_of):
+        with accelerator.accumulate(model):
+            part = batch.rollout.select(rows)
+            scored = parts.policy.logprobs(model, part, micro_seed(batch.seeds[k], j), compute_entropy=first_pass)
+            logp, entropy = scored if first_pass else (scored, None)
+            loss, loss_metrics = grpo_loss(
+                logp, batch.logp_old[k][rows], batch.advantages[rows], part.completion_mask,
+                weights=batch.weights[k][rows],
+                clip_scale=None if batch.clip_scale[k] is None else batch.clip_scale[k][rows],
+                logp_ref=None if batch.logp_ref[k] is None else batch.logp_ref[k][rows],
+                beta=config.beta, epsilon=config.epsilon, epsilon_high=config.epsilon_high,
+                loss_type=config.loss_type, max_completion_length=config.max_completion_length,
+                num_items_in_batch=total_tokens, ratio_type=config.ratio_type)
+            finite.append(torch.stack([torch.isfinite(logp.detach()[part.completion_mask]).all(),
+                                       torch.isfinite(loss.detach())]))
+            scale = len(rows_of) if config.loss_type == "dapo" else 1
+            # Non-finite or not, every process joins the gradient all-reduce; the step is decided below.
+            accelerator.backward(loss * scale)
+        losses.append(loss.detach() * scale)
+        if entropy is not None:
+            entropies.append(masked_mean(entropy.detach(), part.completion_mask))
+        for key, value in loss_metrics.items():
+            summed[key] = summed.get(key, 0.0) + value / len(rows_of)
+    summed["loss"] = torch.stack(losses).mean().item()
+    if entropies:  # logged with every pass of this batch
+        summed["entropy"] = batch.metrics["entropy"] = torch.stack(entropies).mean().item()
+    bad_logprobs, bad_loss = (not flag for flag in torch.stack(finite).all(dim=0).tolist())
+    grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+    bad_logprobs, bad_loss = any_process(accelerator, bad_logprobs, bad_loss)
+    # DeepSpeed clips inside its engine and reports no norm: there only the log-prob and loss checks apply.
+    bad_gradient = grad_norm is not None and not torch.isfinite(torch.as_tensor(grad_norm)).item()
+    if bad_logprobs or bad_loss or bad_gradient:
+        optimizer.zero_grad(set_to_none=True)
+        raise SkippedBatch("policy log-probs" if bad_logprobs else "loss" if bad_loss else "gradient",
+                           f"grad norm {float(grad_norm)}" if bad_gradient else "")
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    parts.scheduler.step()
+    return {**summed, "grad_norm": float("nan") if grad_norm is None else float(grad_norm),
+            "learning_rate": parts.scheduler.get_last_lr()[0]}

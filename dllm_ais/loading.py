@@ -1,0 +1,98 @@
+"""Loading a policy: its weights, tokenizer and config, and the special token ids its samplers need."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from dllm_ais.config import EMBEDDED_MODELS
+
+END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|endoftext|>")
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """The directory or hub id to load: `embedded` / `embedded-qwen3` name the tiny models shipped in the package."""
+    if name_or_path in EMBEDDED_MODELS:
+        directory = EMBEDDED_MODELS[name_or_path]
+        if not (directory / "config.json").is_file():
+            raise FileNotFoundError(f"The embedded model is missing from {directory}; rebuild it with "
+                                    "`python scripts/build_tiny_model.py`.")
+        return str(directory)
+    return name_or_path
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """`auto` = bfloat16 on CUDA, float32 on CPU (CPU matmuls in bf16 are slow and gain nothing here)."""
+    if name == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return getattr(torch, name)
+
+
+def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
+    """The policy's tokenizer, left-padding (prompts are left padded so completions share one canvas offset)."""
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(name_or_path))
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(name_or_path: str, dtype: torch.dtype, trust_remote_code: bool = False,
+               is_trainable: bool = False) -> torch.nn.Module:
+    """`AutoModelForCausalLM.from_pretrained` (safetensors only); LLaDA resolves to dllm_ais' native model.
+
+    A directory holding a peft adapter (as `dllm-ais train` writes) loads as its base model with the adapter on
+    (trainable when `is_trainable`, to continue training it). The model keeps `name_or_path` as given — a Hub id or
+    `embedded`, not the package's asset path on this machine — so adapters and cards record a portable base.
+    """
+    path = resolve_model_path(name_or_path)
+    if (Path(path) / "adapter_config.json").is_file():
+        from peft import PeftConfig, PeftModel
+
+        base = load_model(PeftConfig.from_pretrained(path).base_model_name_or_path, dtype, trust_remote_code)
+        return PeftModel.from_pretrained(base, path, is_trainable=is_trainable)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                 use_safetensors=True)
+    model.name_or_path = model.config.name_or_path = name_or_path
+    return model
+
+
+def load_model_config(name_or_path: str, trust_remote_code: bool = False):
+    """The model's config; for an adapter directory, its base model's config."""
+    path = resolve_model_path(name_or_path)
+    if (Path(path) / "adapter_config.json").is_file():
+        from peft import PeftConfig
+
+        path = resolve_model_path(PeftConfig.from_pretrained(path).base_model_name_or_path)
+    return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    """Token ids the samplers need: the diffusion mask (None for causal LMs), completion terminators and padding."""
+
+    mask_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int
+
+
+def special_tokens(tokenizer: PreTrainedTokenizerBase, model_config, diffusion: bool) -> SpecialTokens:
+    """Collect mask / end-of-completion / pad ids from the model config and tokenizer, with errors naming the fix."""
+    mask_id = getattr(model_config, "mask_token_id", None)
+    if mask_id is None:
+        mask_id = tokenizer.mask_token_id
+    if diffusion and mask_id is None:
+        raise ValueError("No mask token id: set `mask_token_id` in the model's config.json or the tokenizer's "
+                         "mask_token (LLaDA-8B uses 126336, <|mdm_mask|>).")
+    vocab = tokenizer.get_vocab()
+    eos = {tokenizer.eos_token_id} | {vocab[t] for t in END_OF_TURN_TOKENS if t in vocab}
+    config_eos = getattr(model_config, "eos_token_id", None)
+    eos |= set(config_eos) if isinstance(config_eos, (list, tuple)) else {config_eos}
+    eos.discard(None)
+    pad_id = tokenizer.pad_token_id
+    if diffusion and pad_id == mask_id:
+        raise ValueError("The pad token equals the mask token; padding would be denoised. Set a distinct pad token.")
+    return SpecialTokens(mask_token_id=mask_id, eos_token_ids=tuple(sorted(eos)), pad_token_id=pad_id)

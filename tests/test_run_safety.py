@@ -1,0 +1,226 @@
+"""One writer per run directory, self-verifying checkpoints, metrics that keep every valid line on resume, full
+disks, and one-line errors naming the file for bad inputs (issue 14)."""
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from dllm_ais.checkpoint import (NoSpaceLeft, begin_staging, check_destination, clean_leftovers,
+                                 commit_staging, prepare_output_dir, resume_checkpoint, staged_directory,
+                                 verify_checkpoint)
+from dllm_ais.cli import main
+from dllm_ais.config import ConfigError, GRPOConfig
+from dllm_ais.console import printable
+from dllm_ais.metrics import MetricsLog
+from dllm_ais.run_lock import RunDirectoryInUse, release_run_lock
+
+ERROR_LINES = 2  # what a refused command may print on stderr at most
+
+
+@pytest.fixture
+def live_holder(tmp_path):
+    """Another process holding the lock of `tmp_path / "run"` (as a live `dllm-ais train` does); killed after."""
+    run = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from dllm_ais.run_lock import hold_run_lock; "
+                               f"hold_run_lock({str(run)!r}); print('held', flush=True); time.sleep(600)"],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    yield run, holder
+    holder.kill()
+    holder.wait()
+
+
+def test_a_live_runs_directory_is_refused_to_every_writer_and_free_once_it_dies(live_holder, capsys):
+    run, holder = live_holder
+    where = f"pid {holder.pid} on host {socket.gethostname()}"
+    for overrides in ([], ["--resume_from_checkpoint=true"], ["--overwrite_output_dir=true"]):
+        assert main(["train", f"--output_dir={run}", *overrides]) == 2
+        error = capsys.readouterr().err.strip()
+        assert len(error.splitlines()) == 1 and "in use by a live dllm-ais run" in error and where in error, error
+    for destination in (run, run / "final"):  # export --overwrite / sft into the run, or into its final/
+        with pytest.raises(RunDirectoryInUse, match=f"pid {holder.pid}"):
+            check_destination(destination, overwrite=True)
+    holder.send_signal(signal.SIGKILL)  # kill -9: the kernel drops the lock, nothing stale remains
+    holder.wait()
+    config = GRPOConfig(output_dir=str(run))
+    assert prepare_output_dir(config) is None
+    release_run_lock(run)
+
+
+def test_a_refused_run_leaves_nothing_behind(tmp_path):
+    config = GRPOConfig(output_dir=str(tmp_path / "new"), resume_from_checkpoint=True)
+    with pytest.raises(ConfigError, match="no intact checkpoint"):
+        prepare_output_dir(config)
+    assert not (tmp_path / "new").exists()
+
+
+def test_two_trains_started_together_one_refuses_and_the_metrics_are_one_runs(tmp_path):
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "dllm_ais.cli", "train", f"--output_dir={run}", "--max_steps=2", "--eval_size=4",
+               "--per_device_train_batch_size=8"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    runs = [subprocess.Popen([*command, f"--seed={seed}"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                             text=True, env=env) for seed in (1, 2)]
+    results = [(process.wait(timeout=600), process.stderr.read()) for process in runs]
+    assert sorted(code for code, _ in results) == [0, 2], results
+    refused = next(err for code, err in results if code == 2)
+    assert "in use by a live dllm-ais run" in refused and len(refused.strip().splitlines()) <= ERROR_LINES
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2]
+
+
+def checkpoint(output_dir, step, files):
+    """A complete checkpoint-`step` as the trainer commits it (its marker lists every file's size and hash)."""
+    staging = begin_staging(output_dir / f"checkpoint-{step}", run="run")
+    for name, content in {"custom_checkpoint_0.pkl": b"state", "dllm_ais_config.yaml": b"{}\n", **files}.items():
+        (staging / name).write_bytes(content)
+    commit_staging(staging, output_dir / f"checkpoint-{step}")
+    return output_dir / f"checkpoint-{step}"
+
+
+def test_resume_skips_a_damaged_newest_checkpoint_and_refuses_a_damaged_named_one(tmp_path, capsys):
+    intact = checkpoint(tmp_path, 2, {"optimizer.bin": b"x" * 100})
+    damaged = checkpoint(tmp_path, 4, {"optimizer.bin": b"y" * 100})
+    assert verify_checkpoint(damaged) is None
+    os.truncate(damaged / "optimizer.bin", 37)  # a torn write, or a disk error since
+    config = GRPOConfig(output_dir=str(tmp_path), resume_from_checkpoint=True)
+    assert resume_checkpoint(config) == intact
+    warning = capsys.readouterr().err
+    assert f"skipped {damaged}: {damaged / 'optimizer.bin'} is damaged (37 bytes, 100 when written)" in warning
+    with pytest.raises(ConfigError) as refused:
+        resume_checkpoint(dataclasses.replace(config, resume_from_checkpoint=str(damaged)))
+    message = str(refused.value)
+    assert "\n" not in message and str(damaged / "optimizer.bin") in message
+    assert f"--resume_from_checkpoint={intact}" in message
+    (damaged / "optimizer.bin").write_bytes(b"z" * 100)  # the same size, other bytes: the hash tells
+    assert "bytes changed" in verify_checkpoint(damaged)
+
+
+def test_resume_keeps_every_valid_metrics_line_and_the_damaged_file(tmp_path, capsys):
+    lines = [json.dumps({"step": step, "loss": 0.1}) + "\n" for step in range(1, 15)]
+    lines[2] = lines[2][:len(lines[2]) // 2] + "\n"  # line 3 cut in half
+    lines.append(json.dumps({"step": 14, "eval/reward": 0.5}) + "\n")  # the finished run's closing line
+    (tmp_path / "metrics.jsonl").write_text("".join(lines) + "\0\0\0")
+    log = MetricsLog(tmp_path, resume_step=14)
+    log.write({"step": 15, "loss": 0.2})
+    log.close()
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, *range(4, 16)]
+    warning = capsys.readouterr().err
+    assert "line(s) 3, 16 damaged" in warning and "kept its 13 valid line(s) up to step 14" in warning
+    [aside] = tmp_path.glob("metrics.jsonl.damaged-*")
+    assert aside.read_text() == "".join(lines) + "\0\0\0" and str(aside) in warning
+
+
+def test_a_full_disk_leaves_no_staging_directory_and_says_so(tmp_path):
+    final = tmp_path / "checkpoint-2"
+    with pytest.raises(NoSpaceLeft, match=f"no space left on {tmp_path}"):
+        with staged_directory(final) as staging:
+            (staging / "optimizer.bin").write_bytes(b"partial")
+            raise OSError(28, "No space left on device")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    with pytest.raises(RuntimeError, match="a bug"):  # any other failure: the staging directory goes too
+        with staged_directory(final):
+            raise RuntimeError("a bug")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1.5 MB tmpfs (needs root): the tiny run's first checkpoint (about 2 MB) does not fit."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1500k", "tmpfs", str(disk)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    yield disk
+    release_run_lock(disk / "run")  # this process ran the training: its lock keeps the mount busy
+    subprocess.run(["umount", "--lazy", str(disk)], check=True)  # detached once the last file closes
+
+
+def test_a_checkpoint_on_a_full_disk_is_one_line_and_leaves_nothing(small_disk, capsys):
+    run = small_disk / "run"
+    assert main(["train", f"--output_dir={run}", "--max_steps=2", "--save_steps=2", "--eval_size=4",
+                 "--per_device_train_batch_size=8"]) == 1
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith(f"error: no space left on {run} (a checkpoint needs more than"), error
+    assert "start the run again (no checkpoint was written)" in error
+    assert not [entry.name for entry in run.iterdir() if entry.name.startswith((".tmp-", ".trash-", ".old-"))]
+
+
+def test_empty_leftovers_of_interrupted_deletions_are_recovered(tmp_path):
+    for name in (".trash-checkpoint-2-0a1b2c3d", ".tmp-final-0a1b2c3d"):
+        (tmp_path / name).mkdir()  # killed after the marker went / before it was written
+    (tmp_path / ".trash-mine").mkdir()  # not a name dllm-ais gives: the user's
+    clean_leftovers(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".trash-mine"]
+
+
+def test_printable_escapes_terminal_control_sequences():
+    assert printable("\x1b[2Jhello\r\n\tworld\x07\x9b") == "\\x1b[2Jhello\\r\n\tworld\\x07\\x9b"
+
+
+@pytest.fixture(scope="module")
+def bad_inputs(tmp_path_factory):
+    """Files a user may pass, each with something wrong (name -> (path, what the error must name))."""
+    root = tmp_path_factory.mktemp("bad")
+    row = {"question": "1 + 1?", "answer": "#### 2"}
+    files = {
+        "broken JSON line": ("broken.jsonl", f'{json.dumps(row)}\n{{"question": \n{json.dumps(row)}\n'.encode(), ":2:"),
+        "not UTF-8": ("latin1.jsonl", json.dumps(row).encode() + b"\n" + b'{"question": "caf\xe9"}\n', ":2:"),
+        "empty file": ("empty.jsonl", b"", "empty"),
+        "missing column": ("no_answer_column.jsonl", (json.dumps({"question": "q"}) + "\n").encode(), "answer"),
+        "missing answer": ("missing_answer.jsonl", (json.dumps(row) + "\n" + json.dumps({"question": "q"}) + "\n")
+                           .encode(), "row 2"),
+        "null question": ("null_question.jsonl", (json.dumps({**row, "question": None}) + "\n").encode(), "row 1"),
+    }
+    cases = {}
+    for case, (name, content, detail) in files.items():
+        (root / name).write_bytes(content)
+        cases[case] = (root / name, detail)
+    return cases
+
+
+def run_cli(argv_list, cwd):
+    """Run `dllm-ais ARGV` for each ARGV at once, in fresh processes as a user runs them (the libraries' progress
+    bars are silenced only before they are imported): [(exit code, stderr)]."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    processes = [subprocess.Popen([sys.executable, "-m", "dllm_ais.cli", *argv], stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, text=True, env=env, cwd=cwd) for argv in argv_list]
+    results = []
+    for process in processes:
+        error = process.communicate(timeout=600)[1]
+        results.append((process.returncode, error.strip()))
+    return results
+
+
+def test_each_bad_dataset_file_is_one_line_naming_it(bad_inputs, tmp_path):
+    argv_list = [["train", "--task=gsm8k", f"--dataset_path={path}", f"--output_dir={tmp_path / path.stem}"]
+                 for path, _ in bad_inputs.values()]
+    argv_list.append(["eval", "--task=gsm8k", f"--dataset_path={bad_inputs['broken JSON line'][0]}"])
+    cases = [*bad_inputs.values(), bad_inputs["broken JSON line"]]
+    for (code, error), (path, detail), argv in zip(run_cli(argv_list, tmp_path), cases, argv_list):
+        assert code == 2 and len(error.splitlines()) <= ERROR_LINES, (argv, error)
+        assert str(path) in error and detail in error, (argv, error)
+
+
+def test_inference_input_errors_are_one_line_naming_the_fix(tmp_path):
+    model_dir = tmp_path / "model-without-tokenizer"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    cases = [
+        (["generate", "--model", str(model_dir), "--prompt", "hi"], f"{model_dir} holds no tokenizer files"),
+        (["generate", "--prompt", "what is <|mdm_mask|>?"], "mask token"),
+        (["generate", "--prompt", "1" * 2000], "--max_prompt_length=N"),
+        (["generate", "--prompt", "hi", "--max_completion_length=4096", "--block_length=4096"], "max_sequence_length"),
+        (["eval", "--gen_lengths", "1", "--limit", "2", f"--output={tmp_path / 'report.json'}"], "must be even"),
+    ]
+    for (code, error), (argv, expected) in zip(run_cli([argv for argv, _ in cases], tmp_path), cases):
+        assert code == 2, (argv, error)
+        assert len(error.splitlines()) <= ERROR_LINES and expected in error, (argv, error)
