@@ -3,7 +3,7 @@
 The rollout engine (e.g. FP8) samples from a behaviour policy μ that differs slightly from the
 trainer's policy π_old (BF16). The functions here turn per-token log-probs ℓ^old and ℓ^ro into
 per-token weights w_t that the GRPO loss multiplies into its per-token terms
-(ALGORITHMS.md §4), together with diagnostics (python floats) to log every step.
+together with diagnostics (python floats) to log every step.
 
 Conventions (helpers in dllm_ais.ops): token tensors are [B, L]; `mask` (bool or 0/1) marks valid completion tokens;
 advantages are [B], one per sequence. Every returned weight tensor is detached float32 and 0 at
@@ -367,7 +367,7 @@ def ais_weights(
     group_size: int = 1,
 ) -> tuple[Tensor, dict[str, float]]:
     """AIS effective weights ŵ_t = (1 − α) + α · w_t at valid tokens (0 elsewhere), with
-    w_t = min(ρ_t, C) the TIS weight — this project's formulation of AIS (ALGORITHMS.md §4).
+    w_t = min(ρ_t, C) the TIS weight — this project's formulation of AIS.
 
     Batch diagnostics over the N valid tokens (Â_t = advantage of token t's sequence):
     reliability R = (Σ w)²/(N Σ w²); variance_amplification V = Σ (w Â)² / Σ Â² (1 when all Â are 0);

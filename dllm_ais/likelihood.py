@@ -1,4 +1,4 @@
-"""Likelihood stage: per-token log-probs of sampled completions under a policy (ALGORITHMS.md §2).
+"""Likelihood stage: per-token log-probs of sampled completions under a policy.
 
 Every estimator is a pure function of the model and tensors; the model is an argument and nothing
 here switches grad on or off, so the same call gives ℓ_rollout / ℓ_old / ℓ_ref under `torch.no_grad()`

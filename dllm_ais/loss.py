@@ -1,4 +1,4 @@
-"""GRPO loss for diffusion and autoregressive policies (ALGORITHMS.md §3), with the cumulative
+"""GRPO loss for diffusion and autoregressive policies, with the cumulative
 token ratio of CTPO (§4) as an alternative policy ratio.
 
 Conventions: token tensors are [B, L]; `mask` (bool or 0/1) marks valid completion tokens;

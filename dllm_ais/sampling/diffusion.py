@@ -1,4 +1,4 @@
-"""Masked-diffusion sampling: the LLaDA generation algorithm (ALGORITHMS.md §1), recording the behaviour policy.
+"""Masked-diffusion sampling: the LLaDA generation algorithm, recording the behaviour policy.
 
 The canvas starts as ``[left-padded prompt | MASK x gen_length]`` and is filled in semi-autoregressive blocks of
 ``block_length`` positions, left to right, ``steps / n_blocks`` denoising steps per block. Each step runs one
@@ -7,7 +7,7 @@ temperature τ, plain argmax at τ = 0), scores those positions with a remasking
 With τ = 0, ``remasking="low_confidence"`` and the defaults below, the committed tokens are those of the official
 LLaDA ``generate``.
 
-Faster rollouts (ALGORITHMS.md §1b, Fast-dLLM style) are options of the same sampler:
+Faster rollouts (Fast-dLLM style) are options of the same sampler:
 
 - ``cache="prefix" | "dual"``: a block KV cache. The first step of each block runs the whole canvas and keeps every
   layer's keys/values; the block's later steps run the model on the current block and everything after it
@@ -143,7 +143,7 @@ def transfer_schedule(masked_counts: torch.Tensor, steps: int) -> torch.LongTens
 def parallel_commit_counts(
     scores: torch.Tensor, still_masked: torch.Tensor, threshold: float | None = None, factor: float | None = None
 ) -> torch.LongTensor:
-    """[B] how many still-masked block positions to commit this step with parallel decoding (ALGORITHMS.md §1b).
+    """[B] how many still-masked block positions to commit this step with parallel decoding.
 
     With c_(1) ≥ c_(2) ≥ … the row's scores over its still-masked positions (`scores` [B, Lb], `still_masked`
     [B, Lb]; under low_confidence remasking the scores are the candidates' probabilities), the count is the largest
