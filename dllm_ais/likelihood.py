@@ -36,6 +36,8 @@ __all__ = [
     "DEFAULT_CHUNK_ROWS",
     "DIFFUSION_ESTIMATORS",
     "DiffusionEstimator",
+    "EstimatorSettings",
+    "LogitsFn",
     "causal_logprobs",
     "causal_position_ids",
     "check_sampling_parameters",
@@ -44,6 +46,7 @@ __all__ = [
     "mc_elbo",
     "one_step_logprobs",
     "one_step_masked_input",
+    "plain_logits",
     "require_causal_lm",
     "selective_log_softmax",
     "shape_logits",
@@ -54,6 +57,16 @@ DEFAULT_CHUNK_ROWS = 512
 """Rows per float32 chunk in `selective_log_softmax`: 512 × 126,464 (LLaDA's vocabulary) × 4 B ≈ 259 MB."""
 
 LogitsProcessor = Callable[[Tensor], Tensor]
+LogitsFn = Callable[[nn.Module, Tensor, Tensor, "Tensor | int"], Tensor]
+"""`logits_fn(model, input_ids [B, T], attention_mask [B, T], logits_to_keep) -> logits [B, K, V]`: how a diffusion
+estimator turns a canvas into the logits it scores. `plain_logits` is the model's own; a sampler's
+`MaskedDiffusionSampler.scoring_logits` adds the logit processing it samples with (e.g. guidance), so that an
+estimator scores the distribution the sampler drew from."""
+
+
+def plain_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: Tensor | int) -> Tensor:
+    """The model's logits at the kept positions: `model(input_ids, attention_mask, logits_to_keep).logits`."""
+    return model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep).logits
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,6 +290,7 @@ def one_step_logprobs(
     p_mask_prompt: float = 0.15,
     chunk_size: int = DEFAULT_CHUNK_ROWS,
     compute_entropy: bool = False,
+    logits_fn: LogitsFn = plain_logits,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """diffu-GRPO one-step surrogate: ℓ(o^k) = log softmax(f(x̃)_{P+k})[o^k], one forward for all k.
 
@@ -290,7 +304,7 @@ def one_step_logprobs(
     attention_mask = _check_canvas(sequences, attention_mask, prompt_length)
     noisy = one_step_masked_input(sequences, attention_mask, prompt_length, mask_token_id, seed, p_mask_prompt)
     gen_length = sequences.shape[1] - prompt_length
-    logits = model(input_ids=noisy, attention_mask=attention_mask, logits_to_keep=gen_length).logits
+    logits = logits_fn(model, noisy, attention_mask, gen_length)
     return selective_log_softmax(logits, sequences[:, prompt_length:], chunk_size, compute_entropy=compute_entropy)
 
 
@@ -302,6 +316,7 @@ def trajectory_logprobs(
     steps_per_forward: int = 1,
     chunk_size: int = DEFAULT_CHUNK_ROWS,
     compute_entropy: bool = False,
+    logits_fn: LogitsFn = plain_logits,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Exact log-prob of the recorded denoising trajectory, token by token: [B, L] float32.
 
@@ -349,11 +364,8 @@ def trajectory_logprobs(
         canvases = torch.cat(
             [rollout.prompt_ids.expand(len(steps), -1, -1), torch.where(hidden, mask_token_id, completion)], dim=2
         )
-        logits = model(
-            input_ids=canvases.flatten(0, 1),
-            attention_mask=attention_mask.repeat(len(steps), 1),
-            logits_to_keep=columns + rollout.prompt_length,
-        ).logits.unflatten(0, (len(steps), batch))  # [S, B, C, V]
+        logits = logits_fn(model, canvases.flatten(0, 1), attention_mask.repeat(len(steps), 1),
+                           columns + rollout.prompt_length).unflatten(0, (len(steps), batch))  # [S, B, C, V]
         kept = committed[..., columns]
         targets = completion[:, columns].expand(len(steps), -1, -1)
         scored = selective_log_softmax(logits[kept], targets[kept], chunk_size, process_logits=scale,
@@ -374,6 +386,7 @@ def mc_elbo(
     num_samples: int,
     seed: int,
     chunk_size: int = DEFAULT_CHUNK_ROWS,
+    logits_fn: LogitsFn = plain_logits,
 ) -> Tensor:
     """LLaDA's Monte-Carlo lower bound on log p(completion | prompt): [B] float32, ≤ 0.
 
@@ -398,7 +411,7 @@ def mc_elbo(
         draws = torch.rand((batch, gen_length), generator=generator).to(sequences.device)
         masked = (draws < mask_rate.unsqueeze(1)) | (draws == draws.min(dim=1, keepdim=True).values)
         noisy = torch.cat([sequences[:, :prompt_length], completion.masked_fill(masked, mask_token_id)], dim=1)
-        logits = model(input_ids=noisy, attention_mask=attention_mask, logits_to_keep=gen_length).logits
+        logits = logits_fn(model, noisy, attention_mask, gen_length)
         values = selective_log_softmax(logits[masked], completion[masked], chunk_size)
         total = total + _scatter_to_positions(masked, values).sum(dim=1) / mask_rate
     return total / num_samples
@@ -445,23 +458,37 @@ def causal_logprobs(
 # ---------------------------------------------------------------------------------------------
 # The diffusion estimators a config can name (`likelihood_estimator`, choices.ESTIMATORS)
 # ---------------------------------------------------------------------------------------------
-def _one_step_of_rollout(model: nn.Module, rollout: Rollout, mask_token_id: int, temperature: float, seed: int,
-                         p_mask_prompt: float, compute_entropy: bool):
-    return one_step_logprobs(model, rollout.sequences, rollout.attention_mask, rollout.prompt_length, mask_token_id,
-                             seed, p_mask_prompt=p_mask_prompt, compute_entropy=compute_entropy)
+@dataclass(frozen=True)
+class EstimatorSettings:
+    """What a diffusion estimator needs besides the model, the rollout and the seed: the mask id, the sampling
+    temperature (the trajectory-type estimators score softmax(logits / τ)), d1's prompt-masking probability
+    (one-step surrogate) and `logits_fn`, the sampler's canvas → logits stage (see `LogitsFn`)."""
+
+    mask_token_id: int
+    temperature: float
+    p_mask_prompt: float = 0.15
+    logits_fn: LogitsFn = plain_logits
 
 
-def _trajectory_of_rollout(model: nn.Module, rollout: Rollout, mask_token_id: int, temperature: float, seed: int,
-                           p_mask_prompt: float, compute_entropy: bool):
-    return trajectory_logprobs(model, rollout, mask_token_id, temperature, compute_entropy=compute_entropy)
+def _one_step_of_rollout(model: nn.Module, rollout: Rollout, settings: EstimatorSettings, seed: int,
+                         compute_entropy: bool):
+    return one_step_logprobs(model, rollout.sequences, rollout.attention_mask, rollout.prompt_length,
+                             settings.mask_token_id, seed, p_mask_prompt=settings.p_mask_prompt,
+                             compute_entropy=compute_entropy, logits_fn=settings.logits_fn)
+
+
+def _trajectory_of_rollout(model: nn.Module, rollout: Rollout, settings: EstimatorSettings, seed: int,
+                           compute_entropy: bool):
+    return trajectory_logprobs(model, rollout, settings.mask_token_id, settings.temperature,
+                               compute_entropy=compute_entropy, logits_fn=settings.logits_fn)
 
 
 @dataclass(frozen=True)
 class DiffusionEstimator:
     """How a masked-diffusion policy scores a rollout.
 
-    `logprobs(model, rollout, mask_token_id, temperature, seed, p_mask_prompt, compute_entropy)` gives the
-    per-token log-probs [B, L] (and entropies with `compute_entropy`); `recorded_by_sampler`: the rollout side is
+    `logprobs(model, rollout, settings, seed, compute_entropy)` gives the per-token log-probs [B, L] (and
+    entropies with `compute_entropy`), `settings` an `EstimatorSettings`; `recorded_by_sampler`: the rollout side is
     the sampler's recorded per-step log-prob, no engine forward; `fresh_masks_per_iteration`: the estimator is
     random and draws new masks for every inner iteration (one estimator seed each)."""
 

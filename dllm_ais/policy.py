@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from dllm_ais.data import tokenize_prompts
-from dllm_ais.likelihood import DIFFUSION_ESTIMATORS, causal_logprobs
+from dllm_ais.likelihood import DIFFUSION_ESTIMATORS, EstimatorSettings, causal_logprobs
 from dllm_ais.loading import special_tokens
 from dllm_ais.sampling.autoregressive import AutoregressiveSampler, AutoregressiveSamplerConfig
 from dllm_ais.sampling.diffusion import DiffusionSamplerConfig, MaskedDiffusionSampler
@@ -78,6 +78,8 @@ class DiffusionPolicy:
     def __post_init__(self):
         self.sampler = MaskedDiffusionSampler(self.sampler_config)
         self.scorer = DIFFUSION_ESTIMATORS[self.estimator]
+        self.estimator_settings = EstimatorSettings(self.sampler_config.mask_token_id, self.sampler_config.temperature,
+                                                    self.p_mask_prompt)
         self.exact_order_sampler = None
         if self.estimator == "trajectory" and self.likelihood_order == "exact":
             exact = dataclasses.replace(self.sampler_config, cache="none", cache_refresh_interval=None, threshold=None,
@@ -94,9 +96,7 @@ class DiffusionPolicy:
         return dataclasses.replace(self.exact_order_sampler.replay(model, rollout), num_steps=rollout.num_steps)
 
     def logprobs(self, model, rollout: Rollout, seed: int, compute_entropy: bool = False):
-        config = self.sampler_config
-        return self.scorer.logprobs(model, rollout, config.mask_token_id, config.temperature, seed, self.p_mask_prompt,
-                                    compute_entropy)
+        return self.scorer.logprobs(model, rollout, self.estimator_settings, seed, compute_entropy)
 
     def rollout_logprobs(self, engine_model, rollout: Rollout, seed: int) -> torch.Tensor:
         if self.scorer.recorded_by_sampler:
