@@ -134,7 +134,9 @@ class GRPOConfig:
     correction: str = field(default="ais", metadata={**_choice(*CORRECTION_METHODS),
         "help": "Rollout-mismatch correction of the policy gradient."})
     is_level: str = field(default="token", metadata=_choice(*IS_LEVELS))
-    is_clip: float = field(default=2.0, metadata={**POSITIVE, "help": "Upper truncation C of the importance ratio."})
+    is_clip: float = field(default=2.0, metadata={**POSITIVE,
+        "help": "Upper truncation C of the importance ratio (tis, mis, ais); with correction=acr also the clip scale "
+                "c_t = min(1, C / rho_t) that widens the loss's upper clip bound to (1 + epsilon_high) / c_t."})
     is_clip_low: float | None = field(default=None, metadata=NON_NEGATIVE)
     is_normalize: bool = False
     ais_rule: str = field(default="adaptive", metadata={**_choice(*ALPHA_RULES),
@@ -155,6 +157,18 @@ class GRPOConfig:
     loss_type: str = field(default="dapo", metadata=_choice(*LOSS_TYPES))
     scale_rewards: str = field(default="none", metadata=_choice(*REWARD_SCALINGS))
     ratio_type: str = field(default="token", metadata=_choice(*RATIO_TYPES))
+    ctpo_c_low: float = field(default=0.025, metadata={**POSITIVE,
+        "help": "ratio_type=ctpo: the clip range's lower end, log R_t >= -ctpo_c_low * t^ctpo_power (t = valid-token "
+                "position)."})
+    ctpo_c_high: float = field(default=0.05, metadata={**POSITIVE,
+        "help": "ratio_type=ctpo: the clip range's upper end, log R_t <= ctpo_c_high * t^ctpo_power."})
+    ctpo_c_dual: float = field(default=0.05, metadata={**POSITIVE,
+        "help": "ratio_type=ctpo: dual clip for negative advantages, the surrogate floored at "
+                "exp(ctpo_c_dual * t^ctpo_power) * A."})
+    ctpo_power: float = field(default=0.5, metadata={**NON_NEGATIVE,
+        "help": "ratio_type=ctpo: p, the clip range widens as t^p with the valid-token position t (0 = constant)."})
+    ctpo_cap: float = field(default=10.0, metadata={**POSITIVE,
+        "help": "ratio_type=ctpo: cap on the cumulative prefix log-ratio sum_{j<=t} (logp_j - logp_old_j)."})
 
     # --- optimisation ---
     learning_rate: float = field(default=3e-6, metadata=POSITIVE)

@@ -440,6 +440,8 @@ class CorrectionSettings:
     (`importance_weights` at `level`, truncating / masking at `clip` and `clip_low`, optionally `normalize`d),
     "acr" (token TIS weights plus the ACR clip scale) or "ais" (`ais_weights` with `rule`, `snr_scale`, `kl_scale`,
     `alpha_max` and the EMA `alpha_ema` of α across generation batches). `rule` may be a callable diagnostics → α.
+    The `ctpo_*` constants are those of CTPO's cumulative ratio (config `ratio_type=ctpo`), which the loss applies:
+    `ctpo_loss_options` gives them as `loss.grpo_loss` arguments.
     """
 
     method: str = "ais"
@@ -453,6 +455,11 @@ class CorrectionSettings:
     alpha_max: float = 1.0
     alpha_ema: float = 0.0
     group_size: int = 1
+    ctpo_c_low: float = 0.025
+    ctpo_c_high: float = 0.05
+    ctpo_c_dual: float = 0.05
+    ctpo_power: float = 0.5
+    ctpo_cap: float = 10.0
 
     @classmethod
     def from_config(cls, config, rule: AlphaRule | None = None) -> "CorrectionSettings":
@@ -460,7 +467,13 @@ class CorrectionSettings:
         return cls(config.correction, level=config.is_level, clip=config.is_clip, clip_low=config.is_clip_low,
                    normalize=config.is_normalize, rule=rule or config.ais_rule, snr_scale=config.ais_snr_scale,
                    kl_scale=config.ais_kl_scale, alpha_max=config.ais_alpha_max, alpha_ema=config.ais_alpha_ema,
-                   group_size=config.num_generations)
+                   group_size=config.num_generations, ctpo_c_low=config.ctpo_c_low, ctpo_c_high=config.ctpo_c_high,
+                   ctpo_c_dual=config.ctpo_c_dual, ctpo_power=config.ctpo_power, ctpo_cap=config.ctpo_cap)
+
+    def ctpo_loss_options(self) -> dict[str, float]:
+        """CTPO's constants as the keyword arguments of `dllm_ais.loss.grpo_loss` (used with ratio_type=ctpo)."""
+        return {"ctpo_c_low": self.ctpo_c_low, "ctpo_c_high": self.ctpo_c_high, "ctpo_c_dual": self.ctpo_c_dual,
+                "ctpo_power": self.ctpo_power, "ctpo_cap": self.ctpo_cap}
 
     def problems(self) -> list[str]:
         """Every rule these settings break, named by the config fields that set them; [] when they are usable."""
@@ -479,6 +492,9 @@ class CorrectionSettings:
             (0 <= self.alpha_max <= 1, f"ais_alpha_max must lie in [0, 1]; got {self.alpha_max}"),
             (0 <= self.alpha_ema < 1, f"ais_alpha_ema must lie in [0, 1); got {self.alpha_ema}"),
             (self.group_size >= 1, f"the group size must be >= 1; got {self.group_size}"),
+            (min(self.ctpo_c_low, self.ctpo_c_high, self.ctpo_c_dual, self.ctpo_cap) > 0 and self.ctpo_power >= 0,
+             "ctpo_c_low, ctpo_c_high, ctpo_c_dual and ctpo_cap must be > 0 and ctpo_power >= 0; got "
+             f"{self.ctpo_c_low}, {self.ctpo_c_high}, {self.ctpo_c_dual}, {self.ctpo_cap} and {self.ctpo_power}"),
             (self.method not in ("acr", "ais") or self.level == "token",
              f"correction={self.method} works on token-level ratios: set is_level=token (got {self.level!r})"),
             (self.method != "ais" or (self.clip_low is None and not self.normalize),

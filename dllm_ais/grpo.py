@@ -28,7 +28,7 @@ from accelerate import Accelerator
 
 from dllm_ais.components import StepComponents
 from dllm_ais.config import GRPOConfig
-from dllm_ais.correction import RolloutCorrection
+from dllm_ais.correction import CorrectionSettings, RolloutCorrection
 from dllm_ais.loss import grpo_loss, group_advantages
 from dllm_ais.metrics import completion_metrics, distinct_completions, ends_with_eos, reward_metrics
 from dllm_ais.ops import masked_mean
@@ -250,6 +250,7 @@ def optimisation_pass(config: GRPOConfig, parts: StepComponents, batch: Generati
     local_tokens = batch.rollout.completion_mask.sum().float()
     total_tokens = accelerator.gather(local_tokens.reshape(1)).mean().clamp(min=1).item()
     rows_of = micro_batches(len(batch.advantages), config.per_device_train_batch_size)
+    ctpo_options = CorrectionSettings.from_config(config).ctpo_loss_options()
     summed: dict[str, float] = dict(batch.diagnostics[k])
     first_pass = iteration == 0  # the policy's entropy on the batch: once, at θ_old (a full-vocabulary pass)
     losses, entropies, finite = [], [], []
@@ -265,7 +266,7 @@ def optimisation_pass(config: GRPOConfig, parts: StepComponents, batch: Generati
                 logp_ref=None if batch.logp_ref[k] is None else batch.logp_ref[k][rows],
                 beta=config.beta, epsilon=config.epsilon, epsilon_high=config.epsilon_high,
                 loss_type=config.loss_type, max_completion_length=config.max_completion_length,
-                num_items_in_batch=total_tokens, ratio_type=config.ratio_type)
+                num_items_in_batch=total_tokens, ratio_type=config.ratio_type, **ctpo_options)
             finite.append(torch.stack([torch.isfinite(logp.detach()[part.completion_mask]).all(),
                                        torch.isfinite(loss.detach())]))
             scale = len(rows_of) if config.loss_type == "dapo" else 1

@@ -136,13 +136,14 @@ def grpo_loss(
     ctpo_c_high: float = 0.05,
     ctpo_c_dual: float = 0.05,
     ctpo_power: float = 0.5,
+    ctpo_cap: float = 10.0,
 ) -> tuple[Tensor, dict[str, float]]:
     """Clipped GRPO surrogate with per-token correction weights.
 
     Per valid token, with r_t the policy ratio, A the sequence's advantage and w_t the weight:
         L_t = −min(r_t A, clip(r_t, lo_t, hi_t) A) · w_t + β · KL_t,  KL_t = k3_kl(ℓ^θ, ℓ^ref).
     ratio_type "token": r_t = exp(ℓ^θ_t − ℓ^old_t), lo = 1 − ε, hi = 1 + ε_high (ε_high defaults
-    to ε). ratio_type "ctpo": r_t = R_t of `ctpo_log_ratio`, lo_t = exp(−c_low·t^p),
+    to ε). ratio_type "ctpo": r_t = R_t of `ctpo_log_ratio` (prefix capped at ctpo_cap), lo_t = exp(−c_low·t^p),
     hi_t = exp(c_high·t^p), and for A < 0 the dual clip floors the surrogate at exp(c_dual·t^p)·A.
     ACR: with clip_scale c_t the upper bound becomes hi_t / c_t (for either ratio type).
     Everything is computed in float32; weights, clip_scale and the old/ref log-probs are detached.
@@ -184,7 +185,7 @@ def grpo_loss(
         lower_bound = torch.full_like(log_ratio, 1.0 - epsilon)
         upper_bound = torch.full_like(log_ratio, 1.0 + epsilon_high)
     else:
-        ctpo = ctpo_log_ratio(logp, logp_old, valid, ctpo_c_low, ctpo_c_high, ctpo_power)
+        ctpo = ctpo_log_ratio(logp, logp_old, valid, ctpo_c_low, ctpo_c_high, ctpo_power, ctpo_cap)
         log_ratio = ctpo.log_ratio
         lower_bound = ctpo.log_lower.exp()
         upper_bound = ctpo.log_upper.exp()

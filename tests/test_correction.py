@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 
+from dllm_ais.config import GRPOConfig
 from dllm_ais.correction import (
     ALPHA_RULES,
     CORRECTION_METHODS,
@@ -497,3 +498,65 @@ def test_correct_rejects_unknown_methods_and_unusable_options(mismatched_batch):
         CorrectionSettings("ais", level="sequence")
     with pytest.raises(ValueError, match="normalize"):
         CorrectionSettings("ais", normalize=True)
+
+
+# ----------------------------------------------------------------------------- config fields reach the computation
+def test_acr_clip_from_the_config_reaches_the_clip_scale(mismatched_batch):
+    logp_old, logp_rollout, advantages, mask = mismatched_batch
+    settings = CorrectionSettings.from_config(GRPOConfig(correction="acr", is_clip=1.2))
+    correction = correct(settings, logp_old, logp_rollout, advantages, mask)
+    log_ratio = log_importance_ratio(logp_old, logp_rollout, mask)
+    assert torch.equal(correction.clip_scale, acr_clip_scale(log_ratio, mask, clip=1.2))
+    assert not torch.equal(correction.clip_scale, acr_clip_scale(log_ratio, mask, clip=2.0))
+    assert torch.equal(correction.weights, importance_weights(logp_old, logp_rollout, mask, clip=1.2)[0])
+
+
+CTPO_FIELDS = dict(ctpo_c_low=0.1, ctpo_c_high=0.2, ctpo_c_dual=0.3, ctpo_power=0.4, ctpo_cap=0.05)
+
+
+def test_ctpo_constants_from_the_config_are_the_loss_arguments():
+    settings = CorrectionSettings.from_config(GRPOConfig(ratio_type="ctpo", **CTPO_FIELDS))
+    assert settings.ctpo_loss_options() == CTPO_FIELDS
+    assert CorrectionSettings().ctpo_loss_options() == {
+        "ctpo_c_low": 0.025, "ctpo_c_high": 0.05, "ctpo_c_dual": 0.05, "ctpo_power": 0.5, "ctpo_cap": 10.0}
+
+
+def test_ctpo_cap_from_the_config_caps_the_ratio_in_the_loss():
+    """One token, A = −1, ℓ^θ − ℓ^old = 0.3 above the upper clip bound and below the dual bound e^1: the loss is
+    the ratio itself, exp(min(0.3, cap))."""
+    logp, logp_old, advantages, mask = torch.tensor([[0.3]]), torch.zeros(1, 1), torch.tensor([-1.0]), torch.ones(1, 1)
+    for cap, expected in ((0.05, math.exp(0.05)), (10.0, math.exp(0.3))):
+        options = CorrectionSettings.from_config(GRPOConfig(ratio_type="ctpo", ctpo_cap=cap, ctpo_c_dual=1.0))
+        loss, _ = grpo_loss(logp, logp_old, advantages, mask, ratio_type="ctpo", **options.ctpo_loss_options())
+        assert loss.item() == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("field, value", [("ctpo_c_low", 0.0), ("ctpo_c_dual", -1.0), ("ctpo_power", -0.5),
+                                          ("ctpo_cap", 0.0)])
+def test_unusable_ctpo_constants_are_config_problems_naming_the_field(field, value):
+    assert any(field in problem for problem in GRPOConfig(**{field: value}).problems())
+    with pytest.raises(ValueError, match=field):
+        CorrectionSettings(**{field: value})
+
+
+def test_the_optimisation_pass_gives_the_loss_the_configs_ctpo_constants(tokenizer, tmp_path, monkeypatch):
+    from conftest import tiny_llada
+    from dllm_ais import grpo
+    from dllm_ais.tasks.digits import make_digits_dataset
+    from dllm_ais.trainer import GRPOTrainer
+
+    config = GRPOConfig(task="digits", eval_size=0, num_generations=2, per_device_train_batch_size=2,
+                        max_completion_length=4, block_length=4, diffusion_steps=2, num_iterations=1, lora_r=2,
+                        lora_alpha=4, max_prompt_length=64, dtype="float32", rollout_precision="bf16",
+                        output_dir=str(tmp_path), ratio_type="ctpo", **CTPO_FIELDS)
+    trainer = GRPOTrainer(config, model=tiny_llada(tokenizer), tokenizer=tokenizer,
+                          train_dataset=make_digits_dataset(4, seed=1))
+    calls = []
+
+    def recording_loss(*args, **kwargs):
+        calls.append(kwargs)
+        return grpo_loss(*args, **kwargs)
+
+    monkeypatch.setattr(grpo, "grpo_loss", recording_loss)
+    trainer.optimisation_pass(trainer.make_generation_batch(), 0)
+    assert calls and all(call["ratio_type"] == "ctpo" and call.items() >= CTPO_FIELDS.items() for call in calls)
