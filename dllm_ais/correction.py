@@ -1,5 +1,7 @@
 """Rollout-mismatch corrections: importance weights between the rollout engine and the trainer.
 
+Formulas: docs/algorithms.md, section "Rollout-mismatch corrections".
+
 The rollout engine (e.g. FP8) samples from a behaviour policy μ that differs slightly from the
 trainer's policy π_old (BF16). The functions here turn per-token log-probs ℓ^old and ℓ^ro into
 per-token weights w_t that the GRPO loss multiplies into its per-token terms

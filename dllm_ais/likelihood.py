@@ -1,5 +1,7 @@
 """Likelihood stage: per-token log-probs of sampled completions under a policy.
 
+Formulas: docs/algorithms.md, section "Likelihood estimators".
+
 Every estimator is a pure function of the model and tensors; the model is an argument and nothing
 here switches grad on or off, so the same call gives ℓ_rollout / ℓ_old / ℓ_ref under `torch.no_grad()`
 and ℓ_θ under grad. Canvases are `[left-padded prompt (P) | completion (L)]`, as in `Rollout`.

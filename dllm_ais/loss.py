@@ -1,5 +1,7 @@
 """GRPO loss for diffusion and autoregressive policies, with the cumulative
-token ratio of CTPO (§4) as an alternative policy ratio.
+token ratio of CTPO as an alternative policy ratio.
+
+Formulas: docs/algorithms.md, section "GRPO loss".
 
 Conventions: token tensors are [B, L]; `mask` (bool or 0/1) marks valid completion tokens;
 advantages are [B], one per sequence. Invalid positions contribute exactly zero to the loss and

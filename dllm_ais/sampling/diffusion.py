@@ -1,5 +1,7 @@
 """Masked-diffusion sampling: the LLaDA generation algorithm, recording the behaviour policy.
 
+Formulas: docs/algorithms.md, section "Masked-diffusion sampling".
+
 The canvas starts as ``[left-padded prompt | MASK x gen_length]`` and is filled in semi-autoregressive blocks of
 ``block_length`` positions, left to right, ``steps / n_blocks`` denoising steps per block. Each step runs one
 forward over the whole canvas, proposes a token for every still-masked position of the current block (Gumbel-max at
