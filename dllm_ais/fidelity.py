@@ -227,11 +227,11 @@ class RolloutFidelity:
     def start_note(self) -> str | None:
         """One line said at start about the decoders (None when there is nothing to say)."""
         s = self.settings
-        exact = (f"; {s.exact_fraction:g} of the GRPO groups decoded exactly ({describe_decoder(self.policies[-1].sampler_config)})"
+        exact = (f"rollout_exact_fraction={s.exact_fraction:g} of the GRPO groups are decoded exactly, the rest by "
                  if s.exact_fraction > 0 else "")
         if s.mode != "adaptive":
-            return f"note: rollout decoders: {describe_decoder(self.policy.sampler_config)}{exact}." if exact else None
+            return f"note: {exact}{describe_decoder(self.policy.sampler_config)}." if exact else None
         ladder = " -> ".join(describe_decoder(p.sampler_config) for p in self.policies)
-        return (f"note: rollout_fidelity=adaptive over {ladder}, now at rung {self.state.level}: one rung toward exact "
-                f"after a batch with k3_kl > {s.k3_max:g} or ESS < {s.ess_min:g}, one back after {s.patience} calm "
-                f"batches{exact}.")
+        return (f"note: {exact and exact + 'the current rung of '}rollout_fidelity=adaptive over {ladder}, now at rung {self.state.level}: one rung toward "
+                f"exact after a batch with k3_kl > {s.k3_max:g} or ESS < {s.ess_min:g}, one back after {s.patience} "
+                "calm batches.")

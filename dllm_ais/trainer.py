@@ -27,8 +27,8 @@ from dllm_ais.components import build_components, make_accelerator
 from dllm_ais.config import GRPOConfig, save_config
 from dllm_ais.correction import CorrectionSettings, RolloutCorrection
 from dllm_ais.data import load_task_dataset
-from dllm_ais.fidelity import FidelityState, RolloutFidelity
 from dllm_ais.evaluation import EvalResult, evaluate_policy, held_out_line, held_out_metrics
+from dllm_ais.fidelity import FidelityState, RolloutFidelity
 from dllm_ais.grpo import GenerationBatch, SkippedBatch
 from dllm_ais.interruption import StopSignals, TrainingInterrupted
 from dllm_ais.launch import (check_metric_for_best_model, check_processes, check_prompt_lengths, check_run_environment,
