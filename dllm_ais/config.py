@@ -17,8 +17,8 @@ from typing import Any
 import yaml
 
 from dllm_ais.choices import (
-    ALPHA_RULES, CACHE_MODES, CORRECTION_METHODS, ESTIMATORS, FIDELITY_MODES, IS_LEVELS, LOSS_TYPES, PRECISIONS, RATIO_TYPES,
-    REWARD_SCALINGS,
+    ALPHA_RULES, CACHE_MODES, CORRECTION_METHODS, ESTIMATORS, FIDELITY_MODES, IS_LEVELS, LOSS_TYPES, PRECISIONS,
+    RATIO_TYPES, REWARD_SCALINGS,
 )
 from dllm_ais.tasks import TaskNames
 from dllm_ais.trackers import TRACKERS, normalize_report_to

@@ -134,8 +134,8 @@ def next_fidelity(state: FidelityState, diagnostics: dict[str, float], settings:
 
 
 def exact_group_count(fraction: float, num_groups: int, draw: float) -> int:
-    """How many of `num_groups` groups to decode exactly: ⌊fraction · num_groups + u⌋ with u = `draw` ∈ [0, 1), the
-    stochastic rounding of fraction · num_groups (its expectation over u ~ U(0, 1) is exact)."""
+    """How many of `num_groups` groups to decode exactly: ⌊fraction · num_groups + u⌋ with u = `draw` ∈ [0, 1),
+    the stochastic rounding of fraction · num_groups (its expectation over u ~ U(0, 1) is exact)."""
     return min(math.floor(fraction * num_groups + draw), num_groups)
 
 
@@ -226,12 +226,14 @@ class RolloutFidelity:
 
     def start_note(self) -> str | None:
         """One line said at start about the decoders (None when there is nothing to say)."""
-        s = self.settings
-        exact = (f"rollout_exact_fraction={s.exact_fraction:g} of the GRPO groups are decoded exactly, the rest by "
-                 if s.exact_fraction > 0 else "")
-        if s.mode != "adaptive":
-            return f"note: {exact}{describe_decoder(self.policy.sampler_config)}." if exact else None
-        ladder = " -> ".join(describe_decoder(p.sampler_config) for p in self.policies)
-        return (f"note: {exact and exact + 'the current rung of '}rollout_fidelity=adaptive over {ladder}, now at rung {self.state.level}: one rung toward "
-                f"exact after a batch with k3_kl > {s.k3_max:g} or ESS < {s.ess_min:g}, one back after {s.patience} "
-                "calm batches.")
+        settings = self.settings
+        decoders = describe_decoder(self.policy.sampler_config)
+        if settings.mode == "adaptive":
+            ladder = " -> ".join(describe_decoder(policy.sampler_config) for policy in self.policies)
+            decoders = (f"rollout_fidelity=adaptive over {ladder}, now at rung {self.state.level}: one rung toward "
+                        f"exact after a batch with k3_kl > {settings.k3_max:g} or ESS < {settings.ess_min:g}, one back "
+                        f"after {settings.patience} calm batches")
+        if settings.exact_fraction > 0:
+            return (f"note: rollout_exact_fraction={settings.exact_fraction:g} of the GRPO groups are decoded exactly, "
+                    f"the rest by {decoders}.")
+        return f"note: {decoders}." if settings.mode == "adaptive" else None
