@@ -570,20 +570,23 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 class TrainingProgress:
     """What a checkpoint needs besides weights, optimizer, scheduler and the global RNGs (accelerate saves those):
-    the trainer's counters (steps, generation batches, tokens seen), prompt order and cursor, the α EMA, the held-out
-    baseline, the best validation score so far (TRL's `best_metric`, `best_global_step`, `best_model_checkpoint`),
-    the skip counters, the completion samples not yet logged and the generation batch in flight on every process
-    (each holds its own prompts' rollouts). The samplers' and estimators' generators are seeded from
-    `generation_index`.
+    the trainer's counters (steps, generation batches, tokens seen), prompt order and cursor, the α EMA, the adaptive
+    rollout fidelity's rung and calm-batch count, the held-out baseline, the best validation score so far (TRL's
+    `best_metric`, `best_global_step`, `best_model_checkpoint`), the skip counters, the completion samples not yet
+    logged and the generation batch in flight on every process (each holds its own prompts' rollouts). The samplers'
+    and estimators' generators are seeded from `generation_index`.
 
     This is the object `accelerator.register_for_checkpointing` stores (state_dict / load_state_dict); it holds
     tensors and plain values only, so resuming can check the file loads with `torch.load(weights_only=True)`.
     accelerate writes it from the main process only, so `state_dict` (called on every process) gathers the batches.
     """
 
-    FIELDS = ("run_id", "global_step", "generation_index", "previous_alpha", "prompt_order", "prompt_cursor",
-              "batch_iteration", "skipped_batches", "consecutive_skipped_batches", "num_input_tokens_seen",
-              "best_metric", "best_global_step", "best_model_checkpoint", "completion_samples")
+    FIELDS = ("run_id", "global_step", "generation_index", "previous_alpha", "rollout_fidelity_state", "prompt_order",
+              "prompt_cursor", "batch_iteration", "skipped_batches", "consecutive_skipped_batches",
+              "num_input_tokens_seen", "best_metric", "best_global_step", "best_model_checkpoint", "completion_samples")
+
+    ADDED_LATER = {"rollout_fidelity_state": {"level": 0, "calm_batches": 0}}
+    """Fields that checkpoints written before them lack, with the value that run had (so they still resume)."""
 
     def __init__(self, trainer: "GRPOTrainer"):
         self.trainer = trainer
@@ -598,7 +601,8 @@ class TrainingProgress:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name in self.FIELDS:
-            setattr(self.trainer, name, state[name])
+            setattr(self.trainer, name, state[name] if name in state or name not in self.ADDED_LATER
+                    else self.ADDED_LATER[name])
         batch, eval_before = state["batches"][self.trainer.accelerator.process_index], state["eval_before"]
         self.trainer.batch = None if batch is None else GenerationBatch.from_state_dict(batch, self.trainer.accelerator.device)
         self.trainer.eval_before = None if eval_before is None else EvalResult.from_state_dict(eval_before)

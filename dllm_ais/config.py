@@ -17,8 +17,8 @@ from typing import Any
 import yaml
 
 from dllm_ais.choices import (
-    ALPHA_RULES, CACHE_MODES, CORRECTION_METHODS, ESTIMATORS, IS_LEVELS, LOSS_TYPES, PRECISIONS, RATIO_TYPES,
-    REWARD_SCALINGS,
+    ALPHA_RULES, CACHE_MODES, CORRECTION_METHODS, ESTIMATORS, FIDELITY_MODES, IS_LEVELS, LOSS_TYPES, PRECISIONS,
+    RATIO_TYPES, REWARD_SCALINGS,
 )
 from dllm_ais.tasks import TaskNames
 from dllm_ais.trackers import TRACKERS, normalize_report_to
@@ -117,6 +117,22 @@ class GRPOConfig:
     rollout_cache_refresh_interval: int | None = field(default=None, metadata={**AT_LEAST_ONE,
         "help": "With rollout_cache: also refresh the cache every this many steps inside a block (1 = every step, "
                 "the uncached algorithm). None = only at each block's first step."})
+    rollout_fidelity: str = field(default="fixed", metadata={**_choice(*FIDELITY_MODES),
+        "help": "Diffusion fast rollouts: fixed = always the configured decoder; adaptive = a ladder from it to the "
+                "exact decoder (finer cache refreshes, stricter thresholds), one rung toward exact after a batch whose "
+                "importance ratio shows a large mismatch, one back after rollout_fidelity_patience calm batches. "
+                "Needs likelihood_estimator=trajectory with likelihood_order=rollout (the ratio that sees the decoder)."})
+    rollout_fidelity_k3_max: float = field(default=0.05, metadata={**NON_NEGATIVE,
+        "help": "rollout_fidelity=adaptive: a batch whose rollout_corr/k3_kl exceeds this moves one rung toward exact."})
+    rollout_fidelity_ess_min: float = field(default=0.9, metadata={"range": "[0, 1]",
+        "help": "rollout_fidelity=adaptive: a batch whose rollout_corr/rollout_is_eff_sample_size is below this moves "
+                "one rung toward exact (0 = off)."})
+    rollout_fidelity_patience: int = field(default=8, metadata={"range": "[1, 1000000]",
+        "help": "rollout_fidelity=adaptive: calm generation batches in a row after which the decoder moves one rung "
+                "back toward the fast one."})
+    rollout_exact_fraction: float = field(default=0.0, metadata={"range": "[0, 1]",
+        "help": "Diffusion fast rollouts: the share of each process' GRPO groups (whole groups) decoded by the exact "
+                "decoder (no cache, fixed schedule), the rest by the fast one; 0 = none."})
     top_k: int = field(default=0, metadata={**NON_NEGATIVE, "help": "Autoregressive sampling only; 0 = off."})
     top_p: float = field(default=1.0, metadata={"range": "(0, 1]", "help": "Autoregressive sampling only; 1 = off."})
 
@@ -241,12 +257,20 @@ class GRPOConfig:
         sees everything (exact rollouts) — measured costs in BENCHMARKS.md, "Fast rollouts"."""
         if not self.fast_rollouts or self.policy == "autoregressive":
             return None
-        if self.likelihood_estimator == "trajectory" and self.likelihood_order == "rollout":
+        if self.ratio_sees_decoder:
             return ("the trajectory estimator scores the fast sampler's own order: its ratio sees the cache's logit "
                     "error but not the shift of the visited canvas states, which cost the most exact-decoding accuracy "
                     "on the embedded task; likelihood_order=exact replays the exact decoder's order instead")
         return ("the fast decoder's approximation (cache, parallel commits) is not seen by the importance ratio, "
                 "which compares the engine and the trainer on the same canvases; only the rollout precision is")
+
+    @property
+    def ratio_sees_decoder(self) -> bool:
+        """Whether the importance ratio sees the rollout decoder's approximation (cache, parallel commits): only the
+        trajectory estimator scoring the rollout's own commit order compares the fast decoder's recorded log-probs
+        with the trainer's exact replay; the one-step estimator, and the replay along the exact order, score both
+        sides on the same canvases and see the rollout precision only."""
+        return self.likelihood_estimator == "trajectory" and self.likelihood_order == "rollout"
 
     def decoding(self, exact: bool) -> "GRPOConfig":
         """This config as an evaluation decodes: `exact` = d1's protocol (no cache, no parallel commits, whatever the
@@ -278,10 +302,11 @@ class GRPOConfig:
              f"max_completion_length={self.max_completion_length} must be a multiple of block_length={self.block_length}"),
             (self.rollout_threshold is None or self.rollout_factor is None,
              "rollout_threshold and rollout_factor are two parallel-decoding rules: set one of them"),
-            (self.policy == "autoregressive" or self.rollout_threshold is not None or self.rollout_factor is not None
+            (self.policy == "autoregressive"
              or self.diffusion_steps % max(self.max_completion_length // self.block_length, 1) == 0,
              f"diffusion_steps={self.diffusion_steps} must be a multiple of the number of blocks, max_completion_length "
-             f"/ block_length = {self.max_completion_length // self.block_length}"),
+             f"/ block_length = {self.max_completion_length // self.block_length} (the exact decoder, which validation "
+             "and rollout_fidelity use whatever the rollouts use, follows its fixed schedule)"),
             (self.policy == "autoregressive" or self.diffusion_steps <= self.max_completion_length,
              f"diffusion_steps={self.diffusion_steps} must be <= max_completion_length={self.max_completion_length} "
              "(at most one denoising step per token)"),
@@ -290,6 +315,16 @@ class GRPOConfig:
             (self.likelihood_order == "rollout" or self.likelihood_estimator == "trajectory",
              f"likelihood_order={self.likelihood_order} orders the trajectory estimator's replay: set "
              "likelihood_estimator=trajectory, or likelihood_order=rollout"),
+            (self.rollout_fidelity == "fixed" or (self.policy != "autoregressive" and self.fast_rollouts),
+             f"rollout_fidelity={self.rollout_fidelity} moves between a fast diffusion decoder and the exact one: set "
+             "rollout_cache, rollout_threshold or rollout_factor, or rollout_fidelity=fixed"),
+            (self.rollout_fidelity == "fixed" or self.policy == "autoregressive" or self.ratio_sees_decoder,
+             f"rollout_fidelity={self.rollout_fidelity} reacts to the decoder's mismatch, which only the trajectory "
+             "estimator's ratio sees: set likelihood_estimator=trajectory and likelihood_order=rollout, or "
+             "rollout_fidelity=fixed"),
+            (self.rollout_exact_fraction == 0 or (self.policy != "autoregressive" and self.fast_rollouts),
+             f"rollout_exact_fraction={self.rollout_exact_fraction} mixes exact with fast diffusion rollouts: set "
+             "rollout_cache, rollout_threshold or rollout_factor, or rollout_exact_fraction=0"),
             (not (self.overwrite_output_dir and self.resume_from_checkpoint not in (None, False)),
              "resume_from_checkpoint continues the run in output_dir; overwrite_output_dir=true starts afresh: set one"),
             (self.eval_steps == 0 or self.eval_size > 0,

@@ -3,7 +3,7 @@
 `make_generation_batch` (per device: `per_device_train_batch_size × gradient_accumulation_steps` completions):
 
 1. sync the rollout engine (FP8 copy of the policy) from the trainer, in place;
-2. sample G completions per prompt with the engine;
+2. sample G completions per prompt with the engine (the decoder of each group: `dllm_ais.fidelity`);
 3. score them with the reward functions; group advantages over the batch gathered from every process;
 4. log-probs with one estimator on both sides, per estimator seed: ℓ_rollout (engine), ℓ_old (trainer, no grad),
    ℓ_ref (adapter disabled, if β > 0);
@@ -29,6 +29,7 @@ from accelerate import Accelerator
 from dllm_ais.components import StepComponents
 from dllm_ais.config import GRPOConfig
 from dllm_ais.correction import CorrectionSettings, RolloutCorrection
+from dllm_ais.fidelity import RolloutFidelity, exact_share_metrics
 from dllm_ais.loss import grpo_loss, group_advantages
 from dllm_ais.metrics import completion_metrics, distinct_completions, ends_with_eos, reward_metrics
 from dllm_ais.ops import masked_mean
@@ -164,9 +165,13 @@ def sample_records(columns: dict[str, list], rollout: Rollout, tokenizer, table:
 
 def make_generation_batch(config: GRPOConfig, parts: StepComponents, tokenizer, reward_funcs: list[Callable],
                           columns: dict[str, list], generation_index: int, correction: RolloutCorrection,
-                          tokens_seen: int = 0) -> GenerationBatch:
+                          tokens_seen: int = 0, fidelity: RolloutFidelity | None = None) -> GenerationBatch:
     """Sample `columns["prompt"]` (whole groups of G) with the engine, score them, and compute log-probs and
     correction weights; `tokens_seen` is the run's token count before this batch.
+
+    `fidelity` says which decoder samples each group (the current rung of adaptive fidelity, the exact decoder for
+    the `rollout_exact_fraction` share) and advances on this batch's diagnostics; None = a fresh one from the
+    config (rung 0: the configured decoder).
 
     Raises SkippedBatch (on every process alike) when a reward or a log-prob is NaN or inf.
     """
@@ -174,8 +179,12 @@ def make_generation_batch(config: GRPOConfig, parts: StepComponents, tokenizer, 
     micro_batch_size = config.per_device_train_batch_size
     timings = {"timing/sync_s": parts.engine.sync_from(parts.unwrapped_model)}
     generator = torch.Generator(accelerator.device).manual_seed(config.seed + 7919 * generation_index + 104_729 * rank)
+    fidelity = fidelity or RolloutFidelity.from_config(config, parts.policy)
+    fidelity_metrics = fidelity.metrics()
+    num_exact = fidelity.exact_prompts(len(columns["prompt"]), config.num_generations, generation_index, rank)
+    policies = fidelity.prompt_policies(len(columns["prompt"]), num_exact)
     start = time.perf_counter()
-    rollout = sample_prompts(parts.policy, parts.engine.model, tokenizer, columns["prompt"], config.max_prompt_length,
+    rollout = sample_prompts(policies, parts.engine.model, tokenizer, columns["prompt"], config.max_prompt_length,
                              accelerator.device, generator, micro_batch_size)
     timings["timing/sample_s"] = time.perf_counter() - start
     tokens = rollout.attention_mask[:, :rollout.prompt_length].sum() + rollout.completion_mask.sum()
@@ -215,6 +224,10 @@ def make_generation_batch(config: GRPOConfig, parts: StepComponents, tokenizer, 
     corrections = correction([(gather(old), gather(ro)) for old, ro in zip(logp_old, logp_rollout)], all_advantages,
                              global_mask)
     timings["timing/correction_s"] = time.perf_counter() - start
+    fidelity.update([c.diagnostics for c in corrections])
+    if config.rollout_exact_fraction > 0:
+        decoded_exactly = torch.arange(len(rewards), device=accelerator.device) < num_exact
+        fidelity_metrics.update(exact_share_metrics(gather(decoded_exactly), all_rewards))
 
     lengths = gather(rollout.completion_mask.sum(1))
     terminated = gather(ends_with_eos(rollout.completion_ids, parts.policy.sampler_config.eos_token_ids).long())
@@ -223,7 +236,7 @@ def make_generation_batch(config: GRPOConfig, parts: StepComponents, tokenizer, 
         "completions/distinct_per_group": gather(distinct_completions(
             rollout.completion_ids, rollout.completion_mask, config.num_generations).to(accelerator.device)).mean().item(),
         **({} if rollout.num_steps is None else {"completions/mean_steps": rollout.num_steps.float().mean().item()}),
-        "num_tokens": float(tokens_seen), **per_function_metrics, **timings,
+        "num_tokens": float(tokens_seen), **fidelity_metrics, **per_function_metrics, **timings,
     }
     samples = None
     if config.log_completions and accelerator.is_main_process:

@@ -2,7 +2,8 @@
 
 Names follow the libraries users read them in: TRL's GRPO metrics (`reward`, `reward_std`, `frac_reward_zero_std`,
 `completions/*`, `entropy`, `num_tokens`, `clip_ratio/*`, `kl`, `sampling/*`), verl's rollout-correction metrics
-(`rollout_corr/*`, see `dllm_ais.correction`), the AIS diagnostics (`ais/*`) and the validation scores (`eval/*`).
+(`rollout_corr/*`, see `dllm_ais.correction`), the AIS diagnostics (`ais/*`), the rollout decoders (`rollout/*`, see
+`dllm_ais.fidelity`) and the validation scores (`eval/*`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ CONSOLE_FIELDS = (  # (metric key, console label, format)
     ("ais/shift_significance", "z²", ".1f"),
     ("rollout_corr/rollout_is_eff_sample_size", "ESS", ".3f"),
     ("rollout_corr/k3_kl", "k3", ".2e"),
+    ("rollout/fidelity_level", "rung", ".0f"),
     ("clip_ratio/region_mean", "clip", ".3f"),
     ("entropy", "H", ".3f"),
     ("loss", "loss", "+.4f"),
@@ -35,7 +37,7 @@ CONSOLE_FIELDS = (  # (metric key, console label, format)
 EVAL_CONSOLE_FIELDS = (("eval/reward", "reward", ".4f"), ("eval/accuracy", "accuracy", ".4f"))
 PLOTTED = ("reward", "eval/reward", "eval/accuracy", "frac_reward_zero_std", "entropy", "completions/mean_length",
            "ais/alpha", "ais/shift_significance", "rollout_corr/rollout_is_eff_sample_size", "rollout_corr/k3_kl",
-           "rollout_corr/rollout_is_ratio_fraction_high", "kl")
+           "rollout_corr/rollout_is_ratio_fraction_high", "kl", "rollout/fidelity_level")
 
 # verl's documented warning levels for the rollout/trainer mismatch: (metric, crossed?, the level)
 MISMATCH_WARNING_LEVELS: tuple[tuple[str, Callable[[float], bool], str], ...] = (

@@ -7,6 +7,7 @@ per-token log-probs [B, L], so both policy families share one correction path.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -164,12 +165,20 @@ def build_policy(config: "GRPOConfig", model_config, tokenizer, temperature: flo
     return AutoregressivePolicy(sampler)
 
 
-def sample_prompts(policy: Policy, model: nn.Module, tokenizer, prompts: list, max_prompt_length: int | None,
-                   device: torch.device, generator: torch.Generator | None,
+def sample_prompts(policy: Policy | list[Policy], model: nn.Module, tokenizer, prompts: list,
+                   max_prompt_length: int | None, device: torch.device, generator: torch.Generator | None,
                    micro_batch_size: int | None = None) -> Rollout:
-    """Tokenize `prompts` (left padded on one canvas) and roll them out with `policy` on `model`, in micro-batches
-    of `micro_batch_size` (default: all at once)."""
+    """Tokenize `prompts` (left padded on one canvas) and roll them out on `model` with `policy` — or with
+    `policy[i]` for prompt i, consecutive prompts of one policy together — in micro-batches of `micro_batch_size`
+    (default: all of one policy at once)."""
     input_ids, attention_mask = tokenize_prompts(tokenizer, prompts, max_prompt_length, device)
-    size = micro_batch_size or len(input_ids)
-    return Rollout.concatenate([policy.sample(model, input_ids[i:i + size], attention_mask[i:i + size], generator)
-                                for i in range(0, len(input_ids), size)])
+    policies = policy if isinstance(policy, list) else [policy] * len(input_ids)
+    rollouts, start = [], 0
+    for _, run in itertools.groupby(policies, key=id):
+        stop = start + len(list(run))
+        size = micro_batch_size or stop - start
+        rollouts += [policies[start].sample(model, input_ids[i:min(i + size, stop)],
+                                            attention_mask[i:min(i + size, stop)], generator)
+                     for i in range(start, stop, size)]
+        start = stop
+    return Rollout.concatenate(rollouts)

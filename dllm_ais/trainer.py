@@ -8,6 +8,7 @@ failure policy (skipped non-finite batches, signals).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import signal
 import time
@@ -27,6 +28,7 @@ from dllm_ais.config import GRPOConfig, save_config
 from dllm_ais.correction import CorrectionSettings, RolloutCorrection
 from dllm_ais.data import load_task_dataset
 from dllm_ais.evaluation import EvalResult, evaluate_policy, held_out_line, held_out_metrics
+from dllm_ais.fidelity import FidelityState, RolloutFidelity
 from dllm_ais.grpo import GenerationBatch, SkippedBatch
 from dllm_ais.interruption import StopSignals, TrainingInterrupted
 from dllm_ais.launch import (check_metric_for_best_model, check_processes, check_prompt_lengths, check_run_environment,
@@ -103,8 +105,11 @@ class GRPOTrainer:
         self.best_model_checkpoint: str | None = None
         self.completion_samples: list[dict[str, Any]] | None = None  # of the newest generation batch, until logged
         self.checkpointer = Checkpointer(config, self.parts, self.tokenizer, self)
+        self.fidelity = RolloutFidelity.from_config(config, self.policy)
         if self.resume_from is not None:
             self.checkpointer.resume(self.resume_from, len(self.train_dataset))
+        if self.accelerator.is_main_process and (note := self.fidelity.start_note()):
+            print(note)
 
     @property
     def unwrapped_model(self):
@@ -122,6 +127,15 @@ class GRPOTrainer:
     @previous_alpha.setter
     def previous_alpha(self, value: float | None) -> None:
         self.correction.previous_alpha = value
+
+    @property
+    def rollout_fidelity_state(self) -> dict[str, int]:
+        """The adaptive-fidelity controller's rung and calm-batch count (checkpointed)."""
+        return dataclasses.asdict(self.fidelity.state)
+
+    @rollout_fidelity_state.setter
+    def rollout_fidelity_state(self, value: dict[str, int]) -> None:
+        self.fidelity.state = FidelityState(**value)
 
     # ----------------------------------------------------------------------------------------------- the step
     def next_prompts(self) -> dict[str, list]:
@@ -143,7 +157,8 @@ class GRPOTrainer:
         index = self.generation_index
         self.generation_index += 1
         batch = grpo.make_generation_batch(self.config, self.parts, self.tokenizer, self.reward_funcs,
-                                           self.next_prompts(), index, self.correction, self.num_input_tokens_seen)
+                                           self.next_prompts(), index, self.correction, self.num_input_tokens_seen,
+                                           self.fidelity)
         self.num_input_tokens_seen = int(batch.metrics["num_tokens"])
         if batch.completion_samples is not None:
             self.completion_samples = batch.completion_samples
