@@ -214,8 +214,9 @@ def build_policy(config: "GRPOConfig", model_config, tokenizer, temperature: flo
                 raise ValueError(f"sampler= built a {type(built).__name__}, not a MaskedDiffusionSampler: pass a "
                                  "MaskedDiffusionSampler subclass, or a callable returning one of its instances")
             sampler = built
-        return DiffusionPolicy(sampler_config, estimator=config.likelihood_estimator, p_mask_prompt=config.p_mask_prompt,
-                               likelihood_order=config.likelihood_order, sampler=sampler)
+        return DiffusionPolicy(sampler_config, estimator=config.likelihood_estimator,
+                               p_mask_prompt=config.p_mask_prompt, likelihood_order=config.likelihood_order,
+                               sampler=sampler)
     sampler = AutoregressiveSamplerConfig(
         max_new_tokens=config.max_completion_length, temperature=temperature, top_k=config.top_k, top_p=config.top_p,
         eos_token_ids=tokens.eos_token_ids, pad_token_id=tokens.pad_token_id)
@@ -254,9 +255,10 @@ def custom_policy_problems(config: "GRPOConfig", model_config, tokenizer, sample
     it can.
 
     `sampler` must be a `MaskedDiffusionSampler` instance or a callable building one (`CustomSampler`), for a
-    diffusion policy; an instance's settings must equal the config's (`diffusion_sampler_config`: rollouts, metrics, checkpoints and the held-out decoder
-    follow the config). `policy` must provide the `Policy` methods and ``sampler_config.eos_token_ids``; a
-    `DiffusionPolicy` must also agree with the config's sampler settings and its estimator settings.
+    diffusion policy; an instance's settings must equal the config's (`diffusion_sampler_config`: rollouts,
+    metrics, checkpoints and the held-out decoder follow the config). `policy` must provide the `Policy` methods and
+    ``sampler_config.eos_token_ids``; a `DiffusionPolicy` must also agree with the config's sampler settings and its
+    estimator settings.
     """
     if sampler is not None and policy is not None:
         return ["pass sampler= or policy=, not both (a policy holds its sampler)"]

@@ -68,7 +68,8 @@ def test_a_biased_logit_stage_is_scored_exactly_as_sampled_by_the_trajectory_est
     batch = trainer.make_generation_batch()
     mask = batch.rollout.completion_mask
     assert torch.equal(batch.logp_old[0][mask], batch.rollout.step_logprobs[mask])
-    assert batch.diagnostics[0]["rollout_corr/rollout_is_min"] == batch.diagnostics[0]["rollout_corr/rollout_is_max"] == 1
+    diagnostics = batch.diagnostics[0]
+    assert diagnostics["rollout_corr/rollout_is_min"] == diagnostics["rollout_corr/rollout_is_max"] == 1
     plain = trajectory_logprobs(trainer.unwrapped_model, batch.rollout, tokenizer.mask_token_id, temperature=1.0,
                                 logits_fn=plain_logits)
     assert (plain - batch.rollout.step_logprobs)[mask].abs().max() > 0.5
@@ -110,7 +111,8 @@ def test_scoring_logits_keeps_the_last_positions_or_the_given_ones(tokenizer):
     canvas_attention = torch.cat([attention, torch.ones(2, 8, dtype=attention.dtype)], dim=1)
     with torch.no_grad():
         last = sampler.scoring_logits(model, canvas, canvas_attention, 8)
-        listed = sampler.scoring_logits(model, canvas, canvas_attention, torch.tensor([ids.shape[1] + 2, canvas.shape[1] - 1]))
+        positions = torch.tensor([ids.shape[1] + 2, canvas.shape[1] - 1])
+        listed = sampler.scoring_logits(model, canvas, canvas_attention, positions)
         assert torch.equal(last, plain_logits(model, canvas, canvas_attention, 8))
     torch.testing.assert_close(listed, last[:, [2, 7]])
     with pytest.raises(ValueError, match="gen_length=8"):

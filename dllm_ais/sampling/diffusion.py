@@ -596,7 +596,11 @@ class MaskedDiffusionSampler:
         return logits
 
     def scoring_logits(
-        self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, logits_to_keep: torch.Tensor | int
+        self,
+        model: Any,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        logits_to_keep: torch.Tensor | int,
     ) -> torch.Tensor:
         """The likelihood estimators' ``logits_fn`` (`dllm_ais.likelihood.LogitsFn`): logits [B, K, V] at the kept
         positions of canvases `input_ids` [B, P + gen_length], computed by `block_logits` as sampling computes them
@@ -617,7 +621,8 @@ class MaskedDiffusionSampler:
             )
         positions = logits_to_keep
         if not isinstance(positions, torch.Tensor):
-            positions = torch.arange(total_length - positions if positions else 0, total_length, device=input_ids.device)
+            first = total_length - positions if positions else 0
+            positions = torch.arange(first, total_length, device=input_ids.device)
         return self.block_logits(model, input_ids, attention_mask, prompt_length, positions,
                                  self.resolve_token_ids(model))
 
