@@ -11,10 +11,12 @@ from accelerate import Accelerator
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import get_scheduler
 
-from dllm_ais.config import GRPOConfig
+from dllm_ais.config import ConfigError, GRPOConfig
 from dllm_ais.engine import RolloutEngine
 from dllm_ais.loading import load_model, resolve_dtype
-from dllm_ais.policy import Policy, build_policy, lora_target_modules
+from dllm_ais.validation import problem_list
+from dllm_ais.policy import (CustomSampler, DiffusionPolicy, Policy, build_policy,
+                             custom_policy_problems, lora_target_modules)
 
 
 @dataclass
@@ -22,7 +24,7 @@ class StepComponents:
     """What one GRPO step works with. `model` is the prepared (possibly wrapped or sharded) trainer model;
     `reference_model` is None when the reference is the model with its adapter disabled (or when beta = 0).
     `greedy_policy` decodes held-out prompts exactly (d1's protocol, whatever the rollouts use);
-    `rollout_sampler_policy` decodes them greedily with the rollout sampler, when that one is fast."""
+    `rollout_sampler_policy` decodes them greedily with the rollout sampler, when that one is fast or custom."""
 
     accelerator: Accelerator
     policy: Policy
@@ -53,15 +55,45 @@ def make_accelerator(config: GRPOConfig) -> Accelerator:
                        step_scheduler_with_optimizer=False)
 
 
-def build_components(config: GRPOConfig, tokenizer, accelerator: Accelerator, model=None) -> StepComponents:
-    """Load the model (unless given), wrap it in LoRA (`use_peft`), copy the reference (full fine-tuning with
-    beta > 0) and the rollout engine, and prepare model, AdamW and the scheduler with `accelerator`."""
+def training_policies(config: GRPOConfig, model_config, tokenizer, sampler: CustomSampler | None = None,
+                      policy: Policy | None = None) -> tuple[Policy, Policy, Policy | None]:
+    """The run's policies: the one it samples and scores with, the exact greedy decoder of held-out validation, and
+    the greedy decoder of the run's own sampler when that is not the exact one (scored after training as
+    `eval/rollout_sampler/*`).
+
+    The first is built from the config, or around `sampler` (a `MaskedDiffusionSampler` subclass or instance,
+    `build_policy`), or is `policy` itself (any `Policy`). Validation always decodes with the config's exact decoder
+    (d1's protocol: LLaDA's own algorithm, greedy, no cache, no parallel commits), whatever samples the rollouts. The
+    own sampler's score exists for fast rollouts (cache, parallel decoding) and for every custom sampler
+    (`sampler=`, or a `DiffusionPolicy` as `policy=`): its greedy copy (`MaskedDiffusionSampler.with_config`); a
+    `policy` of another kind has none. Raises ConfigError naming what `sampler`/`policy` get wrong
+    (`custom_policy_problems`) or a refusal of `DiffusionPolicy` (an estimator that cannot score the sampler).
+    """
+    problems = custom_policy_problems(config, model_config, tokenizer, sampler, policy)
+    if problems:
+        raise ConfigError(problem_list("Cannot start the run:", problems))
+    greedy_policy = build_policy(config.decoding(exact=True), model_config, tokenizer, temperature=0.0)
+    if isinstance(policy, DiffusionPolicy):
+        sampler = policy.sampler
+    try:
+        run_policy = policy or build_policy(config, model_config, tokenizer, sampler=sampler)
+    except ValueError as error:
+        raise ConfigError(problem_list("Cannot start the run:", [str(error)])) from error
+    own_sampler_policy = None
+    if sampler is not None or (policy is None and config.fast_rollouts):
+        own_sampler_policy = build_policy(config.decoding(exact=False), model_config, tokenizer, temperature=0.0,
+                                          sampler=sampler)
+    return run_policy, greedy_policy, own_sampler_policy
+
+
+def build_components(config: GRPOConfig, tokenizer, accelerator: Accelerator, model=None,
+                     sampler: CustomSampler | None = None, policy: Policy | None = None) -> StepComponents:
+    """Load the model (unless given), build the policies (`training_policies`: from the config, or around `sampler`,
+    or `policy` as given), wrap the model in LoRA (`use_peft`), copy the reference (full fine-tuning with beta > 0)
+    and the rollout engine, and prepare model, AdamW and the scheduler with `accelerator`."""
     model = model or load_model(config.model_name_or_path, resolve_dtype(config.dtype), config.trust_remote_code,
                                 is_trainable=True)
-    policy = build_policy(config, model.config, tokenizer)
-    greedy_policy = build_policy(config.decoding(exact=True), model.config, tokenizer, temperature=0.0)
-    rollout_sampler_policy = (build_policy(config.decoding(exact=False), model.config, tokenizer, temperature=0.0)
-                              if config.fast_rollouts else None)
+    policy, greedy_policy, rollout_sampler_policy = training_policies(config, model.config, tokenizer, sampler, policy)
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     if config.use_peft and not isinstance(model, PeftModel):

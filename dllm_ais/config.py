@@ -104,7 +104,9 @@ class GRPOConfig:
     block_length: int = field(default=32, metadata=AT_LEAST_ONE)
     temperature: float = field(default=0.9, metadata=NON_NEGATIVE)
     remasking: str = field(default="low_confidence", metadata={"help": "Remasking rule name (low_confidence, random, ...)."})
-    cfg_scale: float = field(default=0.0, metadata=NON_NEGATIVE)
+    cfg_scale: float = field(default=0.0, metadata={**NON_NEGATIVE,
+        "help": "Diffusion classifier-free guidance s: logits = u + (s + 1)(c - u), u with the prompt masked (two "
+                "forwards' worth per step); every likelihood estimator scores the guided logits, as sampled (as d1)."})
     rollout_cache: str = field(default="none", metadata={**_choice(*CACHE_MODES),
         "help": "Diffusion block KV cache (Fast-dLLM): none = official algorithm; prefix / dual reuse keys/values "
                 "within a block (approximate: the trajectory estimator's ratio sees it, the one-step one does not)."})
@@ -310,8 +312,6 @@ class GRPOConfig:
             (self.policy == "autoregressive" or self.diffusion_steps <= self.max_completion_length,
              f"diffusion_steps={self.diffusion_steps} must be <= max_completion_length={self.max_completion_length} "
              "(at most one denoising step per token)"),
-            (self.likelihood_estimator != "trajectory" or self.cfg_scale == 0,
-             "likelihood_estimator=trajectory replays the plain model: set cfg_scale=0 or use one_step"),
             (self.likelihood_order == "rollout" or self.likelihood_estimator == "trajectory",
              f"likelihood_order={self.likelihood_order} orders the trajectory estimator's replay: set "
              "likelihood_estimator=trajectory, or likelihood_order=rollout"),

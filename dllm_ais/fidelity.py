@@ -41,11 +41,6 @@ FACTOR_RUNGS = (0.5, 0.25)  # multiples of the configured factor; the rung after
 K3_KEY, ESS_KEY = "rollout_corr/k3_kl", "rollout_corr/rollout_is_eff_sample_size"
 
 
-def exact_decoder(config: DiffusionSamplerConfig) -> DiffusionSamplerConfig:
-    """`config` without its approximations: no cache, no parallel commits (the fixed schedule of `steps`)."""
-    return dataclasses.replace(config, cache="none", cache_refresh_interval=None, threshold=None, factor=None)
-
-
 def _cache_axis(config: DiffusionSamplerConfig) -> list[dict[str, Any]]:
     """The cache settings from the configured one to none: refresh intervals finer than the configured one."""
     if config.cache == "none":
@@ -68,7 +63,7 @@ def _parallel_axis(config: DiffusionSamplerConfig) -> list[dict[str, Any]]:
 
 
 def fidelity_ladder(config: DiffusionSamplerConfig) -> list[DiffusionSamplerConfig]:
-    """The decoders from `config` (rung 0) to `exact_decoder(config)` (the last rung), each more exact than the one
+    """The decoders from `config` (rung 0) to `config.exact()` (the last rung), each more exact than the one
     before: rung k takes the k-th setting of each approximation's axis (its last once the axis is exhausted),
 
     - cache: the configured refresh interval, then 4, then 2 (those finer than it), then no cache;
@@ -83,7 +78,7 @@ def fidelity_ladder(config: DiffusionSamplerConfig) -> list[DiffusionSamplerConf
     rungs = [dataclasses.replace(config, **{key: value for axis in axes
                                             for key, value in axis[min(rung, len(axis) - 1)].items()})
              for rung in range(length - 1)]
-    return rungs + [exact_decoder(config)]
+    return rungs + [config.exact()]
 
 
 @dataclass(frozen=True)
@@ -183,7 +178,7 @@ class RolloutFidelity:
         self.settings = settings
         sampler_config = getattr(policy, "sampler_config", None)
         ladder = fidelity_ladder(sampler_config) if isinstance(sampler_config, DiffusionSamplerConfig) else []
-        self.policies = [policy] + [dataclasses.replace(policy, sampler_config=rung) for rung in ladder[1:]]
+        self.policies = [policy] + [policy.with_decoder(rung) for rung in ladder[1:]]
         self.state = FidelityState()
 
     @classmethod

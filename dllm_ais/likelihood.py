@@ -327,7 +327,8 @@ def trajectory_logprobs(
     ℓ = log softmax(f(canvas_t) / τ)[token] at their positions (τ = 0: plain softmax) — the quantity a
     masked-diffusion sampler records in `rollout.step_logprobs`, which is therefore this estimator's
     rollout-side value. Samplers that alter the logits further (classifier-free guidance, EOS
-    suppression) record their altered distribution; this replay scores the plain model.
+    suppression) record their altered distribution; this replay scores what `logits_fn` returns: the
+    plain model by default, the sampler's processing with its `MaskedDiffusionSampler.scoring_logits`.
 
     Cost: one forward per distinct step, `steps_per_forward` canvases stacked along the batch per
     forward (memory grows linearly with it; the result does not depend on it). Each forward computes

@@ -9,16 +9,16 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
 from torch import nn
 
 from dllm_ais.data import tokenize_prompts
 from dllm_ais.likelihood import DIFFUSION_ESTIMATORS, EstimatorSettings, causal_logprobs
-from dllm_ais.loading import special_tokens
+from dllm_ais.loading import SpecialTokens, special_tokens
 from dllm_ais.sampling.autoregressive import AutoregressiveSampler, AutoregressiveSamplerConfig
-from dllm_ais.sampling.diffusion import DiffusionSamplerConfig, MaskedDiffusionSampler
+from dllm_ais.sampling.diffusion import DiffusionSamplerConfig, MaskedDiffusionSampler, resolve_remasking_rule
 from dllm_ais.sampling.rollout import Rollout
 
 if TYPE_CHECKING:
@@ -42,13 +42,20 @@ def lora_target_modules(model_type: str) -> str | list[str]:
 
 
 class Policy(Protocol):
-    """What the trainer needs from a policy family.
+    """What the trainer needs from a policy (``GRPOTrainer(config, policy=...)`` takes any object providing it).
 
-    `logprobs(..., compute_entropy=True)` also returns the per-token entropy [B, L] of the distribution each token
-    is scored under, from the same forward. `num_estimator_seeds(μ)` tells how many distinct estimator draws one
-    generation batch uses: the one-step diffusion surrogate draws fresh masks per inner iteration, exact estimators
-    need one.
+    `sample` completes left-padded prompts into a `Rollout` (all randomness from `generator`). `logprobs` scores a
+    rollout's completion tokens [B, L] under `model` (the trainer: ℓ_old without grad, ℓ_θ with grad; the same
+    `seed` gives the same estimator draws); with `compute_entropy=True` it also returns the per-token entropy [B, L]
+    of the distribution each token is scored under, from the same forward. `rollout_logprobs` is the rollout side,
+    ℓ_rollout, of the same estimator under the engine's model (or the log-probs the sampler recorded), so that
+    exp(ℓ_old − ℓ_rollout) sees the engine's mismatch and nothing else. `num_estimator_seeds(μ)` tells how many
+    distinct estimator draws one generation batch uses: the one-step diffusion surrogate draws fresh masks per inner
+    iteration, exact estimators need one. `sampler_config.eos_token_ids` are the tokens that end a completion
+    (the `completions/clipped_ratio` metric counts those without one).
     """
+
+    sampler_config: Any
 
     def sample(self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                generator: torch.Generator | None) -> Rollout: ...
@@ -63,29 +70,51 @@ class Policy(Protocol):
 
 @dataclass
 class DiffusionPolicy:
-    """Masked-diffusion policy (LLaDA): the LLaDA sampler plus a diffusion likelihood estimator.
+    """Masked-diffusion policy (LLaDA): a `MaskedDiffusionSampler` plus a diffusion likelihood estimator.
 
-    Rollout-side and trainer-side log-probs use the same estimator with the same seed, so their ratio measures
-    the precision mismatch and nothing else. For the trajectory estimator the rollout side is free: it is the
-    sampler's recorded per-step unmasking log-prob. `estimator` names one of `DIFFUSION_ESTIMATORS`; `GRPOConfig`
-    checks it and that the trajectory estimator, which replays the plain model, is not asked to reproduce guidance.
+    `sampler` defaults to the plain ``MaskedDiffusionSampler(sampler_config)``; a subclass instance (its config
+    equal to `sampler_config`, see `for_sampler`) samples instead. Rollout-side and trainer-side log-probs use the
+    same estimator with the same seed, so their ratio measures the engine's mismatch and nothing else. Every
+    estimator computes its logits with the sampler's `MaskedDiffusionSampler.scoring_logits` (its `block_logits`
+    without a cache), so guidance and a subclass's logit processing are scored as sampled. For the trajectory
+    estimator the rollout side is free: the sampler's recorded per-step log-prob (`token_logprobs`), which the
+    trainer side scores as softmax(logits / τ); a sampler overriding `token_logprobs` is therefore refused with it.
+    `estimator` names one of `DIFFUSION_ESTIMATORS`.
     """
 
     sampler_config: DiffusionSamplerConfig
     estimator: str = "one_step"
     p_mask_prompt: float = 0.15
     likelihood_order: str = "rollout"
+    sampler: MaskedDiffusionSampler | None = None
+
+    @classmethod
+    def for_sampler(cls, sampler: MaskedDiffusionSampler, **settings) -> "DiffusionPolicy":
+        """The policy sampling with `sampler` (its config is the policy's `sampler_config`); `settings` are the other
+        fields (estimator, p_mask_prompt, likelihood_order)."""
+        return cls(sampler.config, sampler=sampler, **settings)
 
     def __post_init__(self):
-        self.sampler = MaskedDiffusionSampler(self.sampler_config)
+        if self.sampler is None:
+            self.sampler = MaskedDiffusionSampler(self.sampler_config)
+        elif self.sampler.config != self.sampler_config:
+            raise ValueError("DiffusionPolicy: sampler.config differs from sampler_config; build it with "
+                             "DiffusionPolicy.for_sampler(sampler, ...)")
         self.scorer = DIFFUSION_ESTIMATORS[self.estimator]
+        if self.scorer.recorded_by_sampler and overrides(self.sampler, "token_logprobs"):
+            raise ValueError(
+                f"{type(self.sampler).__name__} overrides token_logprobs, but the {self.estimator} estimator scores "
+                "softmax(logits / temperature) against the log-probs the sampler records: move that processing into "
+                "block_logits (scored exactly as sampled), or use likelihood_estimator=one_step")
         self.estimator_settings = EstimatorSettings(self.sampler_config.mask_token_id, self.sampler_config.temperature,
-                                                    self.p_mask_prompt)
+                                                    self.p_mask_prompt, logits_fn=self.sampler.scoring_logits)
         self.exact_order_sampler = None
         if self.estimator == "trajectory" and self.likelihood_order == "exact":
-            exact = dataclasses.replace(self.sampler_config, cache="none", cache_refresh_interval=None, threshold=None,
-                                        factor=None)
-            self.exact_order_sampler = MaskedDiffusionSampler(exact)
+            self.exact_order_sampler = self.sampler.with_config(self.sampler_config.exact())
+
+    def with_decoder(self, sampler_config: DiffusionSamplerConfig) -> "DiffusionPolicy":
+        """This policy (its sampler's class and stages, its estimator) decoding with other sampler settings."""
+        return dataclasses.replace(self, sampler_config=sampler_config, sampler=self.sampler.with_config(sampler_config))
 
     def sample(self, model, input_ids, attention_mask, generator) -> Rollout:
         """A rollout of the sampler; with `likelihood_order="exact"` its completions replayed by the same `model`
@@ -137,6 +166,11 @@ class AutoregressivePolicy:
         return 1
 
 
+def overrides(sampler: MaskedDiffusionSampler, stage: str) -> bool:
+    """Whether `sampler`'s class replaces the `MaskedDiffusionSampler` method named `stage`."""
+    return getattr(type(sampler), stage) is not getattr(MaskedDiffusionSampler, stage)
+
+
 def is_diffusion(policy: str, model_type: str | None) -> bool:
     """Whether the `policy` setting (auto, diffusion or autoregressive) names a masked-diffusion policy for a model
     of `model_type`: with auto, whether the model is LLaDA."""
@@ -145,24 +179,122 @@ def is_diffusion(policy: str, model_type: str | None) -> bool:
     return policy == "diffusion"
 
 
-def build_policy(config: "GRPOConfig", model_config, tokenizer, temperature: float | None = None) -> Policy:
-    """The diffusion or autoregressive policy for this config (`temperature` overrides, e.g. 0 for greedy eval)."""
+def diffusion_sampler_config(config: "GRPOConfig", tokens: SpecialTokens, temperature: float) -> DiffusionSamplerConfig:
+    """The masked-diffusion sampler settings of `config` (`max_completion_length`, `block_length`,
+    `diffusion_steps`, `remasking`, `cfg_scale`, `rollout_*`) at `temperature`, with the model's special tokens."""
+    return DiffusionSamplerConfig(
+        gen_length=config.max_completion_length, block_length=config.block_length, steps=config.diffusion_steps,
+        temperature=temperature, remasking=config.remasking, mask_token_id=tokens.mask_token_id,
+        eos_token_ids=tokens.eos_token_ids, pad_token_id=tokens.pad_token_id, cfg_scale=config.cfg_scale,
+        cache=config.rollout_cache, cache_refresh_interval=config.rollout_cache_refresh_interval,
+        threshold=config.rollout_threshold, factor=config.rollout_factor)
+
+
+CustomSampler = MaskedDiffusionSampler | Callable[[DiffusionSamplerConfig], MaskedDiffusionSampler]
+"""What ``GRPOTrainer(sampler=...)`` takes: a sampler, or a callable building one from the run's
+`DiffusionSamplerConfig` (the subclass itself, or e.g. ``functools.partial(MySampler, bias=...)``)."""
+
+
+def build_policy(config: "GRPOConfig", model_config, tokenizer, temperature: float | None = None,
+                 sampler: CustomSampler | None = None) -> Policy:
+    """The diffusion or autoregressive policy for this config (`temperature` overrides, e.g. 0 for greedy eval).
+
+    `sampler` (diffusion only) samples instead of the plain `MaskedDiffusionSampler`: a callable (a subclass, a
+    factory) is called with the config's sampler settings; an instance, whose config must be those settings at the
+    config's temperature (`custom_policy_problems`), is used as it is, or through
+    `MaskedDiffusionSampler.with_config` at another `temperature`.
+    """
     diffusion = is_diffusion(config.policy, getattr(model_config, "model_type", None))
     tokens = special_tokens(tokenizer, model_config, diffusion)
     temperature = config.temperature if temperature is None else temperature
     if diffusion:
-        sampler = DiffusionSamplerConfig(
-            gen_length=config.max_completion_length, block_length=config.block_length, steps=config.diffusion_steps,
-            temperature=temperature, remasking=config.remasking, mask_token_id=tokens.mask_token_id,
-            eos_token_ids=tokens.eos_token_ids, pad_token_id=tokens.pad_token_id, cfg_scale=config.cfg_scale,
-            cache=config.rollout_cache, cache_refresh_interval=config.rollout_cache_refresh_interval,
-            threshold=config.rollout_threshold, factor=config.rollout_factor)
-        return DiffusionPolicy(sampler, estimator=config.likelihood_estimator, p_mask_prompt=config.p_mask_prompt,
-                               likelihood_order=config.likelihood_order)
+        sampler_config = diffusion_sampler_config(config, tokens, temperature)
+        if isinstance(sampler, MaskedDiffusionSampler):
+            sampler = sampler if sampler.config == sampler_config else sampler.with_config(sampler_config)
+        elif sampler is not None:
+            built = sampler(sampler_config)
+            if not isinstance(built, MaskedDiffusionSampler):
+                raise ValueError(f"sampler= built a {type(built).__name__}, not a MaskedDiffusionSampler: pass a "
+                                 "MaskedDiffusionSampler subclass, or a callable returning one of its instances")
+            sampler = built
+        return DiffusionPolicy(sampler_config, estimator=config.likelihood_estimator,
+                               p_mask_prompt=config.p_mask_prompt, likelihood_order=config.likelihood_order,
+                               sampler=sampler)
     sampler = AutoregressiveSamplerConfig(
         max_new_tokens=config.max_completion_length, temperature=temperature, top_k=config.top_k, top_p=config.top_p,
         eos_token_ids=tokens.eos_token_ids, pad_token_id=tokens.pad_token_id)
     return AutoregressivePolicy(sampler)
+
+
+POLICY_METHODS = ("sample", "logprobs", "rollout_logprobs", "num_estimator_seeds")
+TOKEN_ID_FIELDS = ("mask_token_id", "eos_token_ids", "pad_token_id")
+SAMPLER_FIELD_OF_CONFIG = {"gen_length": "max_completion_length", "steps": "diffusion_steps", "cache": "rollout_cache",
+                           "cache_refresh_interval": "rollout_cache_refresh_interval", "threshold": "rollout_threshold",
+                           "factor": "rollout_factor"}
+
+
+def _sampler_setting_problems(expected: DiffusionSamplerConfig, sampler: MaskedDiffusionSampler) -> list[str]:
+    """The settings of `sampler.config` that differ from `expected` (the run config's), in one line naming each with
+    its config field; remasking rules compare as the callables they resolve to."""
+    differences = []
+    for field in dataclasses.fields(DiffusionSamplerConfig):
+        got, want = getattr(sampler.config, field.name), getattr(expected, field.name)
+        same = (resolve_remasking_rule(got) is resolve_remasking_rule(want) if field.name == "remasking"
+                else got == want)
+        if not same:
+            source = ("the model's and tokenizer's" if field.name in TOKEN_ID_FIELDS
+                      else f"config {SAMPLER_FIELD_OF_CONFIG.get(field.name, field.name)}")
+            differences.append(f"{field.name}={got!r} ({source}: {want!r})")
+    if not differences:
+        return []
+    return [f"the sampler's settings differ from the config's, which record the run and its held-out decoder: "
+            f"{', '.join(differences)}; pass the sampler's class or a factory (the trainer builds it from the config), "
+            "or set both alike (a remasking callable: register it with register_remasking_rule, name it in remasking)"]
+
+
+def custom_policy_problems(config: "GRPOConfig", model_config, tokenizer, sampler: CustomSampler | None = None,
+                           policy: Policy | None = None) -> list[str]:
+    """Why `GRPOTrainer(config, sampler=..., policy=...)` cannot train with what it was given, one line each; [] when
+    it can.
+
+    `sampler` must be a `MaskedDiffusionSampler` instance or a callable building one (`CustomSampler`), for a
+    diffusion policy; an instance's settings must equal the config's (`diffusion_sampler_config`: rollouts,
+    metrics, checkpoints and the held-out decoder follow the config). `policy` must provide the `Policy` methods and
+    ``sampler_config.eos_token_ids``; a `DiffusionPolicy` must also agree with the config's sampler settings and its
+    estimator settings.
+    """
+    if sampler is not None and policy is not None:
+        return ["pass sampler= or policy=, not both (a policy holds its sampler)"]
+    problems = []
+    if policy is not None:
+        missing = [name for name in POLICY_METHODS if not callable(getattr(policy, name, None))]
+        if not hasattr(getattr(policy, "sampler_config", None), "eos_token_ids"):
+            missing.append("sampler_config.eos_token_ids")
+        if missing:
+            return [f"policy= must provide the dllm_ais.policy.Policy protocol; {type(policy).__name__} lacks "
+                    f"{', '.join(missing)}"]
+        if not isinstance(policy, DiffusionPolicy):
+            return []
+        problems = [f"policy.{name}={getattr(policy, name)!r} but the config's {field} is {getattr(config, field)!r}"
+                    for name, field in (("estimator", "likelihood_estimator"), ("p_mask_prompt", "p_mask_prompt"),
+                                        ("likelihood_order", "likelihood_order"))
+                    if getattr(policy, name) != getattr(config, field)]
+        sampler = policy.sampler
+    if sampler is None:
+        return problems
+    is_instance = isinstance(sampler, MaskedDiffusionSampler)
+    if not (is_instance or callable(sampler)):
+        return [f"sampler= takes a MaskedDiffusionSampler, or a callable building one from a DiffusionSamplerConfig "
+                f"(e.g. its subclass), got a {type(sampler).__name__}: pass another kind of sampler as policy=, an "
+                "object with the dllm_ais.policy.Policy methods"]
+    model_type = getattr(model_config, "model_type", None)
+    if not is_diffusion(config.policy, model_type):
+        return [f"sampler= is a masked-diffusion sampler, but this run's policy is autoregressive (policy="
+                f"{config.policy}, model_type {model_type}): set policy=diffusion for a masked-diffusion model"]
+    if is_instance:
+        expected = diffusion_sampler_config(config, special_tokens(tokenizer, model_config, True), config.temperature)
+        problems += _sampler_setting_problems(expected, sampler)
+    return problems
 
 
 def sample_prompts(policy: Policy | list[Policy], model: nn.Module, tokenizer, prompts: list,

@@ -34,6 +34,7 @@ from dllm_ais.interruption import StopSignals, TrainingInterrupted
 from dllm_ais.launch import (check_metric_for_best_model, check_processes, check_prompt_lengths, check_run_environment,
                              note_too_few_groups, note_unseen_approximation, use_fsdp_on_cpu)
 from dllm_ais.loading import load_tokenizer
+from dllm_ais.policy import CustomSampler, Policy
 from dllm_ais.reporting import RunReporter
 from dllm_ais.run_lock import release_run_lock
 from dllm_ais.rewards import resolve_reward_functions, reward_function_names
@@ -61,11 +62,19 @@ class GRPOTrainer:
         ais_rule: optional callable diagnostics → α replacing `config.ais_rule`.
         eval_reward_funcs: reward functions of the held-out evaluation (default: `reward_funcs`), e.g. the task's
             own rewards for a run trained on shaped or control rewards.
+        sampler: a `MaskedDiffusionSampler` to roll out with instead of the plain sampler: an instance (its settings
+            must equal the config's) or a callable building one from the config's `DiffusionSamplerConfig` (its
+            subclass, a `functools.partial`); every estimator scores its `block_logits` as sampled.
+        policy: any object with the `dllm_ais.policy.Policy` protocol, to sample and score with instead of the
+            config's (not with `sampler`).
+        Held-out validation decodes with the config's exact decoder whatever samples the rollouts; a custom sampler's
+        own greedy score is reported after training as `eval/rollout_sampler/*` (`components.training_policies`).
     """
 
     def __init__(self, config: GRPOConfig, model=None, tokenizer=None, reward_funcs: list[Callable] | None = None,
                  train_dataset=None, eval_dataset=None, ais_rule: Callable[[dict], float] | None = None,
-                 eval_reward_funcs: list[Callable] | None = None):
+                 eval_reward_funcs: list[Callable] | None = None, sampler: CustomSampler | None = None,
+                 policy: Policy | None = None):
         self.config = config.validate()
         check_run_environment(config)
         self.accelerator = make_accelerator(config)
@@ -85,7 +94,7 @@ class GRPOTrainer:
         check_prompt_lengths(self.tokenizer, {"train": self.train_dataset, "eval": self.eval_dataset},
                              config.max_prompt_length)
 
-        self.parts = build_components(config, self.tokenizer, self.accelerator, model)
+        self.parts = build_components(config, self.tokenizer, self.accelerator, model, sampler, policy)
         self.policy, self.model, self.engine = self.parts.policy, self.parts.model, self.parts.engine
         self.optimizer, self.scheduler = self.parts.optimizer, self.parts.scheduler
         self.correction = RolloutCorrection(CorrectionSettings.from_config(config, rule=ais_rule))

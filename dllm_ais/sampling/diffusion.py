@@ -38,6 +38,15 @@ Extension points:
   `propose_tokens` (how candidates are drawn and their log-probs: e.g. top-p; the log-prob must be that of the
   distribution actually sampled) or `choose_positions` (which scored positions are committed).
 
+What training with a sampler (``GRPOTrainer(config, sampler=...)``) relies on: `scoring_logits` — `block_logits`
+without a cache — is the likelihood estimators' ``logits_fn``, so whatever `block_logits` does to the logits is
+scored exactly as sampled, by every estimator. The trajectory estimator scores a committed token by
+softmax(logits / τ) (the default `token_logprobs`); a subclass that overrides `token_logprobs` (drawing from another
+distribution of the same logits) can therefore not be scored by it and is refused with it (`policy.DiffusionPolicy`):
+express such processing as logits in `block_logits` (e.g. −inf outside a top-p set), or use the one-step estimator,
+which scores the logits without temperature whatever the draw. `with_config` must give the same sampler with other
+settings (greedy for its held-out score, no cache for an exact-order replay).
+
 Speed: apart from the forward, every per-step operation touches only the current block's logits
 ``[B, block_length, V]``, and the float64 Gumbel noise and float32 log-probs only its still-masked positions; the
 only host synchronisation is one per block (the commit counts that ``torch.topk`` needs as Python ints), plus one
@@ -46,6 +55,7 @@ per step with parallel decoding (its data-dependent counts, which also tell when
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from collections.abc import Callable
@@ -255,6 +265,10 @@ class DiffusionSamplerConfig:
         """True when a parallel-decoding rule (threshold or factor) replaces the fixed step schedule."""
         return self.threshold is not None or self.factor is not None
 
+    def exact(self) -> "DiffusionSamplerConfig":
+        """These settings without the approximations: no cache, no parallel commits (the fixed schedule of `steps`)."""
+        return dataclasses.replace(self, cache="none", cache_refresh_interval=None, threshold=None, factor=None)
+
     def __post_init__(self) -> None:
         self.eos_token_ids = token_id_tuple(self.eos_token_ids)
         problems = [
@@ -351,9 +365,16 @@ class BlockCache:
         return output.logits
 
 
-def _forward_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+def _forward_logits(
+    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, positions: slice | torch.Tensor
+) -> torch.Tensor:
+    """Logits [B, K, V] at `positions`: a slice (sampling) is cut from a full forward; a 1-D position tensor (scoring)
+    is passed to the model as ``logits_to_keep``, so the LM head runs at those positions only."""
+    if isinstance(positions, torch.Tensor):
+        output = model(input_ids, attention_mask=attention_mask, logits_to_keep=positions)
+        return output.logits if hasattr(output, "logits") else output
     output = model(input_ids, attention_mask=attention_mask)
-    return output.logits if hasattr(output, "logits") else output
+    return (output.logits if hasattr(output, "logits") else output)[:, positions]
 
 
 class MaskedDiffusionSampler:
@@ -365,7 +386,8 @@ class MaskedDiffusionSampler:
                                                                 temperature=0.9, mask_token_id=126336))
         rollout = sampler.sample(model, input_ids, attention_mask, generator=torch.Generator("cuda").manual_seed(0))
 
-    To change one stage of a step, subclass and override `block_logits`, `propose_tokens` or `choose_positions`.
+    To change one stage of a step, subclass and override `block_logits`, `propose_tokens` or `choose_positions`
+    (see the module docstring for what the trainer requires of a subclass).
     """
 
     def __init__(self, config: DiffusionSamplerConfig):
@@ -548,15 +570,20 @@ class MaskedDiffusionSampler:
         canvas: torch.LongTensor,
         attention_mask: torch.Tensor | None,
         prompt_length: int,
-        block: slice,
+        block: slice | torch.Tensor,
         token_ids: SpecialTokenIds,
         cache: BlockCache | None = None,
     ) -> torch.Tensor:
-        """Logits [B, Lb, V] of the current block's positions: one forward over the whole canvas, or with a `cache`
-        (``config.cache`` = prefix | dual) its `BlockCache.block_forward`.
+        """Logits [B, K, V] at the positions `block` of `canvas` [B, T]: while sampling, the current block (a slice;
+        one forward over the whole canvas, or with a `cache` (``config.cache`` = prefix | dual) its
+        `BlockCache.block_forward`); while scoring (`scoring_logits`), a 1-D tensor of canvas positions, no cache.
 
         With cfg_scale s > 0 the canvas and a copy with every prompt position (padding included) set to the mask id
         run as one [2B] forward (the cache then holds both halves), and ``logits = u + (s + 1)(c − u)``.
+
+        An override (another guidance, a logit bias, ...) must handle both kinds of `block` (``logits[:, block]``
+        and ``canvas[:, block]`` do) and is scored exactly as it samples: the likelihood estimators call it through
+        `scoring_logits`.
         """
         scale = self.config.cfg_scale
         inputs, inputs_attention = canvas, attention_mask
@@ -566,13 +593,53 @@ class MaskedDiffusionSampler:
             inputs = torch.cat([canvas, prompt_masked])
             inputs_attention = None if attention_mask is None else attention_mask.repeat(2, 1)
         if cache is None:
-            logits = _forward_logits(model, inputs, inputs_attention)[:, block]
+            logits = _forward_logits(model, inputs, inputs_attention, block)
         else:
             logits = cache.block_forward(model, inputs, inputs_attention, block)
         if scale > 0:
             conditional, unconditional = logits.chunk(2)
             logits = unconditional + (scale + 1) * (conditional - unconditional)
         return logits
+
+    def scoring_logits(
+        self,
+        model: Any,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        logits_to_keep: torch.Tensor | int,
+    ) -> torch.Tensor:
+        """The likelihood estimators' ``logits_fn`` (`dllm_ais.likelihood.LogitsFn`): logits [B, K, V] at the kept
+        positions of canvases `input_ids` [B, P + gen_length], computed by `block_logits` as sampling computes them
+        (guidance and any subclass's logit processing included), without a cache: the trainer side scores the exact
+        policy, and a cache's approximation stays visible in the ratio.
+
+        `logits_to_keep` is the number of last positions (the one-step surrogate: the whole completion) or a 1-D
+        tensor of canvas positions (the trajectory replay: the positions committed at the replayed steps). The prompt
+        (what guidance masks for its unconditional half) is everything before the last ``config.gen_length``
+        positions.
+        """
+        total_length = input_ids.shape[1]
+        prompt_length = total_length - self.config.gen_length
+        if prompt_length < 1:
+            raise ValueError(
+                f"scoring_logits got canvases of {total_length} positions, but this sampler completes "
+                f"gen_length={self.config.gen_length} positions after a prompt: score rollouts of this sampler."
+            )
+        positions = logits_to_keep
+        if not isinstance(positions, torch.Tensor):
+            first = total_length - positions if positions else 0
+            positions = torch.arange(first, total_length, device=input_ids.device)
+        return self.block_logits(model, input_ids, attention_mask, prompt_length, positions,
+                                 self.resolve_token_ids(model))
+
+    def with_config(self, config: DiffusionSamplerConfig) -> "MaskedDiffusionSampler":
+        """This sampler (its class and stages) with other settings, e.g. greedy for evaluation or without cache and
+        parallel decoding for an exact-order replay: a shallow copy holding `config`. A subclass whose ``__init__``
+        derives state from its config overrides this."""
+        copied = copy.copy(self)
+        copied.config = config
+        copied.remasking_rule = resolve_remasking_rule(config.remasking)
+        return copied
 
     def propose_tokens(self, logits: torch.Tensor, generator: torch.Generator | None) -> tuple[torch.LongTensor, torch.Tensor]:
         """Candidate x̂ [B, M] drawn from softmax(logits / τ) (argmax at τ = 0) and its float32 log-prob [B, M].
