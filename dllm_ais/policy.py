@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from dllm_ais.data import tokenize_prompts
-from dllm_ais.likelihood import DIFFUSION_ESTIMATORS, EstimatorSettings, causal_logprobs
+from dllm_ais.likelihood import DIFFUSION_ESTIMATORS, BoundSettings, EstimatorSettings, causal_logprobs
 from dllm_ais.loading import special_tokens
 from dllm_ais.sampling.autoregressive import AutoregressiveSampler, AutoregressiveSamplerConfig
 from dllm_ais.sampling.diffusion import DiffusionSamplerConfig, MaskedDiffusionSampler
@@ -44,7 +44,8 @@ class Policy(Protocol):
     """What the trainer needs from a policy family.
 
     `logprobs(..., compute_entropy=True)` also returns the per-token entropy [B, L] of the distribution each token
-    is scored under, from the same forward. `num_estimator_seeds(μ)` tells how many distinct estimator draws one
+    is scored under, from the same forward; `advantages` [B] are the scored sequences' advantages, for estimators
+    that score a sequence by its advantage's sign (SPG) and ignored by the others. `num_estimator_seeds(μ)` tells how many distinct estimator draws one
     generation batch uses: the one-step diffusion surrogate draws fresh masks per inner iteration, exact estimators
     need one.
     """
@@ -52,10 +53,11 @@ class Policy(Protocol):
     def sample(self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                generator: torch.Generator | None) -> Rollout: ...
 
-    def logprobs(self, model: nn.Module, rollout: Rollout, seed: int,
-                 compute_entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+    def logprobs(self, model: nn.Module, rollout: Rollout, seed: int, compute_entropy: bool = False,
+                 advantages: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
-    def rollout_logprobs(self, engine_model: nn.Module, rollout: Rollout, seed: int) -> torch.Tensor: ...
+    def rollout_logprobs(self, engine_model: nn.Module, rollout: Rollout, seed: int,
+                         advantages: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def num_estimator_seeds(self, num_iterations: int) -> int: ...
 
@@ -74,12 +76,13 @@ class DiffusionPolicy:
     estimator: str = "one_step"
     p_mask_prompt: float = 0.15
     likelihood_order: str = "rollout"
+    bounds: BoundSettings = dataclasses.field(default_factory=BoundSettings)
 
     def __post_init__(self):
         self.sampler = MaskedDiffusionSampler(self.sampler_config)
         self.scorer = DIFFUSION_ESTIMATORS[self.estimator]
         self.estimator_settings = EstimatorSettings(self.sampler_config.mask_token_id, self.sampler_config.temperature,
-                                                    self.p_mask_prompt)
+                                                    self.p_mask_prompt, bounds=self.bounds)
         self.exact_order_sampler = None
         if self.estimator == "trajectory" and self.likelihood_order == "exact":
             exact = dataclasses.replace(self.sampler_config, cache="none", cache_refresh_interval=None, threshold=None,
@@ -95,13 +98,13 @@ class DiffusionPolicy:
             return rollout
         return dataclasses.replace(self.exact_order_sampler.replay(model, rollout), num_steps=rollout.num_steps)
 
-    def logprobs(self, model, rollout: Rollout, seed: int, compute_entropy: bool = False):
-        return self.scorer.logprobs(model, rollout, self.estimator_settings, seed, compute_entropy)
+    def logprobs(self, model, rollout: Rollout, seed: int, compute_entropy: bool = False, advantages=None):
+        return self.scorer.logprobs(model, rollout, self.estimator_settings, seed, compute_entropy, advantages)
 
-    def rollout_logprobs(self, engine_model, rollout: Rollout, seed: int) -> torch.Tensor:
+    def rollout_logprobs(self, engine_model, rollout: Rollout, seed: int, advantages=None) -> torch.Tensor:
         if self.scorer.recorded_by_sampler:
             return rollout.step_logprobs
-        return self.logprobs(engine_model, rollout, seed)
+        return self.logprobs(engine_model, rollout, seed, advantages=advantages)
 
     def num_estimator_seeds(self, num_iterations: int) -> int:
         return num_iterations if self.scorer.fresh_masks_per_iteration else 1
@@ -124,12 +127,12 @@ class AutoregressivePolicy:
     def sample(self, model, input_ids, attention_mask, generator) -> Rollout:
         return self.sampler.sample(model, input_ids, attention_mask=attention_mask, generator=generator)
 
-    def logprobs(self, model, rollout: Rollout, seed: int, compute_entropy: bool = False):
+    def logprobs(self, model, rollout: Rollout, seed: int, compute_entropy: bool = False, advantages=None):
         c = self.sampler_config
         return causal_logprobs(model, rollout.sequences, rollout.attention_mask, rollout.prompt_length,
                                temperature=c.temperature, top_k=c.top_k, top_p=c.top_p, compute_entropy=compute_entropy)
 
-    def rollout_logprobs(self, engine_model, rollout: Rollout, seed: int) -> torch.Tensor:
+    def rollout_logprobs(self, engine_model, rollout: Rollout, seed: int, advantages=None) -> torch.Tensor:
         return self.logprobs(engine_model, rollout, seed)
 
     def num_estimator_seeds(self, num_iterations: int) -> int:
@@ -156,8 +159,11 @@ def build_policy(config: "GRPOConfig", model_config, tokenizer, temperature: flo
             eos_token_ids=tokens.eos_token_ids, pad_token_id=tokens.pad_token_id, cfg_scale=config.cfg_scale,
             cache=config.rollout_cache, cache_refresh_interval=config.rollout_cache_refresh_interval,
             threshold=config.rollout_threshold, factor=config.rollout_factor)
+        bounds = BoundSettings(num_samples=config.elbo_samples, coupled=config.elbo_coupled,
+                               block_masking=config.spg_block_masking, block_length=config.block_length,
+                               eubo_beta=config.spg_eubo_beta, mix_weight=config.spg_mix_weight)
         return DiffusionPolicy(sampler, estimator=config.likelihood_estimator, p_mask_prompt=config.p_mask_prompt,
-                               likelihood_order=config.likelihood_order)
+                               likelihood_order=config.likelihood_order, bounds=bounds)
     sampler = AutoregressiveSamplerConfig(
         max_new_tokens=config.max_completion_length, temperature=temperature, top_k=config.top_k, top_p=config.top_p,
         eos_token_ids=tokens.eos_token_ids, pad_token_id=tokens.pad_token_id)
