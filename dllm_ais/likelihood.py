@@ -501,8 +501,8 @@ def masked_completion_logprobs(
 
 
 def elbo_from_draws(draw_logprobs: list[Tensor], draws: list[MaskDraw], scored: Tensor | None = None) -> Tensor:
-    """The Monte-Carlo ELBO [B] of n draws: (1/n) Σ_d (1/t_d) Σ_k s_k m_{d,k} ℓ_{d,k}, with ℓ_{d,k} the log-prob of
-    token k under draw d's canvas (`masked_completion_logprobs`), m_d its mask, t_d its rate and s the positions
+    """The Monte-Carlo ELBO [B] of n draws: (1/n) Σ_d (1/t_d) Σ_k s_k m_{d,k} ℓ_{d,k}, with ℓ_{d,k} the log-prob
+    of token k under draw d's canvas (`masked_completion_logprobs`), m_d its mask, t_d its rate and s the positions
     scored (`scored` [B, L], all when None). A draw with t_d = 0 (an empty complement) adds 0."""
     total = torch.zeros_like(draw_logprobs[0][:, 0])
     for logprobs, draw in zip(draw_logprobs, draws):

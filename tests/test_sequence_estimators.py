@@ -90,7 +90,8 @@ def test_block_draws_follow_spg_block_structure():
             assert draw.rate[row].item() == pytest.approx(expected_rate.item())
         assert draw.rate[3].item() == 1.0
     assert {(0, b) for b in range(4)} <= chosen_blocks and {(1, b) for b in range(3)} <= chosen_blocks
-    assert not any(row == 1 and b == 3 for row, b in chosen_blocks) and {b for row, b in chosen_blocks if row == 2} == {0}
+    assert (1, 3) not in chosen_blocks, "a block of padding only is never the partly masked one"
+    assert {b for row, b in chosen_blocks if row == 2} == {0}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,7 +187,8 @@ def test_spg_sides_equal_mc_elbo_and_the_eubo_formula(model, canvas, block_maski
     draws = (block_mask_draws(VALID, BLOCK, 3, generator) if block_masking
              else random_mask_draws(3, GEN_LENGTH, 3, generator))
     logprobs = hand_draw_logprobs(model, canvas, draws)
-    elbo = torch.stack([torch.where(d.masked & VALID, lp, 0.0).sum(1) / d.rate for lp, d in zip(logprobs, draws)]).mean(0)
+    elbo = torch.stack([torch.where(d.masked & VALID, lp, 0.0).sum(1) / d.rate
+                        for lp, d in zip(logprobs, draws)]).mean(0)
     eubo = hand_eubo(logprobs, draws, beta, VALID)
     if not block_masking:  # LLaDA's random masks: the ELBO side is mc_elbo with the same draws
         torch.testing.assert_close(elbo, mc_elbo(model, sequences, attention_mask, PROMPT_LENGTH, MASK, 3, seed=seed,
@@ -219,7 +221,8 @@ def test_bound_ordering_on_a_one_token_completion(model, canvas):
 
 
 def test_single_block_draw_eubo_is_above_elbo_per_token(model, canvas):
-    """With SPG's empirical rate t̂ = |S| / N, one draw gives ELBO / N = mean_S ℓ ≤ mean_S ℓ − log(t̂) / β = EUBO / N."""
+    """With SPG's empirical rate t̂ = |S| / N, one draw gives
+    ELBO / N = mean_S ℓ ≤ mean_S ℓ − log(t̂) / β = EUBO / N."""
     rollout = rollout_of(canvas)
     for seed in range(4):
         options = settings(num_samples=1, block_masking=True, block_length=BLOCK, mix_weight=1.0)
@@ -231,7 +234,8 @@ def test_single_block_draw_eubo_is_above_elbo_per_token(model, canvas):
 def test_spg_gradient_is_finite_and_reaches_the_model(model, canvas):
     rollout = rollout_of(canvas)
     options = settings(num_samples=2, block_masking=True, block_length=BLOCK, mix_weight=0.5)
-    values, entropy = DIFFUSION_ESTIMATORS["spg"].logprobs(model, rollout, options, 3, True, torch.tensor([1.0, -1, -1]))
+    advantages = torch.tensor([1.0, -1.0, -1.0])
+    values, entropy = DIFFUSION_ESTIMATORS["spg"].logprobs(model, rollout, options, 3, True, advantages)
     values[VALID].sum().backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert grads and all(torch.isfinite(g).all() for g in grads) and sum(g.abs().sum() for g in grads) > 0
