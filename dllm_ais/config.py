@@ -18,7 +18,7 @@ import yaml
 
 from dllm_ais.choices import (
     ALPHA_RULES, CACHE_MODES, CORRECTION_METHODS, ESTIMATORS, FIDELITY_MODES, IS_LEVELS, LOSS_TYPES, PRECISIONS,
-    RATIO_TYPES, REWARD_SCALINGS,
+    RATIO_TYPES, REWARD_SCALINGS, SEQUENCE_ESTIMATORS,
 )
 from dllm_ais.tasks import TaskNames
 from dllm_ais.trackers import TRACKERS, normalize_report_to
@@ -140,8 +140,24 @@ class GRPOConfig:
 
     # --- likelihood ---
     likelihood_estimator: str = field(default="one_step", metadata={**_choice(*ESTIMATORS),
-        "help": "Diffusion log-prob estimator: d1's one-step surrogate or the exact trajectory replay."})
-    p_mask_prompt: float = field(default=0.15, metadata={"range": "[0, 1)"})
+        "help": "Diffusion log-prob estimator: d1's one-step surrogate, the exact trajectory replay, LLaDA's "
+                "Monte-Carlo ELBO (elbo) or SPG's ELBO/EUBO sandwich (spg). elbo and spg estimate one log-likelihood "
+                "per completion and give each of its tokens an equal share: the policy ratio and the IS weights are "
+                "then GSPO's length-normalised sequence ratio, automatically (epsilon clips it per sequence)."})
+    p_mask_prompt: float = field(default=0.15, metadata={"range": "[0, 1)",
+        "help": "Probability of masking each prompt token in the one_step, elbo and spg estimators' canvases."})
+    elbo_samples: int = field(default=2, metadata={"range": "[1, 1024]",
+        "help": "elbo and spg: Monte-Carlo draws of the masking process per estimate, one forward each (SPG's num_t)."})
+    elbo_coupled: bool = field(default=False, metadata={
+        "help": "elbo and spg without block masking: pair each draw (rate t) with its complement (rate 1 - t), so "
+                "every token is scored once per pair (coupled-GRPO); doubles the forwards."})
+    spg_eubo_beta: float = field(default=1.5, metadata={"range": "[1, inf)",
+        "help": "spg: the EUBO's exponent beta (SPG: 1.5 for GSM8K and MATH, 2 for Countdown, 1 for Sudoku)."})
+    spg_mix_weight: float = field(default=0.5, metadata={"range": "[0, 1]",
+        "help": "spg: negative-advantage completions score w * EUBO + (1 - w) * ELBO (1 = EUBO alone, 0 = ELBO)."})
+    spg_block_masking: bool = field(default=True, metadata={
+        "help": "spg: SPG's block-wise masks (earlier blocks clean, one block partly masked, later blocks masked) "
+                "instead of LLaDA's random masks."})
     likelihood_order: str = field(default="rollout", metadata={**_choice(*LIKELIHOOD_ORDERS),
         "help": "Trajectory estimator: the commit order it scores. rollout = the order the rollout sampler took (the "
                 "ratio sees a cache's logit error); exact = the completion replayed by the engine along the exact "
@@ -312,6 +328,11 @@ class GRPOConfig:
             (self.policy == "autoregressive" or self.diffusion_steps <= self.max_completion_length,
              f"diffusion_steps={self.diffusion_steps} must be <= max_completion_length={self.max_completion_length} "
              "(at most one denoising step per token)"),
+            (self.ratio_type != "ctpo" or self.likelihood_estimator not in SEQUENCE_ESTIMATORS,
+             f"likelihood_estimator={self.likelihood_estimator} is sequence-level (one ratio per completion): set "
+             "ratio_type=token, or a token-level estimator (one_step, trajectory) for ctpo"),
+            (not (self.likelihood_estimator == "spg" and self.spg_block_masking and self.elbo_coupled),
+             "elbo_coupled pairs random masks and spg_block_masking draws block masks: set one of them to false"),
             (self.likelihood_order == "rollout" or self.likelihood_estimator == "trajectory",
              f"likelihood_order={self.likelihood_order} orders the trajectory estimator's replay: set "
              "likelihood_estimator=trajectory, or likelihood_order=rollout"),

@@ -129,24 +129,27 @@ def non_finite(tensors: list[torch.Tensor | None], mask: torch.Tensor) -> bool:
     return any(t is not None and not torch.isfinite(t.detach()[mask]).all() for t in tensors)
 
 
-def micro_batched_logprobs(score: Callable, model, rollout: Rollout, seed: int, micro_batch_size: int) -> torch.Tensor:
+def micro_batched_logprobs(score: Callable, model, rollout: Rollout, seed: int, micro_batch_size: int,
+                           advantages: torch.Tensor) -> torch.Tensor:
     """Log-probs [B, L] by `score` (a policy's `logprobs` or `rollout_logprobs`), micro-batch by micro-batch,
-    micro-batch j with estimator seed `micro_seed(seed, j)`.
+    micro-batch j with estimator seed `micro_seed(seed, j)` and its rows' `advantages` [B].
 
     ℓ_θ is computed per micro-batch during the optimisation passes; computing ℓ_rollout, ℓ_old and ℓ_ref over the
     very same slices with the very same seeds gives every side identical random masks.
     """
-    return torch.cat([score(model, rollout.select(rows), micro_seed(seed, j))
+    return torch.cat([score(model, rollout.select(rows), micro_seed(seed, j), advantages=advantages[rows])
                       for j, rows in enumerate(micro_batches(len(rollout.sequences), micro_batch_size))])
 
 
 @torch.no_grad()
-def reference_logprobs(parts: StepComponents, rollout: Rollout, seed: int, micro_batch_size: int) -> torch.Tensor:
+def reference_logprobs(parts: StepComponents, rollout: Rollout, seed: int, micro_batch_size: int,
+                       advantages: torch.Tensor) -> torch.Tensor:
     """ℓ_ref: the reference model's log-probs, or the trainer's with its LoRA adapter disabled."""
     if parts.reference_model is not None:
-        return micro_batched_logprobs(parts.policy.logprobs, parts.reference_model, rollout, seed, micro_batch_size)
+        return micro_batched_logprobs(parts.policy.logprobs, parts.reference_model, rollout, seed, micro_batch_size,
+                                      advantages)
     with parts.unwrapped_model.disable_adapter():
-        return micro_batched_logprobs(parts.policy.logprobs, parts.model, rollout, seed, micro_batch_size)
+        return micro_batched_logprobs(parts.policy.logprobs, parts.model, rollout, seed, micro_batch_size, advantages)
 
 
 def sample_records(columns: dict[str, list], rollout: Rollout, tokenizer, table: RewardTable, rewards: torch.Tensor,
@@ -208,10 +211,11 @@ def make_generation_batch(config: GRPOConfig, parts: StepComponents, tokenizer, 
     parts.model.eval()
     with torch.no_grad():
         logp_rollout = [micro_batched_logprobs(parts.policy.rollout_logprobs, parts.engine.model, rollout, s,
-                                               micro_batch_size) for s in seeds]
-        logp_old = [micro_batched_logprobs(parts.policy.logprobs, parts.model, rollout, s, micro_batch_size)
-                    for s in seeds]
-    logp_ref = [None if config.beta == 0 else reference_logprobs(parts, rollout, s, micro_batch_size) for s in seeds]
+                                               micro_batch_size, advantages) for s in seeds]
+        logp_old = [micro_batched_logprobs(parts.policy.logprobs, parts.model, rollout, s, micro_batch_size,
+                                           advantages) for s in seeds]
+    logp_ref = [None if config.beta == 0 else reference_logprobs(parts, rollout, s, micro_batch_size, advantages)
+                for s in seeds]
     timings["timing/logprob_s"] = time.perf_counter() - start
     logprobs = {"rollout log-probs": logp_rollout, "old log-probs": logp_old, "reference log-probs": logp_ref}
     bad = any_process(accelerator, *(non_finite(values, rollout.completion_mask) for values in logprobs.values()))
@@ -270,7 +274,8 @@ def optimisation_pass(config: GRPOConfig, parts: StepComponents, batch: Generati
     for j, rows in enumerate(rows_of):
         with accelerator.accumulate(model):
             part = batch.rollout.select(rows)
-            scored = parts.policy.logprobs(model, part, micro_seed(batch.seeds[k], j), compute_entropy=first_pass)
+            scored = parts.policy.logprobs(model, part, micro_seed(batch.seeds[k], j), compute_entropy=first_pass,
+                                           advantages=batch.advantages[rows])
             logp, entropy = scored if first_pass else (scored, None)
             loss, loss_metrics = grpo_loss(
                 logp, batch.logp_old[k][rows], batch.advantages[rows], part.completion_mask,

@@ -9,7 +9,12 @@ and ℓ_θ under grad. Canvases are `[left-padded prompt (P) | completion (L)]`,
 Masked-diffusion policies (LLaDA):
 - `one_step_logprobs`   the diffu-GRPO one-step surrogate (default estimator, one forward).
 - `trajectory_logprobs` the exact log-prob of the recorded denoising trajectory (one forward per step).
-- `mc_elbo`             LLaDA's Monte-Carlo bound on log p(completion | prompt), for evaluation.
+- `mc_elbo`             LLaDA's Monte-Carlo lower bound on log p(completion | prompt), optionally with coupled
+                        (complementary) masks; the `elbo` estimator.
+- `eubo_from_draws`, `sandwiched_log_likelihood`  SPG's upper bound and its sandwich with the ELBO by the sign of
+                        the advantage, over LLaDA's or SPG's block-wise masks; the `spg` estimator.
+The last two are sequence-level: `DiffusionEstimator` says how their one number per completion meets the
+token-level stages.
 Causal LMs:
 - `causal_logprobs`     teacher-forced log-probs under the sampling distribution the AR sampler used.
 
@@ -22,7 +27,8 @@ vocabulary for every position at once; `selective_log_softmax` works on `chunk_s
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Callable
 
@@ -37,21 +43,30 @@ if TYPE_CHECKING:  # a runtime import would cycle: the samplers import this modu
 __all__ = [
     "DEFAULT_CHUNK_ROWS",
     "DIFFUSION_ESTIMATORS",
+    "BoundSettings",
     "DiffusionEstimator",
     "EstimatorSettings",
     "LogitsFn",
+    "MaskDraw",
+    "block_mask_draws",
     "causal_logprobs",
     "causal_position_ids",
     "check_sampling_parameters",
+    "elbo_from_draws",
+    "eubo_from_draws",
     "is_plain_int",
     "mask_generator",
+    "masked_completion_logprobs",
     "mc_elbo",
     "one_step_logprobs",
     "one_step_masked_input",
     "plain_logits",
+    "random_mask_draws",
     "require_causal_lm",
+    "sandwiched_log_likelihood",
     "selective_log_softmax",
     "shape_logits",
+    "spread_over_tokens",
     "trajectory_logprobs",
 ]
 
@@ -380,6 +395,172 @@ def trajectory_logprobs(
     return (logprobs, entropy) if compute_entropy else logprobs
 
 
+# ---------------------------------------------------------------------------------------------
+# Sequence-level bounds: Monte-Carlo ELBO (LLaDA, coupled masks) and SPG's sandwich (ELBO / EUBO)
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MaskDraw:
+    """One draw of the forward (masking) process over the completion: `masked` [B, L] bool, the completion
+    positions replaced by the mask token, and `rate` [B] float32, the mask rate t whose 1/t weighs the draw."""
+
+    masked: Tensor
+    rate: Tensor
+
+
+def random_mask_draws(batch: int, gen_length: int, num_samples: int, generator: torch.Generator,
+                      coupled: bool = False) -> list[MaskDraw]:
+    """LLaDA's forward process, `num_samples` times: t = 1 − rand(B) ∈ (0, 1], then u = rand(B, L) and position k
+    masked iff u_k < t, the position with the smallest u always (so at least one is).
+
+    `coupled` (coupled-GRPO's complementary masks): each draw is followed by its complement, the positions it left
+    clean, at rate 1 − t — every position is masked exactly once per pair, and the complement of a draw at rate t is
+    itself (up to the forced position) a draw at rate 1 − t ~ U[0, 1): 2 · num_samples draws, antithetic in t.
+    """
+    draws = []
+    for _ in range(num_samples):
+        rate = 1.0 - torch.rand(batch, generator=generator)
+        uniform = torch.rand((batch, gen_length), generator=generator)
+        masked = (uniform < rate.unsqueeze(1)) | (uniform == uniform.min(dim=1, keepdim=True).values)
+        draws.append(MaskDraw(masked, rate))
+        if coupled:
+            draws.append(MaskDraw(~masked, 1.0 - rate))
+    return draws
+
+
+def block_mask_draws(completion_mask: Tensor, block_length: int, num_samples: int,
+                     generator: torch.Generator) -> list[MaskDraw]:
+    """SPG's block-wise masking, `num_samples` times, on [B, L] completions split into blocks of `block_length`.
+
+    Per draw and sequence: a block b uniformly among the blocks holding a valid token (`completion_mask`); the blocks
+    before b stay clean, the blocks after b are masked whole; in b, k ~ U{1, …, v_b} of its v_b valid positions are
+    masked (chosen uniformly) and so is its padding. The rate is SPG's empirical one, t̂ = (masked valid positions) /
+    (valid positions), 1 for a sequence without valid tokens. Draws come from `generator`: rand(B) for b, rand(B)
+    for k, rand(B, L) for the positions.
+    """
+    if not is_plain_int(block_length) or block_length < 1 or completion_mask.shape[1] % block_length:
+        raise ValueError(f"block_length must be a positive int dividing the completion length "
+                         f"{completion_mask.shape[1]} (the sampler's block_length); got {block_length!r}")
+    valid = completion_mask.bool().cpu()
+    batch, gen_length = valid.shape
+    position_block = torch.arange(gen_length) // block_length  # [L]
+    block_has_valid = valid.view(batch, -1, block_length).any(dim=2)  # [B, blocks]
+    block_rank = block_has_valid.long().cumsum(dim=1) - 1  # [B, blocks]: rank among the blocks with a valid token
+    num_valid = valid.sum(dim=1)
+    draws = []
+    for _ in range(num_samples):
+        pick = (torch.rand(batch, generator=generator) * block_has_valid.sum(dim=1)).long()
+        chosen = (block_has_valid & (block_rank == pick.unsqueeze(1))).long().argmax(dim=1, keepdim=True)  # [B, 1]
+        in_block = position_block.unsqueeze(0) == chosen
+        candidates = in_block & valid
+        count = 1 + (torch.rand(batch, generator=generator) * candidates.sum(dim=1)).long()  # k ∈ {1, …, v_b}
+        order = torch.rand((batch, gen_length), generator=generator).masked_fill(~candidates, 2.0)
+        rank = order.argsort(dim=1).argsort(dim=1)  # candidates first, in random order
+        masked = (position_block.unsqueeze(0) > chosen) | (in_block & ~valid) | (candidates & (rank < count[:, None]))
+        rate = torch.where(num_valid > 0, (masked & valid).sum(dim=1) / num_valid.clamp(min=1), 1.0)
+        draws.append(MaskDraw(masked, rate.float()))
+    return draws
+
+
+def _prompt_masks(attention_mask: Tensor, prompt_length: int, num_draws: int, p_mask_prompt: float,
+                  generator: torch.Generator) -> list[Tensor | None]:
+    """Per draw, the real prompt tokens to mask, each with probability p (d1's prompt masking): one
+    rand(num_draws, B, P) after the completion draws; None each when p = 0 (nothing drawn)."""
+    if not 0 <= p_mask_prompt <= 1:
+        raise ValueError(f"p_mask_prompt must be a probability in [0, 1]; got {p_mask_prompt}")
+    if p_mask_prompt == 0:
+        return [None] * num_draws
+    real = attention_mask[:, :prompt_length].bool().cpu()
+    draws = torch.rand((num_draws, *real.shape), generator=generator)
+    return list((draws < p_mask_prompt) & real)
+
+
+def masked_completion_logprobs(
+    model: nn.Module,
+    sequences: Tensor,
+    attention_mask: Tensor,
+    prompt_length: int,
+    mask_token_id: int,
+    masked: Tensor,
+    prompt_masked: Tensor | None = None,
+    chunk_size: int = DEFAULT_CHUNK_ROWS,
+    compute_entropy: bool = False,
+    logits_fn: LogitsFn = plain_logits,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """ℓ_k = log softmax(f(x̃)_{P+k})[o^k] at the completion positions `masked` [B, L] puts under the mask token,
+    0 elsewhere: [B, L] float32, one forward; x̃ = `sequences` with those positions (and the prompt positions
+    `prompt_masked` [B, P], if given) replaced by the mask id. With `compute_entropy`, also the entropy there."""
+    device = sequences.device
+    completion = sequences[:, prompt_length:]
+    prompt = sequences[:, :prompt_length]
+    if prompt_masked is not None:
+        prompt = prompt.masked_fill(prompt_masked.to(device), mask_token_id)
+    masked = masked.to(device)
+    noisy = torch.cat([prompt, completion.masked_fill(masked, mask_token_id)], dim=1)
+    logits = logits_fn(model, noisy, attention_mask, completion.shape[1])
+    scored = selective_log_softmax(logits[masked], completion[masked], chunk_size, compute_entropy=compute_entropy)
+    if compute_entropy:
+        return _scatter_to_positions(masked, scored[0]), _scatter_to_positions(masked, scored[1])
+    return _scatter_to_positions(masked, scored)
+
+
+def elbo_from_draws(draw_logprobs: list[Tensor], draws: list[MaskDraw], scored: Tensor | None = None) -> Tensor:
+    """The Monte-Carlo ELBO [B] of n draws: (1/n) Σ_d (1/t_d) Σ_k s_k m_{d,k} ℓ_{d,k}, with ℓ_{d,k} the log-prob
+    of token k under draw d's canvas (`masked_completion_logprobs`), m_d its mask, t_d its rate and s the positions
+    scored (`scored` [B, L], all when None). A draw with t_d = 0 (an empty complement) adds 0."""
+    total = torch.zeros_like(draw_logprobs[0][:, 0])
+    for logprobs, draw in zip(draw_logprobs, draws):
+        kept = draw.masked.to(logprobs.device) if scored is None else draw.masked.to(logprobs.device) & scored.bool()
+        rate = draw.rate.to(logprobs.device)
+        per_draw = torch.where(kept, logprobs, 0.0).sum(dim=1)
+        total = total + torch.where(rate > 0, per_draw / rate.clamp(min=1e-30), 0.0)
+    return total / len(draws)
+
+
+def eubo_from_draws(draw_logprobs: list[Tensor], draws: list[MaskDraw], beta: float,
+                    scored: Tensor | None = None) -> Tensor:
+    """SPG's evidence upper bound [B] (without its θ-independent constant) from n draws, β ≥ 1:
+
+        E_k = (1/n) Σ_d m_{d,k} π_{d,k}^β / t_d,    EUBO = (N / |S|) · (1/β) Σ_{k ∈ S} log E_k,
+
+    over the scored positions (`scored` [B, L], all when None; N of them) and S ⊆ them, those some draw masked
+    (E_k > 0); log E_k = logsumexp_d(β ℓ_{d,k} − log t_d) − log n over the draws masking k. When every scored
+    position is masked by some draw (a coupled pair; a single position) N / |S| = 1 and this is the paper's
+    (1/β) Σ_k log E_k; otherwise the mean over S stands for the unseen positions, as SPG's code averages over S.
+    0 for a sequence with S empty."""
+    if not beta >= 1:
+        raise ValueError(f"the EUBO needs beta >= 1 (SPG: 1.0 to 2.0); got {beta}")
+    terms = []
+    for logprobs, draw in zip(draw_logprobs, draws):
+        masked = draw.masked.to(logprobs.device)
+        log_rate = draw.rate.to(logprobs.device).clamp(min=1e-30).log().unsqueeze(1)
+        terms.append(torch.where(masked, beta * logprobs - log_rate, -math.inf))
+    log_e = torch.stack(terms).logsumexp(dim=0) - math.log(len(draws))  # [B, L], −inf where no draw masks k
+    seen = torch.isfinite(log_e) if scored is None else torch.isfinite(log_e) & scored.bool()
+    num_scored = torch.full_like(log_e[:, 0], log_e.shape[1]) if scored is None else scored.sum(dim=1).float()
+    mean_seen = torch.where(seen, log_e, 0.0).sum(dim=1) / seen.sum(dim=1).clamp(min=1)
+    return num_scored * mean_seen / beta
+
+
+def sandwiched_log_likelihood(elbo: Tensor, eubo: Tensor, advantages: Tensor, mix_weight: float) -> Tensor:
+    """SPG's per-sequence log-likelihood surrogate [B]: the ELBO where A ≥ 0 (raising a lower bound raises the
+    likelihood), ω · EUBO + (1 − ω) · ELBO where A < 0 (lowering an upper bound lowers it; ω = `mix_weight`,
+    ω = 1 the pure EUBO, 0 the ELBO alone)."""
+    if not 0 <= mix_weight <= 1:
+        raise ValueError(f"mix_weight must lie in [0, 1]; got {mix_weight}")
+    if advantages.shape != elbo.shape:
+        raise ValueError(f"advantages must be one per sequence, {tuple(elbo.shape)}; got {tuple(advantages.shape)}")
+    negative = mix_weight * eubo + (1.0 - mix_weight) * elbo
+    return torch.where(advantages.to(elbo.device) < 0, negative, elbo)
+
+
+def spread_over_tokens(sequence_values: Tensor, completion_mask: Tensor) -> Tensor:
+    """A sequence-level value v [B] as per-token values [B, L]: v / |o| at each of the |o| valid tokens, 0 elsewhere —
+    their sum is v, and a token-level log-ratio of two such values is the sequence's length-normalised log-ratio."""
+    valid = completion_mask.bool()
+    length = valid.sum(dim=1, keepdim=True).clamp(min=1)
+    return torch.where(valid, sequence_values.unsqueeze(1) / length, 0.0)
+
+
 def mc_elbo(
     model: nn.Module,
     sequences: Tensor,
@@ -390,34 +571,34 @@ def mc_elbo(
     seed: int,
     chunk_size: int = DEFAULT_CHUNK_ROWS,
     logits_fn: LogitsFn = plain_logits,
+    coupled: bool = False,
+    completion_mask: Tensor | None = None,
+    p_mask_prompt: float = 0.0,
 ) -> Tensor:
     """LLaDA's Monte-Carlo lower bound on log p(completion | prompt): [B] float32, ≤ 0.
 
     Per draw and sequence: t ~ U(0, 1], each completion token masked independently with probability t
     (the token with the smallest draw always, so at least one is), then
         ELBO = (1 / t) · Σ_{k masked} log softmax(f(x̃)_{P+k})[o^k],
-    averaged over `num_samples` draws (one forward each). Every completion position counts (LLaDA learns
-    its EOS padding as a target); the prompt is never masked. Draws come from `mask_generator(seed)`:
-    per draw, t = 1 − rand(B), then rand(B, L).
+    averaged over `num_samples` draws (one forward each): `random_mask_draws` then `elbo_from_draws`. `coupled`
+    pairs each draw with its complement at rate 1 − t (coupled-GRPO; 2 · num_samples forwards, every token scored
+    once per pair). Every completion position counts (LLaDA learns its EOS padding as a target) unless
+    `completion_mask` [B, L] names the scored ones (padding is still masked at rate t, as context); the prompt is
+    never masked unless `p_mask_prompt` > 0 (d1's prompt masking, drawn after the completion draws). Draws come
+    from `mask_generator(seed)`: per draw, t = 1 − rand(B), then rand(B, L).
     """
     _check_mask_token(model, mask_token_id)
     attention_mask = _check_canvas(sequences, attention_mask, prompt_length)
     if not is_plain_int(num_samples) or num_samples < 1:
         raise ValueError(f"num_samples must be a positive int (Monte-Carlo draws); got {num_samples!r}")
     generator = mask_generator(seed)
-    completion = sequences[:, prompt_length:]
-    batch, gen_length = completion.shape
-
-    total = torch.zeros(batch, dtype=torch.float32, device=sequences.device)
-    for _ in range(num_samples):
-        mask_rate = (1.0 - torch.rand(batch, generator=generator)).to(sequences.device)
-        draws = torch.rand((batch, gen_length), generator=generator).to(sequences.device)
-        masked = (draws < mask_rate.unsqueeze(1)) | (draws == draws.min(dim=1, keepdim=True).values)
-        noisy = torch.cat([sequences[:, :prompt_length], completion.masked_fill(masked, mask_token_id)], dim=1)
-        logits = logits_fn(model, noisy, attention_mask, gen_length)
-        values = selective_log_softmax(logits[masked], completion[masked], chunk_size)
-        total = total + _scatter_to_positions(masked, values).sum(dim=1) / mask_rate
-    return total / num_samples
+    batch, gen_length = sequences.shape[0], sequences.shape[1] - prompt_length
+    draws = random_mask_draws(batch, gen_length, num_samples, generator, coupled)
+    prompt_masks = _prompt_masks(attention_mask, prompt_length, len(draws), p_mask_prompt, generator)
+    logprobs = [masked_completion_logprobs(model, sequences, attention_mask, prompt_length, mask_token_id, draw.masked,
+                                           prompt_masked, chunk_size, logits_fn=logits_fn)
+                for draw, prompt_masked in zip(draws, prompt_masks)]
+    return elbo_from_draws(logprobs, draws, completion_mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -462,38 +643,120 @@ def causal_logprobs(
 # The diffusion estimators a config can name (`likelihood_estimator`, choices.ESTIMATORS)
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
+class BoundSettings:
+    """The Monte-Carlo bound estimators' settings (`elbo`, `spg`): `num_samples` draws of the masking process per
+    estimate (config `elbo_samples`, SPG's num_t), `coupled` complementary pairs (`elbo_coupled`), SPG's block-wise
+    masking over blocks of `block_length` (`spg_block_masking`; the sampler's block length), its EUBO exponent β
+    (`spg_eubo_beta`) and the EUBO's weight ω in the negative-advantage mixture (`spg_mix_weight`)."""
+
+    num_samples: int = 2
+    coupled: bool = False
+    block_masking: bool = False
+    block_length: int | None = None
+    eubo_beta: float = 1.5
+    mix_weight: float = 0.5
+
+
+@dataclass(frozen=True)
 class EstimatorSettings:
     """What a diffusion estimator needs besides the model, the rollout and the seed: the mask id, the sampling
     temperature (the trajectory-type estimators score softmax(logits / τ)), d1's prompt-masking probability
-    (one-step surrogate) and `logits_fn`, the sampler's canvas → logits stage (see `LogitsFn`)."""
+    (one-step surrogate and the bounds), `logits_fn`, the sampler's canvas → logits stage (see `LogitsFn`), and the
+    bound estimators' `BoundSettings`."""
 
     mask_token_id: int
     temperature: float
     p_mask_prompt: float = 0.15
     logits_fn: LogitsFn = plain_logits
+    bounds: BoundSettings = field(default_factory=BoundSettings)
 
 
 def _one_step_of_rollout(model: nn.Module, rollout: Rollout, settings: EstimatorSettings, seed: int,
-                         compute_entropy: bool):
+                         compute_entropy: bool, advantages: Tensor | None = None):
     return one_step_logprobs(model, rollout.sequences, rollout.attention_mask, rollout.prompt_length,
                              settings.mask_token_id, seed, p_mask_prompt=settings.p_mask_prompt,
                              compute_entropy=compute_entropy, logits_fn=settings.logits_fn)
 
 
 def _trajectory_of_rollout(model: nn.Module, rollout: Rollout, settings: EstimatorSettings, seed: int,
-                           compute_entropy: bool):
+                           compute_entropy: bool, advantages: Tensor | None = None):
     return trajectory_logprobs(model, rollout, settings.mask_token_id, settings.temperature,
                                compute_entropy=compute_entropy, logits_fn=settings.logits_fn)
+
+
+def _bound_draws(model: nn.Module, rollout: Rollout, settings: EstimatorSettings, seed: int, block_wise: bool,
+                 compute_entropy: bool) -> tuple[list[MaskDraw], list[Tensor], Tensor | None]:
+    """The draws of one bound estimate of `rollout` (block-wise or LLaDA's random masks, from `mask_generator(seed)`),
+    the log-probs [B, L] of each, and with `compute_entropy` the mean entropy over every draw's masked valid tokens,
+    one value per sequence spread to its valid tokens (the sequence-level estimate's entropy)."""
+    _check_mask_token(model, settings.mask_token_id)
+    attention_mask = _check_canvas(rollout.sequences, rollout.attention_mask, rollout.prompt_length)
+    bounds = settings.bounds
+    if not is_plain_int(bounds.num_samples) or bounds.num_samples < 1:
+        raise ValueError(f"elbo_samples must be a positive int (Monte-Carlo draws); got {bounds.num_samples!r}")
+    generator = mask_generator(seed)
+    if block_wise:
+        draws = block_mask_draws(rollout.completion_mask, bounds.block_length, bounds.num_samples, generator)
+    else:
+        draws = random_mask_draws(len(rollout.sequences), rollout.gen_length, bounds.num_samples, generator,
+                                  bounds.coupled)
+    prompt_masks = _prompt_masks(attention_mask, rollout.prompt_length, len(draws), settings.p_mask_prompt, generator)
+    scored = [masked_completion_logprobs(model, rollout.sequences, attention_mask, rollout.prompt_length,
+                                         settings.mask_token_id, draw.masked, prompt_masked,
+                                         compute_entropy=compute_entropy, logits_fn=settings.logits_fn)
+              for draw, prompt_masked in zip(draws, prompt_masks)]
+    if not compute_entropy:
+        return draws, scored, None
+    valid = rollout.completion_mask.bool()
+    kept = torch.stack([draw.masked.to(valid.device) & valid for draw in draws])  # [n, B, L]
+    entropies = torch.stack([entropy for _, entropy in scored])
+    per_sequence = torch.where(kept, entropies, 0.0).sum(dim=(0, 2)) / kept.sum(dim=(0, 2)).clamp(min=1)
+    return draws, [logprobs for logprobs, _ in scored], torch.where(valid, per_sequence.unsqueeze(1), 0.0)
+
+
+def _per_token_result(sequence_values: Tensor, rollout: Rollout, entropy: Tensor | None):
+    values = spread_over_tokens(sequence_values, rollout.completion_mask)
+    return values if entropy is None else (values, entropy)
+
+
+def _elbo_of_rollout(model: nn.Module, rollout: Rollout, settings: EstimatorSettings, seed: int,
+                     compute_entropy: bool, advantages: Tensor | None = None):
+    """`mc_elbo` of the valid completion tokens (random masks, coupled if set), as per-token values
+    (`spread_over_tokens`)."""
+    draws, logprobs, entropy = _bound_draws(model, rollout, settings, seed, False, compute_entropy)
+    return _per_token_result(elbo_from_draws(logprobs, draws, rollout.completion_mask), rollout, entropy)
+
+
+def _spg_of_rollout(model: nn.Module, rollout: Rollout, settings: EstimatorSettings, seed: int,
+                    compute_entropy: bool, advantages: Tensor | None = None):
+    """`sandwiched_log_likelihood` of the ELBO and EUBO from the same draws (block-wise if set), as per-token
+    values (`spread_over_tokens`); needs each sequence's advantage."""
+    if advantages is None:
+        raise ValueError("likelihood_estimator=spg picks each sequence's bound by the sign of its advantage: "
+                         "pass advantages (one per sequence)")
+    bounds = settings.bounds
+    draws, logprobs, entropy = _bound_draws(model, rollout, settings, seed, bounds.block_masking, compute_entropy)
+    elbo = elbo_from_draws(logprobs, draws, rollout.completion_mask)
+    eubo = eubo_from_draws(logprobs, draws, bounds.eubo_beta, rollout.completion_mask)
+    return _per_token_result(sandwiched_log_likelihood(elbo, eubo, advantages, bounds.mix_weight), rollout, entropy)
 
 
 @dataclass(frozen=True)
 class DiffusionEstimator:
     """How a masked-diffusion policy scores a rollout.
 
-    `logprobs(model, rollout, settings, seed, compute_entropy)` gives the per-token log-probs [B, L] (and
-    entropies with `compute_entropy`), `settings` an `EstimatorSettings`; `recorded_by_sampler`: the rollout side is
-    the sampler's recorded per-step log-prob, no engine forward; `fresh_masks_per_iteration`: the estimator is
-    random and draws new masks for every inner iteration (one estimator seed each)."""
+    `logprobs(model, rollout, settings, seed, compute_entropy, advantages)` gives the per-token log-probs [B, L] (and
+    entropies with `compute_entropy`), `settings` an `EstimatorSettings`, `advantages` [B] the sequences' advantages
+    (None where unknown; only `spg` reads them); `recorded_by_sampler`: the rollout side is the sampler's recorded
+    per-step log-prob, no engine forward; `fresh_masks_per_iteration`: the estimator is random and draws new masks
+    for every inner iteration (one estimator seed each).
+
+    Sequence-level estimators (`elbo`, `spg`, choices.SEQUENCE_ESTIMATORS) estimate one number per completion, v,
+    and return it spread over its |o| valid tokens, v / |o| each (`spread_over_tokens`): the per-token values sum to
+    v, and every token-level stage downstream then works at the sequence level by itself — the token ratio
+    exp(ℓ^θ_t − ℓ^old_t) is the same at every token of a sequence, GSPO's length-normalised sequence ratio
+    exp((v^θ − v^old) / |o|), clipped at 1 ± ε once per sequence in effect; token-level (and geometric) IS weights
+    are that ratio between trainer and engine, is_level=sequence the full exp(v^old − v^ro)."""
 
     logprobs: Callable
     recorded_by_sampler: bool = False
@@ -503,4 +766,6 @@ class DiffusionEstimator:
 DIFFUSION_ESTIMATORS = {
     "one_step": DiffusionEstimator(_one_step_of_rollout, fresh_masks_per_iteration=True),
     "trajectory": DiffusionEstimator(_trajectory_of_rollout, recorded_by_sampler=True),
+    "elbo": DiffusionEstimator(_elbo_of_rollout, fresh_masks_per_iteration=True),
+    "spg": DiffusionEstimator(_spg_of_rollout, fresh_masks_per_iteration=True),
 }

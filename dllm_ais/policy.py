@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from dllm_ais.data import tokenize_prompts
-from dllm_ais.likelihood import DIFFUSION_ESTIMATORS, EstimatorSettings, causal_logprobs
+from dllm_ais.likelihood import DIFFUSION_ESTIMATORS, BoundSettings, EstimatorSettings, causal_logprobs
 from dllm_ais.loading import SpecialTokens, special_tokens
 from dllm_ais.sampling.autoregressive import AutoregressiveSampler, AutoregressiveSamplerConfig
 from dllm_ais.sampling.diffusion import DiffusionSamplerConfig, MaskedDiffusionSampler, resolve_remasking_rule
@@ -51,8 +51,10 @@ class Policy(Protocol):
     ℓ_rollout, of the same estimator under the engine's model (or the log-probs the sampler recorded), so that
     exp(ℓ_old − ℓ_rollout) sees the engine's mismatch and nothing else. `num_estimator_seeds(μ)` tells how many
     distinct estimator draws one generation batch uses: the one-step diffusion surrogate draws fresh masks per inner
-    iteration, exact estimators need one. `sampler_config.eos_token_ids` are the tokens that end a completion
-    (the `completions/clipped_ratio` metric counts those without one).
+    iteration, exact estimators need one. `advantages` [B] (optional) are the scored sequences' advantages, for
+    estimators that score a sequence by its advantage's sign (SPG); the others ignore them.
+    `sampler_config.eos_token_ids` are the tokens that end a completion (the `completions/clipped_ratio` metric
+    counts those without one).
     """
 
     sampler_config: Any
@@ -60,10 +62,11 @@ class Policy(Protocol):
     def sample(self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                generator: torch.Generator | None) -> Rollout: ...
 
-    def logprobs(self, model: nn.Module, rollout: Rollout, seed: int,
-                 compute_entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+    def logprobs(self, model: nn.Module, rollout: Rollout, seed: int, compute_entropy: bool = False,
+                 advantages: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
-    def rollout_logprobs(self, engine_model: nn.Module, rollout: Rollout, seed: int) -> torch.Tensor: ...
+    def rollout_logprobs(self, engine_model: nn.Module, rollout: Rollout, seed: int,
+                         advantages: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def num_estimator_seeds(self, num_iterations: int) -> int: ...
 
@@ -93,6 +96,7 @@ class DiffusionPolicy:
         """The policy sampling with `sampler` (its config is the policy's `sampler_config`); `settings` are the other
         fields (estimator, p_mask_prompt, likelihood_order)."""
         return cls(sampler.config, sampler=sampler, **settings)
+    bounds: BoundSettings = dataclasses.field(default_factory=BoundSettings)
 
     def __post_init__(self):
         if self.sampler is None:
@@ -107,7 +111,8 @@ class DiffusionPolicy:
                 "softmax(logits / temperature) against the log-probs the sampler records: move that processing into "
                 "block_logits (scored exactly as sampled), or use likelihood_estimator=one_step")
         self.estimator_settings = EstimatorSettings(self.sampler_config.mask_token_id, self.sampler_config.temperature,
-                                                    self.p_mask_prompt, logits_fn=self.sampler.scoring_logits)
+                                                    self.p_mask_prompt, logits_fn=self.sampler.scoring_logits,
+                                                    bounds=self.bounds)
         self.exact_order_sampler = None
         if self.estimator == "trajectory" and self.likelihood_order == "exact":
             self.exact_order_sampler = self.sampler.with_config(self.sampler_config.exact())
@@ -125,13 +130,13 @@ class DiffusionPolicy:
             return rollout
         return dataclasses.replace(self.exact_order_sampler.replay(model, rollout), num_steps=rollout.num_steps)
 
-    def logprobs(self, model, rollout: Rollout, seed: int, compute_entropy: bool = False):
-        return self.scorer.logprobs(model, rollout, self.estimator_settings, seed, compute_entropy)
+    def logprobs(self, model, rollout: Rollout, seed: int, compute_entropy: bool = False, advantages=None):
+        return self.scorer.logprobs(model, rollout, self.estimator_settings, seed, compute_entropy, advantages)
 
-    def rollout_logprobs(self, engine_model, rollout: Rollout, seed: int) -> torch.Tensor:
+    def rollout_logprobs(self, engine_model, rollout: Rollout, seed: int, advantages=None) -> torch.Tensor:
         if self.scorer.recorded_by_sampler:
             return rollout.step_logprobs
-        return self.logprobs(engine_model, rollout, seed)
+        return self.logprobs(engine_model, rollout, seed, advantages=advantages)
 
     def num_estimator_seeds(self, num_iterations: int) -> int:
         return num_iterations if self.scorer.fresh_masks_per_iteration else 1
@@ -154,12 +159,12 @@ class AutoregressivePolicy:
     def sample(self, model, input_ids, attention_mask, generator) -> Rollout:
         return self.sampler.sample(model, input_ids, attention_mask=attention_mask, generator=generator)
 
-    def logprobs(self, model, rollout: Rollout, seed: int, compute_entropy: bool = False):
+    def logprobs(self, model, rollout: Rollout, seed: int, compute_entropy: bool = False, advantages=None):
         c = self.sampler_config
         return causal_logprobs(model, rollout.sequences, rollout.attention_mask, rollout.prompt_length,
                                temperature=c.temperature, top_k=c.top_k, top_p=c.top_p, compute_entropy=compute_entropy)
 
-    def rollout_logprobs(self, engine_model, rollout: Rollout, seed: int) -> torch.Tensor:
+    def rollout_logprobs(self, engine_model, rollout: Rollout, seed: int, advantages=None) -> torch.Tensor:
         return self.logprobs(engine_model, rollout, seed)
 
     def num_estimator_seeds(self, num_iterations: int) -> int:
@@ -217,9 +222,12 @@ def build_policy(config: "GRPOConfig", model_config, tokenizer, temperature: flo
                 raise ValueError(f"sampler= built a {type(built).__name__}, not a MaskedDiffusionSampler: pass a "
                                  "MaskedDiffusionSampler subclass, or a callable returning one of its instances")
             sampler = built
+        bounds = BoundSettings(num_samples=config.elbo_samples, coupled=config.elbo_coupled,
+                               block_masking=config.spg_block_masking, block_length=config.block_length,
+                               eubo_beta=config.spg_eubo_beta, mix_weight=config.spg_mix_weight)
         return DiffusionPolicy(sampler_config, estimator=config.likelihood_estimator,
                                p_mask_prompt=config.p_mask_prompt, likelihood_order=config.likelihood_order,
-                               sampler=sampler)
+                               sampler=sampler, bounds=bounds)
     sampler = AutoregressiveSamplerConfig(
         max_new_tokens=config.max_completion_length, temperature=temperature, top_k=config.top_k, top_p=config.top_p,
         eos_token_ids=tokens.eos_token_ids, pad_token_id=tokens.pad_token_id)

@@ -205,7 +205,7 @@ def inject_reward(trainer, monkeypatch):
 
 def inject_engine_logprobs(trainer, monkeypatch):
     score = trainer.policy.rollout_logprobs
-    monkeypatch.setattr(trainer.policy, "rollout_logprobs", lambda model, rollout, seed: nan_like(score(model, rollout, seed)))
+    monkeypatch.setattr(trainer.policy, "rollout_logprobs", lambda model, rollout, seed, **kw: nan_like(score(model, rollout, seed, **kw)))
 
 
 def inject_old_logprobs(trainer, monkeypatch):
@@ -224,8 +224,8 @@ def inject_reference_logprobs(trainer, monkeypatch):
 def inject_policy_logprobs(trainer, monkeypatch):
     score = trainer.policy.logprobs
 
-    def infinite_under_grad(model, rollout, seed, compute_entropy=False):
-        logp, entropy = score(model, rollout, seed, compute_entropy=True)
+    def infinite_under_grad(model, rollout, seed, compute_entropy=False, advantages=None):
+        logp, entropy = score(model, rollout, seed, compute_entropy=True, advantages=advantages)
         logp = logp * math.inf if torch.is_grad_enabled() else logp
         return (logp, entropy) if compute_entropy else logp
 
