@@ -224,8 +224,9 @@ def _plain(value: Any) -> Any:
 
 @functools.lru_cache(maxsize=32)
 def split_entries(name: str, settings: str, split: str, size: int, seed: int) -> tuple[dict[str, Any], ...]:
-    """``size`` entries (question, answer, metadata as JSON) of ``split``, generated from its seed block in order,
-    leaving out the questions held out from it (see the module docstring)."""
+    """Up to ``size`` entries (question, answer, metadata as JSON) of ``split``, generated from its seed block in
+    order, leaving out the questions held out from it (see the module docstring); fewer when ``2 size + 100`` draws
+    beyond the held-out questions do not give ``size`` others (settings that allow few distinct problems)."""
     held_out: set[str] = set()
     for other in {"train": ("validation", "test"), "validation": ("test",), "test": ()}[split]:
         held_out.update(entry["question"] for entry in split_entries(name, settings, other, HELD_OUT_ROWS, seed))
@@ -240,9 +241,6 @@ def split_entries(name: str, settings: str, split: str, size: int, seed: int) ->
         if entry["question"] not in held_out:
             entries.append({"question": entry["question"], "answer": str(entry["answer"]),
                             "metadata": json.dumps(entry["metadata"], default=_plain)})
-    if len(entries) < size:
-        raise ValueError(f"reasoning-gym {name} {settings}: only {len(entries)} of {size} {split} rows in {budget} "
-                         "draws differ from the held-out questions; its settings allow too few distinct problems")
     return tuple(entries)
 
 
@@ -259,7 +257,12 @@ def generate(split: str, size: int | None, seed: int, **task_args: Any) -> "data
     name, settings = _split_settings(task_args)
     if split not in DEFAULT_SIZES:
         raise ValueError(f"the reasoning_gym task has splits {sorted(DEFAULT_SIZES)}, got {split!r}")
-    entries = split_entries(name, settings, split, DEFAULT_SIZES[split] if size is None else size, seed)
+    size = DEFAULT_SIZES[split] if size is None else size
+    entries = split_entries(name, settings, split, size, seed)
+    if len(entries) < size:
+        raise ValueError(f"task_args {name} {settings}: only {len(entries)} of the {size} {split} rows asked for "
+                         "differ from the held-out questions; these settings allow too few distinct problems (widen "
+                         "them, or ask for fewer rows)")
     return datasets.Dataset.from_dict({
         "prompt": [prompt(entry["question"]) for entry in entries],
         "question": [entry["question"] for entry in entries],
