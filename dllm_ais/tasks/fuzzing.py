@@ -4,8 +4,8 @@ Model output is untrusted input: a reward must return a number for any text, in 
 it. The families below are the ones that broke or stalled reward code before: nested ``\\frac``, exponent towers
 (LaTeX and Python), 80 KB strings of repeated tags, unbalanced tags and braces, arbitrary unicode (lone surrogates
 included), chat-message completions, well-formed answers, and code payloads (:func:`code_payloads`: Python that
-creates a marker file if anything evaluates it — reasoning-gym's Countdown verifier would, through sympy). ``NON_STRING_COMPLETIONS``
-are not text at all; a reward must reject them with one TypeError naming itself.
+creates a marker file if anything evaluates it — reasoning-gym's Countdown verifier would, through sympy).
+``NON_STRING_COMPLETIONS`` are not text at all; a reward must reject them with one TypeError naming itself.
 
 Used by the test suite (a few thousand inputs) and ``scripts/fuzz_rewards.py`` (any number).
 """

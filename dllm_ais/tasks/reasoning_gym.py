@@ -156,7 +156,7 @@ def check_task_args(task_args: dict[str, Any]) -> list[str]:
     available = exposed_datasets()
     if name not in available:
         close = difflib.get_close_matches(name, available, n=1)
-        hint = f"did you mean {close[0]!r}?" if close else f"choose one of the {len(available)} datasets, e.g. countdown"
+        hint = f"did you mean {close[0]!r}?" if close else f"pick one of its {len(available)} datasets (countdown, ...)"
         return [f"task_args.dataset={name!r:.60}: no such reasoning-gym dataset; {hint}"]
     settings = {key: value for key, value in task_args.items() if key != "dataset"}
     from reasoning_gym.factory import DATASETS
