@@ -238,7 +238,7 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
         raise SystemExit(f"error: the eval protocol {protocol.to_dict()} does not fit this model's sampler: {error} "
                          "(set --gen_lengths and --block_length)") from None
     dataset = load_task_dataset(config.task, split=args.split, path=config.dataset_path, size=args.limit,
-                                seed=config.seed)
+                                seed=config.seed, task_args=config.task_args)
     batch_size = args.batch_size or config.per_device_train_batch_size
     results = []
     for gen_length, policy in policies.items():
@@ -277,7 +277,8 @@ def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
         prompts = [[{"role": "user", "content": p}] for p in args.prompt]
     else:
         prompts = list(load_task_dataset(config.task, split="validation", path=config.dataset_path,
-                                         size=args.num_prompts, seed=config.seed)["prompt"])
+                                         size=args.num_prompts, seed=config.seed,
+                                         task_args=config.task_args)["prompt"])
     device = next(model.parameters()).device
     generator = torch.Generator(device).manual_seed(config.seed)
     with prompt_errors_named("generate", "shorten the prompt, or pass --max_prompt_length=N / "

@@ -81,6 +81,9 @@ class GRPOConfig:
 
     # --- data and rewards ---
     task: str = field(default="digits", metadata={"choices": TaskNames(), "help": "Task: dataset loader and reward preset."})
+    task_args: dict = field(default_factory=dict, metadata={
+        "help": "Settings of a task that takes them (reasoning_gym: {dataset: countdown, min_numbers: 3, ...}); "
+                "on the command line --task_args.KEY=VALUE sets one, --task_args='{...}' all."})
     dataset_path: str | None = field(default=None, metadata={**PATH,
         "help": "Local file/dir overriding the task's hub dataset."})
     dataset_size: int | None = field(default=None, metadata={"range": f"[1, {MAX_PROMPTS}]",
@@ -392,7 +395,8 @@ def _correction_problems(config: GRPOConfig) -> list[str]:
 
 
 def _reference_problems(config: GRPOConfig, invalid: set[str]) -> list[str]:
-    """What the config names must exist: a local model directory, the dataset file, reward and remasking names.
+    """What the config names must exist: a local model directory, the dataset file, the task's settings
+    (`task_args`), reward and remasking names.
 
     Fields in `invalid` (already reported) are skipped.
     """
@@ -407,6 +411,8 @@ def _reference_problems(config: GRPOConfig, invalid: set[str]) -> list[str]:
         if config.dataset_path is not None and path_kind(config.dataset_path) in ("missing", "invalid"):
             problems.append(f"dataset_path={show(config.dataset_path)}: no such file or directory")
         task = get_task(config.task)
+        if "task_args" not in invalid:
+            problems.extend(task.task_args_problems(config.task_args))
         if task.generate is not None and config.dataset_path is not None:
             problems.append(f"dataset_path: the {task.name} task is generated and reads no files; leave dataset_path "
                             "unset")
@@ -463,13 +469,25 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
     return overrides
 
 
+def set_override(values: dict[str, Any], key: str, value: Any) -> None:
+    """Set ``values[key] = value``; a key ``field.entry`` of a mapping field (``task_args.min_numbers``) sets that one
+    entry of the mapping, keeping the recipe's others."""
+    name, dot, entry = key.partition(".") if isinstance(key, str) else (key, "", "")
+    if not (dot and entry and GRPO_FIELD_TYPES.get(name) is dict):
+        values[key] = value
+        return
+    mapping = values.get(name)
+    values[name] = {**(mapping if isinstance(mapping, dict) else {}), entry: value}
+
+
 def load_config(recipe: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None) -> GRPOConfig:
     """Build a validated `GRPOConfig` from a YAML recipe (optional) and command-line overrides (which win).
 
     Raises ConfigError listing every problem at once: unknown keys (with a hint), then each field's problems.
     """
     values: dict[str, Any] = read_recipe(recipe) if recipe is not None else {}
-    values.update(parse_overrides(overrides) if isinstance(overrides, list) else (overrides or {}))
+    for key, value in (parse_overrides(overrides) if isinstance(overrides, list) else (overrides or {})).items():
+        set_override(values, key, value)
     known = {key: _as_float_if_numeric(value) if accepts_float(GRPO_FIELD_TYPES[key]) else value
              for key, value in values.items() if key in GRPO_FIELD_TYPES}
     problems = unknown_key_problems(list(values), set(GRPO_FIELD_TYPES))

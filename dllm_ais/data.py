@@ -218,6 +218,7 @@ def load_task_dataset(
     path: str | Path | None = None,
     size: int | None = None,
     seed: int = 0,
+    task_args: dict[str, Any] | None = None,
 ) -> datasets.Dataset:
     """Load a task's split (``train``, ``validation`` or ``test``) with a chat ``prompt`` column and the task's
     reward columns.
@@ -225,13 +226,17 @@ def load_task_dataset(
     ``path`` replaces the task's hub dataset with a local file or directory of the same schema (required for
     sudoku); see :func:`local_split_loaders` for its splits. Hub datasets use their validation split when they
     have one, else one carved from train (:func:`resolve_split`). ``size`` keeps a random subset seeded by
-    ``seed``. Generated tasks (digits) make each split from its own seed derived from ``seed``.
+    ``seed``. Generated tasks (digits, reasoning_gym) make each split from its own seed derived from ``seed``;
+    ``task_args`` are the settings of a task that takes them (the config field of that name).
     """
     spec = get_task(task)
+    problems = spec.task_args_problems(task_args or {})
+    if problems:
+        raise ConfigError("; ".join(problems))
     if spec.generate is not None:
         if path is not None:
             raise ValueError(f"the {task} task is generated and reads no files; leave path unset")
-        return spec.generate(split, size, seed)
+        return spec.generate(split, size, seed, **(task_args or {}))
     if path is not None:
         loaders, source = local_split_loaders(Path(path)), str(path)
     elif spec.hub_train is None and spec.hub_test is None:

@@ -56,7 +56,8 @@ def stand_in_model(diffusion: bool, tokenizer) -> torch.nn.Module:
 def dry_run_dataset(config: GRPOConfig) -> datasets.Dataset:
     task = get_task(config.task)
     if task.generate is not None or config.dataset_path:
-        return load_task_dataset(config.task, "train", path=config.dataset_path, size=4, seed=config.seed)
+        return load_task_dataset(config.task, "train", path=config.dataset_path, size=4, seed=config.seed,
+                                 task_args=config.task_args)
     return examples_from_rows(datasets.Dataset.from_list(list(task.sample_rows)), task)
 
 

@@ -86,9 +86,11 @@ class GRPOTrainer:
         self.reward_funcs = resolve_reward_functions(reward_funcs or config.reward_funcs or config.task)
         self.eval_reward_funcs = resolve_reward_functions(eval_reward_funcs) if eval_reward_funcs else self.reward_funcs
         self.train_dataset = train_dataset if train_dataset is not None else load_task_dataset(
-            config.task, split="train", path=config.dataset_path, size=config.dataset_size, seed=config.seed)
+            config.task, split="train", path=config.dataset_path, size=config.dataset_size, seed=config.seed,
+            task_args=config.task_args)
         self.eval_dataset = eval_dataset if eval_dataset is not None or not config.eval_size else load_task_dataset(
-            config.task, split="validation", path=config.dataset_path, size=config.eval_size, seed=config.seed)
+            config.task, split="validation", path=config.dataset_path, size=config.eval_size, seed=config.seed,
+            task_args=config.task_args)
         check_metric_for_best_model(config, reward_function_names(self.eval_reward_funcs))
         self.tokenizer = tokenizer or load_tokenizer(config.model_name_or_path)
         check_prompt_lengths(self.tokenizer, {"train": self.train_dataset, "eval": self.eval_dataset},

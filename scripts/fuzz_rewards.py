@@ -4,8 +4,9 @@
     python scripts/fuzz_rewards.py --count 100000 --task math500 --max-fraction-depth 30
 
 Per reward: calls, exceptions on text completions, completions scored 0 by a timeout, the slowest call in ms, and
-whether every non-text completion was rejected with a TypeError naming the reward. Exits 1 if any reward raised on
-text or let non-text through. The suite runs the same harness on 2,000 completions (tests/test_reward_fuzz.py).
+whether every non-text completion was rejected with a TypeError naming the reward. The corpus carries code payloads
+that create a marker file if anything evaluates them. Exits 1 if any reward raised on text, let non-text through or
+ran a payload. The suite runs the same harness on 2,000 completions (tests/test_reward_fuzz.py).
 """
 
 from __future__ import annotations
@@ -13,10 +14,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
+from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from dllm_ais.tasks import get_task, math500, task_names  # noqa: E402
+from dllm_ais.tasks import reasoning_gym as gym_task  # noqa: E402
 from dllm_ais.tasks.fuzzing import (  # noqa: E402
     EXPONENT_TOWERS,
     adversarial_completions,
@@ -46,13 +50,14 @@ def main() -> int:
     parser.add_argument("--max-chars", type=int, default=80_000, help="length of the longest completions")
     parser.add_argument("--max-fraction-depth", type=int, default=20, help="deepest nested \\frac")
     parser.add_argument("--deadline", type=float, default=math500.VERIFIER.deadline_seconds,
-                        help="math-verify deadline per comparison, seconds")
+                        help="math-verify and reasoning-gym deadline per call, seconds")
     parser.add_argument("--task", action="append", choices=task_names(), help="tasks to fuzz (default: all)")
     args = parser.parse_args()
 
-    math500.VERIFIER.deadline_seconds = args.deadline
+    math500.VERIFIER.deadline_seconds = gym_task.SCORER.deadline_seconds = args.deadline
+    marker = Path(tempfile.mkdtemp(prefix="dllm-ais-fuzz-")) / "code-ran"
     completions = adversarial_completions(args.count, args.seed, args.max_chars, args.max_fraction_depth,
-                                          EXPONENT_TOWERS)
+                                          EXPONENT_TOWERS, code_marker=str(marker))
     print(f"{len(completions)} completions per reward (seed {args.seed}, up to {args.max_chars} characters, "
           f"\\frac depth {args.max_fraction_depth}, math-verify deadline {args.deadline} s)")
     print(f"{'reward':<28} {'count':>7} {'exceptions':>10} {'timeouts':>8} {'max ms':>9}  non-text rejected")
@@ -68,6 +73,10 @@ def main() -> int:
                   f"{1000 * report.max_seconds:>9.1f}  {'yes' if rejected else 'NO'}", flush=True)
             for line in report.exceptions[:5]:
                 print(f"    {line}")
+            if marker.exists():
+                print(f"    {report.name} RAN A CODE PAYLOAD (it created {marker})")
+                failed = True
+                marker.unlink()
     return 1 if failed else 0
 
 

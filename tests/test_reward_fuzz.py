@@ -1,26 +1,30 @@
-"""Rewards as untrusted input: every built-in reward survives a few thousand adversarial completions in bounded
-time, rejects non-text with one error naming itself, and a math-verify comparison that runs out of time (in any
-thread) scores 0, is counted, and never blocks the next one."""
+"""Rewards as untrusted input: every built-in reward survives a few thousand adversarial completions (code payloads
+included, which must never run) in bounded time, rejects non-text with one error naming itself, and a math-verify
+comparison that runs out of time (in any thread) scores 0, is counted, and never blocks the next one."""
 import os
 import random
 import re
 import signal
+import tempfile
 import threading
+from pathlib import Path
 
 import pytest
 from test_rewards import weighted_rewards
 
 from dllm_ais.tasks import get_task, math500, task_names
+from dllm_ais.tasks import reasoning_gym as gym_task
 from dllm_ais.tasks.fuzzing import adversarial_completions, example_rows, fuzz_reward, non_string_completions
 from dllm_ais.tasks.gsm8k import has_soft_layout, has_strict_layout
 
 FUZZ_COUNT = 2_000
 # Seconds: far above what any input needs (the point is "returns", not speed); a math call may include starting
 # the worker process.
-PER_CALL_BOUND = {"math500": 60.0}
+PER_CALL_BOUND = {"math500": 60.0, "reasoning_gym": 60.0}
 DEFAULT_PER_CALL_BOUND = 10.0
+MARKER = Path(tempfile.mkdtemp(prefix="dllm-ais-fuzz-")) / "code-ran"  # created only if a payload is evaluated
 CORPUS = adversarial_completions(FUZZ_COUNT, seed=0, max_chars=80_000, max_fraction_depth=10,
-                                 towers=("9^{9^{9}}", "(10^{10})!", "2^{2^{2^{2^{2}}}}"))
+                                 towers=("9^{9^{9}}", "(10^{10})!", "2^{2^{2^{2^{2}}}}"), code_marker=str(MARKER))
 BUILT_IN = [(task, function) for task in task_names()
             for function in (*get_task(task).reward_funcs, get_task(task).accuracy)]
 
@@ -28,6 +32,7 @@ BUILT_IN = [(task, function) for task in task_names()
 @pytest.fixture
 def short_math_deadline(monkeypatch):
     monkeypatch.setattr(math500.VERIFIER, "deadline_seconds", 1.0)
+    monkeypatch.setattr(gym_task.SCORER, "deadline_seconds", 1.0)
 
 
 def test_the_corpus_holds_every_adversarial_family():
@@ -36,6 +41,7 @@ def test_the_corpus_holds_every_adversarial_family():
     assert any(len(t) >= 40_000 for t in texts) and any("\\frac{\\frac{\\frac{" in t for t in texts)
     assert any("9^{9^{9}}" in t for t in texts) and any(any(0xD800 <= ord(ch) <= 0xDFFF for ch in t) for t in texts)
     assert any(t.count("{") != t.count("}") for t in texts)
+    assert sum(f"touch {MARKER}" in t for t in texts) > 100 and any("9**9**9**9" in t for t in texts)
 
 
 @pytest.mark.parametrize("task, function", BUILT_IN, ids=[f.__name__ for _, f in BUILT_IN])
@@ -44,6 +50,7 @@ def test_reward_survives_the_fuzz_corpus(task, function, short_math_deadline):
     assert report.count == FUZZ_COUNT
     assert report.exceptions == []
     assert report.max_seconds < PER_CALL_BOUND.get(task, DEFAULT_PER_CALL_BOUND)
+    assert not MARKER.exists(), "a reward evaluated a code payload"
 
 
 @pytest.mark.parametrize("task, function", BUILT_IN, ids=[f.__name__ for _, f in BUILT_IN])

@@ -230,7 +230,7 @@ def test_digits_reward_gives_positional_partial_credit():
 
 def test_registry_and_task_presets():
     assert set(REWARD_FUNCTIONS) >= {"xmlcount_reward", "countdown_reward", "digits_reward", "math_correctness_reward"}
-    assert set(TASK_REWARDS) == {"gsm8k", "math500", "countdown", "sudoku", "digits"}
+    assert set(TASK_REWARDS) == {"gsm8k", "math500", "countdown", "sudoku", "digits", "reasoning_gym"}
     for functions in TASK_REWARDS.values():
         assert all(function in REWARD_FUNCTIONS.values() for function in functions)
 

@@ -1,9 +1,11 @@
 """Tasks: one module per task, each holding its data source, prompt, reward functions and eval metric.
 
-Built in: ``gsm8k``, ``math500``, ``countdown``, ``sudoku`` (4x4) and ``digits`` (generated, no
-files). Shared text helpers live in :mod:`dllm_ais.tasks.parsing`, the bounded math-verify in
-:mod:`dllm_ais.tasks.math_verifier`; loading files, carving splits and chat templating are generic
-(:mod:`dllm_ais.data`), and combining rewards is the rewards stage (:mod:`dllm_ais.rewards`).
+Built in: ``gsm8k``, ``math500``, ``countdown``, ``sudoku`` (4x4), ``digits`` (generated, no
+files) and ``reasoning_gym`` (any reasoning-gym dataset, chosen and set up by the config's ``task_args``).
+Shared text helpers live in :mod:`dllm_ais.tasks.parsing`; checks on untrusted output that may hang run in
+:mod:`dllm_ais.tasks.bounded_worker` (math-verify in :mod:`dllm_ais.tasks.math_verifier`); loading files,
+carving splits and chat templating are generic (:mod:`dllm_ais.data`), and combining rewards is the rewards
+stage (:mod:`dllm_ais.rewards`).
 
 Adding a task takes one file. Write reward functions with TRL's signature
 ``fn(prompts, completions, **dataset_columns) -> list[float | None]`` (see ``gsm8k.py``), then::
@@ -80,6 +82,10 @@ class Task:
     train split (see :func:`dllm_ais.data.load_task_dataset`). ``hub_row_filter`` applies to hub
     rows only, never to a local file.
 
+    A task with settings (the config's ``task_args`` mapping) gives ``check_task_args(task_args)``, which returns
+    one line per problem before anything loads, and receives them as keyword arguments of ``generate``; a task
+    without it takes no ``task_args``.
+
     ``reward_funcs`` is the training preset. ``accuracy`` returns 1.0 or 0.0 per completion (d1's
     metric: the correctness reward alone). ``eval_gen_lengths`` and ``eval_block_length`` set the
     ``dllm-ais eval`` protocol (steps = gen_length / 2, greedy).
@@ -95,7 +101,8 @@ class Task:
     hub_test: HubSplit | None = None
     hub_validation: HubSplit | None = None
     hub_row_filter: Callable[[dict[str, Any]], bool] | None = None
-    generate: Callable[[str, int | None, int], Any] | None = None
+    generate: Callable[..., Any] | None = None
+    check_task_args: Callable[[dict[str, Any]], list[str]] | None = None
     sample_rows: tuple[dict[str, Any], ...] = ()
     eval_gen_lengths: tuple[int, ...] = (128, 256, 512)
     eval_block_length: int = 32
@@ -103,6 +110,17 @@ class Task:
     def __post_init__(self):
         if (self.generate is None) == (self.to_example is None):
             raise ValueError(f"task {self.name!r}: give exactly one of generate= (data made in code) or to_example=")
+        if self.check_task_args is not None and self.generate is None:
+            raise ValueError(f"task {self.name!r}: task_args reach the data through generate=; give it")
+
+    def task_args_problems(self, task_args: dict[str, Any]) -> list[str]:
+        """The problems of ``task_args`` for this task, one line each naming the key; [] when they are valid."""
+        if self.check_task_args is None:
+            return [f"task_args: the {self.name} task takes no task_args; remove them"] if task_args else []
+        keys = [key for key in task_args if not isinstance(key, str)]
+        if keys:
+            return [f"task_args: keys are setting names (strings), got {keys[0]!r}"]
+        return self.check_task_args(task_args)
 
 
 _TASKS: dict[str, Task] = {}

@@ -1,10 +1,11 @@
 """Adversarial completions for reward functions, and a harness that scores them one call at a time.
 
-Model output is untrusted input: a reward must return a number for any text, in bounded time. The
-families below are the ones that broke or stalled reward code before: nested ``\\frac``, exponent
-towers, 80 KB strings of repeated tags, unbalanced tags and braces, arbitrary unicode (lone
-surrogates included), chat-message completions, plus well-formed answers. ``NON_STRING_COMPLETIONS``
-are not text at all; a reward must reject them with one TypeError naming itself.
+Model output is untrusted input: a reward must return a number for any text, in bounded time, and must never run
+it. The families below are the ones that broke or stalled reward code before: nested ``\\frac``, exponent towers
+(LaTeX and Python), 80 KB strings of repeated tags, unbalanced tags and braces, arbitrary unicode (lone surrogates
+included), chat-message completions, well-formed answers, and code payloads (:func:`code_payloads`: Python that
+creates a marker file if anything evaluates it — reasoning-gym's Countdown verifier would, through sympy).
+``NON_STRING_COMPLETIONS`` are not text at all; a reward must reject them with one TypeError naming itself.
 
 Used by the test suite (a few thousand inputs) and ``scripts/fuzz_rewards.py`` (any number).
 """
@@ -22,12 +23,43 @@ from dllm_ais.tasks.parsing import counting_timeouts
 
 TAGS = ("<reasoning>", "</reasoning>", "<answer>", "</answer>", "\\boxed{", "{", "}", "\n", " ")
 EXPONENT_TOWERS = ("9^{9^{9}}", "10^{10^{10^{10}}}", "(10^{10})!", "9!!!!!", "2^{2^{2^{2^{2}}}}", "10^{100000}")
+PYTHON_TOWERS = ("9**9**9**9", "2**2**2**2**2**2", "(9**9)**(9**9)", "10**10**10", "-(9**9**9)", "[0]*10**10",
+                 "1" + "*9**9" * 50, "(" * 5_000 + "1" + ")" * 5_000, "[" * 100_000, "1+" * 40_000 + "1")
 LONG_UNITS = ("</reasoning>\n", "<reasoning>", "<answer>", "</answer>", "\\boxed{", "{", "(", "9", "1,", "x" * 7,
               "\\frac{1}{", "<reasoning>\n</reasoning>\n<answer>\n")
 NON_STRING_COMPLETIONS: tuple[Any, ...] = (
     None, 42, 3.5, b"<answer>1</answer>", object(), {"role": "assistant"}, {"role": "assistant", "content": 7},
     [[{"role": "assistant", "content": "x"}]], ["<answer>1</answer>"], [{"content": None}],
 )
+
+
+def code_payloads(marker: str) -> list[str]:
+    """Python expressions that create the file ``marker`` when evaluated (``eval``, sympy's ``parse_expr``): calls
+    through ``__import__``, ``eval``/``exec``, ``open``, lambdas, dunder walks to ``os`` and ``subprocess``, payloads
+    hidden in arithmetic, lists and sympy names; each also inside ``<answer>`` tags and after a reasoning block."""
+    touch = f"touch {marker}"
+    expressions = [
+        f"__import__('os').system('{touch}')",
+        f'__import__("os").system("{touch}")',
+        f"1+__import__('os').system('{touch}')*0",
+        f"(lambda: __import__('os').system('{touch}'))()",
+        f"(lambda f: f('{touch}'))(__import__('os').system)",
+        f"eval(\"__import__('os').system('{touch}')\")",
+        f"exec('import os; os.system(\"{touch}\")')",
+        f"open('{marker}', 'w').close()",
+        f"getattr(__builtins__, 'open')('{marker}', 'w')",
+        f"[__import__('os').system('{touch}')]",
+        f"[[__import__('os').system('{touch}')]]",
+        f"Symbol('x').__class__.__init__.__globals__['__builtins__']['__import__']('os').system('{touch}')",
+        f"().__class__.__base__.__subclasses__() and __import__('os').system('{touch}')",
+        f"[c for c in ().__class__.__base__.__subclasses__() if c.__name__ == 'Popen'][0](['touch', '{marker}'])",
+        f"__import__('subprocess').run(['touch', '{marker}'])",
+        f"__import__('pathlib').Path('{marker}').touch()",
+        f"eval(''.join(map(chr, {[ord(c) for c in f'open({marker!r}, chr(119))']})))",
+    ]
+    wrapped = [f"<answer>\n{expression}\n</answer>" for expression in expressions]
+    reasoned = [f"<reasoning>\nsee\n</reasoning>\n<answer>{expression}</answer>" for expression in expressions]
+    return expressions + wrapped + reasoned
 
 
 def _nested(depth: int) -> list:
@@ -75,10 +107,11 @@ def _unicode(rng: random.Random) -> str:
 
 
 def adversarial_completions(count: int, seed: int = 0, max_chars: int = 80_000, max_fraction_depth: int = 12,
-                            towers: tuple[str, ...] = EXPONENT_TOWERS) -> list[Any]:
+                            towers: tuple[str, ...] = EXPONENT_TOWERS, code_marker: str | None = None) -> list[Any]:
     """``count`` completions drawn from every family in turn (deterministic for ``seed``); one in ten is wrapped
     as a chat-message list. ``max_chars`` bounds the long strings, ``max_fraction_depth`` the nested fractions;
-    ``towers`` are the exponent towers used (each is slow for a symbolic checker)."""
+    ``towers`` are the LaTeX exponent towers used (each is slow for a symbolic checker), beside the Python ones.
+    With ``code_marker``, the code payloads that would create that file are a family too."""
     rng = random.Random(seed)
     families: list[Callable[[], str]] = [
         lambda: "".join(chr(rng.randint(32, 126)) for _ in range(rng.randint(0, 200))),
@@ -86,10 +119,14 @@ def adversarial_completions(count: int, seed: int = 0, max_chars: int = 80_000, 
         lambda: _well_formed(rng),
         lambda: _nested_fraction(rng, max_fraction_depth),
         lambda: "<answer>\\boxed{" + rng.choice(towers) + "}</answer>" if towers else _tag_soup(rng),
+        lambda: "<answer>" + rng.choice(PYTHON_TOWERS) + "</answer>",
         lambda: _long(rng, max_chars),
         lambda: _unbalanced(rng),
         lambda: _unicode(rng),
     ]
+    if code_marker is not None:
+        payloads = code_payloads(code_marker)
+        families.append(lambda: rng.choice(payloads))
     completions: list[Any] = []
     for index in range(count):
         text = families[index % len(families)]()
