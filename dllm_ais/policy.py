@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 import torch
 from torch import nn
 
+from dllm_ais.choices import SEQUENCE_ESTIMATORS
 from dllm_ais.data import tokenize_prompts
 from dllm_ais.likelihood import DIFFUSION_ESTIMATORS, BoundSettings, EstimatorSettings, causal_logprobs
 from dllm_ais.loading import SpecialTokens, special_tokens
@@ -200,6 +201,13 @@ CustomSampler = MaskedDiffusionSampler | Callable[[DiffusionSamplerConfig], Mask
 `DiffusionSamplerConfig` (the subclass itself, or e.g. ``functools.partial(MySampler, bias=...)``)."""
 
 
+def bound_settings(config: "GRPOConfig") -> BoundSettings:
+    """The Monte-Carlo bound settings (elbo and spg estimators) of this config."""
+    return BoundSettings(num_samples=config.elbo_samples, coupled=config.elbo_coupled,
+                         block_masking=config.spg_block_masking, block_length=config.block_length,
+                         eubo_beta=config.spg_eubo_beta, mix_weight=config.spg_mix_weight)
+
+
 def build_policy(config: "GRPOConfig", model_config, tokenizer, temperature: float | None = None,
                  sampler: CustomSampler | None = None) -> Policy:
     """The diffusion or autoregressive policy for this config (`temperature` overrides, e.g. 0 for greedy eval).
@@ -222,12 +230,9 @@ def build_policy(config: "GRPOConfig", model_config, tokenizer, temperature: flo
                 raise ValueError(f"sampler= built a {type(built).__name__}, not a MaskedDiffusionSampler: pass a "
                                  "MaskedDiffusionSampler subclass, or a callable returning one of its instances")
             sampler = built
-        bounds = BoundSettings(num_samples=config.elbo_samples, coupled=config.elbo_coupled,
-                               block_masking=config.spg_block_masking, block_length=config.block_length,
-                               eubo_beta=config.spg_eubo_beta, mix_weight=config.spg_mix_weight)
         return DiffusionPolicy(sampler_config, estimator=config.likelihood_estimator,
                                p_mask_prompt=config.p_mask_prompt, likelihood_order=config.likelihood_order,
-                               sampler=sampler, bounds=bounds)
+                               sampler=sampler, bounds=bound_settings(config))
     sampler = AutoregressiveSamplerConfig(
         max_new_tokens=config.max_completion_length, temperature=temperature, top_k=config.top_k, top_p=config.top_p,
         eos_token_ids=tokens.eos_token_ids, pad_token_id=tokens.pad_token_id)
@@ -287,6 +292,9 @@ def custom_policy_problems(config: "GRPOConfig", model_config, tokenizer, sample
                     for name, field in (("estimator", "likelihood_estimator"), ("p_mask_prompt", "p_mask_prompt"),
                                         ("likelihood_order", "likelihood_order"))
                     if getattr(policy, name) != getattr(config, field)]
+        if policy.estimator in SEQUENCE_ESTIMATORS and policy.bounds != bound_settings(config):
+            problems.append(f"policy.bounds={policy.bounds!r} differ from the config's elbo_* / spg_* settings "
+                            f"({bound_settings(config)!r})")
         sampler = policy.sampler
     if sampler is None:
         return problems
