@@ -138,6 +138,7 @@ def summarise(runs: list[Run], num_iterations: dict[str, int]) -> dict:
             "rollout_share": sampling / wall, "distinct": run_mean("completions/distinct_per_group"),
             "zero_std": run_mean("frac_reward_zero_std"), "entropy": run_mean("entropy"),
             "steps_per_row": run_mean("completions/mean_steps"),
+            "fidelity_level": run_mean("rollout/fidelity_level"),
         }
         entry = table.setdefault((run.family, run.arm), {"records": [], **{key: [] for key in values}})
         for key, value in values.items():

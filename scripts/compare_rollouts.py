@@ -44,6 +44,9 @@ DECODERS = {  # name -> overrides; "exact" is LLaDA's algorithm (no cache, the r
     "dual": ("--rollout_cache=dual", "--rollout_threshold=null"),
     "t0.9": ("--rollout_cache=none", "--rollout_threshold=0.9"),
     "prefix+t0.9": ("--rollout_cache=prefix", "--rollout_threshold=0.9"),
+    # the fast decoder with its fidelity driven by the mismatch diagnostics, or with half the groups decoded exactly
+    "dual+t0.9/adaptive": ("--rollout_cache=dual", "--rollout_threshold=0.9", "--rollout_fidelity=adaptive"),
+    "dual+t0.9/exact-half": ("--rollout_cache=dual", "--rollout_threshold=0.9", "--rollout_exact_fraction=0.5"),
 }
 ESTIMATORS = {  # name -> overrides
     "one_step": ("--likelihood_estimator=one_step", "--likelihood_order=rollout"),
@@ -53,17 +56,18 @@ ESTIMATORS = {  # name -> overrides
 CORRECTIONS = {"AIS": ("--correction=ais",), "none": ("--correction=none",), "TIS": ("--correction=tis",),
                "MIS": ("--correction=mis",), "seq-IS": ("--correction=tis", "--is_level=sequence")}
 QUICK_ARMS = ["one_step exact AIS", "one_step dual+t0.9 AIS", "trajectory exact AIS", "trajectory dual+t0.9 AIS",
-              "trajectory@exact-order dual+t0.9 AIS"]
+              "trajectory dual+t0.9/adaptive AIS"]
 
 
 def all_arms() -> list[str]:
     """The full grid: every estimator with exact rollouts (its reference) and with every fast decoder under every
     correction (the exact-order replay with AIS only: its ratio sees precision alone, as the one-step one does)."""
     names = [f"{estimator} exact AIS" for estimator in ("one_step", "trajectory")]
-    for decoder in (d for d in DECODERS if d != "exact"):
+    for decoder in (d for d in DECODERS if d != "exact" and "/" not in d):
         names += [f"{estimator} {decoder} {correction}" for estimator in ("one_step", "trajectory")
                   for correction in CORRECTIONS]
         names.append(f"trajectory@exact-order {decoder} AIS")
+    names += [f"trajectory {decoder} AIS" for decoder in DECODERS if "/" in decoder]  # fidelity: the ratio must see it
     return names
 
 
@@ -90,8 +94,8 @@ def markdown(table: dict, header: str) -> str:
     lines = [header, "",
              "| arm (estimator · rollouts · correction) | accuracy, exact decoding (%) | vs exact rollouts, paired by "
              "seed (points) | accuracy, own sampler (%) | reward, exact decoding | sampling s / run | × reference | "
-             "training s / run | ESS | k3 | α | distinct / group | zero-std | entropy | steps / row |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "training s / run | ESS | k3 | α | distinct / group | zero-std | entropy | steps / row | fidelity rung |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for (_, arm), entry in table.items():
         reference = table.get(("llada", reference_arm(arm)))
         versus = ratio = "—"
@@ -105,7 +109,7 @@ def markdown(table: dict, header: str) -> str:
             f"{average(entry['wall_s'], '.0f')} | {average(entry['ess'], '.3f')} | {average(entry['k3'], '.2e')} | "
             f"{average(entry['alpha'], '.2f')} | {average(entry['distinct'], '.2f')} | "
             f"{average(entry['zero_std'], '.2f')} | {average(entry['entropy'], '.3f')} | "
-            f"{average(entry['steps_per_row'], '.1f')} |")
+            f"{average(entry['steps_per_row'], '.1f')} | {average(entry['fidelity_level'], '.2f')} |")
     return "\n".join(lines) + "\n"
 
 
