@@ -18,7 +18,7 @@ import yaml
 
 from dllm_ais.choices import (
     ALPHA_RULES, CACHE_MODES, CORRECTION_METHODS, ESTIMATORS, IS_LEVELS, LOSS_TYPES, PRECISIONS, RATIO_TYPES,
-    REWARD_SCALINGS,
+    REWARD_SCALINGS, TRAJECTORY_ESTIMATORS,
 )
 from dllm_ais.tasks import TaskNames
 from dllm_ais.trackers import TRACKERS, normalize_report_to
@@ -122,12 +122,18 @@ class GRPOConfig:
 
     # --- likelihood ---
     likelihood_estimator: str = field(default="one_step", metadata={**_choice(*ESTIMATORS),
-        "help": "Diffusion log-prob estimator: d1's one-step surrogate or the exact trajectory replay."})
+        "help": "Diffusion log-prob estimator: d1's one-step surrogate (one forward), the exact trajectory replay (one "
+                "forward per denoising step) or d2's StepMerge (the steps merged into likelihood_segments segments, "
+                "one forward each)."})
+    likelihood_segments: int = field(default=16, metadata={"range": f"[1, {MAX_TOKENS}]",
+        "help": "step_merge: N, the contiguous segments the denoising steps are merged into; each segment's tokens are "
+                "scored at the canvas of its first step (one forward per segment). N >= diffusion_steps is the exact "
+                "trajectory; N = 1 is d1's one-step surrogate with an unmasked prompt; d2 found 16 the best trade."})
     p_mask_prompt: float = field(default=0.15, metadata={"range": "[0, 1)"})
     likelihood_order: str = field(default="rollout", metadata={**_choice(*LIKELIHOOD_ORDERS),
-        "help": "Trajectory estimator: the commit order it scores. rollout = the order the rollout sampler took (the "
-                "ratio sees a cache's logit error); exact = the completion replayed by the engine along the exact "
-                "decoder's order (no cache, fixed schedule, low confidence), so training happens at the states the "
+        "help": "Trajectory-type estimators (trajectory, step_merge): the commit order they score. rollout = the "
+                "order the rollout sampler took (the ratio sees a cache's logit error); exact = the completion "
+                "replayed by the engine along the exact decoder's order (no cache, fixed schedule, low confidence), so training happens at the states the "
                 "exact decoder visits; the ratio then sees precision only and the fast decoder's approximation is unseen."})
 
     # --- correction ---
@@ -227,10 +233,11 @@ class GRPOConfig:
         sees everything (exact rollouts) — measured costs in BENCHMARKS.md, "Fast rollouts"."""
         if not self.fast_rollouts or self.policy == "autoregressive":
             return None
-        if self.likelihood_estimator == "trajectory" and self.likelihood_order == "rollout":
-            return ("the trajectory estimator scores the fast sampler's own order: its ratio sees the cache's logit "
-                    "error but not the shift of the visited canvas states, which cost the most exact-decoding accuracy "
-                    "on the embedded task; likelihood_order=exact replays the exact decoder's order instead")
+        if self.likelihood_estimator in TRAJECTORY_ESTIMATORS and self.likelihood_order == "rollout":
+            return (f"the {self.likelihood_estimator} estimator scores the fast sampler's own order: its ratio sees "
+                    "the cache's logit error but not the shift of the visited canvas states, which cost the most "
+                    "exact-decoding accuracy on the embedded task; likelihood_order=exact replays the exact decoder's "
+                    "order instead")
         return ("the fast decoder's approximation (cache, parallel commits) is not seen by the importance ratio, "
                 "which compares the engine and the trainer on the same canvases; only the rollout precision is")
 
@@ -271,11 +278,12 @@ class GRPOConfig:
             (self.policy == "autoregressive" or self.diffusion_steps <= self.max_completion_length,
              f"diffusion_steps={self.diffusion_steps} must be <= max_completion_length={self.max_completion_length} "
              "(at most one denoising step per token)"),
-            (self.likelihood_estimator != "trajectory" or self.cfg_scale == 0,
-             "likelihood_estimator=trajectory replays the plain model: set cfg_scale=0 or use one_step"),
-            (self.likelihood_order == "rollout" or self.likelihood_estimator == "trajectory",
+            (self.likelihood_estimator not in TRAJECTORY_ESTIMATORS or self.cfg_scale == 0,
+             f"likelihood_estimator={self.likelihood_estimator} replays the plain model: set cfg_scale=0 or use "
+             "one_step"),
+            (self.likelihood_order == "rollout" or self.likelihood_estimator in TRAJECTORY_ESTIMATORS,
              f"likelihood_order={self.likelihood_order} orders the trajectory estimator's replay: set "
-             "likelihood_estimator=trajectory, or likelihood_order=rollout"),
+             f"likelihood_estimator to one of {', '.join(TRAJECTORY_ESTIMATORS)}, or likelihood_order=rollout"),
             (not (self.overwrite_output_dir and self.resume_from_checkpoint not in (None, False)),
              "resume_from_checkpoint continues the run in output_dir; overwrite_output_dir=true starts afresh: set one"),
             (self.eval_steps == 0 or self.eval_size > 0,

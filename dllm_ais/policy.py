@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Iterable, Protocol
 
 import torch
 from torch import nn
 
+from dllm_ais.choices import TRAJECTORY_ESTIMATORS
 from dllm_ais.data import tokenize_prompts
-from dllm_ais.likelihood import DIFFUSION_ESTIMATORS, EstimatorSettings, causal_logprobs
+from dllm_ais.likelihood import DIFFUSION_ESTIMATORS, EstimatorSettings, LogprobPiece, causal_logprobs, whole_piece
 from dllm_ais.loading import special_tokens
 from dllm_ais.sampling.autoregressive import AutoregressiveSampler, AutoregressiveSamplerConfig
 from dllm_ais.sampling.diffusion import DiffusionSamplerConfig, MaskedDiffusionSampler
@@ -44,7 +45,8 @@ class Policy(Protocol):
     """What the trainer needs from a policy family.
 
     `logprobs(..., compute_entropy=True)` also returns the per-token entropy [B, L] of the distribution each token
-    is scored under, from the same forward. `num_estimator_seeds(μ)` tells how many distinct estimator draws one
+    is scored under, from the same forward. `logprob_pieces` gives the same log-probs forward by forward (lazily; a
+    single piece for a single-forward estimator), for a backward per forward. `num_estimator_seeds(μ)` tells how many distinct estimator draws one
     generation batch uses: the one-step diffusion surrogate draws fresh masks per inner iteration, exact estimators
     need one.
     """
@@ -54,6 +56,9 @@ class Policy(Protocol):
 
     def logprobs(self, model: nn.Module, rollout: Rollout, seed: int,
                  compute_entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+
+    def logprob_pieces(self, model: nn.Module, rollout: Rollout, seed: int,
+                       compute_entropy: bool = False) -> Iterable[LogprobPiece]: ...
 
     def rollout_logprobs(self, engine_model: nn.Module, rollout: Rollout, seed: int) -> torch.Tensor: ...
 
@@ -65,23 +70,25 @@ class DiffusionPolicy:
     """Masked-diffusion policy (LLaDA): the LLaDA sampler plus a diffusion likelihood estimator.
 
     Rollout-side and trainer-side log-probs use the same estimator with the same seed, so their ratio measures
-    the precision mismatch and nothing else. For the trajectory estimator the rollout side is free: it is the
-    sampler's recorded per-step unmasking log-prob. `estimator` names one of `DIFFUSION_ESTIMATORS`; `GRPOConfig`
-    checks it and that the trajectory estimator, which replays the plain model, is not asked to reproduce guidance.
+    the precision mismatch and nothing else. For the trajectory estimator (and step_merge with a segment per step)
+    the rollout side is free: it is the sampler's recorded per-step unmasking log-prob. `estimator` names one of
+    `DIFFUSION_ESTIMATORS`; `GRPOConfig` checks it and that the trajectory-type estimators, which replay the plain
+    model, are not asked to reproduce guidance.
     """
 
     sampler_config: DiffusionSamplerConfig
     estimator: str = "one_step"
     p_mask_prompt: float = 0.15
     likelihood_order: str = "rollout"
+    likelihood_segments: int = 16
 
     def __post_init__(self):
         self.sampler = MaskedDiffusionSampler(self.sampler_config)
         self.scorer = DIFFUSION_ESTIMATORS[self.estimator]
         self.estimator_settings = EstimatorSettings(self.sampler_config.mask_token_id, self.sampler_config.temperature,
-                                                    self.p_mask_prompt)
+                                                    self.p_mask_prompt, likelihood_segments=self.likelihood_segments)
         self.exact_order_sampler = None
-        if self.estimator == "trajectory" and self.likelihood_order == "exact":
+        if self.estimator in TRAJECTORY_ESTIMATORS and self.likelihood_order == "exact":
             exact = dataclasses.replace(self.sampler_config, cache="none", cache_refresh_interval=None, threshold=None,
                                         factor=None)
             self.exact_order_sampler = MaskedDiffusionSampler(exact)
@@ -98,8 +105,11 @@ class DiffusionPolicy:
     def logprobs(self, model, rollout: Rollout, seed: int, compute_entropy: bool = False):
         return self.scorer.logprobs(model, rollout, self.estimator_settings, seed, compute_entropy)
 
+    def logprob_pieces(self, model, rollout: Rollout, seed: int, compute_entropy: bool = False):
+        return self.scorer.logprob_pieces(model, rollout, self.estimator_settings, seed, compute_entropy)
+
     def rollout_logprobs(self, engine_model, rollout: Rollout, seed: int) -> torch.Tensor:
-        if self.scorer.recorded_by_sampler:
+        if self.scorer.records_rollout_side(self.estimator_settings, rollout):
             return rollout.step_logprobs
         return self.logprobs(engine_model, rollout, seed)
 
@@ -129,6 +139,9 @@ class AutoregressivePolicy:
         return causal_logprobs(model, rollout.sequences, rollout.attention_mask, rollout.prompt_length,
                                temperature=c.temperature, top_k=c.top_k, top_p=c.top_p, compute_entropy=compute_entropy)
 
+    def logprob_pieces(self, model, rollout: Rollout, seed: int, compute_entropy: bool = False):
+        return [whole_piece(self.logprobs(model, rollout, seed, compute_entropy), compute_entropy)]
+
     def rollout_logprobs(self, engine_model, rollout: Rollout, seed: int) -> torch.Tensor:
         return self.logprobs(engine_model, rollout, seed)
 
@@ -157,7 +170,8 @@ def build_policy(config: "GRPOConfig", model_config, tokenizer, temperature: flo
             cache=config.rollout_cache, cache_refresh_interval=config.rollout_cache_refresh_interval,
             threshold=config.rollout_threshold, factor=config.rollout_factor)
         return DiffusionPolicy(sampler, estimator=config.likelihood_estimator, p_mask_prompt=config.p_mask_prompt,
-                               likelihood_order=config.likelihood_order)
+                               likelihood_order=config.likelihood_order,
+                               likelihood_segments=config.likelihood_segments)
     sampler = AutoregressiveSamplerConfig(
         max_new_tokens=config.max_completion_length, temperature=temperature, top_k=config.top_k, top_p=config.top_p,
         eos_token_ids=tokens.eos_token_ids, pad_token_id=tokens.pad_token_id)
