@@ -1,5 +1,6 @@
 """The GRPO loop on tiny models: on-policy recovery, FP8 mismatch, AIS endpoints, determinism, reward errors."""
 
+import dataclasses
 import json
 import math
 
@@ -222,21 +223,21 @@ def inject_reference_logprobs(trainer, monkeypatch):
 
 
 def inject_policy_logprobs(trainer, monkeypatch):
-    score = trainer.policy.logprobs
+    pieces = trainer.policy.logprob_pieces
 
     def infinite_under_grad(model, rollout, seed, compute_entropy=False):
-        logp, entropy = score(model, rollout, seed, compute_entropy=True)
-        logp = logp * math.inf if torch.is_grad_enabled() else logp
-        return (logp, entropy) if compute_entropy else logp
+        for piece in pieces(model, rollout, seed, compute_entropy):
+            yield dataclasses.replace(piece, logprobs=piece.logprobs * math.inf) if torch.is_grad_enabled() else piece
 
-    monkeypatch.setattr(trainer.policy, "logprobs", infinite_under_grad)
+    monkeypatch.setattr(trainer.policy, "logprob_pieces", infinite_under_grad)
 
 
 def inject_loss(trainer, monkeypatch):
     import dllm_ais.grpo as grpo
 
-    loss_fn = grpo.grpo_loss
-    monkeypatch.setattr(grpo, "grpo_loss", lambda *a, **k: (lambda loss, m: (loss * math.nan, m))(*loss_fn(*a, **k)))
+    loss_fn = grpo.TokenLoss.__call__
+    monkeypatch.setattr(grpo.TokenLoss, "__call__",
+                        lambda *a, **k: (lambda loss, m: (loss * math.nan, m))(*loss_fn(*a, **k)))
 
 
 def inject_gradient(trainer, monkeypatch, value=math.nan):
