@@ -46,9 +46,9 @@ class Policy(Protocol):
 
     `logprobs(..., compute_entropy=True)` also returns the per-token entropy [B, L] of the distribution each token
     is scored under, from the same forward. `logprob_pieces` gives the same log-probs forward by forward (lazily; a
-    single piece for a single-forward estimator), for a backward per forward. `num_estimator_seeds(μ)` tells how many distinct estimator draws one
-    generation batch uses: the one-step diffusion surrogate draws fresh masks per inner iteration, exact estimators
-    need one.
+    single piece for a single-forward estimator), for a backward per forward. `num_estimator_seeds(μ)` tells how
+    many distinct estimator draws one generation batch uses: the one-step diffusion surrogate draws fresh masks per
+    inner iteration, exact estimators need one.
     """
 
     def sample(self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
