@@ -6,7 +6,8 @@
 Each setting runs in a fresh subprocess on one CPU thread: it loads the embedded LLaDA (`dllm_ais/assets/tiny_llada`),
 samples a batch of completions of random prompts (no grad), computes ℓ_old (no grad), records its resident set size,
 then runs what `optimisation_pass` runs for one micro-batch — the estimator's pieces, `TokenLoss`, and a backward per
-piece (`grpo.backward_by_pieces`) — and reports the growth of its peak resident set (`ru_maxrss`) over that size.
+piece (`grpo.backward_by_pieces`) — and reports the growth of its peak resident set (`ru_maxrss`) over that size;
+glibc's mmap threshold is fixed (MALLOC_MMAP_THRESHOLD_) so that the resident set follows live memory, not the allocator's retained free blocks.
 With --compare-all-at-once, a second column gives the same pass with the pieces summed before one backward (every
 forward of the trajectory held in one autograd graph: the memory the per-piece backward removes; about 10 GB for the
 trajectory at 64 steps). Settings: one_step (d1), trajectory,
@@ -74,7 +75,9 @@ def run_setting(args, estimator: str, steps: int, remasking: str, all_at_once: b
                "--remasking", remasking, "--gen-length", str(args.gen_length), "--batch", str(args.batch),
                "--block-length", str(args.block_length), "--segments", str(args.segments),
                "--prompt-length", str(args.prompt_length)] + (["--all-at-once"] if all_at_once else [])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    # A fixed mmap threshold returns every large freed buffer to the OS at once: without it glibc raises the threshold
+    # as buffers are freed and keeps them in its heap, so the resident size also counts freed, fragmented memory.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
     result = subprocess.run(command, check=True, capture_output=True, text=True, env=env)
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -99,8 +102,8 @@ def main() -> None:
         print(json.dumps(measure(args)))
         return
 
-    print(f"device: CPU ({platform.processor() or platform.machine()}), 1 thread; embedded LLaDA, float32, full "
-          f"fine-tune; gen {args.gen_length}, block {args.block_length}, batch {args.batch}, prompt "
+    print(f"device: CPU ({platform.processor() or platform.machine()}), 1 thread, MALLOC_MMAP_THRESHOLD_=65536; "
+          f"embedded LLaDA, float32, full fine-tune; gen {args.gen_length}, block {args.block_length}, batch {args.batch}, prompt "
           f"{args.prompt_length}, step_merge N = {args.segments}; loss dapo")
     print("peak resident growth of scoring + backward (MB), fresh process per cell; ratio = per-piece / one_step's")
     header = (f"{'setting':<34}{'steps':>6}{'forwards':>9}{'per piece MB':>14}{'ratio':>7}"
@@ -119,7 +122,8 @@ def main() -> None:
         ratio = piecewise["peak_growth"] / one_step_peak.get(steps, one_step_peak[max(one_step_peak)])
         at_once = ""
         if args.compare_all_at_once:
-            at_once = f"{run_setting(args, estimator, steps, remasking, all_at_once=True)['peak_growth'] / 2**20:>16.1f}"
+            at_once_peak = run_setting(args, estimator, steps, remasking, all_at_once=True)["peak_growth"]
+            at_once = f"{at_once_peak / 2**20:>16.1f}"
         print(f"{name:<34}{steps:>6}{forwards:>9}{piecewise['peak_growth'] / 2**20:>14.1f}{ratio:>7.2f}{at_once}",
               flush=True)
 
