@@ -124,6 +124,18 @@ def test_exact_order_replay_sees_precision_only_and_keeps_the_samplers_own_steps
         assert record["completions/mean_steps"] == 8  # one token per step: the threshold sampler's own count
 
 
+def test_step_merge_trains_with_a_backward_per_segment_and_an_engine_side_when_it_merges_steps(tokenizer, tmp_path):
+    """step_merge with 2 segments of the 4 steps: the engine scores the rollout side (bf16: the ratio is 1), the
+    optimisation pass backpropagates segment by segment and moves the weights."""
+    trainer = make_trainer(tokenizer, tmp_path, rollout_precision="bf16", likelihood_estimator="step_merge",
+                           likelihood_segments=2, num_iterations=1, beta=0.04)
+    batch = trainer.make_generation_batch()
+    assert not torch.equal(batch.logp_old[0], batch.rollout.step_logprobs)
+    metrics = trainer.optimisation_pass(batch, 0)
+    assert metrics["policy_ratio/mean"] == pytest.approx(1.0) and metrics["grad_norm"] > 0
+    assert math.isfinite(metrics["loss"]) and metrics["kl"] == pytest.approx(0.0, abs=1e-6)
+
+
 def test_validation_decodes_exactly_whatever_the_rollouts_use(tokenizer, tmp_path):
     """d1's protocol: a run with fast rollouts (dual cache, threshold) scores its validation prompts with the exact
     decoder — the same per-prompt rewards as a run with exact rollouts — and reports its own sampler's score beside
