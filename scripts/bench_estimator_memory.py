@@ -106,7 +106,7 @@ def main() -> None:
           f"embedded LLaDA, float32, full fine-tune; gen {args.gen_length}, block {args.block_length}, batch {args.batch}, prompt "
           f"{args.prompt_length}, step_merge N = {args.segments}; loss dapo")
     print("peak resident growth of scoring + backward (MB), fresh process per cell; ratio = per-piece / one_step's")
-    header = (f"{'setting':<34}{'steps':>6}{'forwards':>9}{'per piece MB':>14}{'ratio':>7}"
+    header = (f"{'setting':<38}{'steps':>6}{'forwards':>9}{'per piece MB':>14}{'ratio':>7}"
               + (f"{'all at once MB':>16}" if args.compare_all_at_once else ""))
     print(header)
     print("-" * len(header))
@@ -124,7 +124,7 @@ def main() -> None:
         if args.compare_all_at_once:
             at_once_peak = run_setting(args, estimator, steps, remasking, all_at_once=True)["peak_growth"]
             at_once = f"{at_once_peak / 2**20:>16.1f}"
-        print(f"{name:<34}{steps:>6}{forwards:>9}{piecewise['peak_growth'] / 2**20:>14.1f}{ratio:>7.2f}{at_once}",
+        print(f"{name:<38}{steps:>6}{forwards:>9}{piecewise['peak_growth'] / 2**20:>14.1f}{ratio:>7.2f}{at_once}",
               flush=True)
 
 
