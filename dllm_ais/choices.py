@@ -7,7 +7,11 @@ config validation never import torch. Add an option here and implement it in its
 CACHE_MODES = ("none", "prefix", "dual")  # dllm_ais.sampling.diffusion: block KV cache
 FIDELITY_MODES = ("fixed", "adaptive")  # dllm_ais.fidelity: which decoder samples each generation batch
 PRECISIONS = ("bf16", "fp8", "fp8_weight_only", "int8", "int4")  # dllm_ais.quantization: rollout engine precision
-ESTIMATORS = ("one_step", "trajectory", "elbo", "spg")  # dllm_ais.likelihood.DIFFUSION_ESTIMATORS: diffusion log-prob estimators
+# dllm_ais.likelihood.DIFFUSION_ESTIMATORS: diffusion log-prob estimators
+ESTIMATORS = ("one_step", "trajectory", "step_merge", "elbo", "spg")
+# The estimators that replay the recorded denoising trajectory (one forward per step or per segment of steps): they
+# score softmax(logits / τ) along the sampler's commit order, piece by piece.
+TRAJECTORY_ESTIMATORS = ("trajectory", "step_merge")
 SEQUENCE_ESTIMATORS = ("elbo", "spg")  # one estimate per completion, spread over its tokens (DiffusionEstimator)
 CORRECTION_METHODS = ("none", "tis", "mis", "acr", "ais")  # dllm_ais.correction
 IS_LEVELS = ("token", "sequence", "geometric")

@@ -18,7 +18,7 @@ import yaml
 
 from dllm_ais.choices import (
     ALPHA_RULES, CACHE_MODES, CORRECTION_METHODS, ESTIMATORS, FIDELITY_MODES, IS_LEVELS, LOSS_TYPES, PRECISIONS,
-    RATIO_TYPES, REWARD_SCALINGS, SEQUENCE_ESTIMATORS,
+    RATIO_TYPES, REWARD_SCALINGS, SEQUENCE_ESTIMATORS, TRAJECTORY_ESTIMATORS,
 )
 from dllm_ais.tasks import TaskNames
 from dllm_ais.trackers import TRACKERS, normalize_report_to
@@ -143,10 +143,15 @@ class GRPOConfig:
 
     # --- likelihood ---
     likelihood_estimator: str = field(default="one_step", metadata={**_choice(*ESTIMATORS),
-        "help": "Diffusion log-prob estimator: d1's one-step surrogate, the exact trajectory replay, LLaDA's "
-                "Monte-Carlo ELBO (elbo) or SPG's ELBO/EUBO sandwich (spg). elbo and spg estimate one log-likelihood "
+        "help": "Diffusion log-prob estimator: d1's one-step surrogate (one forward), the exact trajectory replay (one "
+                "forward per denoising step), d2's StepMerge (the steps merged into likelihood_segments segments, one "
+                "forward each), LLaDA's Monte-Carlo ELBO (elbo) or SPG's ELBO/EUBO sandwich (spg). elbo and spg estimate one log-likelihood "
                 "per completion and give each of its tokens an equal share: the policy ratio and the IS weights are "
                 "then GSPO's length-normalised sequence ratio, automatically (epsilon clips it per sequence)."})
+    likelihood_segments: int = field(default=16, metadata={"range": f"[1, {MAX_TOKENS}]",
+        "help": "step_merge: N, the contiguous segments the denoising steps are merged into; each segment's tokens are "
+                "scored at the canvas of its first step (one forward per segment). N >= diffusion_steps is the exact "
+                "trajectory; N = 1 is d1's one-step surrogate with an unmasked prompt; d2 found 16 the best trade."})
     p_mask_prompt: float = field(default=0.15, metadata={"range": "[0, 1)",
         "help": "Probability of masking each prompt token in the one_step, elbo and spg estimators' canvases."})
     elbo_samples: int = field(default=2, metadata={"range": "[1, 1024]",
@@ -162,9 +167,9 @@ class GRPOConfig:
         "help": "spg: SPG's block-wise masks (earlier blocks clean, one block partly masked, later blocks masked) "
                 "instead of LLaDA's random masks."})
     likelihood_order: str = field(default="rollout", metadata={**_choice(*LIKELIHOOD_ORDERS),
-        "help": "Trajectory estimator: the commit order it scores. rollout = the order the rollout sampler took (the "
-                "ratio sees a cache's logit error); exact = the completion replayed by the engine along the exact "
-                "decoder's order (no cache, fixed schedule, low confidence), so training happens at the states the "
+        "help": "Trajectory-type estimators (trajectory, step_merge): the commit order they score. rollout = the "
+                "order the rollout sampler took (the ratio sees a cache's logit error); exact = the completion "
+                "replayed by the engine along the exact decoder's order (no cache, fixed schedule, low confidence), so training happens at the states the "
                 "exact decoder visits; the ratio then sees precision only and the fast decoder's approximation is unseen."})
 
     # --- correction ---
@@ -289,8 +294,9 @@ class GRPOConfig:
     def ratio_sees_decoder(self) -> bool:
         """Whether the importance ratio sees the rollout decoder's approximation (cache, parallel commits): only the
         trajectory estimator scoring the rollout's own commit order compares the fast decoder's recorded log-probs
-        with the trainer's exact replay; the one-step estimator, and the replay along the exact order, score both
-        sides on the same canvases and see the rollout precision only."""
+        with the trainer's exact replay; the other estimators (step_merge's engine side too, with fewer segments than
+        steps), and the replay along the exact order, score both sides on the same canvases and see the rollout
+        precision only."""
         return self.likelihood_estimator == "trajectory" and self.likelihood_order == "rollout"
 
     def decoding(self, exact: bool) -> "GRPOConfig":
@@ -333,12 +339,12 @@ class GRPOConfig:
              "(at most one denoising step per token)"),
             (self.ratio_type != "ctpo" or self.likelihood_estimator not in SEQUENCE_ESTIMATORS,
              f"likelihood_estimator={self.likelihood_estimator} is sequence-level (one ratio per completion): set "
-             "ratio_type=token, or a token-level estimator (one_step, trajectory) for ctpo"),
+             "ratio_type=token, or a token-level estimator (one_step, trajectory, step_merge) for ctpo"),
             (not (self.likelihood_estimator == "spg" and self.spg_block_masking and self.elbo_coupled),
              "elbo_coupled pairs random masks and spg_block_masking draws block masks: set one of them to false"),
-            (self.likelihood_order == "rollout" or self.likelihood_estimator == "trajectory",
+            (self.likelihood_order == "rollout" or self.likelihood_estimator in TRAJECTORY_ESTIMATORS,
              f"likelihood_order={self.likelihood_order} orders the trajectory estimator's replay: set "
-             "likelihood_estimator=trajectory, or likelihood_order=rollout"),
+             f"likelihood_estimator to one of {', '.join(TRAJECTORY_ESTIMATORS)}, or likelihood_order=rollout"),
             (self.rollout_fidelity == "fixed" or (self.policy != "autoregressive" and self.fast_rollouts),
              f"rollout_fidelity={self.rollout_fidelity} moves between a fast diffusion decoder and the exact one: set "
              "rollout_cache, rollout_threshold or rollout_factor, or rollout_fidelity=fixed"),

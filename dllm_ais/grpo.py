@@ -9,7 +9,8 @@
    ℓ_ref (adapter disabled, if β > 0);
 5. correction weights (AIS by default) from ℓ_old vs ℓ_rollout.
 
-`optimisation_pass`: the clipped GRPO loss × weights over the batch's micro-batches, one optimizer step.
+`optimisation_pass`: the clipped GRPO loss × weights over the batch's micro-batches, one optimizer step; within a
+micro-batch, one backward per forward of the estimator (`backward_by_pieces`).
 
 Both take their collaborators (`StepComponents`, the tokenizer, reward functions, the correction) as arguments, so
 scripts and tests run a step without a trainer.
@@ -21,16 +22,18 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import DistributedType
 
 from dllm_ais.components import StepComponents
 from dllm_ais.config import GRPOConfig
 from dllm_ais.correction import CorrectionSettings, RolloutCorrection
 from dllm_ais.fidelity import RolloutFidelity, exact_share_metrics
-from dllm_ais.loss import grpo_loss, group_advantages
+from dllm_ais.likelihood import LogprobPiece, sum_pieces, whole_piece
+from dllm_ais.loss import TokenLoss, group_advantages
 from dllm_ais.metrics import completion_metrics, distinct_completions, ends_with_eos, reward_metrics
 from dllm_ais.ops import masked_mean
 from dllm_ais.policy import sample_prompts
@@ -251,9 +254,49 @@ def make_generation_batch(config: GRPOConfig, parts: StepComponents, tokenizer, 
                            [c.diagnostics for c in corrections], seeds, metrics, samples)
 
 
+@dataclass
+class MicroBatchPass:
+    """What one micro-batch's forwards and backwards leave: the loss (detached, the sum of its pieces'), the
+    metrics' sums (`TokenLoss`), the entropy [B, L] when asked for, and whether every log-prob at a completion
+    position and every piece's loss were finite."""
+
+    loss: torch.Tensor
+    metric_sums: dict[str, torch.Tensor]
+    entropy: torch.Tensor | None
+    finite_logprobs: torch.Tensor
+    finite_loss: torch.Tensor
+
+
+def backward_by_pieces(pieces: Iterable[LogprobPiece], objective: TokenLoss, completion_mask: torch.Tensor,
+                       backward: Callable[[torch.Tensor], None], compute_entropy: bool,
+                       piecewise: bool = True) -> MicroBatchPass:
+    """Run the micro-batch's loss and backward piece by piece: for each `LogprobPiece` (one forward of the
+    estimator, run when the iterator is asked for it), `backward(Σ_{t ∈ piece} c_t · L_t)` before the next forward,
+    so the autograd graph holds one forward at a time; the gradients add up to those of the loss at once, since
+    each token's loss term depends on its own log-prob only (`TokenLoss`). `piecewise=False` sums the pieces first
+    and runs one backward (the ctpo ratio, whose prefix needs every token; DeepSpeed, one backward per micro-step).
+    """
+    if not piecewise:
+        pieces = [whole_piece(sum_pieces(pieces, compute_entropy), compute_entropy)]
+    loss, sums, entropy, finite_logprobs, finite_loss = 0.0, {}, None, [], []
+    for piece in pieces:
+        piece_loss, piece_sums = objective(piece.logprobs, piece.positions)
+        # Non-finite or not, every piece is backpropagated (every process joins the all-reduce); the caller decides.
+        backward(piece_loss)
+        loss = loss + piece_loss.detach()
+        sums = {name: sums.get(name, 0.0) + value for name, value in piece_sums.items()}
+        if compute_entropy:
+            entropy = piece.entropy if entropy is None else entropy + piece.entropy
+        finite_logprobs.append(torch.isfinite(piece.logprobs.detach()[piece.positions & completion_mask]).all())
+        finite_loss.append(torch.isfinite(piece_loss.detach()))
+    return MicroBatchPass(loss, sums, entropy, torch.stack(finite_logprobs).all(), torch.stack(finite_loss).all())
+
+
 def optimisation_pass(config: GRPOConfig, parts: StepComponents, batch: GenerationBatch,
                       iteration: int) -> dict[str, float]:
-    """One optimizer step over the generation batch: gradient accumulation over its micro-batches.
+    """One optimizer step over the generation batch: gradient accumulation over its micro-batches, and within a
+    micro-batch over the estimator's forwards (`backward_by_pieces`: a trajectory-type estimator's peak memory is
+    one forward's, whatever the number of denoising steps).
 
     accelerate divides each micro-batch loss by gradient_accumulation_steps; `dapo` already normalises by the
     token count of the whole generation batch (averaged over processes), so its loss is scaled back up.
@@ -268,32 +311,31 @@ def optimisation_pass(config: GRPOConfig, parts: StepComponents, batch: Generati
     total_tokens = accelerator.gather(local_tokens.reshape(1)).mean().clamp(min=1).item()
     rows_of = micro_batches(len(batch.advantages), config.per_device_train_batch_size)
     ctpo_options = CorrectionSettings.from_config(config).ctpo_loss_options()
+    scale = len(rows_of) if config.loss_type == "dapo" else 1
+    piecewise = config.ratio_type == "token" and accelerator.distributed_type != DistributedType.DEEPSPEED
     summed: dict[str, float] = dict(batch.diagnostics[k])
     first_pass = iteration == 0  # the policy's entropy on the batch: once, at θ_old (a full-vocabulary pass)
     losses, entropies, finite = [], [], []
     for j, rows in enumerate(rows_of):
         with accelerator.accumulate(model):
             part = batch.rollout.select(rows)
-            scored = parts.policy.logprobs(model, part, micro_seed(batch.seeds[k], j), compute_entropy=first_pass,
-                                           advantages=batch.advantages[rows])
-            logp, entropy = scored if first_pass else (scored, None)
-            loss, loss_metrics = grpo_loss(
-                logp, batch.logp_old[k][rows], batch.advantages[rows], part.completion_mask,
+            objective = TokenLoss(
+                batch.logp_old[k][rows], batch.advantages[rows], part.completion_mask,
                 weights=batch.weights[k][rows],
                 clip_scale=None if batch.clip_scale[k] is None else batch.clip_scale[k][rows],
                 logp_ref=None if batch.logp_ref[k] is None else batch.logp_ref[k][rows],
                 beta=config.beta, epsilon=config.epsilon, epsilon_high=config.epsilon_high,
                 loss_type=config.loss_type, max_completion_length=config.max_completion_length,
                 num_items_in_batch=total_tokens, ratio_type=config.ratio_type, **ctpo_options)
-            finite.append(torch.stack([torch.isfinite(logp.detach()[part.completion_mask]).all(),
-                                       torch.isfinite(loss.detach())]))
-            scale = len(rows_of) if config.loss_type == "dapo" else 1
-            # Non-finite or not, every process joins the gradient all-reduce; the step is decided below.
-            accelerator.backward(loss * scale)
-        losses.append(loss.detach() * scale)
-        if entropy is not None:
-            entropies.append(masked_mean(entropy.detach(), part.completion_mask))
-        for key, value in loss_metrics.items():
+            pieces = parts.policy.logprob_pieces(model, part, micro_seed(batch.seeds[k], j), compute_entropy=first_pass,
+                                                  advantages=batch.advantages[rows])
+            done = backward_by_pieces(pieces, objective, part.completion_mask,
+                                      lambda loss: accelerator.backward(loss * scale), first_pass, piecewise)
+        losses.append(done.loss * scale)
+        finite.append(torch.stack([done.finite_logprobs, done.finite_loss]))
+        if done.entropy is not None:
+            entropies.append(masked_mean(done.entropy, part.completion_mask))
+        for key, value in objective.metrics(done.metric_sums).items():
             summed[key] = summed.get(key, 0.0) + value / len(rows_of)
     summed["loss"] = torch.stack(losses).mean().item()
     if entropies:  # logged with every pass of this batch

@@ -9,6 +9,7 @@ and ℓ_θ under grad. Canvases are `[left-padded prompt (P) | completion (L)]`,
 Masked-diffusion policies (LLaDA):
 - `one_step_logprobs`   the diffu-GRPO one-step surrogate (default estimator, one forward).
 - `trajectory_logprobs` the exact log-prob of the recorded denoising trajectory (one forward per step).
+- `step_merge_logprobs` d2's StepMerge: the trajectory's steps merged into N segments (one forward per segment).
 - `mc_elbo`             LLaDA's Monte-Carlo lower bound on log p(completion | prompt), optionally with coupled
                         (complementary) masks; the `elbo` estimator.
 - `eubo_from_draws`, `sandwiched_log_likelihood`  SPG's upper bound and its sandwich with the ELBO by the sign of
@@ -22,6 +23,10 @@ Random masks come from a dedicated CPU `torch.Generator` seeded by the caller, n
 so one seed gives the same masks on every device and for every model: this is what makes ℓ_rollout,
 ℓ_old, ℓ_ref and ℓ_θ of one inner iteration differ by the policies alone.
 
+The trajectory-type estimators (`choices.TRAJECTORY_ESTIMATORS`) also come forward by forward (`trajectory_pieces`,
+`step_merge_pieces`): each `LogprobPiece` scores the tokens of one forward, so the optimisation pass can backpropagate
+it before the next forward runs and the peak memory does not grow with the number of steps.
+
 Memory: no function here holds a float32 log-softmax (or a float32 copy of the logits) over the whole
 vocabulary for every position at once; `selective_log_softmax` works on `chunk_size` rows at a time.
 """
@@ -30,7 +35,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -49,6 +54,7 @@ __all__ = [
     "LogitsFn",
     "MaskDraw",
     "block_mask_draws",
+    "LogprobPiece",
     "causal_logprobs",
     "causal_position_ids",
     "check_sampling_parameters",
@@ -58,6 +64,7 @@ __all__ = [
     "mask_generator",
     "masked_completion_logprobs",
     "mc_elbo",
+    "merges_no_steps",
     "one_step_logprobs",
     "one_step_masked_input",
     "plain_logits",
@@ -67,7 +74,13 @@ __all__ = [
     "selective_log_softmax",
     "shape_logits",
     "spread_over_tokens",
+    "step_merge_logprobs",
+    "step_merge_pieces",
+    "step_merge_segments",
+    "sum_pieces",
     "trajectory_logprobs",
+    "trajectory_pieces",
+    "whole_piece",
 ]
 
 DEFAULT_CHUNK_ROWS = 512
@@ -325,6 +338,116 @@ def one_step_logprobs(
     return selective_log_softmax(logits, sequences[:, prompt_length:], chunk_size, compute_entropy=compute_entropy)
 
 
+@dataclass(frozen=True)
+class LogprobPiece:
+    """What one forward of a piecewise estimator scores: `positions` [B, L] bool, the completion tokens it scores;
+    `logprobs` [B, L] float32, their log-probs there and 0 elsewhere; `entropy` [B, L] (detached, 0 elsewhere) when
+    asked for. An estimator's log-probs are the sum of its pieces, and every completion token is in exactly one."""
+
+    positions: Tensor
+    logprobs: Tensor
+    entropy: Tensor | None = None
+
+
+def whole_piece(scored: Tensor | tuple[Tensor, Tensor], compute_entropy: bool) -> LogprobPiece:
+    """One piece covering every completion position, from an estimator's output (log-probs, or with
+    `compute_entropy` the pair (log-probs, entropies))."""
+    logprobs, entropy = scored if compute_entropy else (scored, None)
+    return LogprobPiece(torch.ones_like(logprobs, dtype=torch.bool), logprobs, entropy)
+
+
+def sum_pieces(pieces: Iterable[LogprobPiece], compute_entropy: bool) -> Tensor | tuple[Tensor, Tensor]:
+    """The log-probs [B, L] (and with `compute_entropy` the entropies) the pieces add up to."""
+    logprobs = entropy = 0
+    for piece in pieces:
+        logprobs = logprobs + piece.logprobs
+        if compute_entropy:
+            entropy = entropy + piece.entropy
+    return (logprobs, entropy) if compute_entropy else logprobs
+
+
+def _check_commit_steps(rollout: Rollout) -> None:
+    """Raise ValueError unless `rollout.commit_step` is [B, L] and names the step of every completion token."""
+    commit_step = rollout.commit_step
+    if commit_step.shape != rollout.completion_ids.shape:
+        raise ValueError(
+            f"rollout.commit_step must be [B, L] = {tuple(rollout.completion_ids.shape)}; "
+            f"got {tuple(commit_step.shape)}"
+        )
+    if bool((commit_step < 0).any()):
+        raise ValueError(
+            "rollout.commit_step has negative entries (positions never committed); the trajectory-type estimators "
+            "need the step of every completion token — use a rollout from a sampler that records it."
+        )
+
+
+def _check_staged_scoring(model: nn.Module, rollout: Rollout, mask_token_id: int, temperature: float,
+                          stages_per_forward: int, name: str) -> None:
+    """The argument checks of the trajectory-type estimators (`name`: what their stages_per_forward is called),
+    raised before any forward."""
+    _check_mask_token(model, mask_token_id)
+    check_sampling_parameters(temperature, top_k=0, top_p=1.0)
+    if not is_plain_int(stages_per_forward) or stages_per_forward < 1:
+        raise ValueError(f"{name} must be a positive int; got {stages_per_forward!r}")
+    _check_commit_steps(rollout)
+    _check_canvas(rollout.sequences, rollout.attention_mask, rollout.prompt_length)
+
+
+def _staged_pieces(model: nn.Module, rollout: Rollout, stage: Tensor, mask_token_id: int, temperature: float,
+                   stages_per_forward: int, chunk_size: int, compute_entropy: bool,
+                   logits_fn: LogitsFn) -> Iterator[LogprobPiece]:
+    """The shared core of the trajectory-type estimators: the completion scored stage by stage.
+
+    `stage` [B, L] ≥ 0 says at which stage each completion token is scored, monotone in its commit step within a
+    row. For each distinct stage s the canvas is `rollout.sequences` with every completion position of stage ≥ s
+    reset to the mask id, and the tokens of stage s get ℓ = log softmax(f(canvas_s) / τ)[token] (τ = 0: plain
+    softmax). One piece per forward, `stages_per_forward` canvases stacked along the batch; each forward computes
+    logits only at the columns its stages score. Lazy: a forward runs when its piece is asked for.
+    """
+    completion = rollout.completion_ids
+    attention_mask = _check_canvas(rollout.sequences, rollout.attention_mask, rollout.prompt_length)
+    scale = partial(shape_logits, temperature=temperature)
+    batch = completion.shape[0]
+    for stages in torch.unique(stage).split(stages_per_forward):
+        stage_index = stages.view(-1, 1, 1)  # [S, 1, 1]
+        hidden = stage.unsqueeze(0) >= stage_index  # [S, B, L]: still masked at the stage's canvas
+        scored = stage.unsqueeze(0) == stage_index  # [S, B, L]: scored at this stage
+        columns = scored.any(dim=1).any(dim=0).nonzero().flatten()  # [C] the positions these stages score
+        canvases = torch.cat(
+            [rollout.prompt_ids.expand(len(stages), -1, -1), torch.where(hidden, mask_token_id, completion)], dim=2
+        )
+        logits = logits_fn(model, canvases.flatten(0, 1), attention_mask.repeat(len(stages), 1),
+                           columns + rollout.prompt_length).unflatten(0, (len(stages), batch))  # [S, B, C, V]
+        kept = scored[..., columns]
+        targets = completion[:, columns].expand(len(stages), -1, -1)
+        values = selective_log_softmax(logits[kept], targets[kept], chunk_size, process_logits=scale,
+                                       compute_entropy=compute_entropy)
+        logprobs, entropy = values if compute_entropy else (values, None)
+        yield LogprobPiece(
+            scored.any(dim=0),
+            _scatter_to_positions(scored, logprobs).sum(dim=0),
+            None if entropy is None else _scatter_to_positions(scored, entropy).sum(dim=0),
+        )
+
+
+def trajectory_pieces(
+    model: nn.Module,
+    rollout: Rollout,
+    mask_token_id: int,
+    temperature: float,
+    steps_per_forward: int = 1,
+    chunk_size: int = DEFAULT_CHUNK_ROWS,
+    compute_entropy: bool = False,
+    logits_fn: LogitsFn = plain_logits,
+) -> Iterator[LogprobPiece]:
+    """`trajectory_logprobs` forward by forward: one `LogprobPiece` per forward (the tokens committed at its steps),
+    computed when asked for, so that a caller can backpropagate each piece before the next forward runs.
+    Arguments are checked at the call, before any forward."""
+    _check_staged_scoring(model, rollout, mask_token_id, temperature, steps_per_forward, "steps_per_forward")
+    return _staged_pieces(model, rollout, rollout.commit_step, mask_token_id, temperature, steps_per_forward,
+                          chunk_size, compute_entropy, logits_fn)
+
+
 def trajectory_logprobs(
     model: nn.Module,
     rollout: Rollout,
@@ -348,51 +471,92 @@ def trajectory_logprobs(
     Cost: one forward per distinct step, `steps_per_forward` canvases stacked along the batch per
     forward (memory grows linearly with it; the result does not depend on it). Each forward computes
     logits only at the completion positions committed at its steps (one position per step in
-    autoregressive order), not over the whole completion.
+    autoregressive order), not over the whole completion. Under grad, every forward stays in the graph
+    until the backward; `trajectory_pieces` hands them out one at a time instead.
 
     With `compute_entropy`, also returns the entropy [B, L] of the distribution each token was scored under (at the
     step that committed it), from the same logits.
     """
-    _check_mask_token(model, mask_token_id)
-    check_sampling_parameters(temperature, top_k=0, top_p=1.0)
-    if not is_plain_int(steps_per_forward) or steps_per_forward < 1:
-        raise ValueError(f"steps_per_forward must be a positive int; got {steps_per_forward!r}")
-    commit_step = rollout.commit_step
-    completion = rollout.completion_ids
-    if commit_step.shape != completion.shape:
-        raise ValueError(
-            f"rollout.commit_step must be [B, L] = {tuple(completion.shape)}; got {tuple(commit_step.shape)}"
-        )
-    if bool((commit_step < 0).any()):
-        raise ValueError(
-            "rollout.commit_step has negative entries (positions never committed); the trajectory estimator "
-            "needs the step of every completion token — use a rollout from a sampler that records it."
-        )
-    attention_mask = _check_canvas(rollout.sequences, rollout.attention_mask, rollout.prompt_length)
-    scale = partial(shape_logits, temperature=temperature)
-    batch, gen_length = completion.shape
+    return sum_pieces(trajectory_pieces(model, rollout, mask_token_id, temperature, steps_per_forward, chunk_size,
+                                        compute_entropy, logits_fn), compute_entropy)
 
-    logprobs = torch.zeros(batch, gen_length, dtype=torch.float32, device=completion.device)
-    entropy = torch.zeros_like(logprobs)
-    for steps in torch.unique(commit_step).split(steps_per_forward):
-        step_index = steps.view(-1, 1, 1)  # [S, 1, 1]
-        hidden = commit_step.unsqueeze(0) >= step_index  # [S, B, L]: still masked before step t
-        committed = commit_step.unsqueeze(0) == step_index  # [S, B, L]: committed at step t
-        columns = committed.any(dim=1).any(dim=0).nonzero().flatten()  # [C] the positions these steps commit
-        canvases = torch.cat(
-            [rollout.prompt_ids.expand(len(steps), -1, -1), torch.where(hidden, mask_token_id, completion)], dim=2
-        )
-        logits = logits_fn(model, canvases.flatten(0, 1), attention_mask.repeat(len(steps), 1),
-                           columns + rollout.prompt_length).unflatten(0, (len(steps), batch))  # [S, B, C, V]
-        kept = committed[..., columns]
-        targets = completion[:, columns].expand(len(steps), -1, -1)
-        scored = selective_log_softmax(logits[kept], targets[kept], chunk_size, process_logits=scale,
-                                       compute_entropy=compute_entropy)
-        values = scored[0] if compute_entropy else scored
-        logprobs = logprobs + _scatter_to_positions(committed, values).sum(dim=0)
-        if compute_entropy:
-            entropy = entropy + _scatter_to_positions(committed, scored[1]).sum(dim=0)
-    return (logprobs, entropy) if compute_entropy else logprobs
+
+def _row_step_ranks(commit_step: Tensor) -> tuple[Tensor, Tensor]:
+    """(rank [B, L], steps [B]): each token's commit step numbered among its row's distinct steps (0, 1, ...), and
+    the number of distinct steps of each row (parallel decoding lets rows skip global step indices)."""
+    present = torch.zeros(commit_step.shape[0], int(commit_step.max()) + 1, dtype=torch.long,
+                          device=commit_step.device).scatter_(1, commit_step, 1)
+    return (present.cumsum(dim=1) - 1).gather(1, commit_step), present.sum(dim=1)
+
+
+def step_merge_segments(commit_step: Tensor, num_segments: int) -> Tensor:
+    """The segment [B, L] of each completion token when each row's T denoising steps are merged into N contiguous
+    segments of (nearly) equal length: the token committed at the row's r-th distinct step (r = 0 … T − 1) is in
+    segment ⌊r · N / T⌋, so a segment spans ⌊T/N⌋ or ⌈T/N⌉ steps (exactly T/N when N divides T) and N ≥ T leaves
+    every step a segment of its own."""
+    if not is_plain_int(num_segments) or num_segments < 1:
+        raise ValueError(f"the number of segments must be an int >= 1; got {num_segments!r}")
+    rank, steps = _row_step_ranks(commit_step)
+    return rank * num_segments // steps.unsqueeze(1)
+
+
+def merges_no_steps(commit_step: Tensor, num_segments: int) -> bool:
+    """Whether N = `num_segments` segments leave every step of every row a segment of its own (N ≥ each row's
+    step count): step_merge is then the trajectory estimator exactly."""
+    return bool((_row_step_ranks(commit_step)[1] <= num_segments).all())
+
+
+def step_merge_pieces(
+    model: nn.Module,
+    rollout: Rollout,
+    mask_token_id: int,
+    temperature: float,
+    num_segments: int,
+    segments_per_forward: int = 1,
+    chunk_size: int = DEFAULT_CHUNK_ROWS,
+    compute_entropy: bool = False,
+    logits_fn: LogitsFn = plain_logits,
+) -> Iterator[LogprobPiece]:
+    """`step_merge_logprobs` forward by forward: one `LogprobPiece` per forward (the tokens committed inside its
+    segments), computed when asked for. Arguments are checked at the call, before any forward."""
+    _check_staged_scoring(model, rollout, mask_token_id, temperature, segments_per_forward,
+                          "segments_per_forward")
+    segments = step_merge_segments(rollout.commit_step, num_segments)
+    return _staged_pieces(model, rollout, segments, mask_token_id, temperature, segments_per_forward, chunk_size,
+                          compute_entropy, logits_fn)
+
+
+def step_merge_logprobs(
+    model: nn.Module,
+    rollout: Rollout,
+    mask_token_id: int,
+    temperature: float,
+    num_segments: int,
+    segments_per_forward: int = 1,
+    chunk_size: int = DEFAULT_CHUNK_ROWS,
+    compute_entropy: bool = False,
+    logits_fn: LogitsFn = plain_logits,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """d2's StepMerge: the recorded trajectory's denoising steps merged into N segments, one forward each: [B, L].
+
+    Each row's T steps are split into N contiguous segments of about T/N steps (`step_merge_segments`). Segment n,
+    starting at step t_n, is scored at the canvas x_{t_n} of its first step: `rollout.sequences` with every
+    completion token committed at or after t_n masked. Each token o^k committed inside segment n gets
+        ℓ(o^k) = log softmax(f(x_{t_n}) / τ)_{P+k}[o^k]   (τ = 0: plain softmax),
+    i.e. the tokens a segment commits are scored as if committed together, independently, at its first step.
+    N ≥ T is the exact trajectory log-prob (`trajectory_logprobs`; the sampler's `step_logprobs`); N = 1 scores
+    every completion token at the fully masked completion: d1's one-step surrogate with an unmasked prompt. Cost:
+    N forwards whatever T (`segments_per_forward` of them stacked along the batch), against T for the trajectory.
+
+    Where we differ from d2 (arXiv 2509.21474): we split each row's own distinct steps (under parallel decoding
+    rows take different steps); a T that N does not divide gives segments of ⌊T/N⌋ and ⌈T/N⌉ steps; and we score
+    softmax(f / τ), the distribution the sampler drew from (as the trajectory estimator does), so that N ≥ T is
+    exactly the trajectory estimator and the sampler's record.
+
+    With `compute_entropy`, also returns the entropy [B, L] of the distribution each token was scored under.
+    """
+    return sum_pieces(step_merge_pieces(model, rollout, mask_token_id, temperature, num_segments,
+                                        segments_per_forward, chunk_size, compute_entropy, logits_fn), compute_entropy)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -661,14 +825,15 @@ class BoundSettings:
 class EstimatorSettings:
     """What a diffusion estimator needs besides the model, the rollout and the seed: the mask id, the sampling
     temperature (the trajectory-type estimators score softmax(logits / τ)), d1's prompt-masking probability
-    (one-step surrogate and the bounds), `logits_fn`, the sampler's canvas → logits stage (see `LogitsFn`), and the
-    bound estimators' `BoundSettings`."""
+    (one-step surrogate and the bounds), `logits_fn`, the sampler's canvas → logits stage (see `LogitsFn`), the
+    bound estimators' `BoundSettings`, and StepMerge's number of segments N."""
 
     mask_token_id: int
     temperature: float
     p_mask_prompt: float = 0.15
     logits_fn: LogitsFn = plain_logits
     bounds: BoundSettings = field(default_factory=BoundSettings)
+    likelihood_segments: int = 16
 
 
 def _one_step_of_rollout(model: nn.Module, rollout: Rollout, settings: EstimatorSettings, seed: int,
@@ -678,10 +843,21 @@ def _one_step_of_rollout(model: nn.Module, rollout: Rollout, settings: Estimator
                              compute_entropy=compute_entropy, logits_fn=settings.logits_fn)
 
 
-def _trajectory_of_rollout(model: nn.Module, rollout: Rollout, settings: EstimatorSettings, seed: int,
-                           compute_entropy: bool, advantages: Tensor | None = None):
-    return trajectory_logprobs(model, rollout, settings.mask_token_id, settings.temperature,
-                               compute_entropy=compute_entropy, logits_fn=settings.logits_fn)
+def _trajectory_pieces_of_rollout(model: nn.Module, rollout: Rollout, settings: EstimatorSettings, seed: int,
+                                  compute_entropy: bool, advantages: Tensor | None = None) -> Iterator[LogprobPiece]:
+    return trajectory_pieces(model, rollout, settings.mask_token_id, settings.temperature,
+                             compute_entropy=compute_entropy, logits_fn=settings.logits_fn)
+
+
+def _step_merge_pieces_of_rollout(model: nn.Module, rollout: Rollout, settings: EstimatorSettings, seed: int,
+                                  compute_entropy: bool, advantages: Tensor | None = None) -> Iterator[LogprobPiece]:
+    return step_merge_pieces(model, rollout, settings.mask_token_id, settings.temperature,
+                             settings.likelihood_segments, compute_entropy=compute_entropy,
+                             logits_fn=settings.logits_fn)
+
+
+def _step_merge_is_the_trajectory(settings: EstimatorSettings, rollout: Rollout) -> bool:
+    return merges_no_steps(rollout.commit_step, settings.likelihood_segments)
 
 
 def _bound_draws(model: nn.Module, rollout: Rollout, settings: EstimatorSettings, seed: int, block_wise: bool,
@@ -748,8 +924,10 @@ class DiffusionEstimator:
     `logprobs(model, rollout, settings, seed, compute_entropy, advantages)` gives the per-token log-probs [B, L] (and
     entropies with `compute_entropy`), `settings` an `EstimatorSettings`, `advantages` [B] the sequences' advantages
     (None where unknown; only `spg` reads them); `recorded_by_sampler`: the rollout side is the sampler's recorded
-    per-step log-prob, no engine forward; `fresh_masks_per_iteration`: the estimator is random and draws new masks
-    for every inner iteration (one estimator seed each).
+    per-step log-prob, no engine forward — True, or a predicate of (settings, rollout) when that holds for some
+    settings only; `fresh_masks_per_iteration`: the estimator is random and draws new masks for every inner
+    iteration (one estimator seed each); `pieces` (same arguments): the log-probs forward by forward, an iterator of
+    `LogprobPiece` whose sum is `logprobs` (see `piecewise`), None for a single-forward estimator.
 
     Sequence-level estimators (`elbo`, `spg`, choices.SEQUENCE_ESTIMATORS) estimate one number per completion, v,
     and return it spread over its |o| valid tokens, v / |o| each (`spread_over_tokens`): the per-token values sum to
@@ -759,13 +937,37 @@ class DiffusionEstimator:
     are that ratio between trainer and engine, is_level=sequence the full exp(v^old − v^ro)."""
 
     logprobs: Callable
-    recorded_by_sampler: bool = False
+    recorded_by_sampler: bool | Callable[[EstimatorSettings, Rollout], bool] = False
     fresh_masks_per_iteration: bool = False
+    pieces: Callable[..., Iterable[LogprobPiece]] | None = None
+
+    @classmethod
+    def piecewise(cls, pieces: Callable[..., Iterable[LogprobPiece]], **flags) -> "DiffusionEstimator":
+        """The estimator whose log-probs are the sum of `pieces`."""
+        def logprobs(model, rollout, settings, seed, compute_entropy, advantages=None):
+            return sum_pieces(pieces(model, rollout, settings, seed, compute_entropy, advantages), compute_entropy)
+
+        return cls(logprobs, pieces=pieces, **flags)
+
+    def logprob_pieces(self, model: nn.Module, rollout: Rollout, settings: EstimatorSettings, seed: int,
+                       compute_entropy: bool, advantages: Tensor | None = None) -> Iterable[LogprobPiece]:
+        """The log-probs as pieces, one per forward: `pieces`, or a single piece over every position."""
+        if self.pieces is None:
+            return [whole_piece(self.logprobs(model, rollout, settings, seed, compute_entropy, advantages),
+                                compute_entropy)]
+        return self.pieces(model, rollout, settings, seed, compute_entropy, advantages)
+
+    def records_rollout_side(self, settings: EstimatorSettings, rollout: Rollout) -> bool:
+        """Whether the rollout side of `rollout` is the sampler's recorded `step_logprobs`."""
+        recorded = self.recorded_by_sampler
+        return recorded(settings, rollout) if callable(recorded) else recorded
 
 
 DIFFUSION_ESTIMATORS = {
     "one_step": DiffusionEstimator(_one_step_of_rollout, fresh_masks_per_iteration=True),
-    "trajectory": DiffusionEstimator(_trajectory_of_rollout, recorded_by_sampler=True),
+    "trajectory": DiffusionEstimator.piecewise(_trajectory_pieces_of_rollout, recorded_by_sampler=True),
+    "step_merge": DiffusionEstimator.piecewise(_step_merge_pieces_of_rollout,
+                                               recorded_by_sampler=_step_merge_is_the_trajectory),
     "elbo": DiffusionEstimator(_elbo_of_rollout, fresh_masks_per_iteration=True),
     "spg": DiffusionEstimator(_spg_of_rollout, fresh_masks_per_iteration=True),
 }

@@ -9,14 +9,16 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
 
 import torch
 from torch import nn
 
-from dllm_ais.choices import SEQUENCE_ESTIMATORS
+from dllm_ais.choices import SEQUENCE_ESTIMATORS, TRAJECTORY_ESTIMATORS
 from dllm_ais.data import tokenize_prompts
-from dllm_ais.likelihood import DIFFUSION_ESTIMATORS, BoundSettings, EstimatorSettings, causal_logprobs
+from dllm_ais.likelihood import (
+    DIFFUSION_ESTIMATORS, BoundSettings, EstimatorSettings, LogprobPiece, causal_logprobs, whole_piece,
+)
 from dllm_ais.loading import SpecialTokens, special_tokens
 from dllm_ais.sampling.autoregressive import AutoregressiveSampler, AutoregressiveSamplerConfig
 from dllm_ais.sampling.diffusion import DiffusionSamplerConfig, MaskedDiffusionSampler, resolve_remasking_rule
@@ -52,7 +54,8 @@ class Policy(Protocol):
     ℓ_rollout, of the same estimator under the engine's model (or the log-probs the sampler recorded), so that
     exp(ℓ_old − ℓ_rollout) sees the engine's mismatch and nothing else. `num_estimator_seeds(μ)` tells how many
     distinct estimator draws one generation batch uses: the one-step diffusion surrogate draws fresh masks per inner
-    iteration, exact estimators need one. `advantages` [B] (optional) are the scored sequences' advantages, for
+    iteration, exact estimators need one. `logprob_pieces` gives the same log-probs forward by forward (lazily; a
+    single piece for a single-forward estimator), for a backward per forward. `advantages` [B] (optional) are the scored sequences' advantages, for
     estimators that score a sequence by its advantage's sign (SPG); the others ignore them.
     `sampler_config.eos_token_ids` are the tokens that end a completion (the `completions/clipped_ratio` metric
     counts those without one).
@@ -69,6 +72,9 @@ class Policy(Protocol):
     def rollout_logprobs(self, engine_model: nn.Module, rollout: Rollout, seed: int,
                          advantages: torch.Tensor | None = None) -> torch.Tensor: ...
 
+    def logprob_pieces(self, model: nn.Module, rollout: Rollout, seed: int, compute_entropy: bool = False,
+                       advantages: torch.Tensor | None = None) -> Iterable[LogprobPiece]: ...
+
     def num_estimator_seeds(self, num_iterations: int) -> int: ...
 
 
@@ -81,7 +87,7 @@ class DiffusionPolicy:
     same estimator with the same seed, so their ratio measures the engine's mismatch and nothing else. Every
     estimator computes its logits with the sampler's `MaskedDiffusionSampler.scoring_logits` (its `block_logits`
     without a cache), so guidance and a subclass's logit processing are scored as sampled. For the trajectory
-    estimator the rollout side is free: the sampler's recorded per-step log-prob (`token_logprobs`), which the
+    estimator (and step_merge with a segment per step) the rollout side is free: the sampler's recorded per-step log-prob (`token_logprobs`), which the
     trainer side scores as softmax(logits / τ); a sampler overriding `token_logprobs` is therefore refused with it.
     `estimator` names one of `DIFFUSION_ESTIMATORS`.
     """
@@ -97,6 +103,7 @@ class DiffusionPolicy:
         """The policy sampling with `sampler` (its config is the policy's `sampler_config`); `settings` are the other
         fields (estimator, p_mask_prompt, likelihood_order)."""
         return cls(sampler.config, sampler=sampler, **settings)
+    likelihood_segments: int = 16
     bounds: BoundSettings = dataclasses.field(default_factory=BoundSettings)
 
     def __post_init__(self):
@@ -113,9 +120,9 @@ class DiffusionPolicy:
                 "block_logits (scored exactly as sampled), or use likelihood_estimator=one_step")
         self.estimator_settings = EstimatorSettings(self.sampler_config.mask_token_id, self.sampler_config.temperature,
                                                     self.p_mask_prompt, logits_fn=self.sampler.scoring_logits,
-                                                    bounds=self.bounds)
+                                                    bounds=self.bounds, likelihood_segments=self.likelihood_segments)
         self.exact_order_sampler = None
-        if self.estimator == "trajectory" and self.likelihood_order == "exact":
+        if self.estimator in TRAJECTORY_ESTIMATORS and self.likelihood_order == "exact":
             self.exact_order_sampler = self.sampler.with_config(self.sampler_config.exact())
 
     def with_decoder(self, sampler_config: DiffusionSamplerConfig) -> "DiffusionPolicy":
@@ -134,8 +141,11 @@ class DiffusionPolicy:
     def logprobs(self, model, rollout: Rollout, seed: int, compute_entropy: bool = False, advantages=None):
         return self.scorer.logprobs(model, rollout, self.estimator_settings, seed, compute_entropy, advantages)
 
+    def logprob_pieces(self, model, rollout: Rollout, seed: int, compute_entropy: bool = False, advantages=None):
+        return self.scorer.logprob_pieces(model, rollout, self.estimator_settings, seed, compute_entropy, advantages)
+
     def rollout_logprobs(self, engine_model, rollout: Rollout, seed: int, advantages=None) -> torch.Tensor:
-        if self.scorer.recorded_by_sampler:
+        if self.scorer.records_rollout_side(self.estimator_settings, rollout):
             return rollout.step_logprobs
         return self.logprobs(engine_model, rollout, seed, advantages=advantages)
 
@@ -164,6 +174,9 @@ class AutoregressivePolicy:
         c = self.sampler_config
         return causal_logprobs(model, rollout.sequences, rollout.attention_mask, rollout.prompt_length,
                                temperature=c.temperature, top_k=c.top_k, top_p=c.top_p, compute_entropy=compute_entropy)
+
+    def logprob_pieces(self, model, rollout: Rollout, seed: int, compute_entropy: bool = False, advantages=None):
+        return [whole_piece(self.logprobs(model, rollout, seed, compute_entropy), compute_entropy)]
 
     def rollout_logprobs(self, engine_model, rollout: Rollout, seed: int, advantages=None) -> torch.Tensor:
         return self.logprobs(engine_model, rollout, seed)
@@ -232,7 +245,8 @@ def build_policy(config: "GRPOConfig", model_config, tokenizer, temperature: flo
             sampler = built
         return DiffusionPolicy(sampler_config, estimator=config.likelihood_estimator,
                                p_mask_prompt=config.p_mask_prompt, likelihood_order=config.likelihood_order,
-                               sampler=sampler, bounds=bound_settings(config))
+                               sampler=sampler, bounds=bound_settings(config),
+                               likelihood_segments=config.likelihood_segments)
     sampler = AutoregressiveSamplerConfig(
         max_new_tokens=config.max_completion_length, temperature=temperature, top_k=config.top_k, top_p=config.top_p,
         eos_token_ids=tokens.eos_token_ids, pad_token_id=tokens.pad_token_id)

@@ -20,7 +20,7 @@ from dllm_ais.correction import (
     perplexity_diagnostics,
     ratio_diagnostics,
 )
-from dllm_ais.loss import grpo_loss
+from dllm_ais.loss import TokenLoss, grpo_loss
 
 
 def logps_with_ratios(ratios: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -555,8 +555,8 @@ def test_the_optimisation_pass_gives_the_loss_the_configs_ctpo_constants(tokeniz
 
     def recording_loss(*args, **kwargs):
         calls.append(kwargs)
-        return grpo_loss(*args, **kwargs)
+        return TokenLoss(*args, **kwargs)
 
-    monkeypatch.setattr(grpo, "grpo_loss", recording_loss)
+    monkeypatch.setattr(grpo, "TokenLoss", recording_loss)
     trainer.optimisation_pass(trainer.make_generation_batch(), 0)
     assert calls and all(call["ratio_type"] == "ctpo" and call.items() >= CTPO_FIELDS.items() for call in calls)

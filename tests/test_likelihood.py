@@ -1,4 +1,4 @@
-"""Likelihood stage on a tiny LLaDA: chunked log-softmax, one-step surrogate, trajectory replay, MC ELBO."""
+"""Likelihood stage on a tiny LLaDA: chunked log-softmax, one-step surrogate, trajectory replay, StepMerge, MC ELBO."""
 
 from contextlib import contextmanager
 from functools import partial
@@ -8,10 +8,13 @@ import torch
 
 from dllm_ais.likelihood import (
     mc_elbo,
+    merges_no_steps,
     one_step_logprobs,
     one_step_masked_input,
     selective_log_softmax,
     shape_logits,
+    step_merge_logprobs,
+    step_merge_segments,
     trajectory_logprobs,
 )
 from dllm_ais.models import LLaDAConfig, LLaDAModelLM
@@ -337,3 +340,89 @@ def test_bad_arguments_raise_before_any_forward(model, canvas):
             with pytest.raises(ValueError, match=message):
                 call()
     assert not calls
+
+
+# ---------------------------------------------------------------------------------------------
+# StepMerge (d2)
+# ---------------------------------------------------------------------------------------------
+def test_step_merge_segments_split_each_rows_steps_into_contiguous_near_equal_segments():
+    # row 0: 10 steps 0..9; row 1: parallel decoding left it the global steps 0, 2, 5, 9 (4 of its own)
+    commit_step = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 8, 9], [0, 0, 2, 2, 2, 5, 9, 9, 5, 0]])
+    segments = step_merge_segments(commit_step, 4)
+    assert segments[0].tolist() == [0, 0, 0, 1, 1, 2, 2, 2, 3, 3]  # ⌊r·4/10⌋: 3, 2, 3, 2 steps
+    assert segments[1].tolist() == [0, 0, 1, 1, 1, 2, 3, 3, 2, 0]  # its 4 steps, one segment each
+    assert step_merge_segments(commit_step, 1).eq(0).all()
+    assert torch.equal(step_merge_segments(commit_step, 10)[0], commit_step[0])
+    assert not merges_no_steps(commit_step, 4) and merges_no_steps(commit_step, 10)
+    with pytest.raises(ValueError, match="segments"):
+        step_merge_segments(commit_step, 0)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_step_merge_equals_hand_replay_of_segment_start_canvases(model, canvas, temperature):
+    """Two segments of the hand rollout's 4 steps: steps {0, 1} scored at the step-0 canvas, {2, 3} at step 2's."""
+    rollout = hand_rollout(canvas)
+    completion = rollout.completion_ids
+    expected = torch.zeros(3, GEN_LENGTH)
+    for first_step, steps in ((0, (0, 1)), (2, (2, 3))):
+        noisy = rollout.sequences.clone()
+        noisy[:, PROMPT_LENGTH:][rollout.commit_step >= first_step] = MASK
+        values = completion_logprobs(model, noisy, rollout.attention_mask, completion, temperature)
+        inside = (rollout.commit_step == steps[0]) | (rollout.commit_step == steps[1])
+        expected = torch.where(inside, values, expected)
+    with counting_forwards(model) as calls:
+        got = step_merge_logprobs(model, rollout, MASK, temperature, num_segments=2)
+    assert len(calls) == 2
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_step_merge_with_a_segment_per_step_is_the_trajectory_and_one_segment_the_unmasked_prompt_one_step(
+        model, canvas, temperature):
+    rollout = hand_rollout(canvas)
+    trajectory, trajectory_entropy = trajectory_logprobs(model, rollout, MASK, temperature, compute_entropy=True)
+    for segments in (4, 7):
+        merged, entropy = step_merge_logprobs(model, rollout, MASK, temperature, segments, compute_entropy=True)
+        torch.testing.assert_close(merged, trajectory, atol=1e-6, rtol=0)
+        torch.testing.assert_close(entropy, trajectory_entropy, atol=1e-6, rtol=0)
+    # N = 1: every token scored at the fully masked completion, the prompt as it is (d1 with p_mask_prompt = 0)
+    noisy = rollout.sequences.clone()
+    noisy[:, PROMPT_LENGTH:] = MASK
+    expected = completion_logprobs(model, noisy, rollout.attention_mask, rollout.completion_ids, temperature)
+    one_segment = step_merge_logprobs(model, rollout, MASK, temperature, num_segments=1)
+    torch.testing.assert_close(one_segment, expected, atol=1e-5, rtol=0)
+    if temperature == 0.0:
+        sequences, attention_mask = canvas
+        one_step = one_step_logprobs(model, sequences, attention_mask, PROMPT_LENGTH, MASK, seed=0, p_mask_prompt=0.0)
+        torch.testing.assert_close(one_segment, one_step, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("remasking, threshold", [("random", None), ("low_confidence", 0.007)])
+def test_step_merge_on_sampled_random_order_and_parallel_commit_rollouts(model, remasking, threshold):
+    """Rollouts of the sampler in random order, and with parallel commits (rows take different steps): N ≥ the steps
+    gives the sampler's record; fewer segments run N forwards and score every token at its segment's start."""
+    from dllm_ais.sampling.diffusion import DiffusionSamplerConfig, MaskedDiffusionSampler
+
+    torch.manual_seed(3)
+    ids = torch.randint(0, 126, (4, 5))
+    sampler = MaskedDiffusionSampler(DiffusionSamplerConfig(gen_length=8, block_length=4, steps=8, temperature=0.9,
+                                                            mask_token_id=MASK, remasking=remasking,
+                                                            threshold=threshold))
+    rollout = sampler.sample(model, ids, generator=torch.Generator().manual_seed(0))
+    steps = rollout.num_steps
+    if threshold is not None:  # on this model's confidences: 3 or 4 steps, a row skipping global step 1
+        assert (steps < 8).all() and steps.unique().numel() > 1, "parallel commits: rows take different steps"
+    exact = step_merge_logprobs(model, rollout, MASK, 0.9, num_segments=int(steps.max()))
+    torch.testing.assert_close(exact, rollout.step_logprobs, atol=1e-5, rtol=0)
+    segments = step_merge_segments(rollout.commit_step, 2)
+    with counting_forwards(model) as calls:
+        merged = step_merge_logprobs(model, rollout, MASK, 0.9, num_segments=2)
+    assert len(calls) == 2
+    for segment in range(2):
+        rows, columns = (segments == segment).nonzero(as_tuple=True)
+        first_step = torch.where(segments == segment, rollout.commit_step, 10**6).min(dim=1).values
+        noisy = rollout.sequences.clone()
+        noisy[:, 5:][rollout.commit_step >= first_step.unsqueeze(1)] = MASK
+        logits = model(input_ids=noisy).logits[:, 5:].float() / 0.9
+        values = torch.log_softmax(logits, -1).gather(-1, rollout.completion_ids.unsqueeze(-1)).squeeze(-1)
+        torch.testing.assert_close(merged[rows, columns], values[rows, columns], atol=1e-5, rtol=0)

@@ -1,5 +1,6 @@
 """The GRPO loop on tiny models: on-policy recovery, FP8 mismatch, AIS endpoints, determinism, reward errors."""
 
+import dataclasses
 import json
 import math
 
@@ -123,6 +124,18 @@ def test_exact_order_replay_sees_precision_only_and_keeps_the_samplers_own_steps
         assert record["completions/mean_steps"] == 8  # one token per step: the threshold sampler's own count
 
 
+def test_step_merge_trains_with_a_backward_per_segment_and_an_engine_side_when_it_merges_steps(tokenizer, tmp_path):
+    """step_merge with 2 segments of the 4 steps: the engine scores the rollout side (bf16: the ratio is 1), the
+    optimisation pass backpropagates segment by segment and moves the weights."""
+    trainer = make_trainer(tokenizer, tmp_path, rollout_precision="bf16", likelihood_estimator="step_merge",
+                           likelihood_segments=2, num_iterations=1, beta=0.04)
+    batch = trainer.make_generation_batch()
+    assert not torch.equal(batch.logp_old[0], batch.rollout.step_logprobs)
+    metrics = trainer.optimisation_pass(batch, 0)
+    assert metrics["policy_ratio/mean"] == pytest.approx(1.0) and metrics["grad_norm"] > 0
+    assert math.isfinite(metrics["loss"]) and metrics["kl"] == pytest.approx(0.0, abs=1e-6)
+
+
 def test_validation_decodes_exactly_whatever_the_rollouts_use(tokenizer, tmp_path):
     """d1's protocol: a run with fast rollouts (dual cache, threshold) scores its validation prompts with the exact
     decoder — the same per-prompt rewards as a run with exact rollouts — and reports its own sampler's score beside
@@ -222,21 +235,21 @@ def inject_reference_logprobs(trainer, monkeypatch):
 
 
 def inject_policy_logprobs(trainer, monkeypatch):
-    score = trainer.policy.logprobs
+    pieces = trainer.policy.logprob_pieces
 
     def infinite_under_grad(model, rollout, seed, compute_entropy=False, advantages=None):
-        logp, entropy = score(model, rollout, seed, compute_entropy=True, advantages=advantages)
-        logp = logp * math.inf if torch.is_grad_enabled() else logp
-        return (logp, entropy) if compute_entropy else logp
+        for piece in pieces(model, rollout, seed, compute_entropy, advantages):
+            yield dataclasses.replace(piece, logprobs=piece.logprobs * math.inf) if torch.is_grad_enabled() else piece
 
-    monkeypatch.setattr(trainer.policy, "logprobs", infinite_under_grad)
+    monkeypatch.setattr(trainer.policy, "logprob_pieces", infinite_under_grad)
 
 
 def inject_loss(trainer, monkeypatch):
     import dllm_ais.grpo as grpo
 
-    loss_fn = grpo.grpo_loss
-    monkeypatch.setattr(grpo, "grpo_loss", lambda *a, **k: (lambda loss, m: (loss * math.nan, m))(*loss_fn(*a, **k)))
+    loss_fn = grpo.TokenLoss.__call__
+    monkeypatch.setattr(grpo.TokenLoss, "__call__",
+                        lambda *a, **k: (lambda loss, m: (loss * math.nan, m))(*loss_fn(*a, **k)))
 
 
 def inject_gradient(trainer, monkeypatch, value=math.nan):
