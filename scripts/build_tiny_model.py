@@ -17,11 +17,13 @@ embedded runs headroom GRPO can reach in a minute or two on a CPU — a behaviou
 small are copying errors that a hundred RL steps barely move (BENCHMARKS.md, "Why the embedded runs did not learn").
 
 chain_sum (`task: reasoning_gym`, `task_args` in `LONG_TASK_ARGS`: 3-4 terms of 2-3 digits): the demonstrations
-work every operation in columns with explicit carries and borrows (`chain_sum_steps.py`), 97-235 tokens with the
-end-of-turn token (median 145), so the RL runs need max_completion_length 256. A share of them (default 0.5) drops
-the first carry or borrow of the chain — the one mistake, worked consistently to a wrong answer the verifier
-rejects, that the model's own samples sometimes avoid. The prompt (~310 tokens) and a 256-token completion exceed
-the digits models' 512 positions: these models get 1024.
+work every operation in columns with explicit carries and borrows (`chain_sum_steps.py`), 97-242 tokens with the
+end-of-turn token (median 145, 70 % over 128), so the RL runs need max_completion_length 256. A share of them
+(default 0.5; rows without a carry or borrow stay correct, so ~43 % change) drops the first carry or borrow of the
+chain — the one mistake, worked consistently to a wrong answer the verifier rejects, that the model's own samples
+sometimes avoid. The prompt (~310 tokens) and a 256-token completion exceed the digits models' 512 positions: these
+models get 1024. One SFT step of 64 rows takes ~5 s on one CPU thread (canvas ~570 tokens), so the default step
+counts take hours there: pass `--device cuda` where a GPU is available.
 Prints the greedy validation reward of the result.
 """
 
@@ -118,7 +120,8 @@ WARM_START_TASKS = {
                                          "qwen3": EMBEDDED_MODELS["embedded-qwen3"]}),
     "chain_sum": WarmStartTask("reasoning_gym", chain_sum_demonstrations, noise_fraction=0.5, gen_length=256,
                                max_positions=1024, task_args=LONG_TASK_ARGS,
-                               output_dirs={family: ASSETS / f"tiny_{family}_chain_sum" for family in ("llada", "qwen3")}),
+                               output_dirs={family: ASSETS / f"tiny_{family}_chain_sum"
+                                            for family in ("llada", "qwen3")}),
 }
 
 
@@ -136,9 +139,11 @@ def main() -> None:
                         help="SFT rows (default: the task's training split, 10,000 for chain_sum)")
     parser.add_argument("--eval-size", type=int, default=128, help="held-out prompts scored at the end")
     parser.add_argument("--noise-fraction", type=float, default=None,
-                        help="share of noisy demonstrations: digits 'sort' answers in descending order (default "
-                             "0.6); chain_sum with the first carry dropped (default 0.5)")
+                        help="share of noisy demonstrations: digits 'sort' answers in descending order, chain_sum "
+                             "ones with the first carry dropped (default: " + ", ".join(
+                                 f"{name} {spec.noise_fraction}" for name, spec in WARM_START_TASKS.items()) + ")")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="where SFT and the evaluation run (e.g. cuda)")
     args = parser.parse_args()
     spec = WARM_START_TASKS[args.task]
     # The masked-diffusion objective learns slower and is less stable at a high rate (2e-3: loss 0.52 after 2400
@@ -151,7 +156,7 @@ def main() -> None:
     torch.manual_seed(args.seed)
     tokenizer = build_hf_tokenizer()
     tokenizer.padding_side = "left"
-    model = tiny_model(args.family, tokenizer, args.d_model, args.n_layers, spec.max_positions)
+    model = tiny_model(args.family, tokenizer, args.d_model, args.n_layers, spec.max_positions).to(args.device)
     rows = load_task_dataset(spec.task, "train", size=args.train_size, seed=args.seed, task_args=spec.task_args)
     train = spec.demonstrations(rows, noise_fraction, args.seed)
     mask_id = tokenizer.mask_token_id if args.family == "llada" else None
@@ -170,14 +175,13 @@ def main() -> None:
                             max_prompt_length=spec.max_positions - spec.gen_length, accuracy=task.accuracy).summary()
     recipe = output_dir / "recipe.yaml"
     with atomic_directory(output_dir, overwrite=True) as staging:  # replaces only a directory it wrote
-        model.save_pretrained(staging, safe_serialization=True)
+        model.cpu().save_pretrained(staging, safe_serialization=True)
         build_hf_tokenizer().save_pretrained(staging)  # as built: padding side is set by the loader, not stored
         if recipe.is_file():
             (staging / "recipe.yaml").write_text(recipe.read_text())
-    accuracy = ", ".join(f"{key} {value:.3f}" for key, value in score.items() if "accuracy" in key)
     print(f"{args.family}: SFT loss {losses[0]:.3f} -> {sum(losses[-20:]) / len(losses[-20:]):.3f} over {args.steps} "
-          f"steps; greedy held-out {args.task} reward {score['eval/reward']:.3f}{', ' + accuracy if accuracy else ''} "
-          f"({len(held_out)} prompts); written to {output_dir}")
+          f"steps; greedy held-out {args.task} reward {score['eval/reward']:.3f}, accuracy "
+          f"{score['eval/accuracy']:.3f} ({len(held_out)} prompts); written to {output_dir}")
 
 
 if __name__ == "__main__":

@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 import reasoning_gym
 
+from dllm_ais.config import ConfigError, load_config
 from dllm_ais.data import load_task_dataset
 from dllm_ais.tasks.parsing import extract_xml_answer
+from dllm_ais.validation import read_recipe
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
@@ -106,3 +108,23 @@ def test_noise_fraction_and_determinism(rows):
     noised_share = sum(a != b for a, b in zip(first, clean)) / ROWS
     assert 0.25 < noised_share < 0.6  # half of the rows drawn, those with a carry changed
     assert list(rows["answer"]) == list(builder.chain_sum_demonstrations(rows, 0.5, seed=3)["answer"])
+
+
+@pytest.mark.parametrize("family", ["llada", "qwen3"])
+def test_draft_recipe_matches_the_builder_and_names_its_missing_model(family, monkeypatch):
+    root = SCRIPTS.parent
+    monkeypatch.chdir(root)  # the recipe's model path is relative to the repository root
+    recipe = root / "recipes" / "drafts" / f"tiny_{family}_chain_sum.yaml"
+    spec = builder.WARM_START_TASKS["chain_sum"]
+    values = read_recipe(recipe)
+    assert root / values["model_name_or_path"] == spec.output_dirs[family]
+    assert values["task_args"] == builder.LONG_TASK_ARGS
+    assert values["max_completion_length"] == spec.gen_length
+    stand_in = {"llada": "embedded", "qwen3": "embedded-qwen3"}[family]  # every other field validates as written
+    config = load_config(recipe, {"model_name_or_path": stand_in})
+    assert config.max_prompt_length + config.max_completion_length <= spec.max_positions
+    if (spec.output_dirs[family] / "config.json").is_file():
+        load_config(recipe)
+    else:
+        with pytest.raises(ConfigError, match=f"tiny_{family}_chain_sum': no such directory"):
+            load_config(recipe)
