@@ -1,31 +1,49 @@
-"""Rebuild the embedded tiny models: tokenizer, config and SFT warm start on the digits task.
+"""Rebuild the embedded tiny models: tokenizer, config and SFT warm start on the digits task, or build the
+long-completion warm starts on reasoning-gym's chain sums.
 
     python scripts/build_tiny_model.py                  # tiny LLaDA  -> dllm_ais/assets/tiny_llada  (masked-diffusion SFT)
     python scripts/build_tiny_model.py --family qwen3   # tiny Qwen3  -> dllm_ais/assets/tiny_qwen3  (next-token SFT)
+    python scripts/build_tiny_model.py --task chain_sum [--family qwen3]
+                                                        # -> dllm_ais/assets/tiny_llada_chain_sum, tiny_qwen3_chain_sum
 
-About 15 (LLaDA) and 5 (Qwen3) minutes on one CPU thread (OMP_NUM_THREADS=1), deterministic for a given torch build.
+digits: about 15 (LLaDA) and 5 (Qwen3) minutes on one CPU thread (OMP_NUM_THREADS=1), deterministic for a given
+torch build.
 
-The warm start learns from noisy demonstrations (`--descending-sort-fraction`, default 0.6): most of its `sort`
-examples sort in descending order, so the greedy model answers most `sort` prompts the wrong way round while it
-copies and reverses correctly. The reward knows the right order and the RL data is untouched: that leaves the
+The warm starts learn from noisy demonstrations (`--noise-fraction`). digits (default 0.6): that share of its
+`sort` examples sort in descending order, so the greedy model answers most `sort` prompts the wrong way round while
+it copies and reverses correctly. The reward knows the right order and the RL data is untouched: that leaves the
 embedded runs headroom GRPO can reach in a minute or two on a CPU — a behaviour the model can already produce
 (40 % of its `sort` demonstrations) and must learn to prefer. Without it, the remaining errors of an SFT model this
 small are copying errors that a hundred RL steps barely move (BENCHMARKS.md, "Why the embedded runs did not learn").
+
+chain_sum (`task: reasoning_gym`, `task_args` in `LONG_TASK_ARGS`: 3-4 terms of 2-3 digits): the demonstrations
+work every operation in columns with explicit carries and borrows (`chain_sum_steps.py`), 97-242 tokens with the
+end-of-turn token (median 145, 70 % over 128), so the RL runs need max_completion_length 256. A share of them
+(default 0.5; rows without a carry or borrow stay correct, so ~43 % change) drops the first carry or borrow of the
+chain — the one mistake, worked consistently to a wrong answer the verifier rejects, that the model's own samples
+sometimes avoid. The prompt (~310 tokens) and a 256-token completion exceed the digits models' 512 positions: these
+models get 1024. One SFT step of 64 rows takes ~5 s on one CPU thread (canvas ~570 tokens), so the default step
+counts take hours there: pass `--device cuda` where a GPU is available.
 Prints the greedy validation reward of the result.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 sys.path.insert(0, str(Path(__file__).parent))
 from build_tokenizer import build_hf_tokenizer  # noqa: E402
+from chain_sum_steps import chain_sum_demonstration  # noqa: E402
 
 from dllm_ais.checkpoint import atomic_directory  # noqa: E402
 from dllm_ais.config import EMBEDDED_MODELS, GRPOConfig  # noqa: E402
@@ -34,83 +52,136 @@ from dllm_ais.evaluation import evaluate_policy  # noqa: E402
 from dllm_ais.models import LLaDAConfig, LLaDAModelLM  # noqa: E402
 from dllm_ais.policy import build_policy  # noqa: E402
 from dllm_ais.sft import SFTConfig, run_sft  # noqa: E402
-from dllm_ais.tasks.digits import TASK as DIGITS  # noqa: E402
+from dllm_ais.tasks import get_task  # noqa: E402
+
+ASSETS = Path(__file__).resolve().parent.parent / "dllm_ais" / "assets"
+LONG_TASK_ARGS = {"dataset": "chain_sum", "min_terms": 3, "max_terms": 4, "min_digits": 2, "max_digits": 3}
 
 
-def tiny_model(family: str, tokenizer, d_model: int, n_layers: int) -> torch.nn.Module:
+def tiny_model(family: str, tokenizer, d_model: int, n_layers: int, max_positions: int = 512) -> torch.nn.Module:
     vocab = len(tokenizer)
     ids = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     if family == "llada":
         return LLaDAModelLM(LLaDAConfig(
             d_model=d_model, n_heads=4, n_kv_heads=4, n_layers=n_layers, mlp_hidden_size=3 * d_model, vocab_size=vocab,
-            embedding_size=vocab, max_sequence_length=512, rope_theta=10000.0, mask_token_id=tokenizer.mask_token_id,
-            **ids))
+            embedding_size=vocab, max_sequence_length=max_positions, rope_theta=10000.0,
+            mask_token_id=tokenizer.mask_token_id, **ids))
     return AutoModelForCausalLM.from_config(Qwen3Config(
         vocab_size=vocab, hidden_size=d_model, intermediate_size=3 * d_model, num_hidden_layers=n_layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=d_model // 4, max_position_embeddings=512,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=d_model // 4, max_position_embeddings=max_positions,
         tie_word_embeddings=False, **ids))
 
 
 def noisy_demonstrations(dataset, descending_sort_fraction: float, seed: int):
-    """The SFT data of the warm start: the digits task's demonstrations, except that a share of the `sort` ones
-    sort in descending order — the habit an imperfect demonstrator leaves in a model. The reward knows the
-    right order (the RL data is untouched), so RL has a behaviour to find in the model's own samples."""
+    """The SFT data of the digits warm start (a `completion` column): the task's answers, except that a share of
+    the `sort` ones sort in descending order — the habit an imperfect demonstrator leaves in a model. The reward
+    knows the right order (the RL data is untouched), so RL has a behaviour to find in the model's own samples."""
     rng = random.Random(seed)
 
     def demonstrate(row):
         operation = row["prompt"][0]["content"].split()[0]
         if operation == "sort" and rng.random() < descending_sort_fraction:
-            return {"answer": " ".join(sorted(row["answer"].split(), reverse=True))}
-        return {}
+            return {"completion": " ".join(sorted(row["answer"].split(), reverse=True))}
+        return {"completion": row["answer"]}
 
     return dataset.map(demonstrate)
+
+
+def chain_sum_demonstrations(dataset, dropped_carry_fraction: float, seed: int):
+    """The SFT data of the chain_sum warm start (a `completion` column): each row's worked columns
+    (`chain_sum_demonstration`), a `dropped_carry_fraction` share of them with the first carry or borrow dropped
+    (rows without one stay correct). `answer` stays the reference the verifier checks."""
+    rng = random.Random(seed)
+
+    def demonstrate(row):
+        expression = json.loads(row["metadata"])["expression"]
+        return {"completion": chain_sum_demonstration(expression, rng.random() < dropped_carry_fraction)}
+
+    return dataset.map(demonstrate)
+
+
+@dataclass(frozen=True)
+class WarmStartTask:
+    """What a warm start learns: the RL task it serves (`task`, `task_args`), its noisy SFT demonstrations
+    (`demonstrations(rows, noise_fraction, seed)` adds a `completion` column) and the canvas they need."""
+
+    task: str
+    demonstrations: Callable[[Any, float, int], Any]
+    noise_fraction: float
+    gen_length: int
+    max_positions: int
+    output_dirs: dict[str, Path]
+    task_args: dict[str, Any] = field(default_factory=dict)
+
+
+WARM_START_TASKS = {
+    "digits": WarmStartTask("digits", noisy_demonstrations, noise_fraction=0.6, gen_length=16, max_positions=512,
+                            output_dirs={"llada": EMBEDDED_MODELS["embedded"],
+                                         "qwen3": EMBEDDED_MODELS["embedded-qwen3"]}),
+    "chain_sum": WarmStartTask("reasoning_gym", chain_sum_demonstrations, noise_fraction=0.5, gen_length=256,
+                               max_positions=1024, task_args=LONG_TASK_ARGS,
+                               output_dirs={family: ASSETS / f"tiny_{family}_chain_sum"
+                                            for family in ("llada", "qwen3")}),
+}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--family", choices=("llada", "qwen3"), default="llada")
+    parser.add_argument("--task", choices=tuple(WARM_START_TASKS), default="digits")
     parser.add_argument("--output-dir", type=Path)
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--n-layers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=None, help="default: llada 2400, qwen3 800")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--learning-rate", type=float, default=None, help="default: llada 1e-3, qwen3 2e-3")
-    parser.add_argument("--gen-length", type=int, default=16)
-    parser.add_argument("--descending-sort-fraction", type=float, default=0.6,
-                        help="share of the 'sort' demonstrations that sort in the wrong (descending) order")
+    parser.add_argument("--train-size", type=int, default=None,
+                        help="SFT rows (default: the task's training split, 10,000 for chain_sum)")
+    parser.add_argument("--eval-size", type=int, default=128, help="held-out prompts scored at the end")
+    parser.add_argument("--noise-fraction", type=float, default=None,
+                        help="share of noisy demonstrations: digits 'sort' answers in descending order, chain_sum "
+                             "ones with the first carry dropped (default: " + ", ".join(
+                                 f"{name} {spec.noise_fraction}" for name, spec in WARM_START_TASKS.items()) + ")")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="where SFT and the evaluation run (e.g. cuda)")
     args = parser.parse_args()
+    spec = WARM_START_TASKS[args.task]
     # The masked-diffusion objective learns slower and is less stable at a high rate (2e-3: loss 0.52 after 2400
     # steps, greedy reward 0.29) than next-token SFT at the same size.
     args.steps = args.steps or {"llada": 2400, "qwen3": 800}[args.family]
     args.learning_rate = args.learning_rate or {"llada": 1e-3, "qwen3": 2e-3}[args.family]
-    name = "embedded" if args.family == "llada" else "embedded-qwen3"
-    output_dir = args.output_dir or EMBEDDED_MODELS[name]
+    noise_fraction = spec.noise_fraction if args.noise_fraction is None else args.noise_fraction
+    output_dir = args.output_dir or spec.output_dirs[args.family]
 
     torch.manual_seed(args.seed)
     tokenizer = build_hf_tokenizer()
     tokenizer.padding_side = "left"
-    model = tiny_model(args.family, tokenizer, args.d_model, args.n_layers)
-    train = noisy_demonstrations(load_task_dataset("digits", "train", seed=args.seed), args.descending_sort_fraction,
-                                 args.seed)
+    model = tiny_model(args.family, tokenizer, args.d_model, args.n_layers, spec.max_positions).to(args.device)
+    rows = load_task_dataset(spec.task, "train", size=args.train_size, seed=args.seed, task_args=spec.task_args)
+    train = spec.demonstrations(rows, noise_fraction, args.seed)
     mask_id = tokenizer.mask_token_id if args.family == "llada" else None
     losses = run_sft(model, tokenizer, train, SFTConfig(steps=args.steps, batch_size=args.batch_size,
-                                                        learning_rate=args.learning_rate, gen_length=args.gen_length,
-                                                        seed=args.seed), mask_token_id=mask_id)
-    config = GRPOConfig(policy="diffusion" if args.family == "llada" else "autoregressive", task="digits",
-                        max_completion_length=args.gen_length, block_length=args.gen_length,
-                        diffusion_steps=args.gen_length // 2)
+                                                        learning_rate=args.learning_rate, gen_length=spec.gen_length,
+                                                        seed=args.seed), mask_token_id=mask_id,
+                     answer_column="completion")
+    config = GRPOConfig(policy="diffusion" if args.family == "llada" else "autoregressive", task=spec.task,
+                        task_args=spec.task_args, max_completion_length=spec.gen_length,
+                        block_length=min(spec.gen_length, 32), diffusion_steps=spec.gen_length // 2)
     policy = build_policy(config, model.config, tokenizer, temperature=0.0)
-    held_out = load_task_dataset("digits", "validation", size=128, seed=args.seed)
-    score = evaluate_policy(model, tokenizer, policy, held_out, list(DIGITS.reward_funcs), batch_size=64).summary()
+    held_out = load_task_dataset(spec.task, "validation", size=args.eval_size, seed=args.seed,
+                                 task_args=spec.task_args)
+    task = get_task(spec.task)
+    score = evaluate_policy(model, tokenizer, policy, held_out, list(task.reward_funcs), batch_size=64,
+                            max_prompt_length=spec.max_positions - spec.gen_length, accuracy=task.accuracy).summary()
     recipe = output_dir / "recipe.yaml"
     with atomic_directory(output_dir, overwrite=True) as staging:  # replaces only a directory it wrote
-        model.save_pretrained(staging, safe_serialization=True)
+        model.cpu().save_pretrained(staging, safe_serialization=True)
         build_hf_tokenizer().save_pretrained(staging)  # as built: padding side is set by the loader, not stored
         if recipe.is_file():
             (staging / "recipe.yaml").write_text(recipe.read_text())
-    print(f"{args.family}: SFT loss {losses[0]:.3f} -> {sum(losses[-20:]) / 20:.3f} over {args.steps} steps; greedy "
-          f"held-out digits reward {score['eval/reward']:.3f} (128 prompts); written to {output_dir}")
+    print(f"{args.family}: SFT loss {losses[0]:.3f} -> {sum(losses[-20:]) / len(losses[-20:]):.3f} over {args.steps} "
+          f"steps; greedy held-out {args.task} reward {score['eval/reward']:.3f}, accuracy "
+          f"{score['eval/accuracy']:.3f} ({len(held_out)} prompts); written to {output_dir}")
 
 
 if __name__ == "__main__":

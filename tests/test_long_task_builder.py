@@ -1,0 +1,130 @@
+"""The long-completion warm-start builder (scripts/build_tiny_model.py --task chain_sum): the worked chain-sum
+demonstrations, their lengths in the embedded tokenizer's tokens, their verification and their noise."""
+
+import importlib
+import importlib.util
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+import reasoning_gym
+
+from dllm_ais.config import ConfigError, load_config
+from dllm_ais.data import load_task_dataset
+from dllm_ais.tasks.parsing import extract_xml_answer
+from dllm_ais.validation import read_recipe
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)  # registered first: it defines dataclasses
+    spec.loader.exec_module(module)
+    return module
+
+
+builder = load_script("build_tiny_model")
+steps = importlib.import_module("chain_sum_steps")  # the builder put scripts/ on the path
+ROWS = 200
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return load_task_dataset("reasoning_gym", "train", size=ROWS, seed=0, task_args=builder.LONG_TASK_ARGS)
+
+
+@pytest.fixture(scope="module")
+def verifier():
+    settings = {key: value for key, value in builder.LONG_TASK_ARGS.items() if key != "dataset"}
+    return reasoning_gym.create_dataset("chain_sum", seed=0, size=1, **settings)
+
+
+def verified(verifier, row, completion: str) -> float:
+    entry = {"question": row["question"], "answer": row["answer"], "metadata": json.loads(row["metadata"])}
+    return verifier.score_answer(extract_xml_answer(completion), entry)
+
+
+def test_worked_columns_of_a_carry_chain_and_a_sign_change():
+    assert steps.chain_sum_demonstration("999 + 1") == (
+        "<reasoning>\n999+1\n9+1+0=10 9+0+1=10 9+0+1=10\n=1000\n</reasoning>\n<answer>\n1000\n</answer>")
+    assert steps.chain_sum_demonstration("47 - 82 - 5") == (
+        "<reasoning>\n47-82=-(82-47)\n2-7-0=-5+10=5 8-4-1=3\n=-35\n"
+        "-35-5=-(35+5)\n5+5+0=10 3+0+1=4\n=-40\n</reasoning>\n<answer>\n-40\n</answer>")
+
+
+def test_dropped_carry_is_one_step_worked_on_consistently():
+    # The units' borrow into the tens column is dropped: 100 - 1 becomes 109, off by exactly 10.
+    assert steps.chain_sum_demonstration("100 - 1", drop_first_carry=True) == (
+        "<reasoning>\n100-1\n0-1-0=-1+10=9 0-0-0=0 1-0-0=1\n=109\n</reasoning>\n<answer>\n109\n</answer>")
+    # Only the first carry goes: the later ones of the same chain are kept.
+    assert steps.column_steps(999, "+", 1, drop_carry=True) == (["9+1+0=10", "9+0+0=9", "9+0+0=9"], 990, True)
+    assert steps.column_steps(12, "+", 34, drop_carry=True) == (["2+4+0=6", "1+3+0=4"], 46, False)
+
+
+@pytest.mark.parametrize("total", [-120, -7, 0, 5, 64, 300])
+@pytest.mark.parametrize("operator", ["+", "-"])
+@pytest.mark.parametrize("term", [0, 7, 64, 450])
+def test_magnitude_operation_keeps_the_value(total, operator, term):
+    x, magnitude_operator, y, negated = steps.magnitude_operation(total, operator, term)
+    assert x >= 0 and y >= 0 and (magnitude_operator == "+" or x >= y)
+    magnitude = x + y if magnitude_operator == "+" else x - y
+    assert (-magnitude if negated else magnitude) == (total + term if operator == "+" else total - term)
+
+
+@pytest.mark.parametrize("expression", ["5 * 3", "-5 + 3", "5 +", "5 + + 3", "5 + 3.5"])
+def test_parse_chain_rejects_what_it_cannot_work(expression):
+    with pytest.raises(ValueError, match="not a chain"):
+        steps.parse_chain(expression)
+
+
+def test_demonstrations_need_a_long_completion(rows):
+    tokenizer = builder.build_hf_tokenizer()
+    clean = builder.chain_sum_demonstrations(rows, 0.0, seed=0)["completion"]
+    lengths = [len(tokenizer(text, add_special_tokens=False).input_ids) + 1 for text in clean]  # + <|eot_id|>
+    spec = builder.WARM_START_TASKS["chain_sum"]
+    assert 64 <= min(lengths) and max(lengths) <= spec.gen_length == 256
+    assert statistics.median(lengths) > 128 and max(lengths) > 192
+    prompt = tokenizer.apply_chat_template(rows[0]["prompt"], add_generation_prompt=True, tokenize=False)
+    assert len(tokenizer(prompt, add_special_tokens=False).input_ids) + spec.gen_length <= spec.max_positions
+
+
+def test_clean_demonstrations_verify_and_noisy_ones_do_not(rows, verifier):
+    clean = builder.chain_sum_demonstrations(rows, 0.0, seed=0)["completion"]
+    noisy = builder.chain_sum_demonstrations(rows, 1.0, seed=0)["completion"]
+    assert all(verified(verifier, row, text) == 1.0 for row, text in zip(rows, clean))
+    changed = [(row, text) for row, text, reference in zip(rows, noisy, clean) if text != reference]
+    assert len(changed) > 0.7 * ROWS  # every row with a carry or borrow
+    assert all(verified(verifier, row, text) < 1.0 for row, text in changed)
+
+
+def test_noise_fraction_and_determinism(rows):
+    clean = builder.chain_sum_demonstrations(rows, 0.0, seed=0)["completion"]
+    first = builder.chain_sum_demonstrations(rows, 0.5, seed=3)["completion"]
+    assert first == builder.chain_sum_demonstrations(rows, 0.5, seed=3)["completion"]
+    assert first != builder.chain_sum_demonstrations(rows, 0.5, seed=4)["completion"]
+    noised_share = sum(a != b for a, b in zip(first, clean)) / ROWS
+    assert 0.25 < noised_share < 0.6  # half of the rows drawn, those with a carry changed
+    assert list(rows["answer"]) == list(builder.chain_sum_demonstrations(rows, 0.5, seed=3)["answer"])
+
+
+@pytest.mark.parametrize("family", ["llada", "qwen3"])
+def test_draft_recipe_matches_the_builder_and_names_its_missing_model(family, monkeypatch):
+    root = SCRIPTS.parent
+    monkeypatch.chdir(root)  # the recipe's model path is relative to the repository root
+    recipe = root / "recipes" / "drafts" / f"tiny_{family}_chain_sum.yaml"
+    spec = builder.WARM_START_TASKS["chain_sum"]
+    values = read_recipe(recipe)
+    assert root / values["model_name_or_path"] == spec.output_dirs[family]
+    assert values["task_args"] == builder.LONG_TASK_ARGS
+    assert values["max_completion_length"] == spec.gen_length
+    stand_in = {"llada": "embedded", "qwen3": "embedded-qwen3"}[family]  # every other field validates as written
+    config = load_config(recipe, {"model_name_or_path": stand_in})
+    assert config.max_prompt_length + config.max_completion_length <= spec.max_positions
+    if (spec.output_dirs[family] / "config.json").is_file():
+        load_config(recipe)
+    else:
+        with pytest.raises(ConfigError, match=f"tiny_{family}_chain_sum': no such directory"):
+            load_config(recipe)
