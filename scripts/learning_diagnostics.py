@@ -4,6 +4,7 @@
     python scripts/learning_diagnostics.py recipes/tiny_qwen3_digits_fp8_ais.yaml
     python scripts/learning_diagnostics.py --part gradient --prompts 512 --estimators one_step,trajectory \\
         --p_mask_prompt=0.15                                                 # any recipe field as --field=value
+    python scripts/learning_diagnostics.py --part gradient --estimators all  # every diffusion estimator
 
 `gradient` — on ONE batch (`--prompts` × num_generations completions sampled by the recipe's policy):
   * frac_reward_zero_std: groups whose completions all score the same (they carry no gradient);
@@ -11,6 +12,7 @@
     same with the advantages permuted within each group (no signal, same magnitudes, each group's advantages
     still summing to 0): the gradient's signal-to-noise SNR = (|g|² − mean |g_perm|²) / mean |g_perm|²
     (≤ 0: indistinguishable from noise at this batch size);
+  * the trainer-side cost of each estimator: model forwards and seconds of one ℓ_θ + backward over the batch;
   * the first-order test: step the trainable weights by η · g/|g| and re-sample the same prompts with the same
     random numbers; the change of the expected reward (Δ ± SE, paired per prompt over its completions' mean)
     must be > 0 along g for an estimator whose gradient points uphill, and ≈ 0 (or < 0, from curvature) along a
@@ -27,6 +29,7 @@ import argparse
 import dataclasses
 import math
 import tempfile
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +37,7 @@ import torch
 
 from accelerate.utils import set_seed
 
+from dllm_ais.choices import ESTIMATORS
 from dllm_ais.components import StepComponents, build_components, make_accelerator
 from dllm_ais.config import EMBEDDED_RECIPE, GRPOConfig, load_config
 from dllm_ais.data import load_task_dataset
@@ -55,13 +59,16 @@ class Setup:
     reward_funcs: list
 
 
-def flat_gradient(setup: Setup, policy, rollout, advantages: torch.Tensor, seed: int) -> torch.Tensor:
-    """∇θ of Σ_i A_i Σ_t m_it ℓ_it / N (the surrogate's signal at θ = θ_old), micro-batch by micro-batch."""
+def flat_gradient(setup: Setup, policy, rollout, advantages: torch.Tensor, seed: int,
+                  scoring_advantages: torch.Tensor | None = None) -> torch.Tensor:
+    """∇θ of Σ_i A_i Σ_t m_it ℓ_it / N (the surrogate's signal at θ = θ_old), micro-batch by micro-batch.
+    `scoring_advantages` (default `advantages`) are those the estimator scores by (SPG picks a bound by their sign)."""
     model, mask = setup.parts.unwrapped_model, rollout.completion_mask
     parameters = setup.parts.trainable_parameters
+    scoring_advantages = advantages if scoring_advantages is None else scoring_advantages
     model.zero_grad(set_to_none=True)
     for rows in micro_batches(len(advantages), setup.config.per_device_train_batch_size):
-        logp = policy.logprobs(model, rollout.select(rows), seed)
+        logp = policy.logprobs(model, rollout.select(rows), seed, advantages=scoring_advantages[rows])
         objective = (torch.where(mask[rows], logp, 0.0) * advantages[rows, None]).sum() / mask.sum()
         objective.backward()
     gradient = torch.cat([p.grad.flatten() for p in parameters])
@@ -111,12 +118,13 @@ def shifted(setup: Setup, direction: torch.Tensor, step: float):
 
 
 def gradient_part(config, args) -> None:
+    accelerator = make_accelerator(config)  # before set_seed, which reads the process index from it
     set_seed(config.seed, device_specific=True)
     reward_funcs = resolve_reward_functions(config.reward_funcs or config.task)
     dataset = load_task_dataset(config.task, split="train", path=config.dataset_path, size=config.dataset_size,
                                 seed=config.seed)
     tokenizer = load_tokenizer(config.model_name_or_path)
-    setup = Setup(config, build_components(config, tokenizer, make_accelerator(config)), tokenizer, reward_funcs)
+    setup = Setup(config, build_components(config, tokenizer, accelerator), tokenizer, reward_funcs)
     setup.parts.model.eval()
     G = config.num_generations
     columns = grouped_prompts(dataset.select(range(args.prompts)), G)
@@ -128,15 +136,22 @@ def gradient_part(config, args) -> None:
           f"temperature {config.temperature}")
     baseline = expected_reward(setup, columns, seed=config.seed + 1)
     permutations = torch.Generator().manual_seed(1)
-    for estimator in args.estimators.split(","):
+    forwards = [0]
+    setup.parts.unwrapped_model.register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    estimators = ESTIMATORS if args.estimators == "all" else args.estimators.split(",")
+    for estimator in estimators:
         policy = build_policy(dataclasses.replace(config, likelihood_estimator=estimator),
                               setup.parts.unwrapped_model.config, tokenizer)
+        forwards[0], start = 0, time.perf_counter()
         gradient = flat_gradient(setup, policy, rollout, advantages, seed=config.seed)
+        seconds, cost = time.perf_counter() - start, forwards[0]
+        # The controls keep each completion's scoring (its bound, for SPG) and permute the advantages it is weighted by.
         controls = [flat_gradient(setup, policy, rollout, permuted_within_groups(advantages, G, permutations),
-                                  seed=config.seed) for _ in range(args.permutations)]
+                                  seed=config.seed, scoring_advantages=advantages) for _ in range(args.permutations)]
         noise = sum(c.square().sum() for c in controls).item() / len(controls)
         snr = (gradient.square().sum().item() - noise) / noise
-        print(f"[{estimator}] |g| {gradient.norm():.4g}, mean |g_perm| {math.sqrt(noise):.4g}, gradient SNR {snr:+.3f}")
+        print(f"[{estimator}] |g| {gradient.norm():.4g}, mean |g_perm| {math.sqrt(noise):.4g}, gradient SNR {snr:+.3f}; "
+              f"trainer-side cost of ℓ_θ + backward: {cost} forwards, {seconds:.1f} s (one thread)")
         for step in args.steps:
             for label, direction in (("g", gradient), ("g_perm", controls[0])):
                 undo = shifted(setup, direction, step)
@@ -170,8 +185,8 @@ def main() -> None:
     parser.add_argument("recipe", nargs="?", default=str(EMBEDDED_RECIPE))
     parser.add_argument("--part", choices=("gradient", "control", "all"), default="all")
     parser.add_argument("--prompts", type=int, default=256, help="gradient part: prompts in the batch")
-    parser.add_argument("--estimators", default=None, help="gradient part: comma-separated (diffusion: one_step,"
-                                                           "trajectory; default: the recipe's)")
+    parser.add_argument("--estimators", default=None, help="gradient part: comma-separated, or all (diffusion: "
+                                                           f"{', '.join(ESTIMATORS)}; default: the recipe's)")
     parser.add_argument("--permutations", type=int, default=3)
     parser.add_argument("--steps", type=lambda text: [float(v) for v in text.split(",")], default=[0.03, 0.1],
                         help="gradient part: step lengths along the unit gradient")
