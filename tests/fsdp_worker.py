@@ -48,21 +48,20 @@ def local(tensor):
 def check_a_nan_gradient_on_one_process_skips_the_batch_on_all(trainer):
     """The NaN reaches every process through the gradient reduce-scatter; the gradient norm FSDP2 returns is a
     DTensor, NaN on every process, so all skip the batch before the optimizer moves weights or AdamW moments."""
-    logprobs = trainer.policy.logprobs
+    pieces = trainer.policy.logprob_pieces
 
-    def poisoned(model, rollout, seed, compute_entropy=False):
-        result = logprobs(model, rollout, seed, compute_entropy=compute_entropy)
-        logp = result[0] if compute_entropy else result
-        if torch.is_grad_enabled() and trainer.accelerator.process_index == 1:
-            logp.register_hook(lambda grad: torch.full_like(grad, math.nan))
-        return result
+    def poisoned(model, rollout, seed, compute_entropy=False, advantages=None):
+        for piece in pieces(model, rollout, seed, compute_entropy, advantages):
+            if torch.is_grad_enabled() and trainer.accelerator.process_index == 1:
+                piece.logprobs.register_hook(lambda grad: torch.full_like(grad, math.nan))
+            yield piece
 
     def snapshot():
         moments = [local(value).clone() for state in trainer.optimizer.state.values() for value in state.values()]
         return [local(p).detach().clone() for p in trainer.trainable_parameters] + moments
 
     before = snapshot()
-    trainer.policy.logprobs = poisoned
+    trainer.policy.logprob_pieces = poisoned
     assert trainer.training_step() is None and trainer.skipped_batches == 1
     assert all(torch.equal(a, b) for a, b in zip(before, snapshot(), strict=True))
     print(f"process {trainer.accelerator.process_index}: NaN gradient skipped, weights and optimizer untouched",

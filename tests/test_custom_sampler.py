@@ -169,9 +169,12 @@ def test_validation_decodes_exactly_and_the_custom_sampler_is_scored_on_its_own(
     assert given.policy is policy and isinstance(given.parts.rollout_sampler_policy.sampler, BiasedSampler)
 
 
-def test_the_custom_sampler_example_trains_end_to_end(tmp_path):
+def test_the_custom_sampler_example_trains_end_to_end(tmp_path, monkeypatch):
     """examples/custom_sampler.py: a registered remasking rule and a biased logit stage, two GRPO steps through
     GRPOTrainer(sampler=...), exact validation before and after, and the custom sampler's own score."""
+    from dllm_ais.sampling import diffusion
+
+    monkeypatch.setattr(diffusion, "REMASKING_RULES", dict(diffusion.REMASKING_RULES))  # the example registers one
     path = Path(__file__).parents[1] / "examples" / "custom_sampler.py"
     spec = importlib.util.spec_from_file_location("custom_sampler_example", path)
     example = importlib.util.module_from_spec(spec)
