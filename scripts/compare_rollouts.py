@@ -10,8 +10,8 @@ the same seeds, changing only the rollout decoder (`rollout_cache`, `rollout_thr
 the same validation prompts, greedy: decoded exactly (d1's protocol: no cache, no parallel commits — `eval/*`), and
 decoded by the run's own rollout sampler (`eval/rollout_sampler/*`, what a user deploying the fast decoder gets).
 
-Each fast arm is paired, seed by seed, with the exact-rollout arm of its estimator (same seed: same prompts, same
-initial model). Output in --output-dir/<quick|full>/: `comparison.md` — per arm, held-out accuracy and reward under
+Each fast arm is paired, seed by seed, with the exact-rollout arm of its estimator, and each other estimator's
+exact-rollout arm with the one-step estimator's (same seed: same prompts, same initial model). Output in --output-dir/<quick|full>/: `comparison.md` — per arm, held-out accuracy and reward under
 both decoders (mean over seeds ± 95 % CI, t distribution), the accuracy difference from its reference paired by seed,
 sampling seconds per run and their ratio to the reference's, whole-run training seconds, ESS, k3, α, distinct
 completions per group, frac_reward_zero_std, entropy and denoising steps per row — and `front.png` (held-out accuracy
@@ -52,6 +52,10 @@ ESTIMATORS = {  # name -> overrides
     "one_step": ("--likelihood_estimator=one_step", "--likelihood_order=rollout"),
     "trajectory": ("--likelihood_estimator=trajectory", "--likelihood_order=rollout"),
     "trajectory@exact-order": ("--likelihood_estimator=trajectory", "--likelihood_order=exact"),
+    # the recipe's 8 steps in 4 segments (d2's N = 16 is for 128+ steps; N >= 8 would be the trajectory itself)
+    "step_merge": ("--likelihood_estimator=step_merge", "--likelihood_segments=4", "--likelihood_order=rollout"),
+    "elbo": ("--likelihood_estimator=elbo", "--likelihood_order=rollout"),
+    "spg": ("--likelihood_estimator=spg", "--likelihood_order=rollout"),
 }
 CORRECTIONS = {"AIS": ("--correction=ais",), "none": ("--correction=none",), "TIS": ("--correction=tis",),
                "MIS": ("--correction=mis",), "seq-IS": ("--correction=tis", "--is_level=sequence")}
@@ -62,7 +66,7 @@ QUICK_ARMS = ["one_step exact AIS", "one_step dual+t0.9 AIS", "trajectory exact 
 def all_arms() -> list[str]:
     """The full grid: every estimator with exact rollouts (its reference) and with every fast decoder under every
     correction (the exact-order replay with AIS only: its ratio sees precision alone, as the one-step one does)."""
-    names = [f"{estimator} exact AIS" for estimator in ("one_step", "trajectory")]
+    names = [f"{estimator} exact AIS" for estimator in ESTIMATORS if "@" not in estimator]
     for decoder in (d for d in DECODERS if d != "exact" and "/" not in d):
         names += [f"{estimator} {decoder} {correction}" for estimator in ("one_step", "trajectory")
                   for correction in CORRECTIONS]
@@ -77,9 +81,10 @@ def arm_overrides(arm: str) -> tuple[str, ...]:
 
 
 def reference_arm(arm: str) -> str:
-    """The exact-rollout arm the `arm` is paired with: the same estimator family, exact rollouts, AIS."""
-    estimator = arm.split()[0].split("@")[0]
-    return f"{estimator} exact AIS"
+    """The arm `arm` is paired with: a fast-rollout arm with its estimator family's exact-rollout AIS arm; an
+    exact-rollout arm of another estimator with the one-step estimator's (which estimator learns more)."""
+    estimator, decoder = arm.split()[0].split("@")[0], arm.split()[1]
+    return "one_step exact AIS" if decoder == "exact" else f"{estimator} exact AIS"
 
 
 def markdown(table: dict, header: str) -> str:
@@ -92,8 +97,8 @@ def markdown(table: dict, header: str) -> str:
         return format(sum(finite) / len(finite), form) if finite else "—"
 
     lines = [header, "",
-             "| arm (estimator · rollouts · correction) | accuracy, exact decoding (%) | vs exact rollouts, paired by "
-             "seed (points) | accuracy, own sampler (%) | reward, exact decoding | sampling s / run | × reference | "
+             "| arm (estimator · rollouts · correction) | accuracy, exact decoding (%) | vs reference (its "
+             "estimator's exact rollouts; exact arms: one_step's), paired by seed (points) | accuracy, own sampler (%) | reward, exact decoding | sampling s / run | × reference | "
              "training s / run | ESS | k3 | α | distinct / group | zero-std | entropy | steps / row | fidelity rung |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for (_, arm), entry in table.items():
