@@ -601,8 +601,7 @@ class TrainingProgress:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name in self.FIELDS:
-            setattr(self.trainer, name, state[name] if name in state or name not in self.ADDED_LATER
-                    else self.ADDED_LATER[name])
+            setattr(self.trainer, name, state[name] if name in state else self.ADDED_LATER[name])
         batch, eval_before = state["batches"][self.trainer.accelerator.process_index], state["eval_before"]
         self.trainer.batch = None if batch is None else GenerationBatch.from_state_dict(batch, self.trainer.accelerator.device)
         self.trainer.eval_before = None if eval_before is None else EvalResult.from_state_dict(eval_before)

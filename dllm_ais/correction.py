@@ -443,7 +443,7 @@ class CorrectionSettings:
     "acr" (token TIS weights plus the ACR clip scale) or "ais" (`ais_weights` with `rule`, `snr_scale`, `kl_scale`,
     `alpha_max` and the EMA `alpha_ema` of α across generation batches). `rule` may be a callable diagnostics → α.
     The `ctpo_*` constants are those of CTPO's cumulative ratio (config `ratio_type=ctpo`), which the loss applies:
-    `ctpo_loss_options` gives them as `loss.grpo_loss` arguments.
+    `ctpo_loss_options` gives them as `loss.TokenLoss` (and `loss.grpo_loss`) arguments.
     """
 
     method: str = "ais"
@@ -473,7 +473,7 @@ class CorrectionSettings:
                    ctpo_c_dual=config.ctpo_c_dual, ctpo_power=config.ctpo_power, ctpo_cap=config.ctpo_cap)
 
     def ctpo_loss_options(self) -> dict[str, float]:
-        """CTPO's constants as the keyword arguments of `dllm_ais.loss.grpo_loss` (used with ratio_type=ctpo)."""
+        """CTPO's constants as the keyword arguments of `dllm_ais.loss.TokenLoss` (used with ratio_type=ctpo)."""
         return {"ctpo_c_low": self.ctpo_c_low, "ctpo_c_high": self.ctpo_c_high, "ctpo_c_dual": self.ctpo_c_dual,
                 "ctpo_power": self.ctpo_power, "ctpo_cap": self.ctpo_cap}
 

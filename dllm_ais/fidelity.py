@@ -83,19 +83,18 @@ def fidelity_ladder(config: DiffusionSamplerConfig) -> list[DiffusionSamplerConf
 
 @dataclass(frozen=True)
 class FidelitySettings:
-    """The config's `rollout_fidelity*` and `rollout_exact_fraction` fields (see `GRPOConfig`), plus the seed."""
+    """The config's `rollout_fidelity*` and `rollout_exact_fraction` fields (see `GRPOConfig`)."""
 
     mode: str = "fixed"
     k3_max: float = 0.05
     ess_min: float = 0.9
     patience: int = 8
     exact_fraction: float = 0.0
-    seed: int = 0
 
     @classmethod
     def from_config(cls, config: "GRPOConfig") -> "FidelitySettings":
         return cls(config.rollout_fidelity, config.rollout_fidelity_k3_max, config.rollout_fidelity_ess_min,
-                   config.rollout_fidelity_patience, config.rollout_exact_fraction, config.seed)
+                   config.rollout_fidelity_patience, config.rollout_exact_fraction)
 
 
 @dataclass(frozen=True)
@@ -194,11 +193,12 @@ class RolloutFidelity:
         """The policy of the current rung."""
         return self.policies[self.state.level]
 
-    def exact_prompts(self, num_prompts: int, group_size: int, generation_index: int, process_index: int) -> int:
+    def exact_prompts(self, num_prompts: int, group_size: int, seed: int) -> int:
         """How many prompts of a process' generation batch (consecutive groups of `group_size`) the exact decoder
-        samples: `exact_group_count` whole groups, its rounding draw seeded by the seed, the generation batch and
-        the process, so a rerun (or a resumed run) splits alike."""
-        draw = random.Random(self.settings.seed * 1_000_003 + generation_index * 1_009 + process_index * 7_919_001)
+        samples: `exact_group_count` whole groups, its rounding draw seeded by `seed` (the batch's first estimator
+        seed, `grpo.estimator_seeds`: the run's seed, the generation batch and the process), so a rerun (or a
+        resumed run) splits alike."""
+        draw = random.Random(seed)
         return exact_group_count(self.settings.exact_fraction, num_prompts // group_size, draw.random()) * group_size
 
     def prompt_policies(self, num_prompts: int, num_exact: int) -> list["Policy"]:

@@ -187,7 +187,8 @@ def make_generation_batch(config: GRPOConfig, parts: StepComponents, tokenizer, 
     generator = torch.Generator(accelerator.device).manual_seed(config.seed + 7919 * generation_index + 104_729 * rank)
     fidelity = fidelity or RolloutFidelity.from_config(config, parts.policy)
     fidelity_metrics = fidelity.metrics()
-    num_exact = fidelity.exact_prompts(len(columns["prompt"]), config.num_generations, generation_index, rank)
+    seeds = estimator_seeds(config, parts.policy.num_estimator_seeds(config.num_iterations), generation_index, rank)
+    num_exact = fidelity.exact_prompts(len(columns["prompt"]), config.num_generations, seeds[0])
     policies = fidelity.prompt_policies(len(columns["prompt"]), num_exact)
     start = time.perf_counter()
     rollout = sample_prompts(policies, parts.engine.model, tokenizer, columns["prompt"], config.max_prompt_length,
@@ -210,7 +211,6 @@ def make_generation_batch(config: GRPOConfig, parts: StepComponents, tokenizer, 
     advantages = all_advantages[local]
 
     start = time.perf_counter()
-    seeds = estimator_seeds(config, parts.policy.num_estimator_seeds(config.num_iterations), generation_index, rank)
     parts.model.eval()
     with torch.no_grad():
         logp_rollout = [micro_batched_logprobs(parts.policy.rollout_logprobs, parts.engine.model, rollout, s,
@@ -273,10 +273,11 @@ def backward_by_pieces(pieces: Iterable[LogprobPiece], objective: TokenLoss, com
     """Run the micro-batch's loss and backward piece by piece: for each `LogprobPiece` (one forward of the
     estimator, run when the iterator is asked for it), `backward(Σ_{t ∈ piece} c_t · L_t)` before the next forward,
     so the autograd graph holds one forward at a time; the gradients add up to those of the loss at once, since
-    each token's loss term depends on its own log-prob only (`TokenLoss`). `piecewise=False` sums the pieces first
-    and runs one backward (the ctpo ratio, whose prefix needs every token; DeepSpeed, one backward per micro-step).
+    each token's loss term depends on its own log-prob only (`TokenLoss`). The pieces are summed first, for one
+    backward, with `piecewise=False` (DeepSpeed: one backward per micro-step) or when the objective cannot take
+    pieces (`TokenLoss.takes_pieces`: the ctpo ratio, whose prefix needs every token).
     """
-    if not piecewise:
+    if not (piecewise and objective.takes_pieces):
         pieces = [whole_piece(sum_pieces(pieces, compute_entropy), compute_entropy)]
     loss, sums, entropy, finite_logprobs, finite_loss = 0.0, {}, None, [], []
     for piece in pieces:
@@ -312,7 +313,7 @@ def optimisation_pass(config: GRPOConfig, parts: StepComponents, batch: Generati
     rows_of = micro_batches(len(batch.advantages), config.per_device_train_batch_size)
     ctpo_options = CorrectionSettings.from_config(config).ctpo_loss_options()
     scale = len(rows_of) if config.loss_type == "dapo" else 1
-    piecewise = config.ratio_type == "token" and accelerator.distributed_type != DistributedType.DEEPSPEED
+    piecewise = accelerator.distributed_type != DistributedType.DEEPSPEED  # DeepSpeed: one backward per micro-step
     summed: dict[str, float] = dict(batch.diagnostics[k])
     first_pass = iteration == 0  # the policy's entropy on the batch: once, at θ_old (a full-vocabulary pass)
     losses, entropies, finite = [], [], []

@@ -667,6 +667,17 @@ def masked_completion_logprobs(
     return _scatter_to_positions(masked, scored)
 
 
+def _scored_draws(model: nn.Module, sequences: Tensor, attention_mask: Tensor, prompt_length: int, mask_token_id: int,
+                  draws: list[MaskDraw], generator: torch.Generator, p_mask_prompt: float, chunk_size: int,
+                  compute_entropy: bool, logits_fn: LogitsFn) -> list:
+    """`masked_completion_logprobs` of each draw (one forward each), the prompt masked as `_prompt_masks` draws it
+    from `generator` after the completion draws."""
+    prompt_masks = _prompt_masks(attention_mask, prompt_length, len(draws), p_mask_prompt, generator)
+    return [masked_completion_logprobs(model, sequences, attention_mask, prompt_length, mask_token_id, draw.masked,
+                                       prompt_masked, chunk_size, compute_entropy, logits_fn)
+            for draw, prompt_masked in zip(draws, prompt_masks)]
+
+
 def elbo_from_draws(draw_logprobs: list[Tensor], draws: list[MaskDraw], scored: Tensor | None = None) -> Tensor:
     """The Monte-Carlo ELBO [B] of n draws: (1/n) Σ_d (1/t_d) Σ_k s_k m_{d,k} ℓ_{d,k}, with ℓ_{d,k} the log-prob
     of token k under draw d's canvas (`masked_completion_logprobs`), m_d its mask, t_d its rate and s the positions
@@ -758,10 +769,8 @@ def mc_elbo(
     generator = mask_generator(seed)
     batch, gen_length = sequences.shape[0], sequences.shape[1] - prompt_length
     draws = random_mask_draws(batch, gen_length, num_samples, generator, coupled)
-    prompt_masks = _prompt_masks(attention_mask, prompt_length, len(draws), p_mask_prompt, generator)
-    logprobs = [masked_completion_logprobs(model, sequences, attention_mask, prompt_length, mask_token_id, draw.masked,
-                                           prompt_masked, chunk_size, logits_fn=logits_fn)
-                for draw, prompt_masked in zip(draws, prompt_masks)]
+    logprobs = _scored_draws(model, sequences, attention_mask, prompt_length, mask_token_id, draws, generator,
+                             p_mask_prompt, chunk_size, False, logits_fn)
     return elbo_from_draws(logprobs, draws, completion_mask)
 
 
@@ -876,11 +885,9 @@ def _bound_draws(model: nn.Module, rollout: Rollout, settings: EstimatorSettings
     else:
         draws = random_mask_draws(len(rollout.sequences), rollout.gen_length, bounds.num_samples, generator,
                                   bounds.coupled)
-    prompt_masks = _prompt_masks(attention_mask, rollout.prompt_length, len(draws), settings.p_mask_prompt, generator)
-    scored = [masked_completion_logprobs(model, rollout.sequences, attention_mask, rollout.prompt_length,
-                                         settings.mask_token_id, draw.masked, prompt_masked,
-                                         compute_entropy=compute_entropy, logits_fn=settings.logits_fn)
-              for draw, prompt_masked in zip(draws, prompt_masks)]
+    scored = _scored_draws(model, rollout.sequences, attention_mask, rollout.prompt_length, settings.mask_token_id,
+                           draws, generator, settings.p_mask_prompt, DEFAULT_CHUNK_ROWS, compute_entropy,
+                           settings.logits_fn)
     if not compute_entropy:
         return draws, scored, None
     valid = rollout.completion_mask.bool()

@@ -186,12 +186,18 @@ class TokenLoss:
         self.ctpo = dict(c_low=ctpo_c_low, c_high=ctpo_c_high, power=ctpo_power, cap=ctpo_cap)
         self.ctpo_c_dual = ctpo_c_dual
 
+    @property
+    def takes_pieces(self) -> bool:
+        """Whether the loss may be taken over the completion in pieces: with "token" ratios L_t depends on ℓ^θ_t
+        alone; the "ctpo" ratio's prefix needs every token's ℓ^θ at once."""
+        return self.ratio_type == "token"
+
     def __call__(self, logp: Tensor, positions: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
         """(Σ_{t ∈ positions} c_t · L_t, the metrics' sums over the valid tokens at `positions` [B, L] bool; all
         positions when None). Values of `logp` outside the positions never enter (they may be anything)."""
         as_token_mask(self.valid, logp)
         valid = self.valid if positions is None else self.valid & as_token_mask(positions, logp)
-        if self.ratio_type == "ctpo" and not torch.equal(valid, self.valid):
+        if not self.takes_pieces and not torch.equal(valid, self.valid):
             raise ValueError("the ctpo ratio's prefix needs every token's log-prob: score the whole completion at "
                              "once, or use ratio_type='token'")
         logp = torch.where(valid, logp.float(), 0.0)

@@ -55,8 +55,9 @@ class Policy(Protocol):
     exp(ℓ_old − ℓ_rollout) sees the engine's mismatch and nothing else. `num_estimator_seeds(μ)` tells how many
     distinct estimator draws one generation batch uses: the one-step diffusion surrogate draws fresh masks per inner
     iteration, exact estimators need one. `logprob_pieces` gives the same log-probs forward by forward (lazily; a
-    single piece for a single-forward estimator), for a backward per forward. `advantages` [B] (optional) are the scored sequences' advantages, for
-    estimators that score a sequence by its advantage's sign (SPG); the others ignore them.
+    single piece for a single-forward estimator), for a backward per forward. `advantages` [B] (optional) are the
+    scored sequences' advantages, for estimators that score a sequence by its advantage's sign (SPG); the others
+    ignore them.
     `sampler_config.eos_token_ids` are the tokens that end a completion (the `completions/clipped_ratio` metric
     counts those without one).
     """
@@ -87,9 +88,10 @@ class DiffusionPolicy:
     same estimator with the same seed, so their ratio measures the engine's mismatch and nothing else. Every
     estimator computes its logits with the sampler's `MaskedDiffusionSampler.scoring_logits` (its `block_logits`
     without a cache), so guidance and a subclass's logit processing are scored as sampled. For the trajectory
-    estimator (and step_merge with a segment per step) the rollout side is free: the sampler's recorded per-step log-prob (`token_logprobs`), which the
-    trainer side scores as softmax(logits / τ); a sampler overriding `token_logprobs` is therefore refused with it.
-    `estimator` names one of `DIFFUSION_ESTIMATORS`.
+    estimator (and step_merge with a segment per step) the rollout side is free: the sampler's recorded per-step
+    log-prob (`token_logprobs`), which the trainer side scores as softmax(logits / τ); a sampler overriding
+    `token_logprobs` is therefore refused with the trajectory-type estimators. `estimator` names one of
+    `DIFFUSION_ESTIMATORS`; `likelihood_segments` is step_merge's N, `bounds` the elbo and spg estimators' settings.
     """
 
     sampler_config: DiffusionSamplerConfig
@@ -97,14 +99,14 @@ class DiffusionPolicy:
     p_mask_prompt: float = 0.15
     likelihood_order: str = "rollout"
     sampler: MaskedDiffusionSampler | None = None
+    likelihood_segments: int = 16
+    bounds: BoundSettings = dataclasses.field(default_factory=BoundSettings)
 
     @classmethod
     def for_sampler(cls, sampler: MaskedDiffusionSampler, **settings) -> "DiffusionPolicy":
         """The policy sampling with `sampler` (its config is the policy's `sampler_config`); `settings` are the other
-        fields (estimator, p_mask_prompt, likelihood_order)."""
+        fields (estimator, p_mask_prompt, likelihood_order, likelihood_segments, bounds)."""
         return cls(sampler.config, sampler=sampler, **settings)
-    likelihood_segments: int = 16
-    bounds: BoundSettings = dataclasses.field(default_factory=BoundSettings)
 
     def __post_init__(self):
         if self.sampler is None:
@@ -198,15 +200,22 @@ def is_diffusion(policy: str, model_type: str | None) -> bool:
     return policy == "diffusion"
 
 
+CONFIG_FIELD_OF_SAMPLER_SETTING = {
+    "gen_length": "max_completion_length", "block_length": "block_length", "steps": "diffusion_steps",
+    "remasking": "remasking", "cfg_scale": "cfg_scale", "cache": "rollout_cache",
+    "cache_refresh_interval": "rollout_cache_refresh_interval", "threshold": "rollout_threshold",
+    "factor": "rollout_factor"}
+"""The `GRPOConfig` field behind each `DiffusionSamplerConfig` setting the config sets (temperature and the special
+token ids come from elsewhere)."""
+
+
 def diffusion_sampler_config(config: "GRPOConfig", tokens: SpecialTokens, temperature: float) -> DiffusionSamplerConfig:
-    """The masked-diffusion sampler settings of `config` (`max_completion_length`, `block_length`,
-    `diffusion_steps`, `remasking`, `cfg_scale`, `rollout_*`) at `temperature`, with the model's special tokens."""
+    """The masked-diffusion sampler settings of `config` (the fields `CONFIG_FIELD_OF_SAMPLER_SETTING` names) at
+    `temperature`, with the model's special tokens."""
     return DiffusionSamplerConfig(
-        gen_length=config.max_completion_length, block_length=config.block_length, steps=config.diffusion_steps,
-        temperature=temperature, remasking=config.remasking, mask_token_id=tokens.mask_token_id,
-        eos_token_ids=tokens.eos_token_ids, pad_token_id=tokens.pad_token_id, cfg_scale=config.cfg_scale,
-        cache=config.rollout_cache, cache_refresh_interval=config.rollout_cache_refresh_interval,
-        threshold=config.rollout_threshold, factor=config.rollout_factor)
+        **{setting: getattr(config, field) for setting, field in CONFIG_FIELD_OF_SAMPLER_SETTING.items()},
+        temperature=temperature, mask_token_id=tokens.mask_token_id, eos_token_ids=tokens.eos_token_ids,
+        pad_token_id=tokens.pad_token_id)
 
 
 CustomSampler = MaskedDiffusionSampler | Callable[[DiffusionSamplerConfig], MaskedDiffusionSampler]
@@ -253,11 +262,8 @@ def build_policy(config: "GRPOConfig", model_config, tokenizer, temperature: flo
     return AutoregressivePolicy(sampler)
 
 
-POLICY_METHODS = ("sample", "logprobs", "rollout_logprobs", "num_estimator_seeds")
+POLICY_METHODS = tuple(name for name, value in vars(Policy).items() if callable(value) and not name.startswith("_"))
 TOKEN_ID_FIELDS = ("mask_token_id", "eos_token_ids", "pad_token_id")
-SAMPLER_FIELD_OF_CONFIG = {"gen_length": "max_completion_length", "steps": "diffusion_steps", "cache": "rollout_cache",
-                           "cache_refresh_interval": "rollout_cache_refresh_interval", "threshold": "rollout_threshold",
-                           "factor": "rollout_factor"}
 
 
 def _sampler_setting_problems(expected: DiffusionSamplerConfig, sampler: MaskedDiffusionSampler) -> list[str]:
@@ -270,7 +276,7 @@ def _sampler_setting_problems(expected: DiffusionSamplerConfig, sampler: MaskedD
                 else got == want)
         if not same:
             source = ("the model's and tokenizer's" if field.name in TOKEN_ID_FIELDS
-                      else f"config {SAMPLER_FIELD_OF_CONFIG.get(field.name, field.name)}")
+                      else f"config {CONFIG_FIELD_OF_SAMPLER_SETTING.get(field.name, field.name)}")
             differences.append(f"{field.name}={got!r} ({source}: {want!r})")
     if not differences:
         return []

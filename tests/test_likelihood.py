@@ -374,6 +374,10 @@ def test_step_merge_equals_hand_replay_of_segment_start_canvases(model, canvas, 
         got = step_merge_logprobs(model, rollout, MASK, temperature, num_segments=2)
     assert len(calls) == 2
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    with counting_forwards(model) as calls:  # both segments' canvases stacked in one forward: the same values
+        stacked = step_merge_logprobs(model, rollout, MASK, temperature, num_segments=2, segments_per_forward=2)
+    assert len(calls) == 1
+    torch.testing.assert_close(stacked, expected, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
