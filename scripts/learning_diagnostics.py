@@ -188,8 +188,8 @@ def main() -> None:
     parser.add_argument("--estimators", default=None, help="gradient part: comma-separated, or all (diffusion: "
                                                            f"{', '.join(ESTIMATORS)}; default: the recipe's)")
     parser.add_argument("--permutations", type=int, default=3)
-    parser.add_argument("--steps", type=lambda text: [float(v) for v in text.split(",")], default=[0.03, 0.1],
-                        help="gradient part: step lengths along the unit gradient")
+    parser.add_argument("--steps", type=lambda text: [float(v) for v in text.split(",") if v], default=[0.03, 0.1],
+                        help="gradient part: step lengths along the unit gradient ('' skips the first-order test)")
     parser.add_argument("--control-steps", type=int, default=None, help="control part: max_steps (default: recipe)")
     args, overrides = parser.parse_known_args()
     torch.set_num_threads(1)
