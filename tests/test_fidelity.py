@@ -122,7 +122,7 @@ def test_adaptive_fidelity_climbs_one_rung_per_mismatched_batch_and_logs_its_dec
 
 def test_the_start_note_says_the_ladder_and_the_rung(tokenizer, tmp_path, capsys):
     make_trainer(tokenizer, tmp_path, **ADAPTIVE)
-    (note,) = [line for line in capsys.readouterr().out.splitlines() if "rollout_fidelity" in line]
+    (note,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: rollout_fidelity=")]
     assert note.startswith("note: rollout_fidelity=adaptive over cache=dual refresh=block threshold=0.9 -> ")
     assert note.endswith("-> exact, now at rung 0: one rung toward exact after a batch with k3_kl > 0 or ESS < 0.9, "
                          "one back after 8 calm batches.")
