@@ -267,6 +267,15 @@ class MicroBatchPass:
     finite_loss: torch.Tensor
 
 
+def pieces_align_across_processes(config: GRPOConfig) -> bool:
+    """Whether every process' micro-batch yields the same number of estimator forwards, so that a backward per
+    forward (each one a gradient all-reduce or reduce-scatter under DDP / FSDP) keeps the processes in step: the
+    commit steps come from the fixed schedule (no parallel decoding, or the exact-order replay), whose steps are the
+    same for every row. With parallel decoding a process may commit at fewer distinct steps than another, and
+    each micro-batch then takes a single backward."""
+    return config.likelihood_order == "exact" or (config.rollout_threshold is None and config.rollout_factor is None)
+
+
 def backward_by_pieces(pieces: Iterable[LogprobPiece], objective: TokenLoss, completion_mask: torch.Tensor,
                        backward: Callable[[torch.Tensor], None], compute_entropy: bool,
                        piecewise: bool = True) -> MicroBatchPass:
@@ -313,7 +322,9 @@ def optimisation_pass(config: GRPOConfig, parts: StepComponents, batch: Generati
     rows_of = micro_batches(len(batch.advantages), config.per_device_train_batch_size)
     ctpo_options = CorrectionSettings.from_config(config).ctpo_loss_options()
     scale = len(rows_of) if config.loss_type == "dapo" else 1
-    piecewise = accelerator.distributed_type != DistributedType.DEEPSPEED  # DeepSpeed: one backward per micro-step
+    # DeepSpeed takes one backward per micro-step; several processes need the same number of backwards (collectives).
+    piecewise = accelerator.distributed_type != DistributedType.DEEPSPEED and (
+        accelerator.num_processes == 1 or pieces_align_across_processes(config))
     summed: dict[str, float] = dict(batch.diagnostics[k])
     first_pass = iteration == 0  # the policy's entropy on the batch: once, at θ_old (a full-vocabulary pass)
     losses, entropies, finite = [], [], []

@@ -154,3 +154,14 @@ def test_trajectory_type_estimators_share_the_exact_order_replay_and_score_guida
                GRPOConfig(likelihood_estimator="one_step", likelihood_order="exact").problems())
     assert any("likelihood_segments" in p for p in GRPOConfig(likelihood_segments=0).problems())
     assert {name for name, e in DIFFUSION_ESTIMATORS.items() if e.pieces is not None} == set(TRAJECTORY_ESTIMATORS)
+
+
+def test_a_backward_per_forward_across_processes_only_when_every_process_has_the_same_forwards():
+    from dllm_ais.grpo import pieces_align_across_processes
+
+    assert pieces_align_across_processes(GRPOConfig(likelihood_estimator="trajectory"))  # the fixed schedule
+    assert pieces_align_across_processes(GRPOConfig(likelihood_estimator="trajectory", rollout_cache="dual"))
+    assert not pieces_align_across_processes(GRPOConfig(likelihood_estimator="trajectory", rollout_threshold=0.9))
+    assert not pieces_align_across_processes(GRPOConfig(likelihood_estimator="trajectory", rollout_factor=1.0))
+    assert pieces_align_across_processes(GRPOConfig(likelihood_estimator="trajectory", rollout_threshold=0.9,
+                                                    likelihood_order="exact"))  # replayed on the fixed schedule
