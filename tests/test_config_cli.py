@@ -116,13 +116,19 @@ def test_cli_trains_the_tiny_qwen3_through_the_shared_loop(tmp_path, capsys):
     assert "held-out reward: before" in capsys.readouterr().out
 
 
-def test_two_process_ddp_run_through_accelerate_launch(tmp_path):
-    """The same loop under `accelerate launch` with 2 CPU processes (gloo): gathers, slicing, accumulation, saving."""
+@pytest.mark.parametrize("estimator", [
+    (),  # the shipped one-step estimator
+    ("--likelihood_estimator=trajectory", "--rollout_threshold=null"),  # a backward per denoising step, in step
+    ("--likelihood_estimator=trajectory",),  # parallel decoding: one backward per micro-batch on every process
+], ids=["one_step", "trajectory-per-step-backward", "trajectory-parallel-decoding"])
+def test_two_process_ddp_run_through_accelerate_launch(tmp_path, estimator):
+    """The same loop under `accelerate launch` with 2 CPU processes (gloo): gathers, slicing, accumulation, saving;
+    with the trajectory estimator, the backward per forward keeps both processes' all-reduces in step."""
     out = tmp_path / "ddp"
     command = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2", "--num_machines",
                "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "dllm_ais.cli", "train",
                "--max_steps=2", "--eval_size=0", "--num_iterations=1", "--per_device_train_batch_size=8",
-               "--gradient_accumulation_steps=2", f"--output_dir={out}"]
+               "--gradient_accumulation_steps=2", *estimator, f"--output_dir={out}"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     # accelerate's --cpu launcher starts one process without mpirun; the CLI re-launches the command as two.
