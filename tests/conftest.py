@@ -34,6 +34,15 @@ def tiny_llada(tokenizer, seed: int = 0) -> LLaDAModelLM:
         pad_token_id=tokenizer.pad_token_id))
 
 
+def bare_tiny_llada(mask_token_id: int, eos_token_id: int, seed: int = 0) -> LLaDAModelLM:
+    """A tiny LLaDA over a bare 128-id vocabulary (no tokenizer), in eval mode: the likelihood tests' model."""
+    torch.manual_seed(seed)
+    return LLaDAModelLM(LLaDAConfig(
+        d_model=64, n_heads=4, n_kv_heads=4, n_layers=2, mlp_hidden_size=128, vocab_size=128, embedding_size=128,
+        max_sequence_length=256, mask_token_id=mask_token_id, eos_token_id=eos_token_id,
+        pad_token_id=eos_token_id)).eval()
+
+
 def tiny_qwen3(tokenizer, seed: int = 0):
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(Qwen3Config(

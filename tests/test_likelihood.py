@@ -17,7 +17,7 @@ from dllm_ais.likelihood import (
     step_merge_segments,
     trajectory_logprobs,
 )
-from dllm_ais.models import LLaDAConfig, LLaDAModelLM
+from conftest import bare_tiny_llada
 from dllm_ais.sampling.rollout import Rollout
 
 MASK, EOS = 127, 126
@@ -26,11 +26,7 @@ PROMPT_LENGTH, GEN_LENGTH = 5, 6
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    config = LLaDAConfig(d_model=64, n_heads=4, n_kv_heads=4, n_layers=2, mlp_hidden_size=128, vocab_size=128,
-                         embedding_size=128, max_sequence_length=256, mask_token_id=MASK, eos_token_id=EOS,
-                         pad_token_id=EOS)
-    return LLaDAModelLM(config).eval()
+    return bare_tiny_llada(MASK, EOS)
 
 
 @pytest.fixture(scope="module")

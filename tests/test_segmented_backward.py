@@ -9,7 +9,7 @@ from dllm_ais.config import GRPOConfig
 from dllm_ais.grpo import backward_by_pieces
 from dllm_ais.likelihood import DIFFUSION_ESTIMATORS, EstimatorSettings, whole_piece
 from dllm_ais.loss import TokenLoss, grpo_loss
-from dllm_ais.models import LLaDAConfig, LLaDAModelLM
+from conftest import bare_tiny_llada
 from dllm_ais.policy import DiffusionPolicy
 from dllm_ais.sampling.diffusion import DiffusionSamplerConfig, MaskedDiffusionSampler
 
@@ -18,11 +18,7 @@ MASK, EOS = 127, 126
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    config = LLaDAConfig(d_model=64, n_heads=4, n_kv_heads=4, n_layers=2, mlp_hidden_size=128, vocab_size=128,
-                         embedding_size=128, max_sequence_length=256, mask_token_id=MASK, eos_token_id=EOS,
-                         pad_token_id=EOS)
-    return LLaDAModelLM(config).eval()
+    return bare_tiny_llada(MASK, EOS)
 
 
 @pytest.fixture(scope="module")
