@@ -1,8 +1,8 @@
 """Fast rollouts against exact ones: what approximate diffusion decoding costs in learning, per estimator and correction.
 
-    python scripts/compare_rollouts.py --quick       # 5 arms x 3 seeds on the embedded LLaDA
-    python scripts/compare_rollouts.py               # the full grid: fast settings x corrections x estimators
-    python scripts/compare_rollouts.py --quick --seeds 1 --arms "one_step exact,one_step dual+t0.9"
+    python scripts/compare_rollouts.py --quick       # 4 arms x 3 seeds, 20 steps: ~20 minutes on 2 cores
+    python scripts/compare_rollouts.py               # the full grid, 30 steps: fast settings x corrections x estimators
+    python scripts/compare_rollouts.py --arms "trajectory dual+t0.9/adaptive AIS" --seeds 3   # chosen arms, 30 steps
 
 Every arm trains the shipped tiny LLaDA recipe (`dllm-ais train`: digits, FP8 rollouts, LoRA) through the CLI from
 the same seeds, changing only the rollout decoder (`rollout_cache`, `rollout_threshold`), the likelihood estimator
@@ -35,7 +35,9 @@ from pathlib import Path
 from compare_corrections import REPOSITORY, Run, execute, mean_ci, plot, slug, summarise
 
 SETTINGS = {  # steps, held-out prompts (>= 256: paired comparisons), eval every
-    "quick": {"max_steps": 30, "eval_size": 256, "eval_steps": 10},
+    # 20 steps: the 30-step runs' step-20 evaluations already show both claims (trajectory: 88.7 % exact rollouts
+    # against 59.6 % fast, 3 seeds), at two thirds of the time
+    "quick": {"max_steps": 20, "eval_size": 256, "eval_steps": 10},
     "full": {"max_steps": 30, "eval_size": 256, "eval_steps": 10},
 }
 DECODERS = {  # name -> overrides; "exact" is LLaDA's algorithm (no cache, the recipe's fixed 2-token schedule)
@@ -59,8 +61,8 @@ ESTIMATORS = {  # name -> overrides
 }
 CORRECTIONS = {"AIS": ("--correction=ais",), "none": ("--correction=none",), "TIS": ("--correction=tis",),
                "MIS": ("--correction=mis",), "seq-IS": ("--correction=tis", "--is_level=sequence")}
-QUICK_ARMS = ["one_step exact AIS", "one_step dual+t0.9 AIS", "trajectory exact AIS", "trajectory dual+t0.9 AIS",
-              "trajectory dual+t0.9/adaptive AIS"]
+# the two claims: the fast decoder is free for the one-step estimator and not for the trajectory one
+QUICK_ARMS = ["one_step exact AIS", "one_step dual+t0.9 AIS", "trajectory exact AIS", "trajectory dual+t0.9 AIS"]
 
 
 def all_arms() -> list[str]:
@@ -140,7 +142,8 @@ def plot_front(table: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help=f"only the arms {', '.join(QUICK_ARMS)}")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"{SETTINGS['quick']['max_steps']} steps and only the arms {', '.join(QUICK_ARMS)}")
     parser.add_argument("--arms", default=None, help="comma-separated arm names (estimator decoder correction)")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time (one CPU thread each)")
