@@ -322,22 +322,34 @@ def _export(args: argparse.Namespace, overrides: list[str]) -> int:
 def _sft(args: argparse.Namespace, overrides: list[str]) -> int:
     from pathlib import Path
 
+    import yaml
+
     from dllm_ais.checkpoint import atomic_directory, check_destination, check_tokenizer_files
+    from dllm_ais.config import ConfigError
     from dllm_ais.data import load_task_dataset
     from dllm_ais.loading import load_model, load_tokenizer, resolve_dtype
     from dllm_ais.policy import is_diffusion
     from dllm_ais.sft import SFTConfig, run_sft
+    from dllm_ais.tasks import get_task
 
     if overrides:
         raise SystemExit(f"Unknown sft arguments {overrides}; see `dllm-ais sft --help`.")
+    try:
+        task_args = yaml.safe_load(args.task_args) or {}
+    except yaml.YAMLError as error:
+        raise ConfigError(f"--task_args: not a YAML mapping ({str(error).splitlines()[0]})") from error
+    problems = ["--task_args: a mapping, e.g. '{dataset: chain_sum}'"] if not isinstance(task_args, dict) else (
+        get_task(args.task).task_args_problems(task_args))
+    if problems:
+        raise ConfigError("; ".join(problems))
     check_destination(Path(args.output_dir), args.overwrite)
     check_tokenizer_files(args.model)
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model, resolve_dtype(args.dtype))
     mask_id = model.config.mask_token_id if is_diffusion("auto", model.config.model_type) else None
-    dataset = load_task_dataset(args.task, split="train", size=args.dataset_size, seed=args.seed)
+    dataset = load_task_dataset(args.task, split="train", size=args.dataset_size, seed=args.seed, task_args=task_args)
     config = SFTConfig(steps=args.steps, batch_size=args.batch_size, learning_rate=args.learning_rate,
-                       gen_length=args.gen_length, seed=args.seed)
+                       gen_length=args.gen_length, max_gen_length=args.max_gen_length, seed=args.seed)
     losses = run_sft(model, tokenizer, dataset, config, mask_token_id=mask_id)
     with atomic_directory(args.output_dir, args.overwrite) as staging:
         model.save_pretrained(staging)
@@ -423,12 +435,16 @@ def build_parser() -> argparse.ArgumentParser:
                                           "causal LMs (used to build the embedded tiny models).")
     sft.add_argument("--model", default="embedded")
     sft.add_argument("--task", default="digits")
+    sft.add_argument("--task_args", default="{}", help="the task's settings as a YAML mapping, e.g. "
+                                                      "'{dataset: chain_sum, max_terms: 3}' (task: reasoning_gym)")
     sft.add_argument("--output_dir", default="outputs/sft", help="a new or empty directory")
     sft.add_argument("--overwrite", action="store_true", help="replace --output_dir if an earlier `sft` wrote it")
     sft.add_argument("--steps", type=int, default=500)
     sft.add_argument("--batch_size", type=int, default=64)
     sft.add_argument("--learning_rate", type=float, default=1e-3)
     sft.add_argument("--gen_length", type=int, default=16)
+    sft.add_argument("--max_gen_length", type=int, default=None,
+                     help="pad each step's answers to a length drawn from gen_length..this in steps of 32")
     sft.add_argument("--dataset_size", type=int, default=None)
     sft.add_argument("--dtype", default="auto")
     sft.add_argument("--seed", type=int, default=0)

@@ -73,7 +73,14 @@ class SFTConfig:
     weight_decay: float = 0.0
     warmup_steps: int = 50
     gen_length: int = 16
+    # If set, each step pads its answers with EOS to a length drawn uniformly from gen_length, gen_length + 32, ...,
+    # max_gen_length, so a masked-diffusion model learns to end its answer on any canvas in that range.
+    max_gen_length: int | None = None
     seed: int = 0
+
+    def canvas_lengths(self) -> list[int]:
+        """The answer lengths a step may pad to."""
+        return list(range(self.gen_length, (self.max_gen_length or self.gen_length) + 1, 32))
 
 
 def run_sft(model, tokenizer, dataset, config: SFTConfig, mask_token_id: int | None,
@@ -88,11 +95,13 @@ def run_sft(model, tokenizer, dataset, config: SFTConfig, mask_token_id: int | N
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(config.warmup_steps, 1))
                                                  * max(0.0, 1 - s / config.steps))
+    lengths = config.canvas_lengths()
     model.train()
     losses = []
     for _ in (bar := tqdm(range(config.steps), desc="SFT")):
         rows = dataset.select(torch.randint(len(dataset), (config.batch_size,), generator=order).tolist())
-        batch = build_sft_batch(tokenizer, rows["prompt"], rows[answer_column], config.gen_length, device)
+        gen_length = lengths[torch.randint(len(lengths), (1,), generator=order).item()] if len(lengths) > 1 else lengths[0]
+        batch = build_sft_batch(tokenizer, rows["prompt"], rows[answer_column], gen_length, device)
         if mask_token_id is None:
             loss = causal_sft_loss(model, *batch)
         else:

@@ -1,7 +1,8 @@
-"""How far each rollout precision moves the policy: exact token KL(trainer ‖ engine) on the embedded models.
+"""How far each rollout precision moves the policy: exact token KL(trainer ‖ engine), per token and per sequence.
 
     python scripts/bench_mismatch.py                  # both embedded models, every low-precision mode
     python scripts/bench_mismatch.py --prompts 256 --precisions fp8,int4
+    python scripts/bench_mismatch.py --models recipes/tiny_llada_chain_sum.yaml,recipes/tiny_qwen3_chain_sum.yaml
 
 For each model and precision, completions are sampled (temperature 1) by the rollout engine for validation prompts
 of its task, as in training. Then, on exactly the canvases the likelihood stage scores — causal LM: the prompt +
@@ -11,7 +12,11 @@ trainer's and the engine's full next-token distributions are compared at every c
   KL      mean over positions of KL(π_trainer ‖ π_engine), exact over the vocabulary;
   k3      mean over the engine's sampled tokens of ρ − log ρ − 1 with ρ = π_trainer / π_engine: the estimate of
           KL(π_engine ‖ π_trainer) the trainer logs as rollout_corr/k3_kl;
-  max|Δ|  the largest |log π_trainer − log π_engine| over the sampled tokens.
+  max|Δ|  the largest |log π_trainer − log π_engine| over the sampled tokens;
+  ESS     the normalised effective sample size (Σ ρ)² / (N Σ ρ²) of the importance ratios: per token (N sampled
+          tokens) and per sequence (ρ_seq = Π_t ρ_t over a completion, N completions) — the sequence ratio is where a
+          long completion's small per-token mismatch compounds;
+  |log ρ_seq|  the mean over completions of |Σ_t log ρ_t|.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from dllm_ais.data import load_task_dataset, tokenize_prompts
 from dllm_ais.engine import RolloutEngine
 from dllm_ais.likelihood import one_step_masked_input
 from dllm_ais.loading import load_model, load_tokenizer
+from dllm_ais.ops import normalised_effective_sample_size
 from dllm_ais.policy import build_policy, is_diffusion
 from dllm_ais.quantization import PRECISIONS
 
@@ -50,9 +56,16 @@ def completion_log_probs(model, config, rollout, diffusion: bool) -> torch.Tenso
     return logits.float().log_softmax(-1)
 
 
+def effective_sample_size(log_ratio: torch.Tensor) -> float:
+    """The normalised ESS of ρ = exp(log_ratio) [N], shifted by the largest log ratio (ESS is scale-free)."""
+    weights = (log_ratio.double() - log_ratio.max()).exp()
+    return normalised_effective_sample_size(weights, torch.ones_like(weights, dtype=torch.bool)).item()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--families", default="llada,qwen3")
+    parser.add_argument("--models", default="llada,qwen3",
+                        help="comma-separated: llada / qwen3 (the embedded models' recipes) or recipe paths")
     parser.add_argument("--precisions", default=",".join(p for p in PRECISIONS if p != "bf16"))
     parser.add_argument("--prompts", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
@@ -60,14 +73,16 @@ def main() -> None:
     torch.set_num_threads(1)
     print(f"device: cpu ({platform.processor() or platform.machine()}), torch {torch.__version__}, float32 trainer; "
           f"{args.prompts} validation prompts per model, completions sampled by the engine at temperature 1")
-    print("| model | precision | token KL(trainer ‖ engine) | k3 of the engine's tokens | max abs Δ log p |")
-    print("| --- | --- | --- | --- | --- |")
-    for family in args.families.split(","):
-        config = load_config(RECIPES[family], ["--output_dir=/tmp/unused"])
+    print("| model | precision | token KL(trainer ‖ engine) | k3 of the engine's tokens | max abs Δ log p | ESS, token "
+          "| mean abs log ρ_seq | ESS, sequence | completion tokens |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name in args.models.split(","):
+        config = load_config(RECIPES.get(name, name), ["--output_dir=/tmp/unused"])
         tokenizer = load_tokenizer(config.model_name_or_path)
         model = load_model(config.model_name_or_path, torch.float32).eval()
         diffusion = is_diffusion(config.policy, model.config.model_type)
-        prompts = load_task_dataset(config.task, "validation", size=args.prompts, seed=args.seed)["prompt"]
+        prompts = load_task_dataset(config.task, "validation", size=args.prompts, seed=args.seed,
+                                    task_args=config.task_args)["prompt"]
         input_ids, attention_mask = tokenize_prompts(tokenizer, prompts, config.max_prompt_length)
         policy = build_policy(config, model.config, tokenizer, temperature=1.0)
         for precision in args.precisions.split(","):
@@ -77,10 +92,14 @@ def main() -> None:
             reference = completion_log_probs(model, config, rollout, diffusion)
             engine_logp = completion_log_probs(engine, config, rollout, diffusion)
             kl = (reference.exp() * (reference - engine_logp)).sum(-1)[mask].mean().item()
-            log_ratio = (reference.gather(-1, tokens) - engine_logp.gather(-1, tokens)).squeeze(-1)[mask]
+            token_log_ratio = (reference.gather(-1, tokens) - engine_logp.gather(-1, tokens)).squeeze(-1) * mask
+            log_ratio = token_log_ratio[mask]
             k3 = (log_ratio.exp() - log_ratio - 1).mean().item()
-            print(f"| {family} ({config.model_name_or_path}) | {precision} | {kl:.2e} | {k3:.2e} | "
-                  f"{log_ratio.abs().max().item():.3f} |")
+            sequence_log_ratio = token_log_ratio.sum(-1)
+            print(f"| {name} ({config.model_name_or_path}) | {precision} | {kl:.2e} | {k3:.2e} | "
+                  f"{log_ratio.abs().max().item():.3f} | {effective_sample_size(log_ratio):.4f} | "
+                  f"{sequence_log_ratio.abs().mean().item():.3f} | {effective_sample_size(sequence_log_ratio):.4f} | "
+                  f"{mask.sum(-1).double().mean().item():.1f} |")
             sys.stdout.flush()
 
 

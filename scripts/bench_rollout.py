@@ -1,7 +1,8 @@
 """Benchmark of fast diffusion rollouts: block KV cache, parallel decoding and autoregressive order, side by side.
 
 Every variant is the one `MaskedDiffusionSampler`, configured through the trainer's own `build_policy`, greedy
-(temperature 0), on the embedded tiny LLaDA (`embedded`) and held-out prompts of the embedded digits task:
+(temperature 0), on the test prompts of a recipe's task and model (`--recipe`; default the embedded tiny LLaDA and
+its digits task):
 
     official            the LLaDA algorithm: one full forward per step, `--tokens-per-step` tokens per step
     prefix / dual       + block KV cache (rollout_cache)
@@ -12,12 +13,15 @@ Every variant is the one `MaskedDiffusionSampler`, configured through the traine
 Per variant and gen_length: the wall-time speed-up over the official algorithm (same prompts, same batches, measured
 in this run), the model token-positions computed per generated token (every forward's batch x positions, summed,
 over batch x gen_length), the share of the official greedy tokens it reproduces (over the positions of the official
-completions, through their first EOS), mean denoising steps per row, the mean reward with its standard error over
-the prompts, and its difference from the official algorithm's, paired per prompt, with that difference's standard
-error (`--num-prompts` large enough for a paired SE <= 0.01; the script says when it is not).
+completions, through their first EOS), mean denoising steps per row, the mean reward and (where the task has one)
+the accuracy, each with its standard error over the prompts and its difference from the official algorithm's, paired
+per prompt, with that difference's standard error (`--num-prompts` large enough for a paired SE <= 0.01; the script
+says when it is not).
 
     python scripts/bench_rollout.py                                  # gen 64 and 256, block 32, 1024 prompts
     python scripts/bench_rollout.py --gen-lengths 64 --num-prompts 64 --batch 32    # a quick check
+    python scripts/bench_rollout.py --recipe recipes/tiny_llada_chain_sum.yaml --gen-lengths 128 256 --tokens-per-step 2
+                                                                     # the long-completion model, d1's steps = gen/2
 
 The embedded model is trained on 16-token completions; longer canvases are EOS-padded, which is where parallel
 decoding and the cache save most. Timings depend on the machine and its load: compare ratios from one run only.
@@ -31,14 +35,16 @@ import math
 import platform
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
-from dllm_ais.config import EMBEDDED_MODEL, GRPOConfig
+from dllm_ais.config import EMBEDDED_RECIPE, GRPOConfig, load_config
 from dllm_ais.data import load_task_dataset, tokenize_prompts
 from dllm_ais.loading import load_model, load_tokenizer
 from dllm_ais.policy import build_policy
-from dllm_ais.rewards import resolve_reward_functions, score_rollout
+from dllm_ais.rewards import resolve_reward_functions, score_rollout_table
+from dllm_ais.tasks import get_task
 
 
 def variants(threshold: float, steps: int, gen_length: int) -> dict[str, dict]:
@@ -76,12 +82,13 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_variant(policy, model, tokenizer, batches, reward_funcs, device) -> dict:
+def run_variant(policy, model, tokenizer, batches, scorers, device) -> dict:
     """Sample every batch greedily (after an untimed warm-up batch); return wall seconds, positions computed,
-    completions, completion masks, rewards and steps per row."""
+    completions, completion masks, steps per row, rewards (the sum of the reward functions) and accuracy (`scorers` =
+    the reward functions, then the task's accuracy function or None)."""
     first_ids, first_mask, _ = batches[0]
     policy.sample(model, first_ids[:2], first_mask[:2], None)
-    completions, masks, rewards, steps = [], [], [], []
+    completions, masks, scores, steps = [], [], [], []
     elapsed = 0.0
     with counted_positions(model) as positions:
         for input_ids, attention_mask, columns in batches:
@@ -93,17 +100,30 @@ def run_variant(policy, model, tokenizer, batches, reward_funcs, device) -> dict
             completions.append(rollout.completion_ids.cpu())
             masks.append(rollout.completion_mask.cpu())
             steps.append(rollout.num_steps.cpu())
-            rewards.append(score_rollout(tokenizer, reward_funcs, columns, rollout)[0].cpu())
+            scores.append(score_rollout_table(tokenizer, [f for f in scorers if f], columns, rollout).values.cpu())
+    values = torch.cat(scores).double()
+    rewards, accuracy = (values[:, :-1], values[:, -1]) if scorers[-1] else (values, None)
     return {"seconds": elapsed, "positions": positions[0], "completions": torch.cat(completions),
-            "masks": torch.cat(masks), "rewards": torch.cat(rewards).double(), "steps": torch.cat(steps).double()}
+            "masks": torch.cat(masks), "rewards": rewards.nansum(1), "accuracy": accuracy,
+            "steps": torch.cat(steps).double()}
 
 
 def standard_error(values: torch.Tensor) -> float:
     return values.std().item() / math.sqrt(len(values)) if len(values) > 1 else math.nan
 
 
+def paired(values: torch.Tensor | None, official: torch.Tensor | None, width: int) -> str:
+    """'mean ± SE   Δ ± SE' of `values` and of its per-prompt difference from the official algorithm's."""
+    if values is None:
+        return "—"
+    difference = values - official
+    return (f"{values.mean().item():>9.4f} ± {standard_error(values):.4f} "
+            f"{difference.mean().item():>+{width}.4f} ± {standard_error(difference):.4f}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipe", type=Path, default=EMBEDDED_RECIPE, help="its model, task and task_args")
     parser.add_argument("--gen-lengths", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--block-length", type=int, default=32)
     parser.add_argument("--tokens-per-step", type=int, default=1,
@@ -119,10 +139,12 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
 
-    tokenizer = load_tokenizer(EMBEDDED_MODEL)
-    model = load_model(EMBEDDED_MODEL, torch.float32).to(device).eval()
-    dataset = load_task_dataset("digits", split="test", size=args.num_prompts, seed=args.seed)
-    reward_funcs = resolve_reward_functions("digits")
+    recipe = load_config(args.recipe)
+    tokenizer = load_tokenizer(recipe.model_name_or_path)
+    model = load_model(recipe.model_name_or_path, torch.float32).to(device).eval()
+    dataset = load_task_dataset(recipe.task, split="test", size=args.num_prompts, seed=args.seed,
+                                task_args=recipe.task_args)
+    scorers = [*resolve_reward_functions(recipe.reward_funcs or recipe.task), get_task(recipe.task).accuracy]
     batches = []
     for start in range(0, len(dataset), args.batch):
         rows = dataset.select(range(start, min(start + args.batch, len(dataset))))
@@ -133,16 +155,18 @@ def main(argv: list[str] | None = None) -> None:
     where = (f"{torch.cuda.get_device_name(device)} (cuda)" if device.type == "cuda"
              else f"cpu {platform.processor() or platform.machine()}, {torch.get_num_threads()} thread(s)")
     cfg = model.config
-    print(f"device: {where} | torch {torch.__version__} | float32 | model: embedded tiny LLaDA d_model={cfg.d_model} "
-          f"n_layers={cfg.n_layers} vocab={cfg.vocab_size} | task: digits (held-out, seed {args.seed}), "
-          f"{len(dataset)} prompts in batches of {args.batch} | greedy (temperature 0), block_length={args.block_length}")
+    task = recipe.task + (f" {recipe.task_args}" if recipe.task_args else "")
+    print(f"device: {where} | torch {torch.__version__} | float32 | model: {recipe.model_name_or_path} "
+          f"d_model={cfg.d_model} n_layers={cfg.n_layers} vocab={cfg.vocab_size} | task: {task} (test split, seed "
+          f"{args.seed}), {len(dataset)} prompts in batches of {args.batch} | greedy (temperature 0), "
+          f"block_length={args.block_length}")
     for gen_length in args.gen_lengths:
         steps = gen_length // args.tokens_per_step
         settings = (f"gen_length={gen_length} block_length={args.block_length} official steps={steps} "
                     f"threshold={args.threshold} | {where}")
         print(f"\n== {settings} ==")
         print(f"{'variant':<18} {'speed-up':>9} {'positions/token':>16} {'agreement':>10} {'steps/row':>10} "
-              f"{'reward ± SE':>16} {'Δ vs official ± SE (paired)':>28}")
+              f"{'reward ± SE':>16} {'Δ vs official ± SE (paired)':>28} {'accuracy ± SE':>16} {'Δ ± SE (paired)':>18}")
         results = {}
         for name, fields in variants(args.threshold, steps, gen_length).items():
             config = GRPOConfig(max_completion_length=gen_length, block_length=args.block_length, temperature=0.0,
@@ -152,14 +176,12 @@ def main(argv: list[str] | None = None) -> None:
             official = results["official"]
             scored = official["masks"]
             agreement = (result["completions"] == official["completions"])[scored].double().mean().item()
-            rewards = result["rewards"]
-            error = standard_error(rewards)
-            difference = rewards - official["rewards"]
-            per_token = result["positions"] / (len(rewards) * gen_length)
+            per_token = result["positions"] / (len(dataset) * gen_length)
             print(f"{name:<18} {official['seconds'] / result['seconds']:>8.2f}x {per_token:>16.2f} {agreement:>10.4f} "
-                  f"{result['steps'].mean().item():>10.1f} {rewards.mean().item():>9.4f} ± {error:.4f} "
-                  f"{difference.mean().item():>+19.4f} ± {standard_error(difference):.4f}   [{settings}]")
-        errors = [standard_error(r["rewards"] - results["official"]["rewards"]) for r in results.values()]
+                  f"{result['steps'].mean().item():>10.1f} {paired(result['rewards'], official['rewards'], 19)} "
+                  f"{paired(result['accuracy'], official['accuracy'], 9)}   [{settings}]")
+        errors = [standard_error(r[key] - results["official"][key]) for r in results.values()
+                  for key in ("rewards", "accuracy") if r[key] is not None]
         if max(errors) > 0.01:
             print(f"note: a paired standard error is {max(errors):.4f} > 0.01; raise --num-prompts for the target "
                   f"precision.")

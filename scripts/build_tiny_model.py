@@ -16,14 +16,16 @@ embedded runs headroom GRPO can reach in a minute or two on a CPU — a behaviou
 (40 % of its `sort` demonstrations) and must learn to prefer. Without it, the remaining errors of an SFT model this
 small are copying errors that a hundred RL steps barely move (BENCHMARKS.md, "Why the embedded runs did not learn").
 
-chain_sum (`task: reasoning_gym`, `task_args` in `LONG_TASK_ARGS`: 3-4 terms of 2-3 digits): the demonstrations
-work every operation in columns with explicit carries and borrows (`chain_sum_steps.py`), 97-242 tokens with the
-end-of-turn token (median 145, 70 % over 128), so the RL runs need max_completion_length 256. A share of them
-(default 0.5; rows without a carry or borrow stay correct, so ~43 % change) drops the first carry or borrow of the
-chain — the one mistake, worked consistently to a wrong answer the verifier rejects, that the model's own samples
-sometimes avoid. The prompt (~310 tokens) and a 256-token completion exceed the digits models' 512 positions: these
-models get 1024. One SFT step of 64 rows takes ~5 s on one CPU thread (canvas ~570 tokens), so the default step
-counts take hours there: pass `--device cuda` where a GPU is available.
+chain_sum (`task: reasoning_gym`, `task_args` in `LONG_TASK_ARGS`: 3 terms of 2-3 digits): the demonstrations
+work every operation in columns with explicit carries and borrows (`chain_sum_steps.py`). A share of them (default
+0.5; rows without a carry or borrow stay correct) drops the first carry or borrow of the chain — the one mistake,
+worked consistently to a wrong answer the verifier rejects, that the model's own samples sometimes avoid. These models
+get their own tokenizer (`build_tokenizer.build_word_tokenizer`, 256 tokens): the character one plus BPE merges inside
+words learned from the SFT rows, so the fixed instructions shrink (prompt ~98 tokens instead of ~306) while every
+digit stays one token. Demonstrations are then 61-131 tokens with the end-of-turn token (median 89; the few over 128
+are left out), so the RL runs need max_completion_length 128. The LLaDA SFT pads answers to 128-256 tokens (a length
+drawn per step), so it also ends its answer on the 256-token canvas of d1's protocol; both models get 1024 positions
+(`dllm-ais eval` decodes up to 512).
 Prints the greedy validation reward of the result.
 """
 
@@ -42,7 +44,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 sys.path.insert(0, str(Path(__file__).parent))
-from build_tokenizer import build_hf_tokenizer  # noqa: E402
+from build_tokenizer import build_hf_tokenizer, build_word_tokenizer  # noqa: E402
 from chain_sum_steps import chain_sum_demonstration  # noqa: E402
 
 from dllm_ais.checkpoint import atomic_directory  # noqa: E402
@@ -55,7 +57,7 @@ from dllm_ais.sft import SFTConfig, run_sft  # noqa: E402
 from dllm_ais.tasks import get_task  # noqa: E402
 
 ASSETS = Path(__file__).resolve().parent.parent / "dllm_ais" / "assets"
-LONG_TASK_ARGS = {"dataset": "chain_sum", "min_terms": 3, "max_terms": 4, "min_digits": 2, "max_digits": 3}
+LONG_TASK_ARGS = {"dataset": "chain_sum", "min_terms": 3, "max_terms": 3, "min_digits": 2, "max_digits": 3}
 
 
 def tiny_model(family: str, tokenizer, d_model: int, n_layers: int, max_positions: int = 512) -> torch.nn.Module:
@@ -100,10 +102,20 @@ def chain_sum_demonstrations(dataset, dropped_carry_fraction: float, seed: int):
     return dataset.map(demonstrate)
 
 
+def fitting(rows, tokenizer, gen_length: int):
+    """The rows whose `completion` and end-of-turn token fit `gen_length` tokens (SFT pads the rest with EOS)."""
+    kept = rows.filter(lambda row: len(tokenizer(row["completion"], add_special_tokens=False).input_ids) < gen_length)
+    if len(kept) < len(rows):
+        print(f"{len(rows) - len(kept)} of {len(rows)} demonstrations are longer than {gen_length} tokens: left out")
+    return kept
+
+
 @dataclass(frozen=True)
 class WarmStartTask:
     """What a warm start learns: the RL task it serves (`task`, `task_args`), its noisy SFT demonstrations
-    (`demonstrations(rows, noise_fraction, seed)` adds a `completion` column) and the canvas they need."""
+    (`demonstrations(rows, noise_fraction, seed)` adds a `completion` column), the canvas they need, and its
+    tokenizer: characters, or with `word_vocab_size` characters plus BPE merges inside words learned from the SFT
+    rows (`build_word_tokenizer`)."""
 
     task: str
     demonstrations: Callable[[Any, float, int], Any]
@@ -112,17 +124,29 @@ class WarmStartTask:
     max_positions: int
     output_dirs: dict[str, Path]
     task_args: dict[str, Any] = field(default_factory=dict)
+    word_vocab_size: int | None = None
+    diffusion_max_gen_length: int | None = None  # LLaDA SFT canvases from gen_length up to this (SFTConfig)
 
 
 WARM_START_TASKS = {
     "digits": WarmStartTask("digits", noisy_demonstrations, noise_fraction=0.6, gen_length=16, max_positions=512,
                             output_dirs={"llada": EMBEDDED_MODELS["embedded"],
                                          "qwen3": EMBEDDED_MODELS["embedded-qwen3"]}),
-    "chain_sum": WarmStartTask("reasoning_gym", chain_sum_demonstrations, noise_fraction=0.5, gen_length=256,
-                               max_positions=1024, task_args=LONG_TASK_ARGS,
+    "chain_sum": WarmStartTask("reasoning_gym", chain_sum_demonstrations, noise_fraction=0.5, gen_length=128,
+                               max_positions=1024, task_args=LONG_TASK_ARGS, word_vocab_size=256,
+                               diffusion_max_gen_length=256,
                                output_dirs={family: ASSETS / f"tiny_{family}_chain_sum"
                                             for family in ("llada", "qwen3")}),
 }
+
+
+def tokenizer_backend(spec: WarmStartTask, train):
+    """The warm start's ``tokenizers`` backend: None (characters), or with `spec.word_vocab_size` the word tokenizer
+    learned from the SFT rows' prompts and demonstrations."""
+    if not spec.word_vocab_size:
+        return None
+    texts = [message["content"] for prompt in train["prompt"] for message in prompt] + list(train["completion"])
+    return build_word_tokenizer(texts, spec.word_vocab_size)
 
 
 def main() -> None:
@@ -154,15 +178,18 @@ def main() -> None:
     output_dir = args.output_dir or spec.output_dirs[args.family]
 
     torch.manual_seed(args.seed)
-    tokenizer = build_hf_tokenizer()
-    tokenizer.padding_side = "left"
-    model = tiny_model(args.family, tokenizer, args.d_model, args.n_layers, spec.max_positions).to(args.device)
     rows = load_task_dataset(spec.task, "train", size=args.train_size, seed=args.seed, task_args=spec.task_args)
     train = spec.demonstrations(rows, noise_fraction, args.seed)
-    mask_id = tokenizer.mask_token_id if args.family == "llada" else None
-    losses = run_sft(model, tokenizer, train, SFTConfig(steps=args.steps, batch_size=args.batch_size,
-                                                        learning_rate=args.learning_rate, gen_length=spec.gen_length,
-                                                        seed=args.seed), mask_token_id=mask_id,
+    backend = tokenizer_backend(spec, train)
+    tokenizer = build_hf_tokenizer(backend)
+    tokenizer.padding_side = "left"
+    train = fitting(train, tokenizer, spec.gen_length)
+    model = tiny_model(args.family, tokenizer, args.d_model, args.n_layers, spec.max_positions).to(args.device)
+    diffusion = args.family == "llada"
+    sft = SFTConfig(steps=args.steps, batch_size=args.batch_size, learning_rate=args.learning_rate,
+                    gen_length=spec.gen_length, max_gen_length=spec.diffusion_max_gen_length if diffusion else None,
+                    seed=args.seed)
+    losses = run_sft(model, tokenizer, train, sft, mask_token_id=tokenizer.mask_token_id if diffusion else None,
                      answer_column="completion")
     config = GRPOConfig(policy="diffusion" if args.family == "llada" else "autoregressive", task=spec.task,
                         task_args=spec.task_args, max_completion_length=spec.gen_length,
@@ -176,7 +203,7 @@ def main() -> None:
     recipe = output_dir / "recipe.yaml"
     with atomic_directory(output_dir, overwrite=True) as staging:  # replaces only a directory it wrote
         model.cpu().save_pretrained(staging, safe_serialization=True)
-        build_hf_tokenizer().save_pretrained(staging)  # as built: padding side is set by the loader, not stored
+        build_hf_tokenizer(backend).save_pretrained(staging)  # as built: the loader sets the padding side
         if recipe.is_file():
             (staging / "recipe.yaml").write_text(recipe.read_text())
     print(f"{args.family}: SFT loss {losses[0]:.3f} -> {sum(losses[-20:]) / len(losses[-20:]):.3f} over {args.steps} "

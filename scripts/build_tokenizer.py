@@ -25,7 +25,9 @@ import argparse
 import string
 from pathlib import Path
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from collections.abc import Iterable
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 DEFAULT_OUTPUT_DIR = Path(__file__).resolve().parent.parent / "dllm_ais" / "assets" / "tiny_llada"
@@ -76,10 +78,31 @@ def build_character_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def build_hf_tokenizer() -> PreTrainedTokenizerFast:
-    """Wrap the character tokenizer as a ``transformers`` fast tokenizer with LLaDA's special tokens."""
+# A word with its leading space, an XML-style tag, or any single character (digits and newlines included).
+WORD_PIECES = Regex(r" ?[A-Za-z]+|</?[a-z]+>|[\s\S]")
+
+
+def build_word_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    """The character tokenizer plus BPE merges learned from `texts` (``tokenizers``' BPE trainer) inside words and
+    tags only: English words and the answer tags become single tokens, while every digit, operator and newline stays
+    its own token, so column-by-column arithmetic reads one digit per position. Ids 0..6 are the special tokens."""
+    tokenizer = Tokenizer(models.BPE(unk_token=UNK_TOKEN))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(WORD_PIECES, behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=CHARACTERS,
+                                  limit_alphabet=len(CHARACTERS), show_progress=False)
+    tokenizer.train_from_iterator(texts, trainer)
+    tokenizer.add_special_tokens(
+        [AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS]
+    )
+    return tokenizer
+
+
+def build_hf_tokenizer(tokenizer: Tokenizer | None = None) -> PreTrainedTokenizerFast:
+    """Wrap `tokenizer` (default: the character tokenizer) as a ``transformers`` fast tokenizer with LLaDA's special
+    tokens and chat template."""
     return PreTrainedTokenizerFast(
-        tokenizer_object=build_character_tokenizer(),
+        tokenizer_object=tokenizer or build_character_tokenizer(),
         bos_token=BOS_TOKEN,
         eos_token=EOS_TOKEN,
         pad_token=EOS_TOKEN,

@@ -156,3 +156,12 @@ def test_two_training_steps_on_the_embedded_model(tmp_path, capsys):
                  "--per_device_train_batch_size=8", "--max_prompt_length=320"]) == 0
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert any("rewards/gym_correctness_reward/mean" in record for record in logged)
+
+
+def test_sft_takes_task_args_and_names_a_bad_one(tmp_path, capsys):
+    assert main(["sft", "--task=reasoning_gym", "--task_args={dataset: chain_sm}", "--steps=1"]) == 2
+    assert "did you mean 'chain_sum'" in capsys.readouterr().err
+    out = tmp_path / "model"
+    assert main(["sft", "--task=reasoning_gym", "--task_args={dataset: chain_sum, max_digits: 2}", "--steps=1",
+                 "--gen_length=32", "--dataset_size=8", "--batch_size=4", f"--output_dir={out}"]) == 0
+    assert (out / "model.safetensors").is_file()

@@ -1,0 +1,70 @@
+"""The SFT warm-start stage (dllm_ais.sft): its canvas, the LLaDA masked-diffusion loss against the hand formula, and
+the answer lengths a step pads to."""
+
+import math
+from types import SimpleNamespace
+
+import datasets
+import torch
+
+from dllm_ais.loading import load_tokenizer
+from dllm_ais.sft import SFTConfig, build_sft_batch, masked_diffusion_sft_loss, run_sft
+
+
+class UniformLM(torch.nn.Module):
+    """logits = a learnable bias shared by every position (starts at 0: the uniform distribution); records the
+    canvas widths it is called on."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.zeros(vocab))
+        self.widths: list[int] = []
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        self.widths.append(input_ids.shape[1])
+        return SimpleNamespace(logits=self.bias.expand(*input_ids.shape, -1))
+
+
+def chat(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def test_canvas_is_left_padded_prompt_then_answer_eot_and_eos():
+    tokenizer = load_tokenizer("embedded")
+    input_ids, attention_mask, answer_mask = build_sft_batch(tokenizer, [chat("ab"), chat("abcd")], ["x", "yz"], 6)
+    assert input_ids.shape[1] - answer_mask[0].nonzero()[0].item() == 6
+    eot, eos = tokenizer.convert_tokens_to_ids("<|eot_id|>"), tokenizer.eos_token_id
+    answers = input_ids[answer_mask].view(2, 6).tolist()
+    assert answers[0] == [*tokenizer("x", add_special_tokens=False).input_ids, eot, *[eos] * 4]
+    assert answers[1] == [*tokenizer("yz", add_special_tokens=False).input_ids, eot, *[eos] * 3]
+    assert attention_mask[0, 0] == 0 and attention_mask[1].all()  # the shorter prompt is left padded
+
+
+def test_masked_diffusion_loss_is_the_hand_formula_on_a_uniform_model():
+    vocab, batch, prompt, answer = 11, 3, 4, 5
+    input_ids = torch.randint(vocab - 1, (batch, prompt + answer))
+    answer_mask = torch.zeros_like(input_ids, dtype=torch.bool)
+    answer_mask[:, prompt:] = True
+    loss = masked_diffusion_sft_loss(UniformLM(vocab), input_ids, torch.ones_like(input_ids), answer_mask,
+                                     mask_token_id=vocab - 1, generator=torch.Generator().manual_seed(0))
+    draws = torch.Generator().manual_seed(0)  # the loss's own draws: t per row, then one uniform per position
+    p_mask = (1 - 1e-3) * torch.rand(batch, generator=draws) + 1e-3
+    masked = (torch.rand(input_ids.shape, generator=draws) < p_mask[:, None]) & answer_mask
+    expected = sum(masked[row].sum().item() * math.log(vocab) / (p_mask[row].item() * answer) for row in range(batch))
+    assert masked.any() and not masked[:, :prompt].any()
+    assert math.isclose(loss.item(), expected / batch, rel_tol=1e-5)
+
+
+def test_each_step_pads_to_a_drawn_length_between_gen_length_and_max_gen_length():
+    assert SFTConfig(gen_length=16).canvas_lengths() == [16]
+    assert SFTConfig(gen_length=128, max_gen_length=256).canvas_lengths() == [128, 160, 192, 224, 256]
+    tokenizer = load_tokenizer("embedded")
+    rows = datasets.Dataset.from_dict({"prompt": [chat("12"), chat("34")], "answer": ["1", "22"]})
+    widths = {}
+    for max_gen_length in (None, 96):
+        model = UniformLM(len(tokenizer))
+        run_sft(model, tokenizer, rows, SFTConfig(steps=12, batch_size=2, gen_length=32, max_gen_length=max_gen_length,
+                                                  warmup_steps=0), mask_token_id=tokenizer.mask_token_id)
+        widths[max_gen_length] = {width - min(model.widths) for width in model.widths}
+    assert widths[None] == {0}
+    assert widths[96] >= {0, 32} and widths[96] <= {0, 32, 64}
