@@ -1,6 +1,6 @@
 """Fast rollouts against exact ones: what approximate diffusion decoding costs in learning, per estimator and correction.
 
-    python scripts/compare_rollouts.py --quick       # 4 arms x 3 seeds, 20 steps: ~20 minutes on 2 cores
+    python scripts/compare_rollouts.py --quick       # 4 arms x 3 seeds, 20 steps: 12.5 minutes on 2 quiet cores
     python scripts/compare_rollouts.py               # the full grid, 30 steps: fast settings x corrections x estimators
     python scripts/compare_rollouts.py --arms "trajectory dual+t0.9/adaptive AIS" --seeds 3   # chosen arms, 30 steps
 
