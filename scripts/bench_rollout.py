@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
             config = GRPOConfig(max_completion_length=gen_length, block_length=args.block_length, temperature=0.0,
                                 output_dir=tempfile.gettempdir(), **fields).validate()
             policy = build_policy(config, model.config, tokenizer)
-            results[name] = result = run_variant(policy, model, tokenizer, batches, reward_funcs, device)
+            results[name] = result = run_variant(policy, model, tokenizer, batches, scorers, device)
             official = results["official"]
             scored = official["masks"]
             agreement = (result["completions"] == official["completions"])[scored].double().mean().item()

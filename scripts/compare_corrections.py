@@ -3,15 +3,18 @@
     python scripts/compare_corrections.py --quick      # both tiny models, 3 seeds each: 18 minutes on 2 idle cores
     python scripts/compare_corrections.py              # the full setting (60 steps, 256 held-out prompts): 41 minutes
     python scripts/compare_corrections.py --families qwen3 --precision fp8 --seeds 5 --jobs 2
+    python scripts/compare_corrections.py --task chain_sum --quick   # the long-completion models and recipes
 
-Every arm trains the shipped tiny recipe (LLaDA: `dllm-ais train`; Qwen3: recipes/tiny_qwen3_digits_fp8_ais.yaml)
-through the CLI from the same seeds, changing only `rollout_precision` and `correction`:
+Every arm trains the shipped tiny recipe of `--task` (digits — LLaDA: `dllm-ais train`; Qwen3:
+recipes/tiny_qwen3_digits_fp8_ais.yaml; chain_sum — recipes/tiny_{llada,qwen3}_chain_sum.yaml) through the CLI from
+the same seeds, changing only `rollout_precision` and `correction`:
 
   bf16 (reference)   rollout_precision=bf16, correction=none — on-policy
   <p> uncorrected    rollout_precision=<p>,  correction=none
   <p> + TIS / MIS / AIS
 
-and scores the greedy validation reward every `eval_steps`. Output (in --output-dir/<quick|full>/<overrides>/):
+and scores the greedy validation reward every `eval_steps`. Output (in --output-dir/[chain_sum/]<quick|full>/
+<overrides>/):
 `comparison.md` — per family and arm, the final held-out reward (mean over seeds ± 95 % confidence interval, t
 distribution), its change from the start, its difference from the bf16 run of the same seed, mean ESS, mean α
 (AIS), mean k3 KL, and the rollout share of the wall time — and `comparison.png` (held-out and training reward over
@@ -34,11 +37,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPOSITORY = Path(__file__).resolve().parents[1]
-RECIPES = {"llada": None, "qwen3": REPOSITORY / "recipes" / "tiny_qwen3_digits_fp8_ais.yaml"}  # None: the embedded
+RECIPES = {  # task -> family -> the recipe its arms train (None: the embedded one)
+    "digits": {"llada": None, "qwen3": REPOSITORY / "recipes" / "tiny_qwen3_digits_fp8_ais.yaml"},
+    "chain_sum": {family: REPOSITORY / "recipes" / f"tiny_{family}_chain_sum.yaml" for family in ("llada", "qwen3")},
+}
 REFERENCE_ARM = "bf16 (reference)"
-SETTINGS = {  # steps, held-out prompts, eval every
-    "quick": {"max_steps": 24, "eval_size": 128, "eval_steps": 8},
-    "full": {"max_steps": 60, "eval_size": 256, "eval_steps": 10},
+SETTINGS = {  # task -> setting -> overrides: steps, held-out prompts, eval every (none: the recipe's own)
+    "digits": {"quick": {"max_steps": 24, "eval_size": 128, "eval_steps": 8},
+               "full": {"max_steps": 60, "eval_size": 256, "eval_steps": 10}},
+    "chain_sum": {"quick": {"max_steps": 40, "eval_size": 256, "eval_steps": 20}, "full": {}},
 }
 T_QUANTILE_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
                   10: 2.228, 11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101,
@@ -52,9 +59,10 @@ class Run:
     seed: int
     overrides: tuple[str, ...]
     output_dir: Path
+    recipe: Path | None = None  # None: the embedded recipe
 
     def command(self) -> list[str]:
-        recipe = [str(RECIPES[self.family])] if RECIPES[self.family] else []
+        recipe = [str(self.recipe)] if self.recipe else []
         return [sys.executable, "-m", "dllm_ais.cli", "train", *recipe, *self.overrides, f"--seed={self.seed}",
                 f"--output_dir={self.output_dir}", "--overwrite_output_dir=true", "--save_steps=0"]
 
@@ -222,19 +230,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help="the short setting: 24 steps, 128 held-out prompts (18 minutes on 2 idle cores)")
+    parser.add_argument("--task", choices=tuple(RECIPES), default="digits", help="whose tiny models and recipes")
     parser.add_argument("--families", default="llada,qwen3")
     parser.add_argument("--precision", default="int4", help="low-precision rollout mode compared against bf16")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time (one CPU thread each)")
     parser.add_argument("--output-dir", type=Path, default=REPOSITORY / "outputs" / "compare-corrections")
     args, extra = parser.parse_known_args()
-    setting = SETTINGS["quick" if args.quick else "full"]
+    setting = SETTINGS[args.task]["quick" if args.quick else "full"]
     overrides = tuple(f"--{key}={value}" for key, value in setting.items()) + tuple(extra)
     families = args.families.split(",")
-    # runs are reused only from a directory of the same setting and extra overrides
-    setting_dir = args.output_dir / ("quick" if args.quick else "full") / (
-        hashlib.sha1(" ".join(extra).encode()).hexdigest()[:8] if extra else "recipe")
-    runs = [Run(family, arm, seed, (*arm_overrides, *overrides), setting_dir / family / slug(arm) / f"seed{seed}")
+    setting_dir = study_directory(args.output_dir, args.task, args.quick, extra)
+    runs = [Run(family, arm, seed, (*arm_overrides, *overrides), setting_dir / family / slug(arm) / f"seed{seed}",
+                RECIPES[args.task][family])
             for family in families for arm, arm_overrides in arms(args.precision).items()
             for seed in range(args.seeds)]
     start = time.perf_counter()
@@ -242,9 +250,9 @@ def main() -> None:
         for index, _ in enumerate(pool.map(execute, runs), 1):
             print(f"\r{index}/{len(runs)} runs done ({time.perf_counter() - start:.0f} s)", end="", flush=True)
     print()
-    num_iterations = {family: _num_iterations(runs, family) for family in families}
+    num_iterations = {family: num_iterations_of(runs, family) for family in families}
     table = summarise(runs, num_iterations)
-    header = (f"{'quick' if args.quick else 'full'} setting ({', '.join(overrides)}), {args.seeds} seeds, "
+    header = (f"{args.task}, {'quick' if args.quick else 'full'} setting ({', '.join(overrides)}), {args.seeds} seeds, "
               f"{args.precision} rollouts, {len(runs)} runs, {time.perf_counter() - start:.0f} s wall with "
               f"{args.jobs} parallel jobs; command: python scripts/compare_corrections.py {' '.join(sys.argv[1:])}")
     report = markdown(table, header)
@@ -254,7 +262,14 @@ def main() -> None:
     print(f"table: {setting_dir / 'comparison.md'} | plot: {setting_dir / 'comparison.png'}")
 
 
-def _num_iterations(runs: list[Run], family: str) -> int:
+def study_directory(output_dir: Path, task: str, quick: bool, extra: list[str]) -> Path:
+    """Where a study's runs go: runs are reused only from a directory of the same task, setting and extra
+    overrides (the digits studies keep the layout without a task level)."""
+    return (output_dir if task == "digits" else output_dir / task) / ("quick" if quick else "full") / (
+        hashlib.sha1(" ".join(extra).encode()).hexdigest()[:8] if extra else "recipe")
+
+
+def num_iterations_of(runs: list[Run], family: str) -> int:
     """μ of a family's runs, from the config one of them saved."""
     from dllm_ais.validation import read_recipe
 

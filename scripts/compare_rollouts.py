@@ -25,20 +25,21 @@ trainer, which `scripts/compare_corrections.py` compares.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import math
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from compare_corrections import REPOSITORY, Run, execute, mean_ci, plot, slug, summarise
+from compare_corrections import (RECIPES, REPOSITORY, Run, execute, mean_ci, num_iterations_of, plot, slug,
+                                 study_directory, summarise)
 
-SETTINGS = {  # steps, held-out prompts (>= 256: paired comparisons), eval every
+SETTINGS = {  # task -> setting -> overrides: steps, held-out prompts (>= 256: paired comparisons), eval every
     # 20 steps: the 30-step runs' step-20 evaluations already show both claims (trajectory: 88.7 % exact rollouts
     # against 59.6 % fast, 3 seeds), at two thirds of the time
-    "quick": {"max_steps": 20, "eval_size": 256, "eval_steps": 10},
-    "full": {"max_steps": 30, "eval_size": 256, "eval_steps": 10},
+    "digits": {"quick": {"max_steps": 20, "eval_size": 256, "eval_steps": 10},
+               "full": {"max_steps": 30, "eval_size": 256, "eval_steps": 10}},
+    "chain_sum": {"quick": {"max_steps": 40, "eval_size": 256, "eval_steps": 20}, "full": {}},  # full: the recipe's
 }
 DECODERS = {  # name -> overrides; "exact" is LLaDA's algorithm (no cache, the recipe's fixed 2-token schedule)
     "exact": ("--rollout_cache=none", "--rollout_threshold=null"),
@@ -143,28 +144,31 @@ def plot_front(table: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
-                        help=f"{SETTINGS['quick']['max_steps']} steps and only the arms {', '.join(QUICK_ARMS)}")
+                        help=f"{SETTINGS['digits']['quick']['max_steps']} steps (digits) and only the arms {', '.join(QUICK_ARMS)}")
+    parser.add_argument("--task", choices=tuple(RECIPES), default="digits",
+                        help="digits: the embedded LLaDA recipe; chain_sum: recipes/tiny_llada_chain_sum.yaml")
     parser.add_argument("--arms", default=None, help="comma-separated arm names (estimator decoder correction)")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time (one CPU thread each)")
     parser.add_argument("--output-dir", type=Path, default=REPOSITORY / "outputs" / "compare-rollouts")
     args, extra = parser.parse_known_args()
-    setting = SETTINGS["quick" if args.quick else "full"]
+    setting = SETTINGS[args.task]["quick" if args.quick else "full"]
     names = args.arms.split(",") if args.arms else QUICK_ARMS if args.quick else all_arms()
     names = list(dict.fromkeys([*(reference_arm(name) for name in names), *names]))  # references first
     overrides = tuple(f"--{key}={value}" for key, value in setting.items()) + tuple(extra)
-    setting_dir = args.output_dir / ("quick" if args.quick else "full") / (
-        hashlib.sha1(" ".join(extra).encode()).hexdigest()[:8] if extra else "recipe")
-    runs = [Run("llada", name, seed, (*arm_overrides(name), *overrides), setting_dir / slug(name) / f"seed{seed}")
+    setting_dir = study_directory(args.output_dir, args.task, args.quick, extra)
+    runs = [Run("llada", name, seed, (*arm_overrides(name), *overrides), setting_dir / slug(name) / f"seed{seed}",
+                RECIPES[args.task]["llada"])
             for name in names for seed in range(args.seeds)]
     start = time.perf_counter()
     with ThreadPoolExecutor(args.jobs) as pool:
         for index, _ in enumerate(pool.map(execute, runs), 1):
             print(f"\r{index}/{len(runs)} runs done ({time.perf_counter() - start:.0f} s)", end="", flush=True)
     print()
-    table = summarise(runs, {"llada": 2})  # the recipe's num_iterations
-    header = (f"{'quick' if args.quick else 'full'} setting ({', '.join(overrides)}), {args.seeds} seeds, embedded "
-              f"LLaDA digits recipe (FP8 rollouts), {len(runs)} runs, {time.perf_counter() - start:.0f} s wall with "
+    table = summarise(runs, {"llada": num_iterations_of(runs, "llada")})
+    recipe = RECIPES[args.task]["llada"]
+    header = (f"{'quick' if args.quick else 'full'} setting ({', '.join(overrides)}), {args.seeds} seeds, "
+              f"{recipe.relative_to(REPOSITORY) if recipe else 'embedded LLaDA digits recipe'} (FP8 rollouts), {len(runs)} runs, {time.perf_counter() - start:.0f} s wall with "
               f"{args.jobs} parallel jobs of one thread; command: python scripts/compare_rollouts.py "
               f"{' '.join(sys.argv[1:])}")
     report = markdown(table, header)
