@@ -249,7 +249,7 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
         results.append(report_entry(gen_length, result, time.perf_counter() - start))
     report = {
         "task": config.task, "split": args.split, "full_split": args.limit is None,
-        "dataset": dataset_provenance(task, args.split, config.dataset_path, dataset),
+        "dataset": dataset_provenance(task, args.split, config.dataset_path, dataset, config.task_args),
         "protocol": {"name": "d1" if protocol == EvalProtocol.for_task(task) else "custom", **protocol.to_dict(),
                      "batch_size": batch_size},
         "seed": config.seed, "model": model_provenance(config.model_name_or_path, model),

@@ -31,11 +31,15 @@ EMBEDDED_MODEL = "embedded"
 EMBEDDED_MODELS = {  # name usable as model_name_or_path -> directory shipped inside the package
     EMBEDDED_MODEL: Path(__file__).parent / "assets" / "tiny_llada",
     f"{EMBEDDED_MODEL}-qwen3": Path(__file__).parent / "assets" / "tiny_qwen3",
+    # the long-completion warm starts on reasoning-gym chain sums (recipes/tiny_*_chain_sum.yaml)
+    f"{EMBEDDED_MODEL}-chain-sum": Path(__file__).parent / "assets" / "tiny_llada_chain_sum",
+    f"{EMBEDDED_MODEL}-qwen3-chain-sum": Path(__file__).parent / "assets" / "tiny_qwen3_chain_sum",
 }
 EMBEDDED_MODEL_DIR = EMBEDDED_MODELS[EMBEDDED_MODEL]
 EMBEDDED_RECIPE = EMBEDDED_MODEL_DIR / "recipe.yaml"
 POLICIES = ("auto", "diffusion", "autoregressive")
 LIKELIHOOD_ORDERS = ("rollout", "exact")
+LIKELIHOOD_DECODERS = ("exact", "rollout")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 
@@ -64,7 +68,8 @@ class GRPOConfig:
 
     # --- model ---
     model_name_or_path: str = field(default=EMBEDDED_MODEL, metadata={**PATH,
-        "help": f"Hub id or local directory of the policy; '{EMBEDDED_MODEL}' = the tiny LLaDA shipped with the package."})
+        "help": f"Hub id or local directory of the policy; {', '.join(map(repr, EMBEDDED_MODELS))} = the tiny models "
+                "shipped with the package (LLaDA and Qwen3; digits, then chain sums)."})
     policy: str = field(default="auto", metadata={**_choice(*POLICIES),
         "help": "diffusion (LLaDA-style masked diffusion) or autoregressive; auto: diffusion iff model_type is llada."})
     dtype: str = field(default="auto", metadata={**_choice(*DTYPES),
@@ -171,6 +176,11 @@ class GRPOConfig:
                 "order the rollout sampler took (the ratio sees a cache's logit error); exact = the completion "
                 "replayed by the engine along the exact decoder's order (no cache, fixed schedule, low confidence), so training happens at the states the "
                 "exact decoder visits; the ratio then sees precision only and the fast decoder's approximation is unseen."})
+    likelihood_decoder: str = field(default="exact", metadata={**_choice(*LIKELIHOOD_DECODERS),
+        "help": "trajectory estimator: the logits it scores each step with. exact = the model's own, a full forward "
+                "per step (the ratio sees a rollout cache's logit error); rollout = the rollout decoder's, its block "
+                "cache replayed as sampled (cheaper forwards; the decoder itself is the policy trained, and the ratio "
+                "sees precision only)."})
 
     # --- correction ---
     correction: str = field(default="ais", metadata={**_choice(*CORRECTION_METHODS),
@@ -283,11 +293,17 @@ class GRPOConfig:
         sees everything (exact rollouts) — measured costs in BENCHMARKS.md, "Fast rollouts"."""
         if not self.fast_rollouts or self.policy == "autoregressive":
             return None
+        if self.likelihood_decoder == "rollout":
+            return ("the trajectory estimator replays the fast decoder itself (likelihood_decoder=rollout): the cache "
+                    "and parallel commits are part of the policy trained, and the ratio sees the precision alone; "
+                    "held-out evaluation decodes exactly (README \"Fast rollouts and what they cost\" has what carries "
+                    "over)")
         if self.ratio_sees_decoder:
             return ("the trajectory estimator scores the fast sampler's own order: its ratio sees the cache's logit "
                     "error but not the shift of the visited canvas states; on the embedded task dual cache + threshold "
                     "0.9 rollouts cost this estimator 30 points of exact-decoding accuracy (3 seeds, README \"Fast "
-                    "rollouts and what they cost\"): prefer exact rollouts, or rollout_fidelity=adaptive")
+                    "rollouts and what they cost\"): replay the decoder itself (likelihood_decoder=rollout), or use "
+                    "exact rollouts")
         return ("the fast decoder's approximation (cache, parallel commits) is not seen by the importance ratio, "
                 "which compares the engine and the trainer on the same canvases; only the rollout precision is")
 
@@ -298,7 +314,8 @@ class GRPOConfig:
         with the trainer's exact replay; the other estimators (step_merge's engine side too, with fewer segments than
         steps), and the replay along the exact order, score both sides on the same canvases and see the rollout
         precision only."""
-        return self.likelihood_estimator == "trajectory" and self.likelihood_order == "rollout"
+        return (self.likelihood_estimator == "trajectory" and self.likelihood_order == "rollout"
+                and self.likelihood_decoder == "exact")
 
     def decoding(self, exact: bool) -> "GRPOConfig":
         """This config as an evaluation decodes: `exact` = d1's protocol (no cache, no parallel commits, whatever the
@@ -346,13 +363,20 @@ class GRPOConfig:
             (self.likelihood_order == "rollout" or self.likelihood_estimator in TRAJECTORY_ESTIMATORS,
              f"likelihood_order={self.likelihood_order} orders the trajectory estimator's replay: set "
              f"likelihood_estimator to one of {', '.join(TRAJECTORY_ESTIMATORS)}, or likelihood_order=rollout"),
+            (self.likelihood_decoder == "exact" or (self.likelihood_estimator == "trajectory"
+                                                     and self.likelihood_order == "rollout"),
+             "likelihood_decoder=rollout replays the rollout decoder along its own order: set "
+             "likelihood_estimator=trajectory and likelihood_order=rollout, or likelihood_decoder=exact"),
+            (self.likelihood_decoder == "exact" or self.rollout_exact_fraction == 0,
+             "likelihood_decoder=rollout scores every completion with the configured decoder, but "
+             "rollout_exact_fraction samples some with the exact one: set one of them to its default"),
             (self.rollout_fidelity == "fixed" or (self.policy != "autoregressive" and self.fast_rollouts),
              f"rollout_fidelity={self.rollout_fidelity} moves between a fast diffusion decoder and the exact one: set "
              "rollout_cache, rollout_threshold or rollout_factor, or rollout_fidelity=fixed"),
             (self.rollout_fidelity == "fixed" or self.policy == "autoregressive" or self.ratio_sees_decoder,
              f"rollout_fidelity={self.rollout_fidelity} reacts to the decoder's mismatch, which only the trajectory "
-             "estimator's ratio sees: set likelihood_estimator=trajectory and likelihood_order=rollout, or "
-             "rollout_fidelity=fixed"),
+             "estimator's ratio sees: set likelihood_estimator=trajectory, likelihood_order=rollout and "
+             "likelihood_decoder=exact, or rollout_fidelity=fixed"),
             (self.rollout_exact_fraction == 0 or (self.policy != "autoregressive" and self.fast_rollouts),
              f"rollout_exact_fraction={self.rollout_exact_fraction} mixes exact with fast diffusion rollouts: set "
              "rollout_cache, rollout_threshold or rollout_factor, or rollout_exact_fraction=0"),

@@ -259,11 +259,12 @@ def model_provenance(name_or_path: str, model) -> dict[str, Any]:
     return model_source(name_or_path)
 
 
-def dataset_provenance(task: Task, split: str, path: str | None, dataset) -> dict[str, Any]:
-    """Which rows were evaluated: the source (local path and content hash, Hub id and commit, or generated) and a
-    SHA-256 of the evaluated rows themselves."""
+def dataset_provenance(task: Task, split: str, path: str | None, dataset,
+                       task_args: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Which rows were evaluated: the source (local path and content hash, Hub id and commit, or generated, with the
+    generator's `task_args`) and a SHA-256 of the evaluated rows themselves."""
     if task.generate is not None:
-        source: dict[str, Any] = {"generated": task.name}
+        source: dict[str, Any] = {"generated": task.name, **({"task_args": task_args} if task_args else {})}
     elif path is not None:
         source = {"path": str(Path(path).resolve()), "content_sha256": content_sha256(Path(path))}
     else:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import partial
+from itertools import groupby
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 import torch
@@ -481,6 +482,49 @@ def trajectory_logprobs(
                                         compute_entropy, logits_fn), compute_entropy)
 
 
+DecoderLogitsFn = Callable[[nn.Module, "Rollout"], Iterable[tuple[slice, Tensor, Tensor]]]
+"""`decoder_logits(model, rollout)` yields, step by step and block by block, ``(block, committed [B, Lb], logits
+[B, Lb, V])``: the logits the rollout's decoder drew the block's tokens committed at that step from, recomputed by
+`model` (`MaskedDiffusionSampler.decoder_logits`: its block cache included)."""
+
+
+def decoder_trajectory_pieces(
+    model: nn.Module,
+    rollout: Rollout,
+    decoder_logits: DecoderLogitsFn,
+    temperature: float,
+    chunk_size: int = DEFAULT_CHUNK_ROWS,
+    compute_entropy: bool = False,
+) -> Iterator[LogprobPiece]:
+    """The trajectory estimator scored with the rollout decoder's own logits, one `LogprobPiece` per block.
+
+    Where `trajectory_pieces` scores each step's canvas with a full forward (the exact model), this scores each
+    committed token by ℓ = log softmax(f_dec(s_t) / τ)[token], f_dec the decoder's logits at the step that
+    committed it — with a block KV cache, attending to the keys/values of the block's last refresh, as sampling did.
+    On the engine this is exactly what the sampler recorded (`Rollout.step_logprobs`), so the ratio against the
+    trainer's value sees the precision alone, and the policy being trained is the cached decoder itself. One piece
+    per block: a block's steps share the graph of its cache.
+    """
+    check_sampling_parameters(temperature, top_k=0, top_p=1.0)
+    _check_commit_steps(rollout)
+    scale = partial(shape_logits, temperature=temperature)
+    completion = rollout.completion_ids
+    for _, steps in groupby(decoder_logits(model, rollout), key=lambda step: step[0].start):
+        logprobs = entropy = 0
+        positions = torch.zeros_like(completion, dtype=torch.bool)
+        for block, committed, logits in steps:
+            values = selective_log_softmax(logits[committed], completion[:, block][committed], chunk_size,
+                                           process_logits=scale, compute_entropy=compute_entropy)
+            step_logprobs, step_entropy = values if compute_entropy else (values, None)
+            placed = torch.zeros_like(completion, dtype=torch.bool)
+            placed[:, block] = committed
+            positions |= placed
+            logprobs = logprobs + _scatter_to_positions(placed, step_logprobs)
+            if compute_entropy:
+                entropy = entropy + _scatter_to_positions(placed, step_entropy)
+        yield LogprobPiece(positions, logprobs, entropy if compute_entropy else None)
+
+
 def _row_step_ranks(commit_step: Tensor) -> tuple[Tensor, Tensor]:
     """(rank [B, L], steps [B]): each token's commit step numbered among its row's distinct steps (0, 1, ...), and
     the number of distinct steps of each row (parallel decoding lets rows skip global step indices)."""
@@ -843,6 +887,7 @@ class EstimatorSettings:
     logits_fn: LogitsFn = plain_logits
     bounds: BoundSettings = field(default_factory=BoundSettings)
     likelihood_segments: int = 16
+    decoder_logits: DecoderLogitsFn | None = None
 
 
 def _one_step_of_rollout(model: nn.Module, rollout: Rollout, settings: EstimatorSettings, seed: int,
@@ -854,6 +899,9 @@ def _one_step_of_rollout(model: nn.Module, rollout: Rollout, settings: Estimator
 
 def _trajectory_pieces_of_rollout(model: nn.Module, rollout: Rollout, settings: EstimatorSettings, seed: int,
                                   compute_entropy: bool, advantages: Tensor | None = None) -> Iterator[LogprobPiece]:
+    if settings.decoder_logits is not None:
+        return decoder_trajectory_pieces(model, rollout, settings.decoder_logits, settings.temperature,
+                                         compute_entropy=compute_entropy)
     return trajectory_pieces(model, rollout, settings.mask_token_id, settings.temperature,
                              compute_entropy=compute_entropy, logits_fn=settings.logits_fn)
 

@@ -14,12 +14,13 @@ END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|endoftext|>")
 
 
 def resolve_model_path(name_or_path: str) -> str:
-    """The directory or hub id to load: `embedded` / `embedded-qwen3` name the tiny models shipped in the package."""
+    """The directory or hub id to load: `embedded`, `embedded-qwen3`, `embedded-chain-sum` and
+    `embedded-qwen3-chain-sum` name the tiny models shipped in the package."""
     if name_or_path in EMBEDDED_MODELS:
         directory = EMBEDDED_MODELS[name_or_path]
         if not (directory / "config.json").is_file():
             raise FileNotFoundError(f"The embedded model is missing from {directory}; rebuild it with "
-                                    "`python scripts/build_tiny_model.py`.")
+                                    "`python scripts/build_tiny_model.py` (see its --help).")
         return str(directory)
     return name_or_path
 

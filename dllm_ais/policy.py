@@ -98,6 +98,7 @@ class DiffusionPolicy:
     estimator: str = "one_step"
     p_mask_prompt: float = 0.15
     likelihood_order: str = "rollout"
+    likelihood_decoder: str = "exact"
     sampler: MaskedDiffusionSampler | None = None
     likelihood_segments: int = 16
     bounds: BoundSettings = dataclasses.field(default_factory=BoundSettings)
@@ -122,7 +123,9 @@ class DiffusionPolicy:
                 "block_logits (scored exactly as sampled), or use likelihood_estimator=one_step")
         self.estimator_settings = EstimatorSettings(self.sampler_config.mask_token_id, self.sampler_config.temperature,
                                                     self.p_mask_prompt, logits_fn=self.sampler.scoring_logits,
-                                                    bounds=self.bounds, likelihood_segments=self.likelihood_segments)
+                                                    bounds=self.bounds, likelihood_segments=self.likelihood_segments,
+                                                    decoder_logits=self.sampler.decoder_logits
+                                                    if self.likelihood_decoder == "rollout" else None)
         self.exact_order_sampler = None
         if self.estimator in TRAJECTORY_ESTIMATORS and self.likelihood_order == "exact":
             self.exact_order_sampler = self.sampler.with_config(self.sampler_config.exact())
@@ -254,6 +257,7 @@ def build_policy(config: "GRPOConfig", model_config, tokenizer, temperature: flo
             sampler = built
         return DiffusionPolicy(sampler_config, estimator=config.likelihood_estimator,
                                p_mask_prompt=config.p_mask_prompt, likelihood_order=config.likelihood_order,
+                               likelihood_decoder=config.likelihood_decoder,
                                sampler=sampler, bounds=bound_settings(config),
                                likelihood_segments=config.likelihood_segments)
     sampler = AutoregressiveSamplerConfig(

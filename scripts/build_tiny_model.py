@@ -56,7 +56,6 @@ from dllm_ais.policy import build_policy  # noqa: E402
 from dllm_ais.sft import SFTConfig, run_sft  # noqa: E402
 from dllm_ais.tasks import get_task  # noqa: E402
 
-ASSETS = Path(__file__).resolve().parent.parent / "dllm_ais" / "assets"
 LONG_TASK_ARGS = {"dataset": "chain_sum", "min_terms": 3, "max_terms": 3, "min_digits": 2, "max_digits": 3}
 
 
@@ -135,8 +134,8 @@ WARM_START_TASKS = {
     "chain_sum": WarmStartTask("reasoning_gym", chain_sum_demonstrations, noise_fraction=0.5, gen_length=128,
                                max_positions=1024, task_args=LONG_TASK_ARGS, word_vocab_size=256,
                                diffusion_max_gen_length=256,
-                               output_dirs={family: ASSETS / f"tiny_{family}_chain_sum"
-                                            for family in ("llada", "qwen3")}),
+                               output_dirs={"llada": EMBEDDED_MODELS["embedded-chain-sum"],
+                                            "qwen3": EMBEDDED_MODELS["embedded-qwen3-chain-sum"]}),
 }
 
 

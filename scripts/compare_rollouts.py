@@ -55,6 +55,9 @@ ESTIMATORS = {  # name -> overrides
     "one_step": ("--likelihood_estimator=one_step", "--likelihood_order=rollout"),
     "trajectory": ("--likelihood_estimator=trajectory", "--likelihood_order=rollout"),
     "trajectory@exact-order": ("--likelihood_estimator=trajectory", "--likelihood_order=exact"),
+    # the trainer replays the rollout decoder itself (its cache included): the fast decoder is the policy trained
+    "trajectory@decoder": ("--likelihood_estimator=trajectory", "--likelihood_order=rollout",
+                           "--likelihood_decoder=rollout"),
     # the recipe's 8 steps in 4 segments (d2's N = 16 is for 128+ steps; N >= 8 would be the trajectory itself)
     "step_merge": ("--likelihood_estimator=step_merge", "--likelihood_segments=4", "--likelihood_order=rollout"),
     "elbo": ("--likelihood_estimator=elbo", "--likelihood_order=rollout"),

@@ -426,3 +426,53 @@ def test_step_merge_on_sampled_random_order_and_parallel_commit_rollouts(model, 
         logits = model(input_ids=noisy).logits[:, 5:].float() / 0.9
         values = torch.log_softmax(logits, -1).gather(-1, rollout.completion_ids.unsqueeze(-1)).squeeze(-1)
         torch.testing.assert_close(merged[rows, columns], values[rows, columns], atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The trajectory scored by the rollout decoder itself (likelihood_decoder=rollout)
+# ---------------------------------------------------------------------------------------------
+def decoder_sampler(**settings):
+    from dllm_ais.sampling.diffusion import DiffusionSamplerConfig, MaskedDiffusionSampler
+
+    settings = {"gen_length": 8, "block_length": 4, "steps": 4, **settings}
+    return MaskedDiffusionSampler(DiffusionSamplerConfig(temperature=0.9, mask_token_id=MASK, **settings))
+
+
+@pytest.mark.parametrize("settings", [dict(cache="dual"), dict(cache="prefix"), dict(cache="dual", threshold=0.007),
+                                      dict(cache="dual", steps=8, cache_refresh_interval=2), dict(threshold=0.007)])
+def test_decoder_replay_reproduces_the_cached_samplers_record(model, settings):
+    """The replay recomputes each token's logits as sampling did (cache, refreshes, parallel commits): the sampler's
+    recorded log-probs exactly, for rows sampled in two calls (other global step numbers) and replayed together."""
+    from dllm_ais.likelihood import decoder_trajectory_pieces, sum_pieces
+
+    sampler = decoder_sampler(**settings)
+    torch.manual_seed(4)
+    ids = torch.randint(0, 126, (4, 5))
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, :2] = 0
+    ids[1, :2] = EOS
+    generator = torch.Generator().manual_seed(0)
+    rollout = Rollout.concatenate([sampler.sample(model, ids[:2], attention_mask[:2], generator),
+                                   sampler.sample(model, ids[2:], attention_mask[2:], generator)])
+    replayed = sum_pieces(decoder_trajectory_pieces(model, rollout, sampler.decoder_logits, 0.9), False)
+    torch.testing.assert_close(replayed, rollout.step_logprobs, atol=1e-5, rtol=0)
+    if "cache" in settings:  # the exact model's replay differs: that difference is what the cache costs
+        assert (trajectory_logprobs(model, rollout, MASK, 0.9) - rollout.step_logprobs).abs().max() > 1e-3
+
+
+def test_decoder_replay_without_cache_is_the_trajectory_and_its_gradient_flows_through_the_cache(model, canvas):
+    from dllm_ais.likelihood import decoder_trajectory_pieces, sum_pieces
+
+    rollout = hand_rollout(canvas)
+    plain = decoder_sampler(gen_length=GEN_LENGTH, block_length=GEN_LENGTH, steps=4)
+    with counting_forwards(model) as calls:
+        pieces = list(decoder_trajectory_pieces(model, rollout, plain.decoder_logits, 0.8))
+    assert len(pieces) == 1 and len(calls) == 4, "one piece per block, one forward per step"
+    torch.testing.assert_close(sum_pieces(pieces, False), trajectory_logprobs(model, rollout, MASK, 0.8),
+                               atol=1e-5, rtol=0)
+    cached = decoder_sampler(gen_length=GEN_LENGTH, block_length=GEN_LENGTH, steps=4, cache="dual")
+    model.zero_grad()
+    sum_pieces(decoder_trajectory_pieces(model, rollout, cached.decoder_logits, 0.8), False).sum().backward()
+    first_layer = model.model.transformer.blocks[0].k_proj.weight.grad  # reached through the cached keys too
+    assert first_layer is not None and torch.isfinite(first_layer).all() and first_layer.abs().sum() > 0
+    model.zero_grad()

@@ -165,3 +165,12 @@ def test_sft_takes_task_args_and_names_a_bad_one(tmp_path, capsys):
     assert main(["sft", "--task=reasoning_gym", "--task_args={dataset: chain_sum, max_digits: 2}", "--steps=1",
                  "--gen_length=32", "--dataset_size=8", "--batch_size=4", f"--output_dir={out}"]) == 0
     assert (out / "model.safetensors").is_file()
+
+
+def test_eval_provenance_names_the_generator_settings():
+    from dllm_ais.evaluation import dataset_provenance
+
+    settings = {"dataset": "chain_sum", "max_digits": 2}
+    source = dataset_provenance(get_task("reasoning_gym"), "test", None, rows("chain_sum", 4, "test", max_digits=2),
+                                settings)
+    assert source["generated"] == "reasoning_gym" and source["task_args"] == settings and source["num_rows"] == 4

@@ -161,3 +161,5 @@ def test_a_backward_per_forward_across_processes_only_when_every_process_has_the
     assert not pieces_align_across_processes(GRPOConfig(likelihood_estimator="trajectory", rollout_factor=1.0))
     assert pieces_align_across_processes(GRPOConfig(likelihood_estimator="trajectory", rollout_threshold=0.9,
                                                     likelihood_order="exact"))  # replayed on the fixed schedule
+    assert pieces_align_across_processes(GRPOConfig(likelihood_estimator="trajectory", rollout_threshold=0.9,
+                                                    likelihood_decoder="rollout"))  # one piece per block

@@ -124,6 +124,17 @@ def test_exact_order_replay_sees_precision_only_and_keeps_the_samplers_own_steps
         assert record["completions/mean_steps"] == 8  # one token per step: the threshold sampler's own count
 
 
+def test_decoder_replay_makes_the_fast_decoder_the_trained_policy(tokenizer, tmp_path):
+    """likelihood_decoder=rollout with dual cache + threshold rollouts: the trainer replays the decoder's cache along
+    its own commits, so with the bf16 engine the ratio is 1 (the approximation is part of the policy, not a
+    mismatch), and the weights move."""
+    run = make_trainer(tokenizer, tmp_path, rollout_precision="bf16", likelihood_estimator="trajectory",
+                       likelihood_decoder="rollout", rollout_cache="dual", rollout_threshold=0.9).train()
+    for record in run.history:
+        assert record["rollout_corr/k3_kl"] == pytest.approx(0.0, abs=1e-6)
+        assert record["grad_norm"] > 0 and math.isfinite(record["loss"])
+
+
 def test_step_merge_trains_with_a_backward_per_segment_and_an_engine_side_when_it_merges_steps(tokenizer, tmp_path):
     """step_merge with 2 segments of the 4 steps: the engine scores the rollout side (bf16: the ratio is 1), the
     optimisation pass backpropagates segment by segment and moves the weights."""

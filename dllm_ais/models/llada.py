@@ -205,7 +205,8 @@ class LLaDABlock(GradientCheckpointingLayer):
         cache_position: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """(output [B, n, d], (keys, values) attended to). With `layer_cache`, the inputs' keys/values are written
-        into it at `cache_position` (in place) and the queries attend to all of its positions."""
+        into it at `cache_position` (in place; into a copy under grad, where the cache may be part of the graph) and
+        the queries attend to all of its positions."""
         batch, length, _ = x.shape
         h = self.attn_norm(x)
         q = self.q_proj(h).view(batch, length, self.n_heads, self.head_dim).transpose(1, 2)
@@ -217,7 +218,10 @@ class LLaDABlock(GradientCheckpointingLayer):
             q, k = apply_rotary(q, cos.to(q.dtype), sin.to(q.dtype)), apply_rotary(k, cos.to(k.dtype), sin.to(k.dtype))
         if layer_cache is not None:
             cached_k, cached_v = layer_cache
-            k, v = cached_k.index_copy_(2, cache_position, k), cached_v.index_copy_(2, cache_position, v)
+            if torch.is_grad_enabled():  # the cache may be in the graph (a cached trajectory replay under grad)
+                k, v = cached_k.index_copy(2, cache_position, k), cached_v.index_copy(2, cache_position, v)
+            else:
+                k, v = cached_k.index_copy_(2, cache_position, k), cached_v.index_copy_(2, cache_position, v)
         attn = F.scaled_dot_product_attention(
             q, k, v, attn_mask=attn_mask, is_causal=False,
             dropout_p=self.attention_dropout if self.training else 0.0,

@@ -58,7 +58,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -264,6 +264,12 @@ class DiffusionSamplerConfig:
     def parallel_decoding(self) -> bool:
         """True when a parallel-decoding rule (threshold or factor) replaces the fixed step schedule."""
         return self.threshold is not None or self.factor is not None
+
+    def refreshes_cache(self, step_in_block: int) -> bool:
+        """Whether the block cache is rebuilt at this step of a block (0 = its first): at the first step, and every
+        `cache_refresh_interval` steps after it."""
+        interval = self.cache_refresh_interval
+        return step_in_block == 0 or (interval is not None and step_in_block % interval == 0)
 
     def exact(self) -> "DiffusionSamplerConfig":
         """These settings without the approximations: no cache, no parallel commits (the fixed schedule of `steps`)."""
@@ -525,8 +531,7 @@ class MaskedDiffusionSampler:
             step_in_block = 0
             while step_in_block < steps_per_block if schedule is not None else max(masked_left) > 0:
                 if cache is not None:
-                    interval = config.cache_refresh_interval
-                    cache.refresh = step_in_block == 0 or (interval is not None and step_in_block % interval == 0)
+                    cache.refresh = config.refreshes_cache(step_in_block)
                 logits = self.block_logits(model, canvas, canvas_attention, prompt_length, block, token_ids, cache)
                 # Tokens are drawn only for still-masked positions, gathered to the front of a [B, M, V] tensor.
                 active = masked_positions_first(still_masked, max(masked_left))
@@ -563,6 +568,46 @@ class MaskedDiffusionSampler:
             prompt_length=prompt_length,
             num_steps=num_steps,
         )
+
+    def decoder_logits(self, model: Any, rollout: Rollout) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
+        """The logits each completion token of `rollout` was drawn from, recomputed as this sampler computed them
+        while sampling: step by step along `rollout.commit_step`, by `block_logits` with this sampler's block cache
+        rebuilt at the steps where sampling rebuilt it (`DiffusionSamplerConfig.refreshes_cache`), so a cached
+        step attends to the keys/values of the canvas at its block's last refresh. Under grad when grad is enabled.
+
+        Yields, for each step that commits a token or refreshes the cache, ``(block, committed, logits)``: `block`
+        the slice of completion positions of the current block, `committed` [B, Lb] the block positions committed
+        at that step, `logits` [B, Lb, V] of the block. The steps of a block come in order, and a block's steps
+        share its cache (a caller that backpropagates block by block keeps one block's graph at a time). Lazy:
+        a forward runs when its step is asked for.
+
+        A row's steps are counted from its block's first step (every row commits at least one token then), so
+        rollouts sampled in separate calls, whose global step indices differ, replay together. Without a cache this
+        is the trajectory replay, one full forward per step.
+        """
+        token_ids = self.resolve_token_ids(model)
+        prompt_length, gen_length = rollout.prompt_length, rollout.gen_length
+        if gen_length != self.config.gen_length:
+            raise ValueError(f"decoder_logits got completions of {gen_length} positions; this sampler decodes "
+                             f"gen_length={self.config.gen_length}")
+        completion, commit_step = rollout.completion_ids, rollout.commit_step
+        cache = BlockCache(self.config.cache) if self.config.cache != "none" else None
+        for start in range(0, gen_length, self.config.block_length):
+            block = slice(start, start + self.config.block_length)
+            first = commit_step[:, block].amin(dim=1, keepdim=True)  # [B, 1] each row's first step of the block
+            step_in_block = commit_step - first  # [B, L]: < 0 before the block, >= 0 in it and after it
+            for step in range(int(step_in_block[:, block].max()) + 1):
+                committed = step_in_block[:, block] == step
+                refresh = cache is not None and self.config.refreshes_cache(step)
+                if not (refresh or bool(committed.any())):
+                    continue
+                if cache is not None:
+                    cache.refresh = refresh
+                hidden = step_in_block >= step
+                canvas = torch.cat([rollout.prompt_ids, torch.where(hidden, token_ids.mask, completion)], dim=1)
+                canvas_block = slice(prompt_length + block.start, prompt_length + block.stop)
+                yield block, committed, self.block_logits(model, canvas, rollout.attention_mask, prompt_length,
+                                                          canvas_block, token_ids, cache)
 
     def block_logits(
         self,
