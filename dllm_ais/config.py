@@ -176,11 +176,12 @@ class GRPOConfig:
                 "order the rollout sampler took (the ratio sees a cache's logit error); exact = the completion "
                 "replayed by the engine along the exact decoder's order (no cache, fixed schedule, low confidence), so training happens at the states the "
                 "exact decoder visits; the ratio then sees precision only and the fast decoder's approximation is unseen."})
-    likelihood_decoder: str = field(default="exact", metadata={**_choice(*LIKELIHOOD_DECODERS),
-        "help": "trajectory estimator: the logits it scores each step with. exact = the model's own, a full forward "
-                "per step (the ratio sees a rollout cache's logit error); rollout = the rollout decoder's, its block "
-                "cache replayed as sampled (cheaper forwards; the decoder itself is the policy trained, and the ratio "
-                "sees precision only)."})
+    likelihood_decoder: str = field(default="rollout", metadata={**_choice(*LIKELIHOOD_DECODERS),
+        "help": "trajectory estimator with a rollout_cache: the logits it scores each step with. rollout = the rollout "
+                "decoder's own, its block cache replayed as sampled (the fast decoder is the policy trained; the ratio "
+                "sees precision only; a cached step's forward runs the block only); exact = the model's, a full "
+                "forward per step (the ratio sees the cache's logit error; measured: far worse training). Without a "
+                "cache both are the same replay."})
 
     # --- correction ---
     correction: str = field(default="ais", metadata={**_choice(*CORRECTION_METHODS),
@@ -293,7 +294,7 @@ class GRPOConfig:
         sees everything (exact rollouts) — measured costs in BENCHMARKS.md, "Fast rollouts"."""
         if not self.fast_rollouts or self.policy == "autoregressive":
             return None
-        if self.likelihood_decoder == "rollout":
+        if self.replays_decoder:
             return ("the trajectory estimator replays the fast decoder itself (likelihood_decoder=rollout): the cache "
                     "and parallel commits are part of the policy trained, and the ratio sees the precision alone; "
                     "held-out evaluation decodes exactly (README \"Fast rollouts and what they cost\" has what carries "
@@ -302,8 +303,8 @@ class GRPOConfig:
             return ("the trajectory estimator scores the fast sampler's own order: its ratio sees the cache's logit "
                     "error but not the shift of the visited canvas states; on the embedded task dual cache + threshold "
                     "0.9 rollouts cost this estimator 30 points of exact-decoding accuracy (3 seeds, README \"Fast "
-                    "rollouts and what they cost\"): replay the decoder itself (likelihood_decoder=rollout), or use "
-                    "exact rollouts")
+                    "rollouts and what they cost\"; likelihood_decoder=exact): the default likelihood_decoder=rollout "
+                    "trains the fast decoder itself instead")
         return ("the fast decoder's approximation (cache, parallel commits) is not seen by the importance ratio, "
                 "which compares the engine and the trainer on the same canvases; only the rollout precision is")
 
@@ -314,8 +315,16 @@ class GRPOConfig:
         with the trainer's exact replay; the other estimators (step_merge's engine side too, with fewer segments than
         steps), and the replay along the exact order, score both sides on the same canvases and see the rollout
         precision only."""
+        return self.likelihood_estimator == "trajectory" and self.likelihood_order == "rollout" and not self.replays_decoder
+
+    @property
+    def replays_decoder(self) -> bool:
+        """Whether the trajectory estimator scores the rollout decoder's own logits (`likelihood_decoder=rollout` with a
+        `rollout_cache`, along the rollout's order): the trainer replays the cached decoder, so the ratio sees the
+        precision only and the fast decoder is the policy trained. Without a cache the decoder's logits are the
+        exact model's and the trajectory replay is the same thing."""
         return (self.likelihood_estimator == "trajectory" and self.likelihood_order == "rollout"
-                and self.likelihood_decoder == "exact")
+                and self.likelihood_decoder == "rollout" and self.rollout_cache != "none")
 
     def decoding(self, exact: bool) -> "GRPOConfig":
         """This config as an evaluation decodes: `exact` = d1's protocol (no cache, no parallel commits, whatever the
@@ -363,13 +372,10 @@ class GRPOConfig:
             (self.likelihood_order == "rollout" or self.likelihood_estimator in TRAJECTORY_ESTIMATORS,
              f"likelihood_order={self.likelihood_order} orders the trajectory estimator's replay: set "
              f"likelihood_estimator to one of {', '.join(TRAJECTORY_ESTIMATORS)}, or likelihood_order=rollout"),
-            (self.likelihood_decoder == "exact" or (self.likelihood_estimator == "trajectory"
-                                                     and self.likelihood_order == "rollout"),
-             "likelihood_decoder=rollout replays the rollout decoder along its own order: set "
-             "likelihood_estimator=trajectory and likelihood_order=rollout, or likelihood_decoder=exact"),
-            (self.likelihood_decoder == "exact" or self.rollout_exact_fraction == 0,
-             "likelihood_decoder=rollout scores every completion with the configured decoder, but "
-             "rollout_exact_fraction samples some with the exact one: set one of them to its default"),
+            (not self.replays_decoder or self.rollout_exact_fraction == 0,
+             f"rollout_exact_fraction={self.rollout_exact_fraction} decodes some groups exactly, but "
+             "likelihood_decoder=rollout replays every completion with the configured (cached) decoder: set "
+             "likelihood_decoder=exact, or rollout_exact_fraction=0"),
             (self.rollout_fidelity == "fixed" or (self.policy != "autoregressive" and self.fast_rollouts),
              f"rollout_fidelity={self.rollout_fidelity} moves between a fast diffusion decoder and the exact one: set "
              "rollout_cache, rollout_threshold or rollout_factor, or rollout_fidelity=fixed"),

@@ -271,10 +271,10 @@ def pieces_align_across_processes(config: GRPOConfig) -> bool:
     """Whether every process' micro-batch yields the same number of estimator forwards, so that a backward per
     forward (each one a gradient all-reduce or reduce-scatter under DDP / FSDP) keeps the processes in step: the
     commit steps come from the fixed schedule (no parallel decoding, or the exact-order replay), whose steps are the
-    same for every row, or the decoder replay (`likelihood_decoder=rollout`) gives one piece per block. With parallel
+    same for every row, or the decoder replay (`GRPOConfig.replays_decoder`) gives one piece per block. With parallel
     decoding a process may commit at fewer distinct steps than another, and each micro-batch then takes a single
     backward."""
-    return (config.likelihood_order == "exact" or config.likelihood_decoder == "rollout"
+    return (config.likelihood_order == "exact" or config.replays_decoder
             or (config.rollout_threshold is None and config.rollout_factor is None))
 
 

@@ -90,7 +90,9 @@ class DiffusionPolicy:
     without a cache), so guidance and a subclass's logit processing are scored as sampled. For the trajectory
     estimator (and step_merge with a segment per step) the rollout side is free: the sampler's recorded per-step
     log-prob (`token_logprobs`), which the trainer side scores as softmax(logits / τ); a sampler overriding
-    `token_logprobs` is therefore refused with the trajectory-type estimators. `estimator` names one of
+    `token_logprobs` is therefore refused with the trajectory-type estimators. With a block cache and
+    `likelihood_decoder="rollout"` the trajectory estimator scores the sampler's own cached logits instead
+    (`MaskedDiffusionSampler.decoder_logits`): the fast decoder is the policy trained. `estimator` names one of
     `DIFFUSION_ESTIMATORS`; `likelihood_segments` is step_merge's N, `bounds` the elbo and spg estimators' settings.
     """
 
@@ -98,7 +100,7 @@ class DiffusionPolicy:
     estimator: str = "one_step"
     p_mask_prompt: float = 0.15
     likelihood_order: str = "rollout"
-    likelihood_decoder: str = "exact"
+    likelihood_decoder: str = "rollout"
     sampler: MaskedDiffusionSampler | None = None
     likelihood_segments: int = 16
     bounds: BoundSettings = dataclasses.field(default_factory=BoundSettings)
@@ -106,7 +108,7 @@ class DiffusionPolicy:
     @classmethod
     def for_sampler(cls, sampler: MaskedDiffusionSampler, **settings) -> "DiffusionPolicy":
         """The policy sampling with `sampler` (its config is the policy's `sampler_config`); `settings` are the other
-        fields (estimator, p_mask_prompt, likelihood_order, likelihood_segments, bounds)."""
+        fields (estimator, p_mask_prompt, likelihood_order, likelihood_decoder, likelihood_segments, bounds)."""
         return cls(sampler.config, sampler=sampler, **settings)
 
     def __post_init__(self):
@@ -125,10 +127,16 @@ class DiffusionPolicy:
                                                     self.p_mask_prompt, logits_fn=self.sampler.scoring_logits,
                                                     bounds=self.bounds, likelihood_segments=self.likelihood_segments,
                                                     decoder_logits=self.sampler.decoder_logits
-                                                    if self.likelihood_decoder == "rollout" else None)
+                                                    if self.replays_decoder else None)
         self.exact_order_sampler = None
         if self.estimator in TRAJECTORY_ESTIMATORS and self.likelihood_order == "exact":
             self.exact_order_sampler = self.sampler.with_config(self.sampler_config.exact())
+
+    @property
+    def replays_decoder(self) -> bool:
+        """Whether the trajectory estimator scores the decoder's own (cached) logits: `GRPOConfig.replays_decoder`."""
+        return (self.estimator == "trajectory" and self.likelihood_order == "rollout"
+                and self.likelihood_decoder == "rollout" and self.sampler_config.cache != "none")
 
     def with_decoder(self, sampler_config: DiffusionSamplerConfig) -> "DiffusionPolicy":
         """This policy (its sampler's class and stages, its estimator) decoding with other sampler settings."""
@@ -314,7 +322,8 @@ def custom_policy_problems(config: "GRPOConfig", model_config, tokenizer, sample
             return []
         problems = [f"policy.{name}={getattr(policy, name)!r} but the config's {field} is {getattr(config, field)!r}"
                     for name, field in (("estimator", "likelihood_estimator"), ("p_mask_prompt", "p_mask_prompt"),
-                                        ("likelihood_order", "likelihood_order"))
+                                        ("likelihood_order", "likelihood_order"),
+                                        ("likelihood_decoder", "likelihood_decoder"))
                     if getattr(policy, name) != getattr(config, field)]
         if policy.estimator in SEQUENCE_ESTIMATORS and policy.bounds != bound_settings(config):
             problems.append(f"policy.bounds={policy.bounds!r} differ from the config's elbo_* / spg_* settings "

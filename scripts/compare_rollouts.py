@@ -53,7 +53,8 @@ DECODERS = {  # name -> overrides; "exact" is LLaDA's algorithm (no cache, the r
 }
 ESTIMATORS = {  # name -> overrides
     "one_step": ("--likelihood_estimator=one_step", "--likelihood_order=rollout"),
-    "trajectory": ("--likelihood_estimator=trajectory", "--likelihood_order=rollout"),
+    # the exact model replays the fast decoder's trajectory: the ratio sees the cache's logit error
+    "trajectory": ("--likelihood_estimator=trajectory", "--likelihood_order=rollout", "--likelihood_decoder=exact"),
     "trajectory@exact-order": ("--likelihood_estimator=trajectory", "--likelihood_order=exact"),
     # the trainer replays the rollout decoder itself (its cache included): the fast decoder is the policy trained
     "trajectory@decoder": ("--likelihood_estimator=trajectory", "--likelihood_order=rollout",

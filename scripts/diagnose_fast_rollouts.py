@@ -65,7 +65,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    overrides = ["--output_dir=/tmp/unused", "--likelihood_estimator=trajectory"]
+    overrides = ["--output_dir=/tmp/unused", "--likelihood_estimator=trajectory", "--likelihood_decoder=exact"]
     config = load_config(EMBEDDED_RECIPE, overrides + ([f"--model_name_or_path={args.model}"] if args.model else []))
     tokenizer = load_tokenizer(config.model_name_or_path)
     model = load_model(config.model_name_or_path, torch.float32).eval()

@@ -119,8 +119,10 @@ def test_cli_trains_the_tiny_qwen3_through_the_shared_loop(tmp_path, capsys):
 @pytest.mark.parametrize("estimator", [
     (),  # the shipped one-step estimator
     ("--likelihood_estimator=trajectory", "--rollout_threshold=null"),  # a backward per denoising step, in step
-    ("--likelihood_estimator=trajectory",),  # parallel decoding: one backward per micro-batch on every process
-], ids=["one_step", "trajectory-per-step-backward", "trajectory-parallel-decoding"])
+    ("--likelihood_estimator=trajectory",),  # the cached decoder replayed: a backward per block, in step
+    # the exact model replaying parallel decoding: one backward per micro-batch on every process
+    ("--likelihood_estimator=trajectory", "--likelihood_decoder=exact"),
+], ids=["one_step", "trajectory-per-step-backward", "trajectory-decoder-replay", "trajectory-parallel-decoding"])
 def test_two_process_ddp_run_through_accelerate_launch(tmp_path, estimator):
     """The same loop under `accelerate launch` with 2 CPU processes (gloo): gathers, slicing, accumulation, saving;
     with the trajectory estimator, the backward per forward keeps both processes' all-reduces in step."""

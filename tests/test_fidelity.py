@@ -76,12 +76,14 @@ def test_the_exact_share_rounds_stochastically_to_whole_groups(fraction, groups,
                                                                                                        abs=0.02)
 
 
-FAST = dict(rollout_cache="dual", rollout_threshold=0.9, likelihood_estimator="trajectory")
+# the trajectory estimator replaying with the exact model: the ratio that sees the cache (adaptive fidelity's input)
+FAST = dict(rollout_cache="dual", rollout_threshold=0.9, likelihood_estimator="trajectory", likelihood_decoder="exact")
 
 
 @pytest.mark.parametrize("settings, problem", [
     ({**FAST, "likelihood_estimator": "one_step"}, "rollout_fidelity=adaptive reacts to the decoder's mismatch"),
     ({**FAST, "likelihood_order": "exact"}, "rollout_fidelity=adaptive reacts to the decoder's mismatch"),
+    ({**FAST, "likelihood_decoder": "rollout"}, "rollout_fidelity=adaptive reacts to the decoder's mismatch"),
     ({"likelihood_estimator": "trajectory"}, "rollout_fidelity=adaptive moves between a fast diffusion decoder"),
 ])
 def test_adaptive_fidelity_needs_fast_rollouts_and_a_ratio_that_sees_the_decoder(settings, problem):

@@ -162,4 +162,6 @@ def test_a_backward_per_forward_across_processes_only_when_every_process_has_the
     assert pieces_align_across_processes(GRPOConfig(likelihood_estimator="trajectory", rollout_threshold=0.9,
                                                     likelihood_order="exact"))  # replayed on the fixed schedule
     assert pieces_align_across_processes(GRPOConfig(likelihood_estimator="trajectory", rollout_threshold=0.9,
-                                                    likelihood_decoder="rollout"))  # one piece per block
+                                                    rollout_cache="dual"))  # the decoder replay: a piece per block
+    assert not pieces_align_across_processes(GRPOConfig(likelihood_estimator="trajectory", rollout_threshold=0.9,
+                                                        rollout_cache="dual", likelihood_decoder="exact"))

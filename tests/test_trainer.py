@@ -102,7 +102,8 @@ def test_cached_parallel_rollouts_show_their_approximation_in_the_trajectory_rat
     """rollout_cache=dual with rollout_threshold=0.9 and the trajectory estimator: a run with AIS completes, and its
     logged k3 KL (FP8 and cache/parallel approximation; the trainer replays without the cache) is above that of the
     same run without the cache (FP8 only) at every step. Measured margin on this model: 10-30x."""
-    settings = dict(rollout_precision="fp8", likelihood_estimator="trajectory", correction="ais")
+    settings = dict(rollout_precision="fp8", likelihood_estimator="trajectory", likelihood_decoder="exact",
+                    correction="ais")
     cached = make_trainer(tokenizer, tmp_path / "dual", rollout_cache="dual", rollout_threshold=0.9, **settings).train()
     uncached = make_trainer(tokenizer, tmp_path / "none", **settings).train()
     assert cached.steps == uncached.steps == 2
@@ -125,11 +126,11 @@ def test_exact_order_replay_sees_precision_only_and_keeps_the_samplers_own_steps
 
 
 def test_decoder_replay_makes_the_fast_decoder_the_trained_policy(tokenizer, tmp_path):
-    """likelihood_decoder=rollout with dual cache + threshold rollouts: the trainer replays the decoder's cache along
+    """The trajectory estimator with dual cache + threshold rollouts: the trainer replays the decoder's cache along
     its own commits, so with the bf16 engine the ratio is 1 (the approximation is part of the policy, not a
     mismatch), and the weights move."""
     run = make_trainer(tokenizer, tmp_path, rollout_precision="bf16", likelihood_estimator="trajectory",
-                       likelihood_decoder="rollout", rollout_cache="dual", rollout_threshold=0.9).train()
+                       rollout_cache="dual", rollout_threshold=0.9).train()  # likelihood_decoder=rollout by default
     for record in run.history:
         assert record["rollout_corr/k3_kl"] == pytest.approx(0.0, abs=1e-6)
         assert record["grad_norm"] > 0 and math.isfinite(record["loss"])

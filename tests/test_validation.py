@@ -100,9 +100,8 @@ def test_values_outside_the_declared_range_are_rejected(name):
     ({"task": "sudoku"}, "task=sudoku has no default dataset"),
     ({"diffusion_steps": 32}, "diffusion_steps=32 must be <= max_completion_length=16"),
     ({"likelihood_order": "exact"}, "likelihood_order=exact orders the trajectory estimator's replay"),
-    ({"likelihood_decoder": "rollout"}, "likelihood_decoder=rollout replays the rollout decoder along its own order"),
-    ({"likelihood_decoder": "rollout", "likelihood_estimator": "trajectory", "rollout_cache": "dual",
-      "rollout_exact_fraction": 0.5}, "likelihood_decoder=rollout scores every completion with the configured decoder"),
+    ({"likelihood_estimator": "trajectory", "rollout_cache": "dual", "rollout_exact_fraction": 0.5},
+     "likelihood_decoder=rollout replays every completion with the configured (cached) decoder"),
 ])
 def test_invalid_values_fail_in_load_config_naming_the_field(overrides, message):
     assert message in problems_of(overrides)

@@ -353,15 +353,16 @@ class BlockCache:
     ) -> torch.Tensor:
         """Logits [B, Lb, V] of the `block` positions of `inputs` [B, T].
 
-        A refreshing forward runs the whole canvas and keeps its keys/values (its logits are those of the uncached
-        forward). Otherwise the model runs on positions [block.start, T) (prefix) or [block.start, block.stop)
+        A refreshing forward runs the whole canvas and keeps its keys/values (its logits, computed at the block only,
+        are those of the uncached forward). Otherwise the model runs on positions [block.start, T) (prefix) or [block.start, block.stop)
         (dual) only, at their absolute positions, attending to the cached keys/values elsewhere.
         """
         if self.refresh:
             self.past_key_values = None  # frees the previous block's cache before the new one is built
-            output = model(inputs, attention_mask=attention_mask, use_cache=True)
+            positions = torch.arange(block.start, block.stop, device=inputs.device)
+            output = model(inputs, attention_mask=attention_mask, use_cache=True, logits_to_keep=positions)
             self.past_key_values = output.past_key_values
-            return output.logits[:, block]
+            return output.logits
         stop = inputs.shape[1] if self.mode == "prefix" else block.stop
         positions = torch.arange(block.start, stop, device=inputs.device)
         output = model(
