@@ -11,8 +11,12 @@ from pathlib import Path
 import pytest
 import reasoning_gym
 
-from dllm_ais.config import ConfigError, load_config
-from dllm_ais.data import load_task_dataset
+from transformers import AutoConfig
+
+from dllm_ais.cli import main
+from dllm_ais.config import EMBEDDED_MODELS, ConfigError, load_config
+from dllm_ais.data import load_task_dataset, tokenize_prompts
+from dllm_ais.loading import load_tokenizer
 from dllm_ais.tasks.parsing import extract_xml_answer
 from dllm_ais.validation import read_recipe
 
@@ -125,21 +129,38 @@ def test_noise_fraction_and_determinism(rows):
     assert list(rows["answer"]) == list(builder.chain_sum_demonstrations(rows, 0.5, seed=3)["answer"])
 
 
-@pytest.mark.parametrize("family", ["llada", "qwen3"])
-def test_draft_recipe_matches_the_builder_and_names_its_missing_model(family, monkeypatch):
+def test_qwen3_recipe_matches_the_builder_and_its_shipped_model():
+    recipe = SCRIPTS.parent / "recipes" / "tiny_qwen3_chain_sum.yaml"
+    spec = builder.WARM_START_TASKS["chain_sum"]
+    config = load_config(recipe)
+    assert EMBEDDED_MODELS[config.model_name_or_path] == spec.output_dirs["qwen3"]
+    assert config.task_args == builder.LONG_TASK_ARGS and config.max_completion_length == spec.gen_length
+    assert config.max_prompt_length + 512 <= spec.max_positions  # dllm-ais eval decodes up to 512
+    tokenizer = load_tokenizer(config.model_name_or_path)
+    rows = load_task_dataset("reasoning_gym", "test", size=64, seed=0, task_args=config.task_args)
+    input_ids, attention_mask = tokenize_prompts(tokenizer, rows["prompt"])
+    assert attention_mask.sum(1).max() <= config.max_prompt_length  # no prompt is cut
+    assert AutoConfig.from_pretrained(spec.output_dirs["qwen3"]).vocab_size == len(tokenizer)
+
+
+def test_one_training_step_of_the_shipped_recipe(tmp_path):
+    out = tmp_path / "run"
+    assert main(["train", str(SCRIPTS.parent / "recipes" / "tiny_qwen3_chain_sum.yaml"), f"--output_dir={out}",
+                 "--max_steps=1", "--eval_size=4", "--dataset_size=8", "--per_device_train_batch_size=4",
+                 "--num_generations=2", "--max_completion_length=32"]) == 0
+    assert (out / "final").is_dir()
+
+
+def test_llada_draft_recipe_matches_the_builder_and_names_its_missing_model(monkeypatch):
     root = SCRIPTS.parent
     monkeypatch.chdir(root)  # the recipe's model path is relative to the repository root
-    recipe = root / "recipes" / "drafts" / f"tiny_{family}_chain_sum.yaml"
+    recipe = root / "recipes" / "drafts" / "tiny_llada_chain_sum.yaml"
     spec = builder.WARM_START_TASKS["chain_sum"]
     values = read_recipe(recipe)
-    assert root / values["model_name_or_path"] == spec.output_dirs[family]
-    assert values["task_args"] == builder.LONG_TASK_ARGS
-    assert values["max_completion_length"] == spec.gen_length
-    stand_in = {"llada": "embedded", "qwen3": "embedded-qwen3"}[family]  # every other field validates as written
-    config = load_config(recipe, {"model_name_or_path": stand_in})
+    assert root / values["model_name_or_path"] == spec.output_dirs["llada"]
+    assert values["task_args"] == builder.LONG_TASK_ARGS and values["max_completion_length"] == spec.gen_length
+    config = load_config(recipe, {"model_name_or_path": "embedded"})  # every other field validates as written
     assert config.max_prompt_length + config.max_completion_length <= spec.max_positions
-    if (spec.output_dirs[family] / "config.json").is_file():
-        load_config(recipe)
-    else:
-        with pytest.raises(ConfigError, match=f"tiny_{family}_chain_sum': no such directory"):
+    if not (spec.output_dirs["llada"] / "config.json").is_file():
+        with pytest.raises(ConfigError, match="tiny_llada_chain_sum': no such directory"):
             load_config(recipe)
