@@ -273,3 +273,15 @@ def test_library_noise_only_with_verbose(tmp_path, verbose):
     shown = [text for text in noise if text in result.stderr + result.stdout]
     assert "step 1/1" in result.stdout + result.stderr  # our own lines stay
     assert shown == (list(noise) if verbose else []), shown
+
+
+def test_the_start_note_says_what_the_ratio_sees_of_fast_rollouts_per_estimator():
+    fast = dict(rollout_cache="dual", rollout_threshold=0.9)
+    assert GRPOConfig().unseen_approximation is None  # exact rollouts: nothing to say
+    assert "replays the fast decoder itself" in GRPOConfig(likelihood_estimator="trajectory", **fast).unseen_approximation
+    assert GRPOConfig(likelihood_estimator="trajectory", **fast).replays_decoder
+    exact_model = GRPOConfig(likelihood_estimator="trajectory", likelihood_decoder="exact", **fast)
+    assert exact_model.ratio_sees_decoder and "30 points" in exact_model.unseen_approximation
+    assert "not seen by the importance ratio" in GRPOConfig(**fast).unseen_approximation  # one_step
+    no_cache = GRPOConfig(likelihood_estimator="trajectory", rollout_threshold=0.9)
+    assert not no_cache.replays_decoder and no_cache.ratio_sees_decoder  # no cache: the decoder's logits are exact
