@@ -29,8 +29,8 @@ drawn per step), so it also ends its answer on the 256-token canvas of d1's prot
 (`dllm-ais eval` decodes up to 512).
 Prints the greedy validation reward of the result.
 
-Measured (2 CPU cores, 1 thread each): the Qwen3 chain_sum warm start (800 steps, 13-20 min) reaches greedy accuracy
-79 % at noise 0.5 and 25 % at noise 0.7 (shipped); the LLaDA one (2400 steps, about 2 h) reaches 0.8 % under d1's
+Measured (2 CPU cores, 1 thread each): the Qwen3 chain_sum warm start (800 steps, 13-20 min) reaches greedy validation
+accuracy 79 % at noise 0.5 and 25 % at noise 0.7 (shipped); the LLaDA one (2400 steps, about 2 h) reaches 0.8 % under d1's
 protocol: its masked-diffusion SFT at this size and budget does not learn the column arithmetic (with every other
 token visible it predicts a column's result digit right 75 % of the time; 300 more steps with block-wise masks moved
 nothing), so no LLaDA chain_sum model is shipped and its recipe stays in recipes/drafts/.

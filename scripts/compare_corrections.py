@@ -88,6 +88,19 @@ def read_metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
 
+def run_all(runs: list[Run], jobs: int) -> str:
+    """Run the unfinished `runs`, `jobs` at a time, printing progress; returns what the study's header says of its
+    wall time: the seconds this call took and how many runs were reused from earlier calls (their time not counted)."""
+    reused = sum(run.finished for run in runs)
+    start = time.perf_counter()
+    with ThreadPoolExecutor(jobs) as pool:
+        for index, _ in enumerate(pool.map(execute, runs), 1):
+            print(f"\r{index}/{len(runs)} runs done ({time.perf_counter() - start:.0f} s)", end="", flush=True)
+    print()
+    seconds = f"{time.perf_counter() - start:.0f} s wall with {jobs} parallel jobs of one thread"
+    return f"{seconds} ({reused} of the runs reused from an earlier call)" if reused else seconds
+
+
 def execute(run: Run) -> None:
     if run.finished:
         return
@@ -247,16 +260,11 @@ def main() -> None:
                 RECIPES[args.task][family])
             for family in families for arm, arm_overrides in arms(args.precision).items()
             for seed in range(args.seeds)]
-    start = time.perf_counter()
-    with ThreadPoolExecutor(args.jobs) as pool:
-        for index, _ in enumerate(pool.map(execute, runs), 1):
-            print(f"\r{index}/{len(runs)} runs done ({time.perf_counter() - start:.0f} s)", end="", flush=True)
-    print()
+    wall = run_all(runs, args.jobs)
     num_iterations = {family: num_iterations_of(runs, family) for family in families}
     table = summarise(runs, num_iterations)
     header = (f"{args.task}, {'quick' if args.quick else 'full'} setting ({', '.join(overrides)}), {args.seeds} seeds, "
-              f"{args.precision} rollouts, {len(runs)} runs, {time.perf_counter() - start:.0f} s wall with "
-              f"{args.jobs} parallel jobs; command: python scripts/compare_corrections.py {' '.join(sys.argv[1:])}")
+              f"{args.precision} rollouts, {len(runs)} runs, {wall}; command: python scripts/compare_corrections.py {' '.join(sys.argv[1:])}")
     report = markdown(table, header)
     (setting_dir / "comparison.md").write_text(report)
     plot(table, families, setting_dir / "comparison.png")

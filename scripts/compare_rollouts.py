@@ -1,6 +1,6 @@
 """Fast rollouts against exact ones: what approximate diffusion decoding costs in learning, per estimator and correction.
 
-    python scripts/compare_rollouts.py --quick       # 5 arms x 3 seeds, 20 steps (4 of them: 12.5 min on 2 quiet cores)
+    python scripts/compare_rollouts.py --quick       # 5 arms x 3 seeds, 20 steps: 18 min on 2 quiet cores
     python scripts/compare_rollouts.py               # the full grid, 30 steps: fast settings x corrections x estimators
     python scripts/compare_rollouts.py --arms "trajectory dual+t0.9/adaptive AIS" --seeds 3   # chosen arms, 30 steps
 
@@ -29,11 +29,9 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from compare_corrections import (RECIPES, REPOSITORY, Run, execute, mean_ci, num_iterations_of, plot, slug,
+from compare_corrections import (RECIPES, REPOSITORY, Run, mean_ci, num_iterations_of, plot, run_all, slug,
                                  study_directory, summarise)
 
 SETTINGS = {  # task -> setting -> overrides: steps, held-out prompts (>= 256: paired comparisons), eval every
@@ -168,16 +166,11 @@ def main() -> None:
     runs = [Run("llada", name, seed, (*arm_overrides(name), *overrides), setting_dir / slug(name) / f"seed{seed}",
                 RECIPES[args.task]["llada"])
             for name in names for seed in range(args.seeds)]
-    start = time.perf_counter()
-    with ThreadPoolExecutor(args.jobs) as pool:
-        for index, _ in enumerate(pool.map(execute, runs), 1):
-            print(f"\r{index}/{len(runs)} runs done ({time.perf_counter() - start:.0f} s)", end="", flush=True)
-    print()
+    wall = run_all(runs, args.jobs)
     table = summarise(runs, {"llada": num_iterations_of(runs, "llada")})
     recipe = RECIPES[args.task]["llada"]
     header = (f"{'quick' if args.quick else 'full'} setting ({', '.join(overrides)}), {args.seeds} seeds, "
-              f"{recipe.relative_to(REPOSITORY) if recipe else 'embedded LLaDA digits recipe'} (FP8 rollouts), {len(runs)} runs, {time.perf_counter() - start:.0f} s wall with "
-              f"{args.jobs} parallel jobs of one thread; command: python scripts/compare_rollouts.py "
+              f"{recipe.relative_to(REPOSITORY) if recipe else 'embedded LLaDA digits recipe'} (FP8 rollouts), {len(runs)} runs, {wall}; command: python scripts/compare_rollouts.py "
               f"{' '.join(sys.argv[1:])}")
     report = markdown(table, header)
     (setting_dir / "comparison.md").write_text(report)
