@@ -13,9 +13,22 @@ ESTIMATORS = ("one_step", "trajectory", "step_merge", "elbo", "spg")
 # score softmax(logits / τ) along the sampler's commit order, piece by piece.
 TRAJECTORY_ESTIMATORS = ("trajectory", "step_merge")
 SEQUENCE_ESTIMATORS = ("elbo", "spg")  # one estimate per completion, spread over its tokens (DiffusionEstimator)
+# The trajectory-type estimators' commit order: the rollout's own, or the exact decoder's (a replay); and the logits
+# the trajectory estimator scores a cached rollout with: the exact model's, or the rollout decoder's (`replays_decoder`)
+LIKELIHOOD_ORDERS = ("rollout", "exact")
+LIKELIHOOD_DECODERS = ("exact", "rollout")
 CORRECTION_METHODS = ("none", "tis", "mis", "acr", "ais")  # dllm_ais.correction
 IS_LEVELS = ("token", "sequence", "geometric")
 ALPHA_RULES = ("adaptive", "gate", "oracle")
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # dllm_ais.loss
 RATIO_TYPES = ("token", "ctpo")
 REWARD_SCALINGS = ("none", "group", "batch")
+
+
+def replays_decoder(estimator: str, likelihood_order: str, likelihood_decoder: str, cache: str) -> bool:
+    """Whether the trajectory estimator scores the rollout decoder's own logits: `likelihood_decoder=rollout` with a
+    block cache, along the rollout's commit order. The trainer then replays the cached decoder, so the ratio sees the
+    precision only and the fast decoder is the policy trained. Without a cache the decoder's logits are the exact
+    model's and the trajectory replay is the same thing."""
+    return (estimator == "trajectory" and likelihood_order == "rollout" and likelihood_decoder == "rollout"
+            and cache != "none")

@@ -17,8 +17,9 @@ from typing import Any
 import yaml
 
 from dllm_ais.choices import (
-    ALPHA_RULES, CACHE_MODES, CORRECTION_METHODS, ESTIMATORS, FIDELITY_MODES, IS_LEVELS, LOSS_TYPES, PRECISIONS,
-    RATIO_TYPES, REWARD_SCALINGS, SEQUENCE_ESTIMATORS, TRAJECTORY_ESTIMATORS,
+    ALPHA_RULES, CACHE_MODES, CORRECTION_METHODS, ESTIMATORS, FIDELITY_MODES, IS_LEVELS, LIKELIHOOD_DECODERS,
+    LIKELIHOOD_ORDERS, LOSS_TYPES, PRECISIONS, RATIO_TYPES, REWARD_SCALINGS, SEQUENCE_ESTIMATORS, TRAJECTORY_ESTIMATORS,
+    replays_decoder,
 )
 from dllm_ais.tasks import TaskNames
 from dllm_ais.trackers import TRACKERS, normalize_report_to
@@ -37,8 +38,6 @@ EMBEDDED_MODELS = {  # name usable as model_name_or_path -> directory shipped in
 EMBEDDED_MODEL_DIR = EMBEDDED_MODELS[EMBEDDED_MODEL]
 EMBEDDED_RECIPE = EMBEDDED_MODEL_DIR / "recipe.yaml"
 POLICIES = ("auto", "diffusion", "autoregressive")
-LIKELIHOOD_ORDERS = ("rollout", "exact")
-LIKELIHOOD_DECODERS = ("exact", "rollout")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 
@@ -319,12 +318,10 @@ class GRPOConfig:
 
     @property
     def replays_decoder(self) -> bool:
-        """Whether the trajectory estimator scores the rollout decoder's own logits (`likelihood_decoder=rollout` with a
-        `rollout_cache`, along the rollout's order): the trainer replays the cached decoder, so the ratio sees the
-        precision only and the fast decoder is the policy trained. Without a cache the decoder's logits are the
-        exact model's and the trajectory replay is the same thing."""
-        return (self.likelihood_estimator == "trajectory" and self.likelihood_order == "rollout"
-                and self.likelihood_decoder == "rollout" and self.rollout_cache != "none")
+        """Whether the trajectory estimator scores the rollout decoder's own (cached) logits
+        (`dllm_ais.choices.replays_decoder`)."""
+        return replays_decoder(self.likelihood_estimator, self.likelihood_order, self.likelihood_decoder,
+                               self.rollout_cache)
 
     def decoding(self, exact: bool) -> "GRPOConfig":
         """This config as an evaluation decodes: `exact` = d1's protocol (no cache, no parallel commits, whatever the

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
 import torch
 from torch import nn
 
-from dllm_ais.choices import SEQUENCE_ESTIMATORS, TRAJECTORY_ESTIMATORS
+from dllm_ais.choices import SEQUENCE_ESTIMATORS, TRAJECTORY_ESTIMATORS, replays_decoder
 from dllm_ais.data import tokenize_prompts
 from dllm_ais.likelihood import (
     DIFFUSION_ESTIMATORS, BoundSettings, EstimatorSettings, LogprobPiece, causal_logprobs, whole_piece,
@@ -134,9 +134,9 @@ class DiffusionPolicy:
 
     @property
     def replays_decoder(self) -> bool:
-        """Whether the trajectory estimator scores the decoder's own (cached) logits: `GRPOConfig.replays_decoder`."""
-        return (self.estimator == "trajectory" and self.likelihood_order == "rollout"
-                and self.likelihood_decoder == "rollout" and self.sampler_config.cache != "none")
+        """Whether the trajectory estimator scores the decoder's own (cached) logits
+        (`dllm_ais.choices.replays_decoder`)."""
+        return replays_decoder(self.estimator, self.likelihood_order, self.likelihood_decoder, self.sampler_config.cache)
 
     def with_decoder(self, sampler_config: DiffusionSamplerConfig) -> "DiffusionPolicy":
         """This policy (its sampler's class and stages, its estimator) decoding with other sampler settings."""
