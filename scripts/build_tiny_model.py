@@ -19,8 +19,8 @@ small are copying errors that a hundred RL steps barely move (BENCHMARKS.md, "Wh
 
 chain_sum (`task: reasoning_gym`, `task_args` in `LONG_TASK_ARGS`: 3 terms of 2-3 digits): the demonstrations
 work every operation in columns with explicit carries and borrows (`chain_sum_steps.py`). A share of them (Qwen3
-0.7, LLaDA 0.5; rows without a carry or borrow stay correct) drops the first carry or borrow of the chain — the one mistake,
-worked consistently to a wrong answer the verifier rejects, that the model's own samples sometimes avoid. These models
+0.7, LLaDA 0.5; rows without a carry or borrow stay correct) drops the first carry or borrow of the chain — the one
+mistake, worked consistently to a wrong answer the verifier rejects, that the model's own samples sometimes avoid. These models
 get their own tokenizer (`build_tokenizer.build_word_tokenizer`, 256 tokens): the character one plus BPE merges inside
 words learned from the SFT rows, so the fixed instructions shrink (prompt ~98 tokens instead of ~306) while every
 digit stays one token. Demonstrations are then 61-131 tokens with the end-of-turn token (median 89; the few over 128
@@ -30,8 +30,8 @@ drawn per step), so it also ends its answer on the 256-token canvas of d1's prot
 Prints the greedy validation reward of the result.
 
 Measured (2 CPU cores, 1 thread each): the Qwen3 chain_sum warm start (800 steps, 13-20 min) reaches greedy validation
-accuracy 79 % at noise 0.5 and 25 % at noise 0.7 (shipped); the LLaDA one (2400 steps, about 2 h) reaches 0.8 % under d1's
-protocol: its masked-diffusion SFT at this size and budget does not learn the column arithmetic (with every other
+accuracy 79 % at noise 0.5 and 25 % at noise 0.7 (shipped); the LLaDA one (2400 steps, about 2 h) reaches 0.8 % under
+d1's protocol: its masked-diffusion SFT at this size and budget does not learn the column arithmetic (with every other
 token visible it predicts a column's result digit right 75 % of the time; 300 more steps with block-wise masks moved
 nothing), so no LLaDA chain_sum model is shipped and its recipe stays in recipes/drafts/.
 """
@@ -63,7 +63,6 @@ from dllm_ais.policy import build_policy  # noqa: E402
 from dllm_ais.sft import SFTConfig, run_sft  # noqa: E402
 from dllm_ais.tasks import get_task  # noqa: E402
 
-ASSETS = Path(__file__).resolve().parent.parent / "dllm_ais" / "assets"
 LONG_TASK_ARGS = {"dataset": "chain_sum", "min_terms": 3, "max_terms": 3, "min_digits": 2, "max_digits": 3}
 
 
@@ -121,9 +120,8 @@ def fitting(rows, tokenizer, gen_length: int):
 class WarmStartTask:
     """What a warm start learns: the RL task it serves (`task`, `task_args`), its noisy SFT demonstrations
     (`demonstrations(rows, noise_fraction, seed)` adds a `completion` column; `noise_fractions` per family), the
-    canvas they need, and its
-    tokenizer: characters, or with `word_vocab_size` characters plus BPE merges inside words learned from the SFT
-    rows (`build_word_tokenizer`)."""
+    canvas they need, and its tokenizer: characters, or with `word_vocab_size` characters plus BPE merges inside words
+    learned from the SFT rows (`build_word_tokenizer`)."""
 
     task: str
     demonstrations: Callable[[Any, float, int], Any]
@@ -145,7 +143,7 @@ WARM_START_TASKS = {
     "chain_sum": WarmStartTask("reasoning_gym", chain_sum_demonstrations, noise_fractions={"llada": 0.5, "qwen3": 0.7},
                                gen_length=128, max_positions=1024, task_args=LONG_TASK_ARGS, word_vocab_size=256,
                                diffusion_max_gen_length=256,
-                               output_dirs={"llada": ASSETS / "tiny_llada_chain_sum",
+                               output_dirs={"llada": EMBEDDED_MODELS["embedded"].parent / "tiny_llada_chain_sum",
                                             "qwen3": EMBEDDED_MODELS["embedded-qwen3-chain-sum"]}),
 }
 

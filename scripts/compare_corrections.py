@@ -264,7 +264,8 @@ def main() -> None:
     num_iterations = {family: num_iterations_of(runs, family) for family in families}
     table = summarise(runs, num_iterations)
     header = (f"{args.task}, {'quick' if args.quick else 'full'} setting ({', '.join(overrides)}), {args.seeds} seeds, "
-              f"{args.precision} rollouts, {len(runs)} runs, {wall}; command: python scripts/compare_corrections.py {' '.join(sys.argv[1:])}")
+              f"{args.precision} rollouts, {len(runs)} runs, {wall}; "
+              f"command: python scripts/compare_corrections.py {' '.join(sys.argv[1:])}")
     report = markdown(table, header)
     (setting_dir / "comparison.md").write_text(report)
     plot(table, families, setting_dir / "comparison.png")

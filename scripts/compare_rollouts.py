@@ -4,13 +4,14 @@
     python scripts/compare_rollouts.py               # the full grid, 30 steps: fast settings x corrections x estimators
     python scripts/compare_rollouts.py --arms "trajectory dual+t0.9/adaptive AIS" --seeds 3   # chosen arms, 30 steps
 
-Every arm trains the shipped tiny LLaDA recipe (`dllm-ais train`: digits, FP8 rollouts, LoRA) through the CLI from
-the same seeds, changing only the rollout decoder (`rollout_cache`, `rollout_threshold`), the likelihood estimator
-(with `likelihood_order` and `likelihood_decoder` for the trajectory one: `trajectory` is the exact model's replay of
-the rollout's trajectory, `trajectory@decoder` the replay of the rollout decoder itself, cache included,
-`trajectory@exact-order` the completion replayed along the exact decoder's order) and the correction. Each run's held-out score is measured twice on
-the same validation prompts, greedy: decoded exactly (d1's protocol: no cache, no parallel commits — `eval/*`), and
-decoded by the run's own rollout sampler (`eval/rollout_sampler/*`, what a user deploying the fast decoder gets).
+Every arm trains the shipped tiny LLaDA recipe (`dllm-ais train`: digits, FP8 rollouts, LoRA) through the CLI from the
+same seeds, changing only the rollout decoder (`rollout_cache`, `rollout_threshold`), the likelihood estimator (with
+`likelihood_order` and `likelihood_decoder` for the trajectory one: `trajectory` is the exact model's replay of the
+rollout's trajectory, `trajectory@decoder` the replay of the rollout decoder itself, cache included,
+`trajectory@exact-order` the completion replayed along the exact decoder's order) and the correction. Each run's
+held-out score is measured twice on the same validation prompts, greedy: decoded exactly (d1's protocol: no cache, no
+parallel commits — `eval/*`), and decoded by the run's own rollout sampler (`eval/rollout_sampler/*`, what a user
+deploying the fast decoder gets).
 
 Each fast arm is paired, seed by seed, with the exact-rollout arm of its estimator, and each other estimator's
 exact-rollout arm with the one-step estimator's (same seed: same prompts, same initial model). Output in --output-dir/<quick|full>/: `comparison.md` — per arm, held-out accuracy and reward under
@@ -170,8 +171,8 @@ def main() -> None:
     table = summarise(runs, {"llada": num_iterations_of(runs, "llada")})
     recipe = RECIPES[args.task]["llada"]
     header = (f"{'quick' if args.quick else 'full'} setting ({', '.join(overrides)}), {args.seeds} seeds, "
-              f"{recipe.relative_to(REPOSITORY) if recipe else 'embedded LLaDA digits recipe'} (FP8 rollouts), {len(runs)} runs, {wall}; command: python scripts/compare_rollouts.py "
-              f"{' '.join(sys.argv[1:])}")
+              f"{recipe.relative_to(REPOSITORY) if recipe else 'embedded LLaDA digits recipe'} (FP8 rollouts), "
+              f"{len(runs)} runs, {wall}; command: python scripts/compare_rollouts.py {' '.join(sys.argv[1:])}")
     report = markdown(table, header)
     (setting_dir / "comparison.md").write_text(report)
     plot_front(table, setting_dir / "front.png")
