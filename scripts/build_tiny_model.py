@@ -31,9 +31,10 @@ Prints the greedy validation reward of the result.
 
 Measured (2 CPU cores, 1 thread each): the Qwen3 chain_sum warm start (800 steps, 13-20 min) reaches greedy validation
 accuracy 79 % at noise 0.5 and 25 % at noise 0.7 (shipped); the LLaDA one (2400 steps, about 2 h) reaches 0.8 % under
-d1's protocol: its masked-diffusion SFT at this size and budget does not learn the column arithmetic (with every other
-token visible it predicts a column's result digit right 75 % of the time; 300 more steps with block-wise masks moved
-nothing), so no LLaDA chain_sum model is shipped and its recipe stays in recipes/drafts/.
+d1's protocol: its masked-diffusion SFT at this size and budget learns to copy results from later lines, not to
+work them out (`probe_warm_start.py`: digits 86 % right with the rest of the demonstration visible, 67 % with
+everything after them masked; 300 more steps with block-wise masks moved nothing), so no LLaDA chain_sum model is
+shipped and its recipe stays in recipes/drafts/.
 """
 
 from __future__ import annotations
