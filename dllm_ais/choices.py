@@ -23,6 +23,7 @@ ALPHA_RULES = ("adaptive", "gate", "oracle")
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # dllm_ais.loss
 RATIO_TYPES = ("token", "ctpo")
 REWARD_SCALINGS = ("none", "group", "batch")
+SFT_MASKINGS = ("random", "prefix")  # dllm_ais.sft: masked-diffusion SFT masks
 
 
 def replays_decoder(estimator: str, likelihood_order: str, likelihood_decoder: str, cache: str) -> bool:

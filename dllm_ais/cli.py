@@ -7,7 +7,7 @@ import logging
 import sys
 from contextlib import contextmanager
 
-from dllm_ais.choices import PRECISIONS
+from dllm_ais.choices import PRECISIONS, SFT_MASKINGS
 
 MAIN_HELP = """\
 RL fine-tuning of masked-diffusion (LLaDA) and autoregressive (Qwen3) LMs with FP8 rollouts and
@@ -349,7 +349,8 @@ def _sft(args: argparse.Namespace, overrides: list[str]) -> int:
     mask_id = model.config.mask_token_id if is_diffusion("auto", model.config.model_type) else None
     dataset = load_task_dataset(args.task, split="train", size=args.dataset_size, seed=args.seed, task_args=task_args)
     config = SFTConfig(steps=args.steps, batch_size=args.batch_size, learning_rate=args.learning_rate,
-                       gen_length=args.gen_length, max_gen_length=args.max_gen_length, seed=args.seed)
+                       gen_length=args.gen_length, max_gen_length=args.max_gen_length, seed=args.seed,
+                       masking=args.masking)
     losses = run_sft(model, tokenizer, dataset, config, mask_token_id=mask_id)
     with atomic_directory(args.output_dir, args.overwrite) as staging:
         model.save_pretrained(staging)
@@ -445,6 +446,9 @@ def build_parser() -> argparse.ArgumentParser:
     sft.add_argument("--gen_length", type=int, default=16)
     sft.add_argument("--max_gen_length", type=int, default=None,
                      help="pad each step's answers to a length drawn from gen_length..this in steps of 32")
+    sft.add_argument("--masking", choices=SFT_MASKINGS, default="random",
+                     help="LLaDA models: i.i.d. masks (LLaDA's SFT), or prefix masks — everything from a random cut in "
+                          "the answer masked, so worked answers cannot be learnt by copying their later lines")
     sft.add_argument("--dataset_size", type=int, default=None)
     sft.add_argument("--dtype", default="auto")
     sft.add_argument("--seed", type=int, default=0)

@@ -32,7 +32,8 @@ EMBEDDED_MODEL = "embedded"
 EMBEDDED_MODELS = {  # name usable as model_name_or_path -> directory shipped inside the package
     EMBEDDED_MODEL: Path(__file__).parent / "assets" / "tiny_llada",
     f"{EMBEDDED_MODEL}-qwen3": Path(__file__).parent / "assets" / "tiny_qwen3",
-    # the long-completion warm start on reasoning-gym chain sums (recipes/tiny_qwen3_chain_sum.yaml)
+    # the long-completion warm starts on reasoning-gym chain sums (recipes/tiny_{llada,qwen3}_chain_sum.yaml)
+    f"{EMBEDDED_MODEL}-llada-chain-sum": Path(__file__).parent / "assets" / "tiny_llada_chain_sum",
     f"{EMBEDDED_MODEL}-qwen3-chain-sum": Path(__file__).parent / "assets" / "tiny_qwen3_chain_sum",
 }
 EMBEDDED_MODEL_DIR = EMBEDDED_MODELS[EMBEDDED_MODEL]
@@ -67,7 +68,7 @@ class GRPOConfig:
     # --- model ---
     model_name_or_path: str = field(default=EMBEDDED_MODEL, metadata={**PATH,
         "help": f"Hub id or local directory of the policy; {', '.join(map(repr, EMBEDDED_MODELS))} = the tiny models "
-                "shipped with the package (LLaDA and Qwen3 on digits; Qwen3 on chain sums)."})
+                "shipped with the package (LLaDA and Qwen3 on digits and on chain sums)."})
     policy: str = field(default="auto", metadata={**_choice(*POLICIES),
         "help": "diffusion (LLaDA-style masked diffusion) or autoregressive; auto: diffusion iff model_type is llada."})
     dtype: str = field(default="auto", metadata={**_choice(*DTYPES),

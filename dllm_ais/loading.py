@@ -14,8 +14,8 @@ END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|endoftext|>")
 
 
 def resolve_model_path(name_or_path: str) -> str:
-    """The directory or hub id to load: `embedded`, `embedded-qwen3` and `embedded-qwen3-chain-sum` name the tiny
-    models shipped in the package."""
+    """The directory or hub id to load: `embedded`, `embedded-qwen3`, `embedded-llada-chain-sum` and
+    `embedded-qwen3-chain-sum` name the tiny models shipped in the package."""
     if name_or_path in EMBEDDED_MODELS:
         directory = EMBEDDED_MODELS[name_or_path]
         if not (directory / "config.json").is_file():

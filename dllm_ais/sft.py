@@ -7,6 +7,14 @@ probability p (the prompt never), and
     L = (1/|a|) · Σ_{masked i} −log p_θ(x_i | x_masked) / p
 
 averaged over the batch. EOS padding after the answer is part of the target, so the model learns to stop.
+
+Prefix masks (`SFTConfig(masking="prefix")`, beyond LLaDA's recipe): per sequence a cut c drawn uniformly over the
+answer's tokens, the answer before c clean, every position from c on masked, and the `prefix_window` tokens from c
+scored with plain cross-entropy. Nothing after a scored token is ever visible, so a worked answer that repeats its
+results on later lines (a column's digit in the line's total) cannot be learnt by copying them back — which is what
+the i.i.d. masks above mostly teach on such answers (BENCHMARKS.md §10). It is the conditional that block-wise
+low-confidence decoding of the first masked tokens needs. A `random_masking_share` of the steps keeps the i.i.d. loss,
+so the model still fills any masked pattern.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from dllm_ais.choices import SFT_MASKINGS
 from dllm_ais.data import tokenize_prompts
 from dllm_ais.likelihood import causal_position_ids
 
@@ -34,6 +43,26 @@ def masked_diffusion_sft_loss(model, input_ids: torch.Tensor, attention_mask: to
     rows = masked.nonzero()[:, 0]
     answer_length = answer_mask.sum(1).clamp(min=1)
     return (token_loss / (p_mask[rows] * answer_length[rows])).sum() / batch
+
+
+def prefix_masked_sft_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, answer_mask: torch.Tensor,
+                           answer_lengths: torch.Tensor, mask_token_id: int, window: int = 8,
+                           generator: torch.Generator | None = None) -> torch.Tensor:
+    """Prefix-mask loss (module docstring) for a batch [B, T] whose answers start at one column (left-padded prompts):
+    cut c_b ~ U{0, …, answer_lengths_b − 1} within the answer, positions ≥ c_b masked, and
+
+        L = mean over b and c_b ≤ i < c_b + window (inside the canvas) of −log p_θ(x_i | x_<c_b).
+    """
+    batch, width = input_ids.shape
+    answer_start = width - int(answer_mask[0].sum())
+    cut = answer_start + (torch.rand(batch, generator=generator, device=input_ids.device)
+                          * answer_lengths.clamp(min=1)).long()
+    position = torch.arange(width, device=input_ids.device)
+    masked = position[None, :] >= cut[:, None]
+    scored = masked & (position[None, :] < (cut + window)[:, None])
+    noisy = torch.where(masked, torch.full_like(input_ids, mask_token_id), input_ids)
+    logits = model(noisy, attention_mask=attention_mask).logits
+    return F.cross_entropy(logits[scored].float(), input_ids[scored])
 
 
 def causal_sft_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, answer_mask: torch.Tensor,
@@ -77,6 +106,13 @@ class SFTConfig:
     # max_gen_length, so a masked-diffusion model learns to end its answer on any canvas in that range.
     max_gen_length: int | None = None
     seed: int = 0
+    masking: str = "random"  # masked-diffusion masks: "random" (LLaDA's i.i.d. ones) or "prefix" (module docstring)
+    prefix_window: int = 8  # prefix masks: tokens scored after the cut
+    random_masking_share: float = 0.2  # prefix masks: the share of steps that use the i.i.d. masks instead
+
+    def __post_init__(self):
+        if self.masking not in SFT_MASKINGS:
+            raise ValueError(f"masking={self.masking!r}: one of {', '.join(SFT_MASKINGS)}")
 
     def canvas_lengths(self) -> list[int]:
         """The answer lengths a step may pad to."""
@@ -104,6 +140,10 @@ def run_sft(model, tokenizer, dataset, config: SFTConfig, mask_token_id: int | N
         batch = build_sft_batch(tokenizer, rows["prompt"], rows[answer_column], gen_length, device)
         if mask_token_id is None:
             loss = causal_sft_loss(model, *batch)
+        elif config.masking == "prefix" and torch.rand(1, generator=order).item() >= config.random_masking_share:
+            input_ids, _, answer_mask = batch
+            answer_lengths = (answer_mask & (input_ids != tokenizer.eos_token_id)).sum(1)
+            loss = prefix_masked_sft_loss(model, *batch, answer_lengths, mask_token_id, config.prefix_window, generator)
         else:
             loss = masked_diffusion_sft_loss(model, *batch, mask_token_id=mask_token_id, generator=generator)
         loss.backward()

@@ -20,7 +20,7 @@ says when it is not).
 
     python scripts/bench_rollout.py                                  # gen 64 and 256, block 32, 1024 prompts
     python scripts/bench_rollout.py --gen-lengths 64 --num-prompts 64 --batch 32    # a quick check
-    python scripts/bench_rollout.py --recipe recipes/tiny_llada_chain_sum.yaml --gen-lengths 128 256 --tokens-per-step 2
+    python scripts/bench_rollout.py --recipe recipes/drafts/tiny_llada_chain_sum.yaml --gen-lengths 128 256 --tokens-per-step 2
                                                                      # the long-completion model, d1's steps = gen/2
 
 The embedded model is trained on 16-token completions; longer canvases are EOS-padded, which is where parallel

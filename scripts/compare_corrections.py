@@ -6,8 +6,8 @@
     python scripts/compare_corrections.py --task chain_sum --quick   # the long-completion models and recipes
 
 Every arm trains the shipped tiny recipe of `--task` (digits — LLaDA: `dllm-ais train`; Qwen3:
-recipes/tiny_qwen3_digits_fp8_ais.yaml; chain_sum — recipes/tiny_{llada,qwen3}_chain_sum.yaml) through the CLI from
-the same seeds, changing only `rollout_precision` and `correction`:
+recipes/tiny_qwen3_digits_fp8_ais.yaml; chain_sum — recipes/tiny_qwen3_chain_sum.yaml, and the LLaDA draft
+recipes/drafts/tiny_llada_chain_sum.yaml) through the CLI from the same seeds, changing only `rollout_precision` and `correction`:
 
   bf16 (reference)   rollout_precision=bf16, correction=none — on-policy
   <p> uncorrected    rollout_precision=<p>,  correction=none
@@ -39,7 +39,8 @@ from pathlib import Path
 REPOSITORY = Path(__file__).resolve().parents[1]
 RECIPES = {  # task -> family -> the recipe its arms train (None: the embedded one)
     "digits": {"llada": None, "qwen3": REPOSITORY / "recipes" / "tiny_qwen3_digits_fp8_ais.yaml"},
-    "chain_sum": {family: REPOSITORY / "recipes" / f"tiny_{family}_chain_sum.yaml" for family in ("llada", "qwen3")},
+    "chain_sum": {"llada": REPOSITORY / "recipes" / "drafts" / "tiny_llada_chain_sum.yaml",  # a draft: BENCHMARKS §10
+                  "qwen3": REPOSITORY / "recipes" / "tiny_qwen3_chain_sum.yaml"},
 }
 REFERENCE_ARM = "bf16 (reference)"
 SETTINGS = {  # task -> setting -> overrides: steps, held-out prompts, eval every (none: the recipe's own)

@@ -153,7 +153,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help=f"{SETTINGS['digits']['quick']['max_steps']} steps (digits) and only the arms {', '.join(QUICK_ARMS)}")
     parser.add_argument("--task", choices=tuple(RECIPES), default="digits",
-                        help="digits: the embedded LLaDA recipe; chain_sum: recipes/tiny_llada_chain_sum.yaml")
+                        help="digits: the embedded LLaDA recipe; chain_sum: recipes/drafts/tiny_llada_chain_sum.yaml")
     parser.add_argument("--arms", default=None, help="comma-separated arm names (estimator decoder correction)")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time (one CPU thread each)")

@@ -163,7 +163,8 @@ def test_sft_takes_task_args_and_names_a_bad_one(tmp_path, capsys):
     assert "did you mean 'chain_sum'" in capsys.readouterr().err
     out = tmp_path / "model"
     assert main(["sft", "--task=reasoning_gym", "--task_args={dataset: chain_sum, max_digits: 2}", "--steps=1",
-                 "--gen_length=32", "--dataset_size=8", "--batch_size=4", f"--output_dir={out}"]) == 0
+                 "--gen_length=32", "--dataset_size=8", "--batch_size=4", "--masking=prefix",
+                 f"--output_dir={out}"]) == 0
     assert (out / "model.safetensors").is_file()
 
 

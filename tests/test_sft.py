@@ -1,14 +1,15 @@
-"""The SFT warm-start stage (dllm_ais.sft): its canvas, the LLaDA masked-diffusion loss against the hand formula, and
-the answer lengths a step pads to."""
+"""The SFT warm-start stage (dllm_ais.sft): its canvas, the LLaDA masked-diffusion loss against the hand formula, the
+leak-free prefix masks, and the answer lengths a step pads to."""
 
 import math
 from types import SimpleNamespace
 
 import datasets
+import pytest
 import torch
 
 from dllm_ais.loading import load_tokenizer
-from dllm_ais.sft import SFTConfig, build_sft_batch, masked_diffusion_sft_loss, run_sft
+from dllm_ais.sft import SFTConfig, build_sft_batch, masked_diffusion_sft_loss, prefix_masked_sft_loss, run_sft
 
 
 class UniformLM(torch.nn.Module):
@@ -19,9 +20,11 @@ class UniformLM(torch.nn.Module):
         super().__init__()
         self.bias = torch.nn.Parameter(torch.zeros(vocab))
         self.widths: list[int] = []
+        self.inputs: list[torch.Tensor] = []
 
     def forward(self, input_ids, attention_mask=None, position_ids=None):
         self.widths.append(input_ids.shape[1])
+        self.inputs.append(input_ids)
         return SimpleNamespace(logits=self.bias.expand(*input_ids.shape, -1))
 
 
@@ -68,3 +71,61 @@ def test_each_step_pads_to_a_drawn_length_between_gen_length_and_max_gen_length(
         widths[max_gen_length] = {width - min(model.widths) for width in model.widths}
     assert widths[None] == {0}
     assert widths[96] >= {0, 32} and widths[96] <= {0, 32, 64}
+
+
+class SpyLM(torch.nn.Module):
+    """Predicts every position's token from what it is given there: the logit of the visible token is 20, so a
+    visible target costs almost nothing and a masked one log(vocab)-ish."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab = vocab
+        self.scale = torch.nn.Parameter(torch.tensor(20.0))
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        return SimpleNamespace(logits=self.scale * torch.nn.functional.one_hot(input_ids, self.vocab).float())
+
+
+def test_prefix_masks_hide_everything_from_a_cut_inside_the_answer_and_score_the_window_after_it():
+    vocab, mask_id, prompt, answer, window = 13, 12, 3, 10, 4
+    input_ids = torch.randint(mask_id, (64, prompt + answer))
+    answer_mask = torch.zeros_like(input_ids, dtype=torch.bool)
+    answer_mask[:, prompt:] = True
+    answer_lengths = torch.randint(1, answer + 1, (64,))
+    model = UniformLM(vocab)
+    loss = prefix_masked_sft_loss(model, input_ids, torch.ones_like(input_ids), answer_mask, answer_lengths, mask_id,
+                                  window, torch.Generator().manual_seed(0))
+    assert math.isclose(loss.item(), math.log(vocab), rel_tol=1e-5)  # every scored token costs log(vocab)
+    cuts = []
+    for row, noisy in enumerate(model.inputs[0]):
+        masked = (noisy == mask_id).nonzero().flatten()
+        cut = masked[0].item()
+        assert masked.tolist() == list(range(cut, prompt + answer))  # a suffix: nothing after the cut is visible
+        assert torch.equal(noisy[:cut], input_ids[row, :cut])
+        assert prompt <= cut < prompt + answer_lengths[row]
+        cuts.append(cut - prompt)
+    assert len(set(cuts)) > 5
+    # a model that can only copy what it sees gets no scored token for free: every scored token is masked
+    spy = prefix_masked_sft_loss(SpyLM(vocab), input_ids, torch.ones_like(input_ids), answer_mask, answer_lengths,
+                                 mask_id, window, torch.Generator().manual_seed(0))
+    assert spy.item() > 10
+
+
+def test_prefix_masking_keeps_a_share_of_random_steps_and_rejects_an_unknown_masking():
+    tokenizer = load_tokenizer("embedded")
+    rows = datasets.Dataset.from_dict({"prompt": [chat("12"), chat("34")], "answer": ["1 2 3 4 5 6", "2 2 4 4 6 6"]})
+    suffix_steps = {}
+    for share in (0.0, 0.5):
+        model = UniformLM(len(tokenizer))
+        run_sft(model, tokenizer, rows, SFTConfig(steps=40, batch_size=2, gen_length=32, warmup_steps=0,
+                                                  masking="prefix", random_masking_share=share),
+                mask_token_id=tokenizer.mask_token_id)
+        suffix_steps[share] = 0
+        for noisy in model.inputs:
+            masked = noisy == tokenizer.mask_token_id
+            suffix = all(masked[row, masked[row].nonzero()[0]:].all() for row in range(2) if masked[row].any())
+            suffix_steps[share] += suffix and masked.any(1).all().item()
+    assert suffix_steps[0.0] == 40
+    assert 5 < suffix_steps[0.5] < 35
+    with pytest.raises(ValueError, match="masking='blocks'"):
+        SFTConfig(masking="blocks")
