@@ -143,7 +143,8 @@ def run_sft(model, tokenizer, dataset, config: SFTConfig, mask_token_id: int | N
         elif config.masking == "prefix" and torch.rand(1, generator=order).item() >= config.random_masking_share:
             input_ids, _, answer_mask = batch
             answer_lengths = (answer_mask & (input_ids != tokenizer.eos_token_id)).sum(1)
-            loss = prefix_masked_sft_loss(model, *batch, answer_lengths, mask_token_id, config.prefix_window, generator)
+            loss = prefix_masked_sft_loss(model, *batch, answer_lengths, mask_token_id, config.prefix_window,
+                                          generator)
         else:
             loss = masked_diffusion_sft_loss(model, *batch, mask_token_id=mask_token_id, generator=generator)
         loss.backward()

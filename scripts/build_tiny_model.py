@@ -41,7 +41,8 @@ a random ratio, the blocks before it clean and those after it masked — per ste
 as much as prefix masks, so the builder leaves it out) and a constant rate 5e-4 in the prefix stage: 2400 + 3250 +
 5250 steps, about 2 h (1 thread) + 73 min + 2 h 30 min (2 threads, at times shared). Validation accuracy under d1's
 protocol (64 prompts) over its prefix stage: 0 % at its start, 10.9 % after 2750 steps, 20.3 % after 4250, 32.8 %
-after 4750; test accuracy (256 prompts) after 5250: 20.3 ± 2.5 % at gen 128 (BENCHMARKS.md §10). This builder's two-stage schedule has not been run end to end.
+after 4750; test accuracy (256 prompts) after 5250: 20.3 ± 2.5 % at gen 128 (BENCHMARKS.md §10). This builder's
+two-stage schedule has not been run end to end.
 """
 
 from __future__ import annotations
