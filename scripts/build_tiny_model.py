@@ -215,8 +215,8 @@ def main() -> None:
                      answer_column="completion")
     prefix_steps = spec.diffusion_prefix_steps if args.prefix_steps is None else args.prefix_steps
     if diffusion and prefix_steps:
-        prefix_sft = replace(sft, steps=prefix_steps, learning_rate=args.learning_rate / 2,
-                                         masking="prefix", seed=args.seed + 1)
+        prefix_sft = replace(sft, steps=prefix_steps, learning_rate=args.learning_rate / 2, masking="prefix",
+                             seed=args.seed + 1)
         losses += run_sft(model, tokenizer, train, prefix_sft, mask_token_id=tokenizer.mask_token_id,
                           answer_column="completion")
     config = GRPOConfig(policy="diffusion" if args.family == "llada" else "autoregressive", task=spec.task,

@@ -7,7 +7,8 @@
 
 Every arm trains the shipped tiny recipe of `--task` (digits — LLaDA: `dllm-ais train`; Qwen3:
 recipes/tiny_qwen3_digits_fp8_ais.yaml; chain_sum — recipes/tiny_qwen3_chain_sum.yaml, and the LLaDA draft
-recipes/drafts/tiny_llada_chain_sum.yaml) through the CLI from the same seeds, changing only `rollout_precision` and `correction`:
+recipes/drafts/tiny_llada_chain_sum.yaml) through the CLI from the same seeds, changing only `rollout_precision` and
+`correction`:
 
   bf16 (reference)   rollout_precision=bf16, correction=none — on-policy
   <p> uncorrected    rollout_precision=<p>,  correction=none
