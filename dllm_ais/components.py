@@ -16,7 +16,7 @@ from dllm_ais.engine import RolloutEngine
 from dllm_ais.loading import load_model, resolve_dtype
 from dllm_ais.validation import problem_list
 from dllm_ais.policy import (CustomSampler, DiffusionPolicy, Policy, build_policy,
-                             custom_policy_problems, lora_target_modules)
+                             custom_policy_problems, is_diffusion, lora_target_modules)
 
 
 @dataclass
@@ -58,16 +58,18 @@ def make_accelerator(config: GRPOConfig) -> Accelerator:
 def training_policies(config: GRPOConfig, model_config, tokenizer, sampler: CustomSampler | None = None,
                       policy: Policy | None = None) -> tuple[Policy, Policy, Policy | None]:
     """The run's policies: the one it samples and scores with, the exact greedy decoder of held-out validation, and
-    the greedy decoder of the run's own sampler when that is not the exact one (scored after training as
+    the greedy decoder of the run's own sampler when that is not d1's protocol (scored after training as
     `eval/rollout_sampler/*`).
 
     The first is built from the config, or around `sampler` (a `MaskedDiffusionSampler` subclass or instance,
-    `build_policy`), or is `policy` itself (any `Policy`). Validation always decodes with the config's exact decoder
-    (d1's protocol: LLaDA's own algorithm, greedy, no cache, no parallel commits), whatever samples the rollouts. The
-    own sampler's score exists for fast rollouts (cache, parallel decoding) and for every custom sampler
-    (`sampler=`, or a `DiffusionPolicy` as `policy=`): its greedy copy (`MaskedDiffusionSampler.with_config`); a
-    `policy` of another kind has none. Raises ConfigError naming what `sampler`/`policy` get wrong
-    (`custom_policy_problems`) or a refusal of `DiffusionPolicy` (an estimator that cannot score the sampler).
+    `build_policy`), or is `policy` itself (any `Policy`). Validation always decodes with d1's protocol
+    (`GRPOConfig.decoding`: LLaDA's own algorithm, greedy, low-confidence remasking, max_completion_length / 2 steps,
+    no cache, no parallel commits, no guidance), whatever samples the rollouts. The own sampler's score exists for
+    rollouts that decode otherwise (a cache, parallel commits, another order or step count, guidance) and for every
+    custom sampler (`sampler=`, or a `DiffusionPolicy` as `policy=`): its greedy copy
+    (`MaskedDiffusionSampler.with_config`); a `policy` of another kind has none. Raises ConfigError naming what
+    `sampler`/`policy` get wrong (`custom_policy_problems`) or a refusal of `DiffusionPolicy` (an estimator that
+    cannot score the sampler).
     """
     problems = custom_policy_problems(config, model_config, tokenizer, sampler, policy)
     if problems:
@@ -80,7 +82,9 @@ def training_policies(config: GRPOConfig, model_config, tokenizer, sampler: Cust
     except ValueError as error:
         raise ConfigError(problem_list("Cannot start the run:", [str(error)])) from error
     own_sampler_policy = None
-    if sampler is not None or (policy is None and config.fast_rollouts):
+    rollouts_decode_otherwise = (is_diffusion(config.policy, getattr(model_config, "model_type", None))
+                                 and config.decoding(exact=False) != config.decoding(exact=True))
+    if sampler is not None or (policy is None and rollouts_decode_otherwise):
         own_sampler_policy = build_policy(config.decoding(exact=False), model_config, tokenizer, temperature=0.0,
                                           sampler=sampler)
     return run_policy, greedy_policy, own_sampler_policy

@@ -43,6 +43,15 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 
 
+def d1_protocol_fields(gen_length: int, block_length: int) -> dict[str, Any]:
+    """The config fields of d1's evaluation decoder at ``gen_length``: LLaDA's own sampler with low-confidence
+    remasking, blocks of min(block_length, gen_length), gen_length / 2 steps (two tokens per step), no block cache, no
+    parallel commits, no guidance. Held-out validation and `dllm-ais eval` both decode with it."""
+    return {"max_completion_length": gen_length, "block_length": min(block_length, gen_length),
+            "diffusion_steps": max(gen_length // 2, 1), "remasking": "low_confidence", "rollout_cache": "none",
+            "rollout_threshold": None, "rollout_factor": None, "rollout_cache_refresh_interval": None, "cfg_scale": 0.0}
+
+
 def _choice(*options: str) -> dict:
     return {"choices": options}
 
@@ -325,11 +334,11 @@ class GRPOConfig:
                                self.rollout_cache)
 
     def decoding(self, exact: bool) -> "GRPOConfig":
-        """This config as an evaluation decodes: `exact` = d1's protocol (no cache, no parallel commits, whatever the
-        rollouts use), else the rollout sampler; either way without the trajectory estimator's order replay."""
-        fast = {} if not exact else {"rollout_cache": "none", "rollout_threshold": None, "rollout_factor": None,
-                                     "rollout_cache_refresh_interval": None}
-        return dataclasses.replace(self, likelihood_order="rollout", **fast)
+        """This config as an evaluation decodes: `exact` = d1's protocol at this completion and block length
+        (`d1_protocol_fields`), whatever the rollouts use (order, steps, cache, parallel commits, guidance), else the
+        rollout sampler; either way without the trajectory estimator's order replay."""
+        protocol = d1_protocol_fields(self.max_completion_length, self.block_length) if exact else {}
+        return dataclasses.replace(self, likelihood_order="rollout", **protocol)
 
     @property
     def generation_batch_size(self) -> int:
@@ -357,8 +366,12 @@ class GRPOConfig:
             (self.policy == "autoregressive"
              or self.diffusion_steps % max(self.max_completion_length // self.block_length, 1) == 0,
              f"diffusion_steps={self.diffusion_steps} must be a multiple of the number of blocks, max_completion_length "
-             f"/ block_length = {self.max_completion_length // self.block_length} (the exact decoder, which validation "
-             "and rollout_fidelity use whatever the rollouts use, follows its fixed schedule)"),
+             f"/ block_length = {self.max_completion_length // self.block_length} (the exact decoder, which "
+             "rollout_fidelity, rollout_exact_fraction and likelihood_order=exact use, follows its fixed schedule)"),
+            (self.policy == "autoregressive" or self.block_length % 2 == 0
+             or self.block_length >= self.max_completion_length,
+             f"block_length={self.block_length} must be even: held-out validation decodes with d1's protocol, "
+             f"max_completion_length / 2 = {self.max_completion_length // 2} steps, a whole number per block"),
             (self.policy == "autoregressive" or self.diffusion_steps <= self.max_completion_length,
              f"diffusion_steps={self.diffusion_steps} must be <= max_completion_length={self.max_completion_length} "
              "(at most one denoising step per token)"),

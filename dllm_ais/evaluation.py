@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from dllm_ais.config import d1_protocol_fields
 from dllm_ais.loading import resolve_model_path
 from dllm_ais.policy import sample_prompts
 from dllm_ais.rewards import RewardTable, score_rollout_table
@@ -191,10 +192,6 @@ class EvalProtocol:
     gen_lengths: tuple[int, ...]
     block_length: int
     temperature: float = 0.0
-    remasking: str = "low_confidence"
-    rollout_cache: str = "none"
-    rollout_threshold: float | None = None
-    cfg_scale: float = 0.0
 
     @classmethod
     def for_task(cls, task: Task, gen_lengths: tuple[int, ...] | None = None, block_length: int | None = None,
@@ -203,15 +200,13 @@ class EvalProtocol:
         return cls(tuple(gen_lengths or task.eval_gen_lengths), block_length or task.eval_block_length, temperature)
 
     def sampler_fields(self, gen_length: int) -> dict[str, Any]:
-        """The config fields of the sampler at ``gen_length``: block min(block_length, gen_length), gen_length / 2
-        steps, and the protocol's remasking, cache, parallel-decoding and guidance settings."""
-        return {"max_completion_length": gen_length, "block_length": min(self.block_length, gen_length),
-                "diffusion_steps": max(gen_length // 2, 1), "remasking": self.remasking,
-                "rollout_cache": self.rollout_cache, "rollout_threshold": self.rollout_threshold,
-                "cfg_scale": self.cfg_scale}
+        """The config fields of the sampler at ``gen_length`` (`d1_protocol_fields`)."""
+        return d1_protocol_fields(gen_length, self.block_length)
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "steps": "gen_length / 2", "gen_lengths": list(self.gen_lengths)}
+        fixed = {name: value for name, value in d1_protocol_fields(2, self.block_length).items()
+                 if name not in ("max_completion_length", "block_length", "diffusion_steps")}
+        return {**asdict(self), **fixed, "steps": "gen_length / 2", "gen_lengths": list(self.gen_lengths)}
 
 
 # --------------------------------------------------------------------------------------------- provenance

@@ -211,8 +211,16 @@ def report_damaged_lines(path: Path, damaged: list[int], kept: list[bytes], step
           f"valid line(s) up to step {step}{aside}", file=sys.stderr)
 
 
+def plotted_points(records: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
+    """(step, value) of `key` over `records`, led by the run's baseline at step 0 when a record holds `<key>_before`
+    (the closing record's held-out score before training)."""
+    baseline = [(0, r[f"{key}_before"]) for r in records if r.get(f"{key}_before") is not None][:1]
+    return baseline + [(r["step"], r[key]) for r in records if r.get(key) is not None]
+
+
 def plot_metrics(records: list[dict[str, Any]], path: str | Path, keys: tuple[str, ...] = PLOTTED) -> Path | None:
-    """Save a grid of metric-versus-step panels (one per key present) to `path`; returns it, or None if nothing to plot."""
+    """Save a grid of metric-versus-step panels (one per key present; `plotted_points`) to `path`; returns it, or
+    None if nothing to plot."""
     present = [k for k in keys if any(r.get(k) is not None for r in records)]
     if not present:
         return None
@@ -225,8 +233,7 @@ def plot_metrics(records: list[dict[str, Any]], path: str | Path, keys: tuple[st
     rows = math.ceil(len(present) / columns)
     figure, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.0 * rows), squeeze=False)
     for ax, key in zip(axes.flat, present):
-        points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
-        ax.plot(*zip(*points), marker=".", linewidth=1)
+        ax.plot(*zip(*plotted_points(records, key)), marker=".", linewidth=1)
         ax.set_title(key, fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

@@ -67,7 +67,7 @@ class GRPOTrainer:
             subclass, a `functools.partial`); every estimator scores its `block_logits` as sampled.
         policy: any object with the `dllm_ais.policy.Policy` protocol, to sample and score with instead of the
             config's (not with `sampler`).
-        Held-out validation decodes with the config's exact decoder whatever samples the rollouts; a custom sampler's
+        Held-out validation decodes with d1's protocol whatever samples the rollouts; a custom sampler's
         own greedy score is reported after training as `eval/rollout_sampler/*` (`components.training_policies`).
     """
 

@@ -22,6 +22,7 @@ says when it is not).
     python scripts/bench_rollout.py --gen-lengths 64 --num-prompts 64 --batch 32    # a quick check
     python scripts/bench_rollout.py --recipe recipes/drafts/tiny_llada_chain_sum.yaml --gen-lengths 128 256 --tokens-per-step 2
                                                                      # the long-completion model, d1's steps = gen/2
+    python scripts/bench_rollout.py ... --variants dual,dual+threshold   # the official algorithm and these only
 
 The embedded model is trained on 16-token completions; longer canvases are EOS-padded, which is where parallel
 decoding and the cache save most. Timings depend on the machine and its load: compare ratios from one run only.
@@ -134,7 +135,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu", help="cpu (the issue's setting) or cuda")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads for torch; 0 = torch's default")
     parser.add_argument("--seed", type=int, default=0, help="held-out prompt draw")
+    parser.add_argument("--variants", help="comma-separated variants to run beside the official algorithm, e.g. "
+                        "'dual,dual+threshold' (default: all)")
     args = parser.parse_args(argv)
+    chosen = None if args.variants is None else {"official", *(name.strip() for name in args.variants.split(","))}
+    known = list(variants(args.threshold, 1, 1))
+    if chosen is not None and not chosen <= set(known):
+        parser.error(f"--variants: unknown {sorted(chosen - set(known))}; choose from {', '.join(known)}")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -169,6 +176,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{'reward ± SE':>16} {'Δ vs official ± SE (paired)':>28} {'accuracy ± SE':>16} {'Δ ± SE (paired)':>18}")
         results = {}
         for name, fields in variants(args.threshold, steps, gen_length).items():
+            if chosen is not None and name not in chosen:
+                continue
             config = GRPOConfig(max_completion_length=gen_length, block_length=args.block_length, temperature=0.0,
                                 output_dir=tempfile.gettempdir(), **fields).validate()
             policy = build_policy(config, model.config, tokenizer)

@@ -4,9 +4,10 @@
     python scripts/compare_rollouts.py               # the full grid, 30 steps: fast settings x corrections x estimators
     python scripts/compare_rollouts.py --arms "trajectory dual+t0.9/adaptive AIS" --seeds 3   # chosen arms, 30 steps
 
-Every arm trains the shipped tiny LLaDA recipe (`dllm-ais train`: digits, FP8 rollouts, LoRA) through the CLI from the
-same seeds, changing only the rollout decoder (`rollout_cache`, `rollout_threshold`), the likelihood estimator (with
-`likelihood_order` and `likelihood_decoder` for the trajectory one: `trajectory` is the exact model's replay of the
+Every arm trains the shipped tiny LLaDA recipe (`dllm-ais train`: digits, FP8 rollouts, LoRA; with `--task chain_sum`
+the draft recipes/drafts/tiny_llada_chain_sum.yaml, BF16 rollouts) through the CLI from the same seeds, changing only
+the rollout decoder (`rollout_cache`, `rollout_threshold`), the likelihood estimator (with `likelihood_order` and
+`likelihood_decoder` for the trajectory one: `trajectory` is the exact model's replay of the
 rollout's trajectory, `trajectory@decoder` the replay of the rollout decoder itself, cache included,
 `trajectory@exact-order` the completion replayed along the exact decoder's order) and the correction. Each run's
 held-out score is measured twice on the same validation prompts, greedy: decoded exactly (d1's protocol: no cache, no
@@ -32,8 +33,10 @@ import math
 import sys
 from pathlib import Path
 
-from compare_corrections import (RECIPES, REPOSITORY, Run, mean_ci, num_iterations_of, plot, run_all, slug,
-                                 study_directory, summarise)
+from dllm_ais.config import EMBEDDED_RECIPE, load_config
+
+from compare_corrections import (RECIPES, REPOSITORY, Run, as_overrides, mean_ci, num_iterations_of, plot, run_all,
+                                 slug, study_directory, summarise)
 
 SETTINGS = {  # task -> setting -> overrides: steps, held-out prompts (>= 256: paired comparisons), eval every
     # 20 steps: the 30-step runs' step-20 evaluations already show both claims (trajectory: 88.7 % exact rollouts
@@ -162,7 +165,7 @@ def main() -> None:
     setting = SETTINGS[args.task]["quick" if args.quick else "full"]
     names = args.arms.split(",") if args.arms else QUICK_ARMS if args.quick else all_arms()
     names = list(dict.fromkeys([*(reference_arm(name) for name in names), *names]))  # references first
-    overrides = tuple(f"--{key}={value}" for key, value in setting.items()) + tuple(extra)
+    overrides = as_overrides(setting) + tuple(extra)
     setting_dir = study_directory(args.output_dir, args.task, args.quick, extra)
     runs = [Run("llada", name, seed, (*arm_overrides(name), *overrides), setting_dir / slug(name) / f"seed{seed}",
                 RECIPES[args.task]["llada"])
@@ -171,7 +174,8 @@ def main() -> None:
     table = summarise(runs, {"llada": num_iterations_of(runs, "llada")})
     recipe = RECIPES[args.task]["llada"]
     header = (f"{'quick' if args.quick else 'full'} setting ({', '.join(overrides)}), {args.seeds} seeds, "
-              f"{recipe.relative_to(REPOSITORY) if recipe else 'embedded LLaDA digits recipe'} (FP8 rollouts), "
+              f"{recipe.relative_to(REPOSITORY) if recipe else 'embedded LLaDA digits recipe'} "
+              f"({load_config(recipe or EMBEDDED_RECIPE).rollout_precision} rollouts), "
               f"{len(runs)} runs, {wall}; command: python scripts/compare_rollouts.py {' '.join(sys.argv[1:])}")
     report = markdown(table, header)
     (setting_dir / "comparison.md").write_text(report)

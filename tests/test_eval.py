@@ -64,7 +64,8 @@ def test_evaluate_policy_keeps_every_prompts_values_in_dataset_order():
 def test_the_protocol_is_d1s_for_real_tasks_and_the_embedded_recipes_for_digits():
     gsm8k = EvalProtocol.for_task(get_task("gsm8k"))
     assert gsm8k == EvalProtocol((128, 256, 512), 32, 0.0)
-    d1_sampler = {"remasking": "low_confidence", "rollout_cache": "none", "rollout_threshold": None, "cfg_scale": 0.0}
+    d1_sampler = {"remasking": "low_confidence", "rollout_cache": "none", "rollout_threshold": None,
+                  "rollout_factor": None, "rollout_cache_refresh_interval": None, "cfg_scale": 0.0}
     assert gsm8k.sampler_fields(256) == {"max_completion_length": 256, "block_length": 32, "diffusion_steps": 128,
                                          **d1_sampler}
     digits = EvalProtocol.for_task(get_task("digits"))
@@ -95,7 +96,8 @@ def test_eval_on_the_embedded_digits_task_writes_the_report_and_table(tmp_path, 
     assert report["task"] == "digits" and report["split"] == "test" and report["full_split"] is True
     assert report["protocol"] == {"name": "d1", "gen_lengths": [16], "block_length": 16, "temperature": 0.0,
                                   "remasking": "low_confidence", "rollout_cache": "none", "rollout_threshold": None,
-                                  "cfg_scale": 0.0, "steps": "gen_length / 2", "batch_size": 128}
+                                  "rollout_factor": None, "rollout_cache_refresh_interval": None, "cfg_scale": 0.0,
+                                  "steps": "gen_length / 2", "batch_size": 128}
     (entry,) = report["results"]
     assert entry["num_prompts"] == len(load_task_dataset("digits", "test")) == 500
     accuracy = torch.tensor(entry["per_prompt"]["accuracy"])

@@ -98,6 +98,10 @@ def test_an_exact_share_needs_fast_rollouts_and_the_exact_decoder_needs_a_valid_
     assert GRPOConfig(rollout_exact_fraction=0.5, rollout_threshold=0.9).problems() == []
     (found,) = GRPOConfig(rollout_threshold=0.9, diffusion_steps=12).problems()  # 8 blocks
     assert found.startswith("diffusion_steps=12 must be a multiple of the number of blocks")
+    # held-out validation decodes d1's protocol, max_completion_length / 2 steps, whatever the rollouts' schedule
+    (found,) = GRPOConfig(max_completion_length=15, block_length=5, diffusion_steps=15).problems()
+    assert found.startswith("block_length=5 must be even: held-out validation decodes with d1's protocol")
+    assert GRPOConfig(max_completion_length=15, block_length=15, diffusion_steps=15).problems() == []
 
 
 ADAPTIVE = dict(**FAST, rollout_fidelity="adaptive", rollout_fidelity_k3_max=0.0,  # every batch's k3 is above 0

@@ -175,3 +175,14 @@ def test_probe_finds_the_digits_warm_start_competent(monkeypatch, capsys):
     rows = {line.split("|")[1].strip(): [float(cell) for cell in line.split("|")[2:4]]
             for line in capsys.readouterr().out.splitlines() if line.startswith(("| token", "| suffix"))}
     assert rows["token"][0] > 0.95 and rows["suffix"][0] > 0.8
+
+
+def test_rollout_benchmark_runs_the_chosen_variants_beside_the_official_algorithm(capsys):
+    bench = load_script("bench_rollout")
+    bench.main(["--gen-lengths", "16", "--block-length", "16", "--num-prompts", "4", "--batch", "4",
+                "--variants", "dual"])
+    rows = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.endswith("thread(s)]")]
+    assert rows == ["official", "dual"]
+    with pytest.raises(SystemExit):
+        bench.main(["--variants", "dual,bogus"])
+    assert "unknown ['bogus']; choose from official, prefix, dual" in capsys.readouterr().err

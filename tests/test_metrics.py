@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dllm_ais.metrics import (MetricsLog, completion_metrics, console_line, distinct_completions, ends_with_eos,
-                              mismatch_warnings, reward_metrics)
+                              mismatch_warnings, plotted_points, reward_metrics)
 
 
 def test_reward_metrics_are_trls_group_statistics():
@@ -64,3 +64,10 @@ def test_distinct_completions_counts_each_groups_different_completions_within_th
     mask = torch.tensor([[1, 1, 0], [1, 1, 0], [1, 1, 1], [1, 1, 1]], dtype=torch.bool)
     assert distinct_completions(ids, mask, num_generations=2).tolist() == [0.5, 0.5]
     assert distinct_completions(ids, torch.ones_like(mask), num_generations=2).tolist() == [1.0, 0.5]
+
+
+def test_held_out_curves_start_from_the_baseline():
+    records = [{"step": 1, "reward": 0.5}, {"step": 60, "eval/accuracy": 0.26},
+               {"step": 120, "eval/accuracy": 0.28, "eval/accuracy_before": 0.25}]
+    assert plotted_points(records, "eval/accuracy") == [(0, 0.25), (60, 0.26), (120, 0.28)]
+    assert plotted_points(records, "reward") == [(1, 0.5)]
