@@ -151,13 +151,13 @@ def test_step_merge_trains_with_a_backward_per_segment_and_an_engine_side_when_i
 def test_validation_decodes_exactly_whatever_the_rollouts_use(tokenizer, tmp_path):
     """d1's protocol: a run with fast rollouts (dual cache, threshold) scores its validation prompts with the exact
     decoder — the same per-prompt rewards as a run with exact rollouts — and reports its own sampler's score beside
-    it after training (`eval/rollout_sampler/*`). A run whose rollouts go left to right, one token per step, is
-    validated the same way: low-confidence remasking, max_completion_length / 2 steps."""
+    it after training (`eval/rollout_sampler/*`). A run whose rollouts go left to right, one token per step, without
+    a cache, is validated the same way (low-confidence remasking, max_completion_length / 2 steps) and has its own
+    sampler's score too; a run that rolls out with d1's protocol has none."""
     validation = make_digits_dataset(8, seed=5)
     fast = make_trainer(tokenizer, tmp_path / "fast", rollout_cache="dual", rollout_threshold=0.9, eval_size=8)
     exact = make_trainer(tokenizer, tmp_path / "exact", eval_size=8)
-    in_order = make_trainer(tokenizer, tmp_path / "in_order", remasking="left_to_right", diffusion_steps=8,
-                            rollout_cache="prefix", eval_size=8)
+    in_order = make_trainer(tokenizer, tmp_path / "in_order", remasking="left_to_right", diffusion_steps=8, eval_size=8)
     for trainer in (fast, in_order):
         exact_decoder = trainer.parts.greedy_policy.sampler_config
         assert (exact_decoder.cache, exact_decoder.threshold, exact_decoder.factor) == ("none", None, None)
