@@ -43,13 +43,17 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 
 
+# d1's evaluation decoder, whatever the length: LLaDA's own sampler, no block cache, no parallel commits, no guidance
+D1_SAMPLER_FIELDS = {"remasking": "low_confidence", "rollout_cache": "none", "rollout_threshold": None,
+                     "rollout_factor": None, "rollout_cache_refresh_interval": None, "cfg_scale": 0.0}
+
+
 def d1_protocol_fields(gen_length: int, block_length: int) -> dict[str, Any]:
-    """The config fields of d1's evaluation decoder at ``gen_length``: LLaDA's own sampler with low-confidence
-    remasking, blocks of min(block_length, gen_length), gen_length / 2 steps (two tokens per step), no block cache, no
-    parallel commits, no guidance. Held-out validation and `dllm-ais eval` both decode with it."""
+    """The config fields of d1's evaluation decoder at ``gen_length``: `D1_SAMPLER_FIELDS` with blocks of
+    min(block_length, gen_length) and gen_length / 2 steps (two tokens per step). Held-out validation and
+    `dllm-ais eval` both decode with it."""
     return {"max_completion_length": gen_length, "block_length": min(block_length, gen_length),
-            "diffusion_steps": max(gen_length // 2, 1), "remasking": "low_confidence", "rollout_cache": "none",
-            "rollout_threshold": None, "rollout_factor": None, "rollout_cache_refresh_interval": None, "cfg_scale": 0.0}
+            "diffusion_steps": max(gen_length // 2, 1), **D1_SAMPLER_FIELDS}
 
 
 def _choice(*options: str) -> dict:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from dllm_ais.config import d1_protocol_fields
+from dllm_ais.config import D1_SAMPLER_FIELDS, d1_protocol_fields
 from dllm_ais.loading import resolve_model_path
 from dllm_ais.policy import sample_prompts
 from dllm_ais.rewards import RewardTable, score_rollout_table
@@ -204,9 +204,7 @@ class EvalProtocol:
         return d1_protocol_fields(gen_length, self.block_length)
 
     def to_dict(self) -> dict[str, Any]:
-        fixed = {name: value for name, value in d1_protocol_fields(2, self.block_length).items()
-                 if name not in ("max_completion_length", "block_length", "diffusion_steps")}
-        return {**asdict(self), **fixed, "steps": "gen_length / 2", "gen_lengths": list(self.gen_lengths)}
+        return {**asdict(self), **D1_SAMPLER_FIELDS, "steps": "gen_length / 2", "gen_lengths": list(self.gen_lengths)}
 
 
 # --------------------------------------------------------------------------------------------- provenance
