@@ -6,6 +6,8 @@ its digits task):
 
     official            the LLaDA algorithm: one full forward per step, `--tokens-per-step` tokens per step
     prefix / dual       + block KV cache (rollout_cache)
+    dual+refresh        + the dual cache also refreshed every `--refresh-interval` steps inside a block
+                        (rollout_cache_refresh_interval; 1 = every step, the official algorithm's logits)
     threshold           + confidence-threshold parallel decoding (rollout_threshold, default 0.9)
     prefix+threshold, dual+threshold
     AR-order+prefix     remasking=left_to_right, one token per step, prefix cache refreshed every block
@@ -23,6 +25,7 @@ says when it is not).
     python scripts/bench_rollout.py --recipe recipes/drafts/tiny_llada_chain_sum.yaml --gen-lengths 128 256 --tokens-per-step 2
                                                                      # the long-completion model, d1's steps = gen/2
     python scripts/bench_rollout.py ... --variants dual,dual+threshold   # the official algorithm and these only
+    python scripts/bench_rollout.py ... --variants dual+refresh --refresh-interval 8   # refreshed every 8 steps
 
 The embedded model is trained on 16-token completions; longer canvases are EOS-padded, which is where parallel
 decoding and the cache save most. Timings depend on the machine and its load: compare ratios from one run only.
@@ -48,12 +51,13 @@ from dllm_ais.rewards import resolve_reward_functions, score_rollout_table
 from dllm_ais.tasks import get_task
 
 
-def variants(threshold: float, steps: int, gen_length: int) -> dict[str, dict]:
+def variants(threshold: float, steps: int, gen_length: int, refresh_interval: int) -> dict[str, dict]:
     """Variant name -> GRPOConfig fields of its sampler."""
     variant_fields = {
         "official": {},
         "prefix": dict(rollout_cache="prefix"),
         "dual": dict(rollout_cache="dual"),
+        "dual+refresh": dict(rollout_cache="dual", rollout_cache_refresh_interval=refresh_interval),
         f"threshold {threshold}": dict(rollout_threshold=threshold),
         "prefix+threshold": dict(rollout_cache="prefix", rollout_threshold=threshold),
         "dual+threshold": dict(rollout_cache="dual", rollout_threshold=threshold),
@@ -130,6 +134,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens-per-step", type=int, default=1,
                         help="official algorithm and fixed-schedule variants: steps = gen_length / this")
     parser.add_argument("--threshold", type=float, default=0.9)
+    parser.add_argument("--refresh-interval", type=int, default=4,
+                        help="dual+refresh: steps between cache refreshes inside a block")
     parser.add_argument("--num-prompts", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--device", default="cpu", help="cpu (the issue's setting) or cuda")
@@ -139,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
                         "'dual,dual+threshold' (default: all)")
     args = parser.parse_args(argv)
     chosen = None if args.variants is None else {"official", *(name.strip() for name in args.variants.split(","))}
-    known = list(variants(args.threshold, 1, 1))
+    known = list(variants(args.threshold, 1, 1, 1))
     if chosen is not None and not chosen <= set(known):
         parser.error(f"--variants: unknown {sorted(chosen - set(known))}; choose from {', '.join(known)}")
     if args.threads > 0:
@@ -170,12 +176,12 @@ def main(argv: list[str] | None = None) -> None:
     for gen_length in args.gen_lengths:
         steps = gen_length // args.tokens_per_step
         settings = (f"gen_length={gen_length} block_length={args.block_length} official steps={steps} "
-                    f"threshold={args.threshold} | {where}")
+                    f"threshold={args.threshold} refresh_interval={args.refresh_interval} | {where}")
         print(f"\n== {settings} ==")
         print(f"{'variant':<18} {'speed-up':>9} {'positions/token':>16} {'agreement':>10} {'steps/row':>10} "
               f"{'reward ± SE':>16} {'Δ vs official ± SE (paired)':>28} {'accuracy ± SE':>16} {'Δ ± SE (paired)':>18}")
         results = {}
-        for name, fields in variants(args.threshold, steps, gen_length).items():
+        for name, fields in variants(args.threshold, steps, gen_length, args.refresh_interval).items():
             if chosen is not None and name not in chosen:
                 continue
             config = GRPOConfig(max_completion_length=gen_length, block_length=args.block_length, temperature=0.0,

@@ -185,4 +185,16 @@ def test_rollout_benchmark_runs_the_chosen_variants_beside_the_official_algorith
     assert rows == ["official", "dual"]
     with pytest.raises(SystemExit):
         bench.main(["--variants", "dual,bogus"])
-    assert "unknown ['bogus']; choose from official, prefix, dual" in capsys.readouterr().err
+    assert "unknown ['bogus']; choose from official, prefix, dual, dual+refresh" in capsys.readouterr().err
+
+
+def test_rollout_benchmark_dual_cache_refreshed_every_step_reproduces_the_official_algorithm(capsys):
+    """dual+refresh at interval 1 recomputes the cache before every step: the official algorithm's greedy tokens."""
+    bench = load_script("bench_rollout")
+    bench.main(["--gen-lengths", "32", "--block-length", "16", "--num-prompts", "4", "--batch", "4",
+                "--variants", "dual,dual+refresh", "--refresh-interval", "1"])
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()
+            if line.endswith("thread(s)]")}
+    assert set(rows) == {"official", "dual", "dual+refresh"}
+    agreement = {name: float(row[3]) for name, row in rows.items()}  # share of the official greedy tokens
+    assert agreement["dual+refresh"] == 1.0 and agreement["dual"] < 1.0
