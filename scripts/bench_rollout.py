@@ -6,8 +6,8 @@ its digits task):
 
     official            the LLaDA algorithm: one full forward per step, `--tokens-per-step` tokens per step
     prefix / dual       + block KV cache (rollout_cache)
-    dual+refresh        + the dual cache also refreshed every `--refresh-interval` steps inside a block
-                        (rollout_cache_refresh_interval; 1 = every step, the official algorithm's logits)
+    dual+refresh/N      + the dual cache also refreshed every N steps inside a block, one row per N of
+                        `--refresh-interval` (rollout_cache_refresh_interval; 1 = every step, the official logits)
     threshold           + confidence-threshold parallel decoding (rollout_threshold, default 0.9)
     prefix+threshold, dual+threshold
     AR-order+prefix     remasking=left_to_right, one token per step, prefix cache refreshed every block
@@ -25,7 +25,7 @@ says when it is not).
     python scripts/bench_rollout.py --recipe recipes/drafts/tiny_llada_chain_sum.yaml --gen-lengths 128 256 --tokens-per-step 2
                                                                      # the long-completion model, d1's steps = gen/2
     python scripts/bench_rollout.py ... --variants dual,dual+threshold   # the official algorithm and these only
-    python scripts/bench_rollout.py ... --variants dual+refresh --refresh-interval 8   # refreshed every 8 steps
+    python scripts/bench_rollout.py ... --variants dual+refresh --refresh-interval 5 6   # refreshed every 5, every 6 steps
 
 The embedded model is trained on 16-token completions; longer canvases are EOS-padded, which is where parallel
 decoding and the cache save most. Timings depend on the machine and its load: compare ratios from one run only.
@@ -51,19 +51,25 @@ from dllm_ais.rewards import resolve_reward_functions, score_rollout_table
 from dllm_ais.tasks import get_task
 
 
-def variants(threshold: float, steps: int, gen_length: int, refresh_interval: int) -> dict[str, dict]:
-    """Variant name -> GRPOConfig fields of its sampler."""
+def variants(threshold: float, steps: int, gen_length: int, refresh_intervals: list[int]) -> dict[str, dict]:
+    """Variant name -> GRPOConfig fields of its sampler; `dual+refresh/N` for each N of `refresh_intervals`."""
     variant_fields = {
         "official": {},
         "prefix": dict(rollout_cache="prefix"),
         "dual": dict(rollout_cache="dual"),
-        "dual+refresh": dict(rollout_cache="dual", rollout_cache_refresh_interval=refresh_interval),
+        **{f"dual+refresh/{interval}": dict(rollout_cache="dual", rollout_cache_refresh_interval=interval)
+           for interval in refresh_intervals},
         f"threshold {threshold}": dict(rollout_threshold=threshold),
         "prefix+threshold": dict(rollout_cache="prefix", rollout_threshold=threshold),
         "dual+threshold": dict(rollout_cache="dual", rollout_threshold=threshold),
         "AR-order+prefix": dict(diffusion_steps=gen_length, remasking="left_to_right", rollout_cache="prefix"),
     }
     return {name: {"diffusion_steps": steps, **fields} for name, fields in variant_fields.items()}
+
+
+def family(variant: str) -> str:
+    """The name `--variants` selects a variant by: `dual+refresh/4` -> `dual+refresh`."""
+    return variant.partition("/")[0]
 
 
 @contextlib.contextmanager
@@ -134,8 +140,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens-per-step", type=int, default=1,
                         help="official algorithm and fixed-schedule variants: steps = gen_length / this")
     parser.add_argument("--threshold", type=float, default=0.9)
-    parser.add_argument("--refresh-interval", type=int, default=4,
-                        help="dual+refresh: steps between cache refreshes inside a block")
+    parser.add_argument("--refresh-interval", type=int, nargs="+", default=[4],
+                        help="dual+refresh: steps between cache refreshes inside a block (one row per value)")
     parser.add_argument("--num-prompts", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--device", default="cpu", help="cpu (the issue's setting) or cuda")
@@ -145,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
                         "'dual,dual+threshold' (default: all)")
     args = parser.parse_args(argv)
     chosen = None if args.variants is None else {"official", *(name.strip() for name in args.variants.split(","))}
-    known = list(variants(args.threshold, 1, 1, 1))
+    known = list(dict.fromkeys(family(name) for name in variants(args.threshold, 1, 1, [1])))
     if chosen is not None and not chosen <= set(known):
         parser.error(f"--variants: unknown {sorted(chosen - set(known))}; choose from {', '.join(known)}")
     if args.threads > 0:
@@ -176,13 +182,13 @@ def main(argv: list[str] | None = None) -> None:
     for gen_length in args.gen_lengths:
         steps = gen_length // args.tokens_per_step
         settings = (f"gen_length={gen_length} block_length={args.block_length} official steps={steps} "
-                    f"threshold={args.threshold} refresh_interval={args.refresh_interval} | {where}")
+                    f"threshold={args.threshold} | {where}")
         print(f"\n== {settings} ==")
         print(f"{'variant':<18} {'speed-up':>9} {'positions/token':>16} {'agreement':>10} {'steps/row':>10} "
               f"{'reward ± SE':>16} {'Δ vs official ± SE (paired)':>28} {'accuracy ± SE':>16} {'Δ ± SE (paired)':>18}")
         results = {}
         for name, fields in variants(args.threshold, steps, gen_length, args.refresh_interval).items():
-            if chosen is not None and name not in chosen:
+            if chosen is not None and family(name) not in chosen:
                 continue
             config = GRPOConfig(max_completion_length=gen_length, block_length=args.block_length, temperature=0.0,
                                 output_dir=tempfile.gettempdir(), **fields).validate()

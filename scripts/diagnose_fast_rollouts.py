@@ -70,7 +70,8 @@ def main() -> None:
     tokenizer = load_tokenizer(config.model_name_or_path)
     model = load_model(config.model_name_or_path, torch.float32).eval()
     task = get_task(config.task)
-    dataset = load_task_dataset(config.task, "validation", size=args.prompts, seed=args.seed)
+    dataset = load_task_dataset(config.task, "validation", path=config.dataset_path, size=args.prompts, seed=args.seed,
+                                task_args=config.task_args)
     G = config.num_generations
     columns = {name: [value for value in dataset[name] for _ in range(G)] for name in dataset.column_names}
     input_ids, attention_mask = tokenize_prompts(tokenizer, columns["prompt"], config.max_prompt_length)

@@ -122,7 +122,7 @@ def gradient_part(config, args) -> None:
     set_seed(config.seed, device_specific=True)
     reward_funcs = resolve_reward_functions(config.reward_funcs or config.task)
     dataset = load_task_dataset(config.task, split="train", path=config.dataset_path, size=config.dataset_size,
-                                seed=config.seed)
+                                seed=config.seed, task_args=config.task_args)
     tokenizer = load_tokenizer(config.model_name_or_path)
     setup = Setup(config, build_components(config, tokenizer, accelerator), tokenizer, reward_funcs)
     setup.parts.model.eval()
@@ -134,6 +134,9 @@ def gradient_part(config, args) -> None:
     zero_std = (rewards.view(-1, G).std(dim=1) == 0).float().mean().item()
     print(f"batch: {args.prompts} prompts x {G}, mean reward {rewards.mean():.4f}, frac_reward_zero_std {zero_std:.3f}, "
           f"temperature {config.temperature}")
+    if zero_std == 1.0:
+        print("every group's completions score alike: the batch carries no gradient; raise --prompts")
+        return
     baseline = expected_reward(setup, columns, seed=config.seed + 1)
     permutations = torch.Generator().manual_seed(1)
     forwards = [0]

@@ -192,9 +192,28 @@ def test_rollout_benchmark_dual_cache_refreshed_every_step_reproduces_the_offici
     """dual+refresh at interval 1 recomputes the cache before every step: the official algorithm's greedy tokens."""
     bench = load_script("bench_rollout")
     bench.main(["--gen-lengths", "32", "--block-length", "16", "--num-prompts", "4", "--batch", "4",
-                "--variants", "dual,dual+refresh", "--refresh-interval", "1"])
+                "--variants", "dual,dual+refresh", "--refresh-interval", "1", "64"])
     rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()
             if line.endswith("thread(s)]")}
-    assert set(rows) == {"official", "dual", "dual+refresh"}
+    assert set(rows) == {"official", "dual", "dual+refresh/1", "dual+refresh/64"}
     agreement = {name: float(row[3]) for name, row in rows.items()}  # share of the official greedy tokens
-    assert agreement["dual+refresh"] == 1.0 and agreement["dual"] < 1.0
+    assert agreement["dual+refresh/1"] == 1.0 and agreement["dual"] < 1.0
+    # Refreshed every 64 steps, past a 16-token block's 16 steps: only at block starts, the plain dual cache.
+    assert agreement["dual+refresh/64"] == agreement["dual"]
+
+
+def test_learning_diagnostics_samples_the_recipes_own_task(monkeypatch, capsys):
+    """The gradient diagnostic draws its batch from the recipe's task with its task_args (chain sums), the rewards
+    then score completions of those prompts."""
+    diagnostics = load_script("learning_diagnostics")
+    drawn = []
+    monkeypatch.setattr(diagnostics, "load_task_dataset",
+                        lambda *args, **kwargs: drawn.append(kwargs) or load_task_dataset(*args, **kwargs))
+    monkeypatch.setattr(sys, "argv", ["learning_diagnostics", str(RECIPES["llada"]), "--part", "gradient",
+                                      "--prompts", "4", "--steps", "", "--permutations", "1", "--num_generations=2",
+                                      "--temperature=1.0", "--per_device_train_batch_size=8",
+                                      "--max_completion_length=128", "--diffusion_steps=16"])
+    diagnostics.main()
+    assert [kwargs["task_args"] for kwargs in drawn] == [builder.LONG_TASK_ARGS]
+    out = capsys.readouterr().out
+    assert "batch: 4 prompts x 2" in out and "[one_step] |g|" in out
