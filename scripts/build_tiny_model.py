@@ -6,6 +6,8 @@ long-completion warm starts on reasoning-gym's chain sums.
     python scripts/build_tiny_model.py --task chain_sum --family qwen3
                                                         # -> dllm_ais/assets/tiny_qwen3_chain_sum (embedded-qwen3-chain-sum)
     python scripts/build_tiny_model.py --task chain_sum # -> dllm_ais/assets/tiny_llada_chain_sum (embedded-llada-chain-sum)
+    python scripts/build_tiny_model.py --task chain_sum --init-from embedded-llada-chain-sum --steps 0 \
+        --prefix-steps 2000 --seed 2 --output-dir DIR   # continue a warm start's SFT (here its prefix-mask stage)
 
 digits: about 15 (LLaDA) and 5 (Qwen3) minutes on one CPU thread (OMP_NUM_THREADS=1), deterministic for a given
 torch build.
@@ -43,6 +45,12 @@ as much as prefix masks, so the builder leaves it out) and a constant rate 5e-4 
 protocol (64 prompts) over its prefix stage: 0 % at its start, 10.9 % after 2750 steps, 20.3 % after 4250, 32.8 %
 after 4750; test accuracy (256 prompts) after 5250: 20.3 ± 2.5 % at gen 128 (BENCHMARKS.md §10). This builder's
 two-stage schedule has not been run end to end.
+
+`--init-from MODEL` continues a warm start instead (its weights and tokenizer; `--steps 0` skips straight to the
+prefix-mask stage) into `--output-dir`, on the training rows of `--seed`'s block. From the shipped LLaDA, `--steps 0
+--prefix-steps 2000 --seed 2` (49 min 29 s, 2 threads, alone) took validation accuracy under d1's protocol from 25.4 %
+to 32.4 % (256 prompts), its wrong greedy answers from 105 to 75 of 128 that are neither demonstration
+(`probe_warm_start.py --decode 128`; BENCHMARKS.md §10).
 """
 
 from __future__ import annotations
@@ -57,7 +65,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, Qwen3Config
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
 
 sys.path.insert(0, str(Path(__file__).parent))
 from build_tokenizer import build_hf_tokenizer, build_word_tokenizer  # noqa: E402
@@ -67,6 +75,7 @@ from dllm_ais.checkpoint import atomic_directory  # noqa: E402
 from dllm_ais.config import EMBEDDED_MODELS, GRPOConfig  # noqa: E402
 from dllm_ais.data import load_task_dataset  # noqa: E402
 from dllm_ais.evaluation import evaluate_policy  # noqa: E402
+from dllm_ais.loading import load_model, load_tokenizer, resolve_model_path  # noqa: E402
 from dllm_ais.models import LLaDAConfig, LLaDAModelLM  # noqa: E402
 from dllm_ais.policy import build_policy  # noqa: E402
 from dllm_ais.sft import SFTConfig, run_sft  # noqa: E402
@@ -174,7 +183,11 @@ def main() -> None:
     parser.add_argument("--output-dir", type=Path)
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--n-layers", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=None, help="default: llada 2400, qwen3 800")
+    parser.add_argument("--init-from", metavar="MODEL",
+                        help="continue the SFT of this warm start (an embedded name or a directory) with its own "
+                             "tokenizer instead of building a new model; needs --output-dir")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="default: llada 2400, qwen3 800; 0 with --init-from skips to the prefix-mask stage")
     parser.add_argument("--prefix-steps", type=int, default=None,
                         help="LLaDA: prefix-mask SFT steps after the i.i.d.-mask ones, at half the learning rate "
                              "(default: " + ", ".join(f"{name} {spec.diffusion_prefix_steps}"
@@ -194,7 +207,10 @@ def main() -> None:
     spec = WARM_START_TASKS[args.task]
     # The masked-diffusion objective learns slower and is less stable at a high rate (2e-3: loss 0.52 after 2400
     # steps, greedy reward 0.29) than next-token SFT at the same size.
-    args.steps = args.steps or {"llada": 2400, "qwen3": 800}[args.family]
+    if args.init_from and not args.output_dir:
+        parser.error("--init-from needs --output-dir (the default is the embedded model's own directory)")
+    if args.steps is None:
+        args.steps = {"llada": 2400, "qwen3": 800}[args.family]
     args.learning_rate = args.learning_rate or {"llada": 1e-3, "qwen3": 2e-3}[args.family]
     noise_fraction = spec.noise_fractions[args.family] if args.noise_fraction is None else args.noise_fraction
     output_dir = args.output_dir or spec.output_dirs[args.family]
@@ -202,17 +218,23 @@ def main() -> None:
     torch.manual_seed(args.seed)
     rows = load_task_dataset(spec.task, "train", size=args.train_size, seed=args.seed, task_args=spec.task_args)
     train = spec.demonstrations(rows, noise_fraction, args.seed)
-    backend = tokenizer_backend(spec, train)
-    tokenizer = build_hf_tokenizer(backend)
-    tokenizer.padding_side = "left"
+    if args.init_from:
+        saved_tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.init_from))  # as it was shipped
+        tokenizer = load_tokenizer(args.init_from)
+        model = load_model(args.init_from, torch.float32).to(args.device)
+    else:
+        backend = tokenizer_backend(spec, train)
+        saved_tokenizer = build_hf_tokenizer(backend)  # as built: the loader sets the padding side
+        tokenizer = build_hf_tokenizer(backend)
+        tokenizer.padding_side = "left"
+        model = tiny_model(args.family, tokenizer, args.d_model, args.n_layers, spec.max_positions).to(args.device)
     train = fitting(train, tokenizer, spec.gen_length)
-    model = tiny_model(args.family, tokenizer, args.d_model, args.n_layers, spec.max_positions).to(args.device)
     diffusion = args.family == "llada"
     sft = SFTConfig(steps=args.steps, batch_size=args.batch_size, learning_rate=args.learning_rate,
                     gen_length=spec.gen_length, max_gen_length=spec.diffusion_max_gen_length if diffusion else None,
                     seed=args.seed)
     losses = run_sft(model, tokenizer, train, sft, mask_token_id=tokenizer.mask_token_id if diffusion else None,
-                     answer_column="completion")
+                     answer_column="completion") if args.steps else []
     prefix_steps = spec.diffusion_prefix_steps if args.prefix_steps is None else args.prefix_steps
     if diffusion and prefix_steps:
         prefix_sft = replace(sft, steps=prefix_steps, learning_rate=args.learning_rate / 2, masking="prefix",
@@ -231,7 +253,7 @@ def main() -> None:
     recipe = output_dir / "recipe.yaml"
     with atomic_directory(output_dir, overwrite=True) as staging:  # replaces only a directory it wrote
         model.cpu().save_pretrained(staging, safe_serialization=True)
-        build_hf_tokenizer(backend).save_pretrained(staging)  # as built: the loader sets the padding side
+        saved_tokenizer.save_pretrained(staging)
         if recipe.is_file():
             (staging / "recipe.yaml").write_text(recipe.read_text())
     print(f"{args.family}: SFT loss {losses[0]:.3f} -> {sum(losses[-20:]) / len(losses[-20:]):.3f} over {len(losses)} "

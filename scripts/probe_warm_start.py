@@ -9,10 +9,17 @@ accuracy of every token of the clean worked demonstrations, under two maskings:
 
     python scripts/probe_warm_start.py --model dllm_ais/assets/tiny_llada_chain_sum --task chain_sum
     python scripts/probe_warm_start.py --model embedded --task digits
+    python scripts/probe_warm_start.py --model embedded-llada-chain-sum --decode 128   # and how its decoder errs
 
 Prints the accuracy over all demonstration tokens and over digit tokens, with the token counts, for each masking.
 A warm start that decodes its worked answers right has both near 1; a large gap (token >> suffix) means its SFT
 learned to copy, not to compute.
+
+``--decode N`` also decodes N validation prompts greedily with d1's protocol (block 32, two tokens per step,
+low-confidence remasking, no cache) and counts the completions that are exactly the clean demonstration, exactly
+the noisy one (the planted mistake: a dropped first carry, a descending sort), or neither. GRPO learns fast from a
+warm start whose wrong answers are mostly the planted mistake — one decision its own samples sometimes get right —
+and slowly from one that errs somewhere different in every answer.
 """
 
 from __future__ import annotations
@@ -26,8 +33,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from build_tiny_model import WARM_START_TASKS  # noqa: E402
 
+from dllm_ais.config import GRPOConfig, d1_protocol_fields  # noqa: E402
 from dllm_ais.data import load_task_dataset  # noqa: E402
 from dllm_ais.loading import load_model, load_tokenizer, special_tokens  # noqa: E402
+from dllm_ais.policy import build_policy, sample_prompts  # noqa: E402
+from dllm_ais.rewards import completion_texts  # noqa: E402
 from dllm_ais.sft import build_sft_batch  # noqa: E402
 
 MASKINGS = ("token", "suffix")
@@ -52,11 +62,35 @@ def probe_accuracy(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     return logits[rows, rows + start].argmax(-1) == input_ids[start:stop]
 
 
+def demonstration_kinds(completions: list[str], clean: list[str], noisy: list[str]) -> dict[str, int]:
+    """How many `completions` are exactly their prompt's clean demonstration, exactly its noisy one, or neither
+    (surrounding whitespace ignored; a prompt whose noisy demonstration is its clean one counts as clean)."""
+    kinds = {"clean": 0, "noisy": 0, "other": 0}
+    for completion, right, wrong in zip(completions, clean, noisy, strict=True):
+        text = completion.strip()
+        kinds["clean" if text == right.strip() else "noisy" if text == wrong.strip() else "other"] += 1
+    return kinds
+
+
+@torch.no_grad()
+def decode_greedily(model, tokenizer, spec, prompts: list, batch_size: int = 64) -> list[str]:
+    """The completions of d1's evaluation protocol (greedy, `d1_protocol_fields`) at the warm start's length."""
+    config = GRPOConfig(policy="diffusion", task=spec.task, task_args=spec.task_args,
+                        **d1_protocol_fields(spec.gen_length, 32))
+    policy = build_policy(config, model.config, tokenizer, temperature=0.0)
+    max_prompt_length, device = spec.max_positions - spec.gen_length, next(model.parameters()).device
+    rollouts = (sample_prompts(policy, model, tokenizer, prompts[start:start + batch_size], max_prompt_length, device,
+                               None) for start in range(0, len(prompts), batch_size))
+    return [text for rollout in rollouts for text in completion_texts(tokenizer, rollout)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="a masked-diffusion warm start (directory, or `embedded`)")
     parser.add_argument("--task", choices=tuple(WARM_START_TASKS), default="chain_sum")
     parser.add_argument("--prompts", type=int, default=32, help="validation prompts whose demonstrations are probed")
+    parser.add_argument("--decode", type=int, default=0, metavar="N",
+                        help="also decode N validation prompts with d1's protocol and count clean / noisy / other")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     spec = WARM_START_TASKS[args.task]
@@ -84,6 +118,14 @@ def main() -> None:
     for masking in MASKINGS:
         hits = torch.cat(correct[masking]).float()
         print(f"| {masking} | {hits.mean():.3f} | {hits[is_digit].mean():.3f} |")
+    if args.decode:
+        rows = load_task_dataset(spec.task, "validation", size=args.decode, seed=args.seed, task_args=spec.task_args)
+        completions = decode_greedily(model, tokenizer, spec, list(rows["prompt"]))
+        kinds = demonstration_kinds(completions, list(spec.demonstrations(rows, 0.0, args.seed)["completion"]),
+                                    list(spec.demonstrations(rows, 1.0, args.seed)["completion"]))
+        print(f"greedy completions under d1's protocol (gen {spec.gen_length}, {len(rows)} validation prompts): "
+              + ", ".join(f"{count} {kind}" for kind, count in kinds.items())
+              + " (exactly the clean demonstration, exactly the noisy one, neither)")
 
 
 if __name__ == "__main__":

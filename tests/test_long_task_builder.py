@@ -16,7 +16,7 @@ from transformers import AutoConfig
 from dllm_ais.cli import main
 from dllm_ais.config import EMBEDDED_MODELS, load_config
 from dllm_ais.data import load_task_dataset, tokenize_prompts
-from dllm_ais.loading import load_tokenizer
+from dllm_ais.loading import load_model, load_tokenizer
 from dllm_ais.tasks.parsing import extract_xml_answer
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
@@ -177,6 +177,22 @@ def test_probe_finds_the_digits_warm_start_competent(monkeypatch, capsys):
     assert rows["token"][0] > 0.95 and rows["suffix"][0] > 0.8
 
 
+def test_demonstration_kinds_tell_the_planted_mistake_from_other_errors():
+    kinds = probe.demonstration_kinds([" 1 2 3\n", "3 2 1", "1 3 2", "9"], clean=["1 2 3", "1 2 3", "1 2 3", "9"],
+                                      noisy=["3 2 1", "3 2 1", "3 2 1", "9"])
+    assert kinds == {"clean": 2, "noisy": 1, "other": 1}
+
+
+def test_probe_decodes_with_d1s_protocol_and_counts_the_planted_mistake(monkeypatch, capsys):
+    """--decode: the digits LLaDA's greedy completions, mostly its clean demonstrations and descending sorts."""
+    monkeypatch.setattr(sys, "argv", ["probe_warm_start", "--model", "embedded", "--task", "digits", "--prompts", "2",
+                                      "--decode", "16"])
+    probe.main()
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("greedy completions"))
+    counts = [int(word) for word in line.split(": ")[1].split() if word.isdigit()]
+    assert len(counts) == 3 and sum(counts) == 16 and counts[0] > counts[2]
+
+
 def test_rollout_benchmark_runs_the_chosen_variants_beside_the_official_algorithm(capsys):
     bench = load_script("bench_rollout")
     bench.main(["--gen-lengths", "16", "--block-length", "16", "--num-prompts", "4", "--batch", "4",
@@ -217,3 +233,26 @@ def test_learning_diagnostics_samples_the_recipes_own_task(monkeypatch, capsys):
     assert [kwargs["task_args"] for kwargs in drawn] == [builder.LONG_TASK_ARGS]
     out = capsys.readouterr().out
     assert "batch: 4 prompts x 2" in out and "[one_step] |g|" in out
+
+
+def test_builder_continues_a_shipped_warm_start_without_touching_it(monkeypatch, tmp_path, capsys):
+    """`--init-from` continues the SFT of an existing warm start (its weights and tokenizer) into --output-dir; the
+    shipped directory is left as it was, and without --output-dir the builder refuses."""
+    shipped = EMBEDDED_MODELS["embedded"]
+    before = {path.name: path.read_bytes() for path in shipped.iterdir() if path.is_file()}
+    with monkeypatch.context() as patch:
+        patch.setattr(sys, "argv", ["build_tiny_model", "--init-from", "embedded", "--steps", "0"])
+        with pytest.raises(SystemExit):
+            builder.main()
+    assert "--init-from needs --output-dir" in capsys.readouterr().err
+    output = tmp_path / "continued"
+    monkeypatch.setattr(sys, "argv", ["build_tiny_model", "--init-from", "embedded", "--steps", "0",
+                                      "--prefix-steps", "2", "--batch-size", "4", "--train-size", "32",
+                                      "--eval-size", "4", "--output-dir", str(output)])
+    builder.main()
+    assert "over 2 steps" in capsys.readouterr().out
+    assert {path.name: path.read_bytes() for path in shipped.iterdir() if path.is_file()} == before
+    assert load_tokenizer(str(output)).get_vocab() == load_tokenizer("embedded").get_vocab()
+    continued, original = (load_model(name, torch.float32).state_dict() for name in (str(output), "embedded"))
+    assert continued.keys() == original.keys()
+    assert any(not torch.equal(continued[name], original[name]) for name in original)
