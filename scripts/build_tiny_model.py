@@ -48,7 +48,7 @@ two-stage schedule has not been run end to end.
 
 `--init-from MODEL` continues a warm start instead (its weights and tokenizer; `--steps 0` skips straight to the
 prefix-mask stage) into `--output-dir`, on the training rows of `--seed`'s block. From the shipped LLaDA, `--steps 0
---prefix-steps 2000 --seed 2` (49 min 29 s, 2 threads, alone) took validation accuracy under d1's protocol from 25.4 %
+--prefix-steps 2000 --seed 2` (49 min 29 s, 2 threads) took validation accuracy under d1's protocol from 25.4 %
 to 32.4 % (256 prompts), its wrong greedy answers from 105 to 75 of 128 that are neither demonstration
 (`probe_warm_start.py --decode 128`; BENCHMARKS.md §10).
 """
