@@ -33,3 +33,13 @@ def replays_decoder(estimator: str, likelihood_order: str, likelihood_decoder: s
     model's and the trajectory replay is the same thing."""
     return (estimator == "trajectory" and likelihood_order == "rollout" and likelihood_decoder == "rollout"
             and cache != "none")
+
+
+def block_fraction_problem(block_fraction: float, estimator: str) -> str | None:
+    """Why `likelihood_block_fraction` cannot go with `estimator` (None when it can): drawing blocks of the
+    denoising trajectory is for the estimators that replay it."""
+    if block_fraction == 1 or estimator in TRAJECTORY_ESTIMATORS:
+        return None
+    return (f"likelihood_block_fraction={block_fraction} scores a random share of the denoising trajectory's blocks, "
+            f"which likelihood_estimator={estimator} does not replay: set likelihood_estimator to "
+            f"{' or '.join(TRAJECTORY_ESTIMATORS)}, or likelihood_block_fraction=1")

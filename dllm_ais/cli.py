@@ -239,7 +239,7 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
                          "(set --gen_lengths and --block_length)") from None
     dataset = load_task_dataset(config.task, split=args.split, path=config.dataset_path, size=args.limit,
                                 seed=config.seed, task_args=config.task_args)
-    batch_size = args.batch_size or config.per_device_train_batch_size
+    batch_size = args.batch_size or config.eval_batch_size
     results = []
     for gen_length, policy in policies.items():
         start = time.perf_counter()
@@ -400,7 +400,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--gen_lengths", type=comma_separated_ints,
                           help="comma-separated completion lengths (default: the task's, 128,256,512)")
     evaluate.add_argument("--block_length", type=int, help="diffusion block length (default: the task's, 32)")
-    evaluate.add_argument("--batch_size", type=int, help="prompts per batch (default: per_device_train_batch_size)")
+    evaluate.add_argument("--batch_size", type=int,
+                          help="prompts per batch (default: per_device_eval_batch_size, else per_device_train_batch_size)")
     evaluate.add_argument("--limit", type=int, help="score only this many prompts (seeded subset; not the protocol)")
     evaluate.add_argument("--output", help="JSON report path (default: eval_results/<task>-<model>-<time>.json)")
     evaluate.set_defaults(handler=_eval)

@@ -19,7 +19,7 @@ import yaml
 from dllm_ais.choices import (
     ALPHA_RULES, CACHE_MODES, CORRECTION_METHODS, ESTIMATORS, FIDELITY_MODES, IS_LEVELS, LIKELIHOOD_DECODERS,
     LIKELIHOOD_ORDERS, LOSS_TYPES, PRECISIONS, RATIO_TYPES, REWARD_SCALINGS, SEQUENCE_ESTIMATORS, TRAJECTORY_ESTIMATORS,
-    replays_decoder,
+    block_fraction_problem, replays_decoder,
 )
 from dllm_ais.tasks import TaskNames
 from dllm_ais.trackers import TRACKERS, normalize_report_to
@@ -183,6 +183,11 @@ class GRPOConfig:
     spg_block_masking: bool = field(default=True, metadata={
         "help": "spg: SPG's block-wise masks (earlier blocks clean, one block partly masked, later blocks masked) "
                 "instead of LLaDA's random masks."})
+    likelihood_block_fraction: float = field(default=1.0, metadata={"range": "(0, 1]",
+        "help": "Trajectory-type estimators (trajectory, step_merge): the share of the completion's blocks (of "
+                "block_length) scored per inner iteration, drawn at random (at least one block): the update replays "
+                "those blocks' denoising steps only, and the correction (is_level=sequence: the scored tokens' ratio) and "
+                "the loss run over their tokens (TRL DDPO's train_timestep_fraction, by blocks). 1 = every block."})
     likelihood_order: str = field(default="rollout", metadata={**_choice(*LIKELIHOOD_ORDERS),
         "help": "Trajectory-type estimators (trajectory, step_merge): the commit order they score. rollout = the "
                 "order the rollout sampler took (the ratio sees a cache's logit error); exact = the completion "
@@ -247,6 +252,8 @@ class GRPOConfig:
     per_device_train_batch_size: int = field(default=6, metadata={"range": f"[1, {MAX_SIZE}]",
         "help": "Completions per device per micro-batch."})
     gradient_accumulation_steps: int = field(default=1, metadata={"range": f"[1, {MAX_SIZE}]"})
+    per_device_eval_batch_size: int | None = field(default=None, metadata={"range": f"[1, {MAX_SIZE}]",
+        "help": "Prompts per device per held-out batch; null = per_device_train_batch_size."})
     max_steps: int = field(default=100, metadata={**AT_LEAST_ONE, "help": "Optimizer steps to run."})
     seed: int = field(default=42, metadata={"range": "[0, 2147483647]"})
     max_consecutive_skipped_batches: int = field(default=3, metadata={"range": "[1, 1000000]",
@@ -345,6 +352,11 @@ class GRPOConfig:
         return dataclasses.replace(self, likelihood_order="rollout", **protocol)
 
     @property
+    def eval_batch_size(self) -> int:
+        """Prompts per held-out batch: `per_device_eval_batch_size`, else `per_device_train_batch_size`."""
+        return self.per_device_eval_batch_size or self.per_device_train_batch_size
+
+    @property
     def generation_batch_size(self) -> int:
         """Completions sampled per device per generation batch (reused for `num_iterations` passes)."""
         return self.per_device_train_batch_size * self.gradient_accumulation_steps
@@ -359,6 +371,7 @@ class GRPOConfig:
         problems = [problem for found in invalid.values() for problem in found] + _reference_problems(self, set(invalid))
         if invalid:  # the rules below assume well-typed fields
             return problems
+        block_fraction = block_fraction_problem(self.likelihood_block_fraction, self.likelihood_estimator)
         checks = [
             (self.generation_batch_size % self.num_generations == 0,
              f"per_device_train_batch_size * gradient_accumulation_steps = {self.generation_batch_size} must be divisible "
@@ -384,6 +397,10 @@ class GRPOConfig:
              "ratio_type=token, or a token-level estimator (one_step, trajectory, step_merge) for ctpo"),
             (not (self.likelihood_estimator == "spg" and self.spg_block_masking and self.elbo_coupled),
              "elbo_coupled pairs random masks and spg_block_masking draws block masks: set one of them to false"),
+            (block_fraction is None, block_fraction),
+            (self.likelihood_block_fraction == 1 or self.ratio_type == "token",
+             f"likelihood_block_fraction={self.likelihood_block_fraction} scores some tokens only, and ratio_type="
+             f"{self.ratio_type}'s prefix needs every token: set ratio_type=token, or likelihood_block_fraction=1"),
             (self.likelihood_order == "rollout" or self.likelihood_estimator in TRAJECTORY_ESTIMATORS,
              f"likelihood_order={self.likelihood_order} orders the trajectory estimator's replay: set "
              f"likelihood_estimator to one of {', '.join(TRAJECTORY_ESTIMATORS)}, or likelihood_order=rollout"),

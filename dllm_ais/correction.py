@@ -326,7 +326,7 @@ def mismatch_shift_statistics(tis_weights: Tensor, token_advantages: Tensor, val
         "mismatch_shift_se": standard_error,
         "shift_significance": significance,
         "severity": (significance / null_mean - 1.0).clamp(min=0.0),
-        "num_groups": torch.tensor(float(num_groups)),
+        "num_groups": torch.tensor(float(num_groups), device=shift_mean.device),
     }
 
 
@@ -572,11 +572,11 @@ class RolloutCorrection:
         self.settings = settings
         self.previous_alpha: float | None = None
 
-    def __call__(self, pairs: list[tuple[Tensor, Tensor]], advantages: Tensor, mask: Tensor) -> list[Correction]:
-        """One `Correction` per estimator seed's (ℓ_old, ℓ_rollout); AIS's α average then advances once, over the
-        seeds."""
+    def __call__(self, pairs: list[tuple[Tensor, Tensor]], advantages: Tensor, masks: list[Tensor]) -> list[Correction]:
+        """One `Correction` per estimator seed's (ℓ_old, ℓ_rollout), over that seed's scored positions `masks[i]`
+        [B, L]; AIS's α average then advances once, over the seeds."""
         corrections = [correct(self.settings, old, rollout, advantages, mask, self.previous_alpha)
-                       for old, rollout in pairs]
+                       for (old, rollout), mask in zip(pairs, masks, strict=True)]
         if self.settings.method == "ais":
             self.previous_alpha = sum(c.diagnostics["ais/alpha"] for c in corrections) / len(corrections)
         return corrections

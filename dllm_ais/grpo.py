@@ -6,8 +6,8 @@
 2. sample G completions per prompt with the engine (the decoder of each group: `dllm_ais.fidelity`);
 3. score them with the reward functions; group advantages over the batch gathered from every process;
 4. log-probs with one estimator on both sides, per estimator seed: ℓ_rollout (engine), ℓ_old (trainer, no grad),
-   ℓ_ref (adapter disabled, if β > 0);
-5. correction weights (AIS by default) from ℓ_old vs ℓ_rollout.
+   ℓ_ref (adapter disabled, if β > 0), at the positions the estimate scores (`Policy.scored_positions`);
+5. correction weights (AIS by default) from ℓ_old vs ℓ_rollout over those positions.
 
 `optimisation_pass`: the clipped GRPO loss × weights over the batch's micro-batches, one optimizer step; within a
 micro-batch, one backward per forward of the estimator (`backward_by_pieces`).
@@ -144,6 +144,13 @@ def micro_batched_logprobs(score: Callable, model, rollout: Rollout, seed: int, 
                       for j, rows in enumerate(micro_batches(len(rollout.sequences), micro_batch_size))])
 
 
+def micro_batched_positions(policy, rollout: Rollout, seed: int, micro_batch_size: int) -> torch.Tensor:
+    """The positions [B, L] bool the estimate with `seed` scores (`Policy.scored_positions`), drawn micro-batch by
+    micro-batch with `micro_seed`, as `micro_batched_logprobs` scores them."""
+    return torch.cat([policy.scored_positions(rollout.select(rows), micro_seed(seed, j))
+                      for j, rows in enumerate(micro_batches(len(rollout.sequences), micro_batch_size))])
+
+
 @torch.no_grad()
 def reference_logprobs(parts: StepComponents, rollout: Rollout, seed: int, micro_batch_size: int,
                        advantages: torch.Tensor) -> torch.Tensor:
@@ -226,10 +233,11 @@ def make_generation_batch(config: GRPOConfig, parts: StepComponents, tokenizer, 
         raise SkippedBatch(next(stage for stage, flag in zip(logprobs, bad) if flag))
 
     start = time.perf_counter()
-    # Weights and diagnostics (ESS, α, ...) are computed over the whole batch, gathered from every process.
-    global_mask = gather(rollout.completion_mask.long()).bool()
+    # Weights and diagnostics (ESS, α, ...) are computed over the whole batch, gathered from every process, at the
+    # positions each estimate scores.
+    scored = [gather(micro_batched_positions(parts.policy, rollout, s, micro_batch_size).long()).bool() for s in seeds]
     corrections = correction([(gather(old), gather(ro)) for old, ro in zip(logp_old, logp_rollout)], all_advantages,
-                             global_mask)
+                             scored)
     timings["timing/correction_s"] = time.perf_counter() - start
     fidelity.update([c.diagnostics for c in corrections])
     if config.rollout_exact_fraction > 0:
@@ -319,7 +327,8 @@ def optimisation_pass(config: GRPOConfig, parts: StepComponents, batch: Generati
     accelerator, model, optimizer = parts.accelerator, parts.model, parts.optimizer
     k = iteration % len(batch.seeds)
     model.train()
-    local_tokens = batch.rollout.completion_mask.sum().float()
+    scored = micro_batched_positions(parts.policy, batch.rollout, batch.seeds[k], config.per_device_train_batch_size)
+    local_tokens = scored.sum().float()
     total_tokens = accelerator.gather(local_tokens.reshape(1)).mean().clamp(min=1).item()
     rows_of = micro_batches(len(batch.advantages), config.per_device_train_batch_size)
     ctpo_options = CorrectionSettings.from_config(config).ctpo_loss_options()
@@ -334,7 +343,7 @@ def optimisation_pass(config: GRPOConfig, parts: StepComponents, batch: Generati
         with accelerator.accumulate(model):
             part = batch.rollout.select(rows)
             objective = TokenLoss(
-                batch.logp_old[k][rows], batch.advantages[rows], part.completion_mask,
+                batch.logp_old[k][rows], batch.advantages[rows], scored[rows],
                 weights=batch.weights[k][rows],
                 clip_scale=None if batch.clip_scale[k] is None else batch.clip_scale[k][rows],
                 logp_ref=None if batch.logp_ref[k] is None else batch.logp_ref[k][rows],
@@ -348,7 +357,7 @@ def optimisation_pass(config: GRPOConfig, parts: StepComponents, batch: Generati
         losses.append(done.loss * scale)
         finite.append(torch.stack([done.finite_logprobs, done.finite_loss]))
         if done.entropy is not None:
-            entropies.append(masked_mean(done.entropy, part.completion_mask))
+            entropies.append(masked_mean(done.entropy, scored[rows]))
         for key, value in objective.metrics(done.metric_sums).items():
             summed[key] = summed.get(key, 0.0) + value / len(rows_of)
     summed["loss"] = torch.stack(losses).mean().item()

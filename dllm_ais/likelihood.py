@@ -49,6 +49,7 @@ if TYPE_CHECKING:  # a runtime import would cycle: the samplers import this modu
 __all__ = [
     "DEFAULT_CHUNK_ROWS",
     "DIFFUSION_ESTIMATORS",
+    "BlockSubset",
     "BoundSettings",
     "DiffusionEstimator",
     "EstimatorSettings",
@@ -72,6 +73,7 @@ __all__ = [
     "random_mask_draws",
     "require_causal_lm",
     "sandwiched_log_likelihood",
+    "scored_positions",
     "selective_log_softmax",
     "shape_logits",
     "spread_over_tokens",
@@ -396,23 +398,25 @@ def _check_staged_scoring(model: nn.Module, rollout: Rollout, mask_token_id: int
 
 def _staged_pieces(model: nn.Module, rollout: Rollout, stage: Tensor, mask_token_id: int, temperature: float,
                    stages_per_forward: int, chunk_size: int, compute_entropy: bool,
-                   logits_fn: LogitsFn) -> Iterator[LogprobPiece]:
+                   logits_fn: LogitsFn, positions: Tensor | None = None) -> Iterator[LogprobPiece]:
     """The shared core of the trajectory-type estimators: the completion scored stage by stage.
 
     `stage` [B, L] ≥ 0 says at which stage each completion token is scored, monotone in its commit step within a
     row. For each distinct stage s the canvas is `rollout.sequences` with every completion position of stage ≥ s
     reset to the mask id, and the tokens of stage s get ℓ = log softmax(f(canvas_s) / τ)[token] (τ = 0: plain
     softmax). One piece per forward, `stages_per_forward` canvases stacked along the batch; each forward computes
-    logits only at the columns its stages score. Lazy: a forward runs when its piece is asked for.
+    logits only at the columns its stages score. Lazy: a forward runs when its piece is asked for. `positions`
+    [B, L] bool (None: all) restricts the scoring to those tokens: a stage none of them is in takes no forward.
     """
     completion = rollout.completion_ids
     attention_mask = _check_canvas(rollout.sequences, rollout.attention_mask, rollout.prompt_length)
     scale = partial(shape_logits, temperature=temperature)
     batch = completion.shape[0]
-    for stages in torch.unique(stage).split(stages_per_forward):
+    wanted = torch.ones_like(completion, dtype=torch.bool) if positions is None else positions.bool()
+    for stages in torch.unique(stage[wanted]).split(stages_per_forward):
         stage_index = stages.view(-1, 1, 1)  # [S, 1, 1]
         hidden = stage.unsqueeze(0) >= stage_index  # [S, B, L]: still masked at the stage's canvas
-        scored = stage.unsqueeze(0) == stage_index  # [S, B, L]: scored at this stage
+        scored = (stage.unsqueeze(0) == stage_index) & wanted  # [S, B, L]: scored at this stage
         columns = scored.any(dim=1).any(dim=0).nonzero().flatten()  # [C] the positions these stages score
         canvases = torch.cat(
             [rollout.prompt_ids.expand(len(stages), -1, -1), torch.where(hidden, mask_token_id, completion)], dim=2
@@ -440,13 +444,15 @@ def trajectory_pieces(
     chunk_size: int = DEFAULT_CHUNK_ROWS,
     compute_entropy: bool = False,
     logits_fn: LogitsFn = plain_logits,
+    positions: Tensor | None = None,
 ) -> Iterator[LogprobPiece]:
     """`trajectory_logprobs` forward by forward: one `LogprobPiece` per forward (the tokens committed at its steps),
-    computed when asked for, so that a caller can backpropagate each piece before the next forward runs.
-    Arguments are checked at the call, before any forward."""
+    computed when asked for, so that a caller can backpropagate each piece before the next forward runs; only the
+    tokens at `positions` [B, L] (None: all), and only the steps that commit one of them. Arguments are checked at
+    the call, before any forward."""
     _check_staged_scoring(model, rollout, mask_token_id, temperature, steps_per_forward, "steps_per_forward")
     return _staged_pieces(model, rollout, rollout.commit_step, mask_token_id, temperature, steps_per_forward,
-                          chunk_size, compute_entropy, logits_fn)
+                          chunk_size, compute_entropy, logits_fn, positions)
 
 
 def trajectory_logprobs(
@@ -482,10 +488,11 @@ def trajectory_logprobs(
                                         compute_entropy, logits_fn), compute_entropy)
 
 
-DecoderLogitsFn = Callable[[nn.Module, "Rollout"], Iterable[tuple[slice, Tensor, Tensor]]]
-"""`decoder_logits(model, rollout)` yields, step by step and block by block, ``(block, committed [B, Lb], logits
-[B, Lb, V])``: the logits the rollout's decoder drew the block's tokens committed at that step from, recomputed by
-`model` (`MaskedDiffusionSampler.decoder_logits`: its block cache included)."""
+DecoderLogitsFn = Callable[[nn.Module, "Rollout", "Tensor | None"], Iterable[tuple[slice, Tensor, Tensor]]]
+"""`decoder_logits(model, rollout, positions)` yields, step by step and block by block, ``(block, committed [B, Lb],
+logits [B, Lb, V])``: the logits the rollout's decoder drew the block's tokens committed at that step from,
+recomputed by `model` (`MaskedDiffusionSampler.decoder_logits`: its block cache included), for the blocks holding
+one of `positions` [B, L] (None: every block)."""
 
 
 def decoder_trajectory_pieces(
@@ -495,8 +502,10 @@ def decoder_trajectory_pieces(
     temperature: float,
     chunk_size: int = DEFAULT_CHUNK_ROWS,
     compute_entropy: bool = False,
+    positions: Tensor | None = None,
 ) -> Iterator[LogprobPiece]:
-    """The trajectory estimator scored with the rollout decoder's own logits, one `LogprobPiece` per block.
+    """The trajectory estimator scored with the rollout decoder's own logits, one `LogprobPiece` per block (per block
+    holding one of `positions` [B, L], whose tokens alone it scores; None: all).
 
     Where `trajectory_pieces` scores each step's canvas with a full forward (the exact model), this scores each
     committed token by ℓ = log softmax(f_dec(s_t) / τ)[token], f_dec the decoder's logits at the step that
@@ -509,20 +518,22 @@ def decoder_trajectory_pieces(
     _check_commit_steps(rollout)
     scale = partial(shape_logits, temperature=temperature)
     completion = rollout.completion_ids
-    for _, steps in groupby(decoder_logits(model, rollout), key=lambda step: step[0].start):
+    wanted = torch.ones_like(completion, dtype=torch.bool) if positions is None else positions.bool()
+    for _, steps in groupby(decoder_logits(model, rollout, positions), key=lambda step: step[0].start):
         logprobs = entropy = 0
-        positions = torch.zeros_like(completion, dtype=torch.bool)
-        for block, committed, logits in steps:
+        piece_positions = torch.zeros_like(completion, dtype=torch.bool)
+        for block, step_committed, logits in steps:
+            committed = step_committed & wanted[:, block]
             values = selective_log_softmax(logits[committed], completion[:, block][committed], chunk_size,
                                            process_logits=scale, compute_entropy=compute_entropy)
             step_logprobs, step_entropy = values if compute_entropy else (values, None)
             placed = torch.zeros_like(completion, dtype=torch.bool)
             placed[:, block] = committed
-            positions |= placed
+            piece_positions |= placed
             logprobs = logprobs + _scatter_to_positions(placed, step_logprobs)
             if compute_entropy:
                 entropy = entropy + _scatter_to_positions(placed, step_entropy)
-        yield LogprobPiece(positions, logprobs, entropy if compute_entropy else None)
+        yield LogprobPiece(piece_positions, logprobs, entropy if compute_entropy else None)
 
 
 def _row_step_ranks(commit_step: Tensor) -> tuple[Tensor, Tensor]:
@@ -560,14 +571,16 @@ def step_merge_pieces(
     chunk_size: int = DEFAULT_CHUNK_ROWS,
     compute_entropy: bool = False,
     logits_fn: LogitsFn = plain_logits,
+    positions: Tensor | None = None,
 ) -> Iterator[LogprobPiece]:
     """`step_merge_logprobs` forward by forward: one `LogprobPiece` per forward (the tokens committed inside its
-    segments), computed when asked for. Arguments are checked at the call, before any forward."""
+    segments), computed when asked for; only the tokens at `positions` [B, L] (None: all), and only the segments
+    holding one of them. Arguments are checked at the call, before any forward."""
     _check_staged_scoring(model, rollout, mask_token_id, temperature, segments_per_forward,
                           "segments_per_forward")
     segments = step_merge_segments(rollout.commit_step, num_segments)
     return _staged_pieces(model, rollout, segments, mask_token_id, temperature, segments_per_forward, chunk_size,
-                          compute_entropy, logits_fn)
+                          compute_entropy, logits_fn, positions)
 
 
 def step_merge_logprobs(
@@ -875,11 +888,49 @@ class BoundSettings:
 
 
 @dataclass(frozen=True)
+class BlockSubset:
+    """The trajectory-type estimators scoring a random share of the completion's blocks per estimate (config
+    `likelihood_block_fraction`, `block_length`): k = max(1, round(fraction · n)) of the n = ⌈L / block_length⌉
+    blocks, drawn uniformly without replacement from `mask_generator(seed)` among the blocks that hold a valid token
+    of some row (topped up with empty ones when fewer do), the same blocks for every row.
+
+    A block's tokens are committed by its own steps only (semi-autoregressive decoding), so scoring k blocks takes
+    the forwards of their steps alone — about k/n of the trajectory's, and always k blocks' worth, so that every
+    process runs as many forwards. Every valid token is scored with the same probability, so the loss over the scored
+    tokens, normalised by their count, estimates the loss over all of them (a ratio estimate, as TRL's DDPO trains on
+    a `train_timestep_fraction` of the denoising steps); drawing among the blocks that hold valid tokens spends no
+    update on a block of end-of-text padding."""
+
+    fraction: float
+    block_length: int
+
+    def __post_init__(self):
+        if not (0 < self.fraction <= 1):
+            raise ValueError(f"likelihood_block_fraction must be in (0, 1]; got {self.fraction!r}")
+        if not is_plain_int(self.block_length) or self.block_length < 1:
+            raise ValueError(f"block_length must be a positive int; got {self.block_length!r}")
+
+    def positions(self, completion_mask: Tensor, seed: int) -> Tensor:
+        """The completion positions [L] bool of the blocks drawn with `seed`, given the valid tokens [B, L]."""
+        gen_length = completion_mask.shape[1]
+        num_blocks = math.ceil(gen_length / self.block_length)
+        padded = torch.zeros(num_blocks * self.block_length, dtype=torch.bool)
+        padded[:gen_length] = completion_mask.bool().any(dim=0).cpu()
+        holds_valid = padded.view(num_blocks, self.block_length).any(dim=1)
+        order = torch.randperm(num_blocks, generator=mask_generator(seed))
+        order = order[torch.argsort((~holds_valid[order]).int(), stable=True)]  # blocks with valid tokens first
+        in_block = torch.zeros(num_blocks, dtype=torch.bool)
+        in_block[order[:max(1, round(self.fraction * num_blocks))]] = True
+        return in_block.repeat_interleave(self.block_length)[:gen_length]
+
+
+@dataclass(frozen=True)
 class EstimatorSettings:
     """What a diffusion estimator needs besides the model, the rollout and the seed: the mask id, the sampling
     temperature (the trajectory-type estimators score softmax(logits / τ)), d1's prompt-masking probability
     (one-step surrogate and the bounds), `logits_fn`, the sampler's canvas → logits stage (see `LogitsFn`), the
-    bound estimators' `BoundSettings`, and StepMerge's number of segments N."""
+    bound estimators' `BoundSettings`, StepMerge's number of segments N, the decoder replay's `decoder_logits`, and
+    the trajectory-type estimators' `BlockSubset` (None: every block)."""
 
     mask_token_id: int
     temperature: float
@@ -888,6 +939,16 @@ class EstimatorSettings:
     bounds: BoundSettings = field(default_factory=BoundSettings)
     likelihood_segments: int = 16
     decoder_logits: DecoderLogitsFn | None = None
+    block_subset: BlockSubset | None = None
+
+
+def scored_positions(settings: EstimatorSettings, rollout: Rollout, seed: int) -> Tensor:
+    """The completion tokens [B, L] bool an estimate with `seed` scores: the valid ones (`completion_mask`), those of
+    the drawn blocks alone with a `BlockSubset`."""
+    valid = rollout.completion_mask.bool()
+    if settings.block_subset is None:
+        return valid
+    return valid & settings.block_subset.positions(valid, seed).to(valid.device)
 
 
 def _one_step_of_rollout(model: nn.Module, rollout: Rollout, settings: EstimatorSettings, seed: int,
@@ -897,20 +958,34 @@ def _one_step_of_rollout(model: nn.Module, rollout: Rollout, settings: Estimator
                              compute_entropy=compute_entropy, logits_fn=settings.logits_fn)
 
 
+def _drawn_positions(settings: EstimatorSettings, rollout: Rollout, seed: int) -> Tensor | None:
+    """Every position [B, L] of the blocks a trajectory-type estimate draws, padding included (so that every process
+    runs the same forwards, whatever its completions' lengths); None when it scores every block."""
+    if settings.block_subset is None:
+        return None
+    drawn = settings.block_subset.positions(rollout.completion_mask, seed).to(rollout.completion_ids.device)
+    return drawn.expand_as(rollout.completion_ids)
+
+
 def _trajectory_pieces_of_rollout(model: nn.Module, rollout: Rollout, settings: EstimatorSettings, seed: int,
                                   compute_entropy: bool, advantages: Tensor | None = None) -> Iterator[LogprobPiece]:
+    positions = _drawn_positions(settings, rollout, seed)
     if settings.decoder_logits is not None:
         return decoder_trajectory_pieces(model, rollout, settings.decoder_logits, settings.temperature,
-                                         compute_entropy=compute_entropy)
+                                         compute_entropy=compute_entropy, positions=positions)
     return trajectory_pieces(model, rollout, settings.mask_token_id, settings.temperature,
-                             compute_entropy=compute_entropy, logits_fn=settings.logits_fn)
+                             compute_entropy=compute_entropy, logits_fn=settings.logits_fn, positions=positions)
 
 
 def _step_merge_pieces_of_rollout(model: nn.Module, rollout: Rollout, settings: EstimatorSettings, seed: int,
                                   compute_entropy: bool, advantages: Tensor | None = None) -> Iterator[LogprobPiece]:
     return step_merge_pieces(model, rollout, settings.mask_token_id, settings.temperature,
                              settings.likelihood_segments, compute_entropy=compute_entropy,
-                             logits_fn=settings.logits_fn)
+                             logits_fn=settings.logits_fn, positions=_drawn_positions(settings, rollout, seed))
+
+
+def _draws_blocks(settings: EstimatorSettings) -> bool:
+    return settings.block_subset is not None
 
 
 def _step_merge_is_the_trajectory(settings: EstimatorSettings, rollout: Rollout) -> bool:
@@ -981,8 +1056,10 @@ class DiffusionEstimator:
     (None where unknown; only `spg` reads them); `recorded_by_sampler`: the rollout side is the sampler's recorded
     per-step log-prob, no engine forward — True, or a predicate of (settings, rollout) when that holds for some
     settings only; `fresh_masks_per_iteration`: the estimator is random and draws new masks for every inner
-    iteration (one estimator seed each); `pieces` (same arguments): the log-probs forward by forward, an iterator of
-    `LogprobPiece` whose sum is `logprobs` (see `piecewise`), None for a single-forward estimator.
+    iteration (one estimator seed each), True or a predicate of the settings (the trajectory-type estimators with a
+    `BlockSubset`); `pieces` (same arguments): the log-probs forward by forward, an iterator of `LogprobPiece` whose
+    sum is `logprobs` (see `piecewise`), None for a single-forward estimator. An estimate is read at the positions
+    `scored_positions` names (the correction and the loss run over those); a block subset holds 0 outside its blocks.
 
     Sequence-level estimators (`elbo`, `spg`, choices.SEQUENCE_ESTIMATORS) estimate one number per completion, v,
     and return it spread over its |o| valid tokens, v / |o| each (`spread_over_tokens`): the per-token values sum to
@@ -993,7 +1070,7 @@ class DiffusionEstimator:
 
     logprobs: Callable
     recorded_by_sampler: bool | Callable[[EstimatorSettings, Rollout], bool] = False
-    fresh_masks_per_iteration: bool = False
+    fresh_masks_per_iteration: bool | Callable[[EstimatorSettings], bool] = False
     pieces: Callable[..., Iterable[LogprobPiece]] | None = None
 
     @classmethod
@@ -1017,12 +1094,19 @@ class DiffusionEstimator:
         recorded = self.recorded_by_sampler
         return recorded(settings, rollout) if callable(recorded) else recorded
 
+    def draws_per_iteration(self, settings: EstimatorSettings) -> bool:
+        """Whether each inner iteration draws its own estimate (masks, or blocks), one estimator seed each."""
+        fresh = self.fresh_masks_per_iteration
+        return fresh(settings) if callable(fresh) else fresh
+
 
 DIFFUSION_ESTIMATORS = {
     "one_step": DiffusionEstimator(_one_step_of_rollout, fresh_masks_per_iteration=True),
-    "trajectory": DiffusionEstimator.piecewise(_trajectory_pieces_of_rollout, recorded_by_sampler=True),
+    "trajectory": DiffusionEstimator.piecewise(_trajectory_pieces_of_rollout, recorded_by_sampler=True,
+                                               fresh_masks_per_iteration=_draws_blocks),
     "step_merge": DiffusionEstimator.piecewise(_step_merge_pieces_of_rollout,
-                                               recorded_by_sampler=_step_merge_is_the_trajectory),
+                                               recorded_by_sampler=_step_merge_is_the_trajectory,
+                                               fresh_masks_per_iteration=_draws_blocks),
     "elbo": DiffusionEstimator(_elbo_of_rollout, fresh_masks_per_iteration=True),
     "spg": DiffusionEstimator(_spg_of_rollout, fresh_masks_per_iteration=True),
 }

@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
 import torch
 from torch import nn
 
-from dllm_ais.choices import SEQUENCE_ESTIMATORS, TRAJECTORY_ESTIMATORS, replays_decoder
+from dllm_ais.choices import SEQUENCE_ESTIMATORS, TRAJECTORY_ESTIMATORS, block_fraction_problem, replays_decoder
 from dllm_ais.data import tokenize_prompts
 from dllm_ais.likelihood import (
-    DIFFUSION_ESTIMATORS, BoundSettings, EstimatorSettings, LogprobPiece, causal_logprobs, whole_piece,
+    DIFFUSION_ESTIMATORS, BlockSubset, BoundSettings, EstimatorSettings, LogprobPiece, causal_logprobs,
+    scored_positions, whole_piece,
 )
 from dllm_ais.loading import SpecialTokens, special_tokens
 from dllm_ais.sampling.autoregressive import AutoregressiveSampler, AutoregressiveSamplerConfig
@@ -57,7 +58,9 @@ class Policy(Protocol):
     iteration, exact estimators need one. `logprob_pieces` gives the same log-probs forward by forward (lazily; a
     single piece for a single-forward estimator), for a backward per forward. `advantages` [B] (optional) are the
     scored sequences' advantages, for estimators that score a sequence by its advantage's sign (SPG); the others
-    ignore them.
+    ignore them. `scored_positions(rollout, seed)` [B, L] bool names the completion tokens the estimate with `seed`
+    scores (the valid ones, or a drawn subset of them): the correction and the loss run over those, the log-probs
+    hold 0 at the others.
     `sampler_config.eos_token_ids` are the tokens that end a completion (the `completions/clipped_ratio` metric
     counts those without one).
     """
@@ -78,6 +81,8 @@ class Policy(Protocol):
 
     def num_estimator_seeds(self, num_iterations: int) -> int: ...
 
+    def scored_positions(self, rollout: Rollout, seed: int) -> torch.Tensor: ...
+
 
 @dataclass
 class DiffusionPolicy:
@@ -93,7 +98,9 @@ class DiffusionPolicy:
     `token_logprobs` is therefore refused with the trajectory-type estimators. With a block cache and
     `likelihood_decoder="rollout"` the trajectory estimator scores the sampler's own cached logits instead
     (`MaskedDiffusionSampler.decoder_logits`): the fast decoder is the policy trained. `estimator` names one of
-    `DIFFUSION_ESTIMATORS`; `likelihood_segments` is step_merge's N, `bounds` the elbo and spg estimators' settings.
+    `DIFFUSION_ESTIMATORS`; `likelihood_segments` is step_merge's N, `bounds` the elbo and spg estimators' settings;
+    `likelihood_block_fraction` < 1 has a trajectory-type estimator score a random share of the blocks per inner
+    iteration (`BlockSubset`).
     """
 
     sampler_config: DiffusionSamplerConfig
@@ -104,11 +111,13 @@ class DiffusionPolicy:
     sampler: MaskedDiffusionSampler | None = None
     likelihood_segments: int = 16
     bounds: BoundSettings = dataclasses.field(default_factory=BoundSettings)
+    likelihood_block_fraction: float = 1.0
 
     @classmethod
     def for_sampler(cls, sampler: MaskedDiffusionSampler, **settings) -> "DiffusionPolicy":
         """The policy sampling with `sampler` (its config is the policy's `sampler_config`); `settings` are the other
-        fields (estimator, p_mask_prompt, likelihood_order, likelihood_decoder, likelihood_segments, bounds)."""
+        fields (estimator, p_mask_prompt, likelihood_order, likelihood_decoder, likelihood_segments, bounds,
+        likelihood_block_fraction)."""
         return cls(sampler.config, sampler=sampler, **settings)
 
     def __post_init__(self):
@@ -118,6 +127,11 @@ class DiffusionPolicy:
             raise ValueError("DiffusionPolicy: sampler.config differs from sampler_config; build it with "
                              "DiffusionPolicy.for_sampler(sampler, ...)")
         self.scorer = DIFFUSION_ESTIMATORS[self.estimator]
+        problem = block_fraction_problem(self.likelihood_block_fraction, self.estimator)
+        if problem:
+            raise ValueError(problem)
+        block_subset = None if self.likelihood_block_fraction == 1 else BlockSubset(
+            self.likelihood_block_fraction, self.sampler_config.block_length)
         if self.scorer.recorded_by_sampler and overrides(self.sampler, "token_logprobs"):
             raise ValueError(
                 f"{type(self.sampler).__name__} overrides token_logprobs, but the {self.estimator} estimator scores "
@@ -127,7 +141,7 @@ class DiffusionPolicy:
                                                     self.p_mask_prompt, logits_fn=self.sampler.scoring_logits,
                                                     bounds=self.bounds, likelihood_segments=self.likelihood_segments,
                                                     decoder_logits=self.sampler.decoder_logits
-                                                    if self.replays_decoder else None)
+                                                    if self.replays_decoder else None, block_subset=block_subset)
         self.exact_order_sampler = None
         if self.estimator in TRAJECTORY_ESTIMATORS and self.likelihood_order == "exact":
             self.exact_order_sampler = self.sampler.with_config(self.sampler_config.exact())
@@ -163,7 +177,10 @@ class DiffusionPolicy:
         return self.logprobs(engine_model, rollout, seed, advantages=advantages)
 
     def num_estimator_seeds(self, num_iterations: int) -> int:
-        return num_iterations if self.scorer.fresh_masks_per_iteration else 1
+        return num_iterations if self.scorer.draws_per_iteration(self.estimator_settings) else 1
+
+    def scored_positions(self, rollout: Rollout, seed: int) -> torch.Tensor:
+        return scored_positions(self.estimator_settings, rollout, seed)
 
 
 @dataclass
@@ -196,6 +213,9 @@ class AutoregressivePolicy:
 
     def num_estimator_seeds(self, num_iterations: int) -> int:
         return 1
+
+    def scored_positions(self, rollout: Rollout, seed: int) -> torch.Tensor:
+        return rollout.completion_mask.bool()
 
 
 def overrides(sampler: MaskedDiffusionSampler, stage: str) -> bool:
@@ -267,7 +287,8 @@ def build_policy(config: "GRPOConfig", model_config, tokenizer, temperature: flo
                                p_mask_prompt=config.p_mask_prompt, likelihood_order=config.likelihood_order,
                                likelihood_decoder=config.likelihood_decoder,
                                sampler=sampler, bounds=bound_settings(config),
-                               likelihood_segments=config.likelihood_segments)
+                               likelihood_segments=config.likelihood_segments,
+                               likelihood_block_fraction=config.likelihood_block_fraction)
     sampler = AutoregressiveSamplerConfig(
         max_new_tokens=config.max_completion_length, temperature=temperature, top_k=config.top_k, top_p=config.top_p,
         eos_token_ids=tokens.eos_token_ids, pad_token_id=tokens.pad_token_id)
@@ -323,7 +344,8 @@ def custom_policy_problems(config: "GRPOConfig", model_config, tokenizer, sample
         problems = [f"policy.{name}={getattr(policy, name)!r} but the config's {field} is {getattr(config, field)!r}"
                     for name, field in (("estimator", "likelihood_estimator"), ("p_mask_prompt", "p_mask_prompt"),
                                         ("likelihood_order", "likelihood_order"),
-                                        ("likelihood_decoder", "likelihood_decoder"))
+                                        ("likelihood_decoder", "likelihood_decoder"),
+                                        ("likelihood_block_fraction", "likelihood_block_fraction"))
                     if getattr(policy, name) != getattr(config, field)]
         if policy.estimator in SEQUENCE_ESTIMATORS and policy.bounds != bound_settings(config):
             problems.append(f"policy.bounds={policy.bounds!r} differ from the config's elbo_* / spg_* settings "

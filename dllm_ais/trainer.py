@@ -224,7 +224,7 @@ class GRPOTrainer:
         self.model.eval()
         return evaluate_policy(self.unwrapped_model, self.tokenizer, policy or self.parts.greedy_policy,
                                dataset if dataset is not None else self.eval_dataset, self.eval_reward_funcs,
-                               self.config.reward_weights, self.config.per_device_train_batch_size,
+                               self.config.reward_weights, self.config.eval_batch_size,
                                self.config.max_prompt_length, accuracy=get_task(self.config.task).accuracy)
 
     def validate(self) -> dict[str, float]:

@@ -181,7 +181,6 @@ FOREIGN_KEYS = {
     "num_train_epochs": "training length is max_steps (optimizer steps); there are no epochs",
     "total_epochs": "training length is max_steps (optimizer steps); there are no epochs",
     "total_training_steps": "use max_steps",
-    "per_device_eval_batch_size": "evaluation batches use per_device_train_batch_size",
     "steps_per_generation": "each generation batch serves num_iterations optimizer steps and holds "
                             "per_device_train_batch_size * gradient_accumulation_steps completions per process",
     "generation_batch_size": "a generation batch holds per_device_train_batch_size * gradient_accumulation_steps "

@@ -37,8 +37,8 @@ With i.i.d. masks alone a masked-diffusion model this small learns to copy each 
 repeat it instead of working it out (`probe_warm_start.py`), and reaches 0.8 % accuracy under d1's protocol.
 
 Measured (2 CPU cores): the Qwen3 chain_sum warm start (800 steps, 13-20 min, 1 thread) reaches greedy validation
-accuracy 79 % at noise 0.5 and 25 % at noise 0.7 (shipped). The shipped LLaDA one was trained as a resumable pilot
-along this schedule with two differences: 3250 steps of block masks between the stages (one 32-token block masked at
+accuracy 79 % at noise 0.5 and 25 % at noise 0.7 (shipped). The shipped LLaDA one is the continuation below of an
+earlier warm start, which was trained as a resumable pilot along this schedule with two differences: 3250 steps of block masks between the stages (one 32-token block masked at
 a random ratio, the blocks before it clean and those after it masked — per step it moved the leak-free probe a third
 as much as prefix masks, so the builder leaves it out) and a constant rate 5e-4 in the prefix stage: 2400 + 3250 +
 5250 steps, about 2 h (1 thread) + 73 min + 2 h 30 min (2 threads, at times shared). Validation accuracy under d1's
@@ -47,10 +47,12 @@ after 4750; test accuracy (256 prompts) after 5250: 20.3 ± 2.5 % at gen 128 (BE
 two-stage schedule has not been run end to end.
 
 `--init-from MODEL` continues a warm start instead (its weights and tokenizer; `--steps 0` skips straight to the
-prefix-mask stage) into `--output-dir`, on the training rows of `--seed`'s block. From the shipped LLaDA, `--steps 0
---prefix-steps 2000 --seed 2` (49 min 29 s, 2 threads) took validation accuracy under d1's protocol from 25.4 %
-to 32.4 % (256 prompts), its wrong greedy answers from 105 to 75 of 128 that are neither demonstration
-(`probe_warm_start.py --decode 128`; BENCHMARKS.md §10).
+prefix-mask stage) into `--output-dir`, on the training rows of `--seed`'s block. From that earlier LLaDA warm start
+(the pilot's 5250 prefix steps; git history before 2026-11-27), `--steps 0 --prefix-steps 2000 --seed 2` took
+validation accuracy under d1's protocol from 25.4 % to 32.4 % (256 prompts), its wrong greedy answers from 105 to
+75 of 128 that are neither demonstration (`probe_warm_start.py --decode 128`; BENCHMARKS.md §10): 49 min 29 s on 2
+CPU threads, and 2 min 13 s with `--device cuda` on one H100 — that run's output, which reached the same 32.4 %, is
+the shipped `embedded-llada-chain-sum`.
 """
 
 from __future__ import annotations

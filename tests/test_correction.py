@@ -560,3 +560,13 @@ def test_the_optimisation_pass_gives_the_loss_the_configs_ctpo_constants(tokeniz
     monkeypatch.setattr(grpo, "TokenLoss", recording_loss)
     trainer.optimisation_pass(trainer.make_generation_batch(), 0)
     assert calls and all(call["ratio_type"] == "ctpo" and call.items() >= CTPO_FIELDS.items() for call in calls)
+
+
+def test_the_shift_statistics_stay_on_the_device_of_the_weights():
+    """Every statistic is made where the weights are: a CPU scalar among CUDA ones broke `dllm-ais train` on an H100
+    (stacking them for the log). Checked on the meta device, which no tensor reaches by accident."""
+    from dllm_ais.correction import mismatch_shift_statistics
+
+    weights = torch.ones(8, 5, device="meta")
+    statistics = mismatch_shift_statistics(weights, weights, weights.bool(), group_size=2)
+    assert {value.device.type for value in statistics.values()} == {"meta"}

@@ -131,7 +131,8 @@ def test_a_sampler_with_its_own_token_logprobs_is_refused_by_the_trajectory_esti
     (dict(sampler=object()), "sampler= takes a MaskedDiffusionSampler.*got a object"),
     (dict(sampler=BiasedSampler, policy="x"), "pass sampler= or policy=, not both"),
     (dict(policy=object()),
-     "lacks sample, logprobs, rollout_logprobs, logprob_pieces, num_estimator_seeds, sampler_config"),
+     "lacks sample, logprobs, rollout_logprobs, logprob_pieces, num_estimator_seeds, scored_positions, "
+     "sampler_config"),
     (dict(sampler=lambda sampler_config: "not a sampler"), "built a str, not a MaskedDiffusionSampler"),
     (dict(sampler=lambda sampler_config: MaskedDiffusionSampler(dataclasses.replace(sampler_config, steps=8))),
      "sampler.config differs from sampler_config"),

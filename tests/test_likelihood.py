@@ -476,3 +476,91 @@ def test_decoder_replay_without_cache_is_the_trajectory_and_its_gradient_flows_t
     first_layer = model.model.transformer.blocks[0].k_proj.weight.grad  # reached through the cached keys too
     assert first_layer is not None and torch.isfinite(first_layer).all() and first_layer.abs().sum() > 0
     model.zero_grad()
+
+
+# ---------------------------------------------------------------------------------------------
+# Scoring a random share of the blocks (likelihood_block_fraction)
+# ---------------------------------------------------------------------------------------------
+def test_block_subset_draws_whole_blocks_by_seed_among_those_holding_valid_tokens():
+    from dllm_ais.likelihood import BlockSubset
+
+    subset = BlockSubset(0.5, 4)
+    valid = torch.ones(2, 14, dtype=torch.bool)  # blocks of 4, 4, 4 and 2 positions: 2 of the 4 drawn
+    drawn = subset.positions(valid, seed=3)
+    per_block = [drawn[start:start + 4] for start in range(0, 14, 4)]
+    assert all(block.all() or not block.any() for block in per_block)
+    assert sum(bool(block.any()) for block in per_block) == 2
+    torch.testing.assert_close(subset.positions(valid, seed=3), drawn)
+    draws = [tuple(subset.positions(valid, seed=s).tolist()) for s in range(40)]
+    assert len(set(draws)) == 6, "every pair of the 4 blocks, by seed"
+    valid[:, 5:] = False  # rows ending in the second block: the two blocks holding valid tokens, every time
+    assert all(subset.positions(valid, seed=s)[:8].all() for s in range(10))
+    valid[:, 3:] = False  # one block holds valid tokens: it, and an empty one to make two
+    assert all(subset.positions(valid, seed=s)[:4].all() and subset.positions(valid, seed=s).sum() in (6, 8)
+               for s in range(10))
+    assert BlockSubset(0.01, 4).positions(valid, seed=0).sum() == 4, "at least one block"
+    assert BlockSubset(1.0, 4).positions(valid, seed=0).all()
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="likelihood_block_fraction"):
+            BlockSubset(bad, 4)
+
+
+def blocked_rollout(model, sampler, rows=3):
+    torch.manual_seed(5)
+    ids = torch.randint(0, 126, (rows, 5))
+    return sampler.sample(model, ids, torch.ones_like(ids), torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("cache", ["none", "dual"])
+def test_scoring_a_block_subset_replays_those_blocks_steps_alone(model, cache):
+    """With positions covering one block, the trajectory (exact or decoder replay) gives that block's tokens the
+    values of the full replay, 0 elsewhere, and runs only the forwards of that block's steps."""
+    from dllm_ais.likelihood import decoder_trajectory_pieces, sum_pieces, trajectory_pieces
+
+    sampler = decoder_sampler(cache=cache)  # 8 tokens in 2 blocks of 4, 2 steps per block
+    rollout = blocked_rollout(model, sampler)
+    second_block = torch.zeros(3, 8, dtype=torch.bool)
+    second_block[:, 4:] = True
+    if cache == "none":
+        score = partial(trajectory_pieces, model, rollout, MASK, 0.9)
+    else:
+        score = partial(decoder_trajectory_pieces, model, rollout, sampler.decoder_logits, 0.9)
+    full = sum_pieces(score(), False)
+    with counting_forwards(model) as calls:
+        pieces = list(score(positions=second_block))
+    assert len(calls) == 2, "the second block's two steps only"
+    assert all(not piece.positions[:, :4].any() for piece in pieces)
+    torch.testing.assert_close(sum_pieces(pieces, False), torch.where(second_block, full, 0.0), atol=1e-6, rtol=0)
+
+
+def test_step_merge_scores_a_block_subset_with_its_segments_alone(model):
+    from dllm_ais.likelihood import step_merge_pieces, sum_pieces
+
+    rollout = blocked_rollout(model, decoder_sampler(steps=8))  # 4 steps per block
+    first_block = torch.zeros(3, 8, dtype=torch.bool)
+    first_block[:, :4] = True
+    full = sum_pieces(step_merge_pieces(model, rollout, MASK, 0.9, num_segments=4), False)
+    with counting_forwards(model) as calls:
+        subset = sum_pieces(step_merge_pieces(model, rollout, MASK, 0.9, num_segments=4, positions=first_block), False)
+    assert len(calls) == 2, "the two segments of the first block's four steps"
+    torch.testing.assert_close(subset, torch.where(first_block, full, 0.0), atol=1e-6, rtol=0)
+
+
+def test_policy_with_a_block_fraction_draws_blocks_per_iteration():
+    from dllm_ais.policy import DiffusionPolicy
+    from dllm_ais.sampling.diffusion import DiffusionSamplerConfig
+
+    config = DiffusionSamplerConfig(gen_length=8, block_length=4, steps=4, temperature=0.9, mask_token_id=MASK)
+    policy = DiffusionPolicy(config, estimator="trajectory", likelihood_block_fraction=0.5)
+    assert policy.num_estimator_seeds(3) == 3, "a fresh draw of blocks per inner iteration"
+    assert DiffusionPolicy(config, estimator="trajectory").num_estimator_seeds(3) == 1
+    completion_mask = torch.ones(2, 8, dtype=torch.bool)
+    completion_mask[1, 6:] = False
+    rollout = Rollout(sequences=torch.zeros(2, 13, dtype=torch.long), attention_mask=torch.ones(2, 13),
+                      completion_mask=completion_mask, step_logprobs=torch.zeros(2, 8),
+                      commit_step=torch.zeros(2, 8, dtype=torch.long), prompt_length=5)
+    scored = [policy.scored_positions(rollout, seed) for seed in range(8)]
+    assert all(s.sum(dim=1)[0] == 4 and not (s & ~completion_mask).any() for s in scored), "one block, valid tokens"
+    assert any(s[:, :4].any() for s in scored) and any(s[:, 4:].any() for s in scored)
+    with pytest.raises(ValueError, match="likelihood_block_fraction=0.5 .* likelihood_estimator=one_step"):
+        DiffusionPolicy(config, estimator="one_step", likelihood_block_fraction=0.5)

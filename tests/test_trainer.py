@@ -136,6 +136,31 @@ def test_decoder_replay_makes_the_fast_decoder_the_trained_policy(tokenizer, tmp
         assert record["grad_norm"] > 0 and math.isfinite(record["loss"])
 
 
+def test_a_block_fraction_scores_one_block_per_iteration_and_trains_on_its_tokens(tokenizer, tmp_path):
+    """likelihood_block_fraction=0.5 of 2 blocks: each inner iteration draws one block; ℓ_old, the correction and the
+    loss cover its valid tokens alone, and the pass moves the weights."""
+    from dllm_ais.grpo import micro_batched_positions
+
+    trainer = make_trainer(tokenizer, tmp_path, rollout_precision="bf16", likelihood_estimator="trajectory",
+                           rollout_cache="dual", block_length=4, likelihood_block_fraction=0.5, seed=2)
+    batch = trainer.make_generation_batch()
+    assert len(batch.seeds) == 2, "one draw of blocks per inner iteration"
+    assert batch.advantages.abs().sum() > 0
+    valid = batch.rollout.completion_mask.bool()
+    for k, seed in enumerate(batch.seeds):
+        scored = micro_batched_positions(trainer.policy, batch.rollout, seed, 4)
+        assert scored.any() and not (scored & ~valid).any()
+        in_block = scored.any(dim=0)
+        assert in_block[:4].any() != in_block[4:].any(), "one block of the two"
+        assert (batch.logp_old[k][:, ~in_block] == 0).all() and (batch.weights[k][~scored] == 0).all()
+        assert (batch.logp_old[k][scored] < 0).all()
+        assert batch.diagnostics[k]["rollout_corr/k3_kl"] == pytest.approx(0.0, abs=1e-6)
+    before = lora_parameters(trainer)
+    metrics = trainer.optimisation_pass(batch, 0)
+    assert metrics["grad_norm"] > 0 and math.isfinite(metrics["loss"])
+    assert any(not torch.equal(before[k], value) for k, value in lora_parameters(trainer).items())
+
+
 def test_step_merge_trains_with_a_backward_per_segment_and_an_engine_side_when_it_merges_steps(tokenizer, tmp_path):
     """step_merge with 2 segments of the 4 steps: the engine scores the rollout side (bf16: the ratio is 1), the
     optimisation pass backpropagates segment by segment and moves the weights."""

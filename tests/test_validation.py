@@ -100,6 +100,11 @@ def test_values_outside_the_declared_range_are_rejected(name):
     ({"task": "sudoku"}, "task=sudoku has no default dataset"),
     ({"diffusion_steps": 32}, "diffusion_steps=32 must be <= max_completion_length=16"),
     ({"likelihood_order": "exact"}, "likelihood_order=exact orders the trajectory estimator's replay"),
+    ({"likelihood_block_fraction": 0.5}, "likelihood_block_fraction=0.5 scores a random share of the denoising "
+     "trajectory's blocks, which likelihood_estimator=one_step does not replay"),
+    ({"likelihood_block_fraction": 0}, "likelihood_block_fraction=0: must be in (0, 1]"),
+    ({"likelihood_estimator": "trajectory", "likelihood_block_fraction": 0.5, "ratio_type": "ctpo"},
+     "ratio_type=ctpo's prefix needs every token"),
     ({"likelihood_estimator": "trajectory", "rollout_cache": "dual", "rollout_exact_fraction": 0.5},
      "likelihood_decoder=rollout replays every completion with the configured (cached) decoder"),
 ])
@@ -119,10 +124,10 @@ def test_huge_values_are_never_printed_whole():
 
 
 def test_unknown_keys_get_hints_never_a_field_of_different_meaning():
-    message = problems_of(["--num_train_epochs=3", "--per_device_eval_batch_size=2", "--epsilon_low=0.2",
+    message = problems_of(["--num_train_epochs=3", "--steps_per_generation=2", "--epsilon_low=0.2",
                            "--learnig_rate=1e-5"])
     assert "num_iterations" not in message and "there are no epochs" in message
-    assert "did you mean 'per_device_train_batch_size'" not in message
+    assert "each generation batch serves num_iterations optimizer steps" in message
     assert "did you mean 'epsilon_high'" not in message and "the lower clip is epsilon" in message
     assert "did you mean 'learning_rate'" in message
     assert not set(FOREIGN_KEYS) & set(FIELDS), "a foreign name became a field: drop its hint"

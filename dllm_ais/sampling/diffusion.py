@@ -570,7 +570,8 @@ class MaskedDiffusionSampler:
             num_steps=num_steps,
         )
 
-    def decoder_logits(self, model: Any, rollout: Rollout) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
+    def decoder_logits(self, model: Any, rollout: Rollout, positions: torch.Tensor | None = None
+                       ) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
         """The logits each completion token of `rollout` was drawn from, recomputed as this sampler computed them
         while sampling: step by step along `rollout.commit_step`, by `block_logits` with this sampler's block cache
         rebuilt at the steps where sampling rebuilt it (`DiffusionSamplerConfig.refreshes_cache`), so a cached
@@ -584,7 +585,8 @@ class MaskedDiffusionSampler:
 
         A row's steps are counted from its block's first step (every row commits at least one token then), so
         rollouts sampled in separate calls, whose global step indices differ, replay together. Without a cache this
-        is the trajectory replay, one full forward per step.
+        is the trajectory replay, one full forward per step. With `positions` [B, L] bool, a block holding none of
+        them is skipped (no forward): a block's replay needs its own steps and cache only.
         """
         token_ids = self.resolve_token_ids(model)
         prompt_length, gen_length = rollout.prompt_length, rollout.gen_length
@@ -595,6 +597,8 @@ class MaskedDiffusionSampler:
         cache = BlockCache(self.config.cache) if self.config.cache != "none" else None
         for start in range(0, gen_length, self.config.block_length):
             block = slice(start, start + self.config.block_length)
+            if positions is not None and not bool(positions[:, block].any()):
+                continue
             first = commit_step[:, block].amin(dim=1, keepdim=True)  # [B, 1] each row's first step of the block
             step_in_block = commit_step - first  # [B, L]: < 0 before the block, >= 0 in it and after it
             for step in range(int(step_in_block[:, block].max()) + 1):

@@ -102,7 +102,7 @@ def strict_format_reward(prompts: list, completions: list, **kwargs) -> list[flo
 
 
 def is_integer_text(text: str) -> bool:
-    """True for an optional minus sign followed by decimal digits only (``re.fullmatch(r"-?\d+", text)``)."""
+    r"""True for an optional minus sign followed by decimal digits only (``re.fullmatch(r"-?\d+", text)``)."""
     return text.removeprefix("-").isdecimal()
 
 
