@@ -232,7 +232,7 @@ def test_learning_diagnostics_samples_the_recipes_own_task(monkeypatch, capsys):
     diagnostics.main()
     assert [kwargs["task_args"] for kwargs in drawn] == [builder.LONG_TASK_ARGS]
     out = capsys.readouterr().out
-    assert "batch: 4 prompts x 2" in out and "[one_step] |g|" in out
+    assert "batch: 4 prompts x 2" in out and "[trajectory] |g|" in out  # the recipe's estimator
 
 
 def test_builder_continues_a_shipped_warm_start_without_touching_it(monkeypatch, tmp_path, capsys):

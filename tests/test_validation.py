@@ -124,10 +124,10 @@ def test_huge_values_are_never_printed_whole():
 
 
 def test_unknown_keys_get_hints_never_a_field_of_different_meaning():
-    message = problems_of(["--num_train_epochs=3", "--steps_per_generation=2", "--epsilon_low=0.2",
+    message = problems_of(["--num_train_epochs=3", "--total_training_steps=2", "--epsilon_low=0.2",
                            "--learnig_rate=1e-5"])
     assert "num_iterations" not in message and "there are no epochs" in message
-    assert "each generation batch serves num_iterations optimizer steps" in message
+    assert "unknown key 'total_training_steps': use max_steps" in message
     assert "did you mean 'epsilon_high'" not in message and "the lower clip is epsilon" in message
     assert "did you mean 'learning_rate'" in message
     assert not set(FOREIGN_KEYS) & set(FIELDS), "a foreign name became a field: drop its hint"
