@@ -942,15 +942,6 @@ class EstimatorSettings:
     block_subset: BlockSubset | None = None
 
 
-def scored_positions(settings: EstimatorSettings, rollout: Rollout, seed: int) -> Tensor:
-    """The completion tokens [B, L] bool an estimate with `seed` scores: the valid ones (`completion_mask`), those of
-    the drawn blocks alone with a `BlockSubset`."""
-    valid = rollout.completion_mask.bool()
-    if settings.block_subset is None:
-        return valid
-    return valid & settings.block_subset.positions(valid, seed).to(valid.device)
-
-
 def _one_step_of_rollout(model: nn.Module, rollout: Rollout, settings: EstimatorSettings, seed: int,
                          compute_entropy: bool, advantages: Tensor | None = None):
     return one_step_logprobs(model, rollout.sequences, rollout.attention_mask, rollout.prompt_length,
@@ -965,6 +956,14 @@ def _drawn_positions(settings: EstimatorSettings, rollout: Rollout, seed: int) -
         return None
     drawn = settings.block_subset.positions(rollout.completion_mask, seed).to(rollout.completion_ids.device)
     return drawn.expand_as(rollout.completion_ids)
+
+
+def scored_positions(settings: EstimatorSettings, rollout: Rollout, seed: int) -> Tensor:
+    """The completion tokens [B, L] bool an estimate with `seed` scores: the valid ones (`completion_mask`), those of
+    the drawn blocks alone with a `BlockSubset`."""
+    valid = rollout.completion_mask.bool()
+    drawn = _drawn_positions(settings, rollout, seed)
+    return valid if drawn is None else valid & drawn
 
 
 def _trajectory_pieces_of_rollout(model: nn.Module, rollout: Rollout, settings: EstimatorSettings, seed: int,
