@@ -226,6 +226,11 @@ class GRPOConfig:
     epsilon_high: float | None = field(default=None, metadata=POSITIVE)
     loss_type: str = field(default="dapo", metadata=_choice(*LOSS_TYPES))
     scale_rewards: str = field(default="none", metadata=_choice(*REWARD_SCALINGS))
+    drop_zero_std_groups: bool = field(default=False, metadata={
+        "help": "Leave the GRPO groups whose rewards are all equal (frac_reward_zero_std; their advantages are 0) out "
+                "of the log-probs, the correction and the update, which then replay the informative groups only "
+                "(DAPO's dynamic-sampling filter, without resampling to refill the batch; the loss is normalised over "
+                "the kept groups). Needs beta=0."})
     ratio_type: str = field(default="token", metadata=_choice(*RATIO_TYPES))
     ctpo_c_low: float = field(default=0.025, metadata={**POSITIVE,
         "help": "ratio_type=ctpo: the clip range's lower end, log R_t >= -ctpo_c_low * t^ctpo_power (t = valid-token "
@@ -398,6 +403,9 @@ class GRPOConfig:
             (not (self.likelihood_estimator == "spg" and self.spg_block_masking and self.elbo_coupled),
              "elbo_coupled pairs random masks and spg_block_masking draws block masks: set one of them to false"),
             (block_fraction is None, block_fraction),
+            (not self.drop_zero_std_groups or self.beta == 0,
+             f"drop_zero_std_groups leaves out groups whose KL term (beta={self.beta}) still has a gradient: set "
+             "beta=0, or drop_zero_std_groups=false"),
             (self.likelihood_block_fraction == 1 or self.ratio_type == "token",
              f"likelihood_block_fraction={self.likelihood_block_fraction} scores some tokens only, and ratio_type="
              f"{self.ratio_type}'s prefix needs every token: set ratio_type=token, or likelihood_block_fraction=1"),

@@ -4,7 +4,8 @@
 
 1. sync the rollout engine (FP8 copy of the policy) from the trainer, in place;
 2. sample G completions per prompt with the engine (the decoder of each group: `dllm_ais.fidelity`);
-3. score them with the reward functions; group advantages over the batch gathered from every process;
+3. score them with the reward functions; group advantages over the batch gathered from every process; with
+   `drop_zero_std_groups`, keep the groups whose rewards differ (`groups_to_update`) for the stages below;
 4. log-probs with one estimator on both sides, per estimator seed: ℓ_rollout (engine), ℓ_old (trainer, no grad),
    ℓ_ref (adapter disabled, if β > 0), at the positions the estimate scores (`Policy.scored_positions`);
 5. correction weights (AIS by default) from ℓ_old vs ℓ_rollout over those positions.
@@ -33,7 +34,7 @@ from dllm_ais.config import GRPOConfig
 from dllm_ais.correction import CorrectionSettings, RolloutCorrection
 from dllm_ais.fidelity import RolloutFidelity, exact_share_metrics
 from dllm_ais.likelihood import LogprobPiece, sum_pieces, whole_piece
-from dllm_ais.loss import TokenLoss, group_advantages
+from dllm_ais.loss import TokenLoss, group_advantages, zero_std_groups
 from dllm_ais.metrics import completion_metrics, distinct_completions, ends_with_eos, reward_metrics
 from dllm_ais.ops import masked_mean
 from dllm_ais.policy import sample_prompts
@@ -119,6 +120,20 @@ def estimator_seeds(config: GRPOConfig, num_seeds: int, generation_index: int, p
     return [base + n for n in range(num_seeds)]
 
 
+def groups_to_update(rewards: torch.Tensor, num_generations: int, num_processes: int) -> torch.Tensor:
+    """[P·B] bool: the completions `drop_zero_std_groups` keeps for the log-probs and the update, from the rewards
+    [P·B] gathered from P processes (B each, whole groups of G = num_generations): every group whose rewards differ
+    (not `zero_std_groups`), and on each process as many of its zero-std groups, first ones first, as bring its
+    kept groups to the most any process keeps (at least one). Every process then keeps the same number of rows,
+    hence runs the same micro-batches and backwards (DDP's collectives), and a batch with nothing to learn still
+    takes its optimizer step; a kept zero-std group's advantages are 0, its tokens add nothing to the gradient."""
+    zero = zero_std_groups(rewards, num_generations).view(num_processes, -1)
+    informative = (~zero).sum(dim=1, keepdim=True)
+    kept_per_process = informative.max().clamp(min=1)
+    keep = ~zero | (zero & (zero.cumsum(dim=1) <= kept_per_process - informative))
+    return keep.flatten().repeat_interleave(num_generations)
+
+
 def any_process(accelerator: Accelerator, *flags: bool) -> list[bool]:
     """Each flag OR-ed over all processes (one gather), so that every process takes the same branch."""
     local = torch.tensor([[float(flag) for flag in flags]], device=accelerator.device)
@@ -186,6 +201,9 @@ def make_generation_batch(config: GRPOConfig, parts: StepComponents, tokenizer, 
     the `rollout_exact_fraction` share) and advances on this batch's diagnostics; None = a fresh one from the
     config (rung 0: the configured decoder).
 
+    The batch's metrics (rewards, lengths) are those of every sampled completion; with `drop_zero_std_groups` its
+    rollout, advantages, log-probs and weights are those of the kept groups.
+
     Raises SkippedBatch (on every process alike) when a reward or a log-prob is NaN or inf.
     """
     accelerator, gather, rank = parts.accelerator, parts.accelerator.gather, parts.accelerator.process_index
@@ -217,6 +235,23 @@ def make_generation_batch(config: GRPOConfig, parts: StepComponents, tokenizer, 
     local = slice(rank * len(rewards), (rank + 1) * len(rewards))
     advantages = all_advantages[local]
 
+    lengths = gather(rollout.completion_mask.sum(1))
+    terminated = gather(ends_with_eos(rollout.completion_ids, parts.policy.sampler_config.eos_token_ids).long())
+    rollout_metrics = {
+        **reward_metrics(all_rewards, config.num_generations), **completion_metrics(lengths, terminated),
+        "completions/distinct_per_group": gather(distinct_completions(
+            rollout.completion_ids, rollout.completion_mask, config.num_generations).to(accelerator.device)).mean().item(),
+        **({} if rollout.num_steps is None else {"completions/mean_steps": rollout.num_steps.float().mean().item()}),
+    }
+    samples = None
+    if config.log_completions and accelerator.is_main_process:
+        samples = sample_records(columns, rollout, tokenizer, table, rewards, advantages,
+                                 config.num_completions_to_print)
+    if config.drop_zero_std_groups:
+        keep = groups_to_update(all_rewards, config.num_generations, accelerator.num_processes)
+        rollout, advantages, all_advantages = rollout.select(keep[local]), advantages[keep[local]], all_advantages[keep]
+        local = slice(rank * len(advantages), (rank + 1) * len(advantages))
+
     start = time.perf_counter()
     parts.model.eval()
     with torch.no_grad():
@@ -244,19 +279,8 @@ def make_generation_batch(config: GRPOConfig, parts: StepComponents, tokenizer, 
         decoded_exactly = torch.arange(len(rewards), device=accelerator.device) < num_exact
         fidelity_metrics.update(exact_share_metrics(gather(decoded_exactly), all_rewards))
 
-    lengths = gather(rollout.completion_mask.sum(1))
-    terminated = gather(ends_with_eos(rollout.completion_ids, parts.policy.sampler_config.eos_token_ids).long())
-    metrics = {
-        **reward_metrics(all_rewards, config.num_generations), **completion_metrics(lengths, terminated),
-        "completions/distinct_per_group": gather(distinct_completions(
-            rollout.completion_ids, rollout.completion_mask, config.num_generations).to(accelerator.device)).mean().item(),
-        **({} if rollout.num_steps is None else {"completions/mean_steps": rollout.num_steps.float().mean().item()}),
-        "num_tokens": float(tokens_seen), **fidelity_metrics, **per_function_metrics, **timings,
-    }
-    samples = None
-    if config.log_completions and accelerator.is_main_process:
-        samples = sample_records(columns, rollout, tokenizer, table, rewards, advantages,
-                                 config.num_completions_to_print)
+    metrics = {**rollout_metrics, "num_tokens": float(tokens_seen), **fidelity_metrics, **per_function_metrics,
+               **timings}
     return GenerationBatch(rollout, advantages, logp_old, logp_ref, [c.weights[local] for c in corrections],
                            [None if c.clip_scale is None else c.clip_scale[local] for c in corrections],
                            [c.diagnostics for c in corrections], seeds, metrics, samples)

@@ -22,6 +22,14 @@ from dllm_ais.ops import as_token_mask, broadcast_advantages, check_choice, mask
 REWARD_STD_EPSILON = 1e-4
 
 
+def zero_std_groups(rewards: Tensor, num_generations: int) -> Tensor:
+    """[N / G] bool: which groups of G = num_generations consecutive rewards [N] are all equal (TRL's
+    `frac_reward_zero_std` counts them): their advantages are 0, so with β = 0 their tokens add nothing to the
+    loss's gradient."""
+    grouped = rewards.view(-1, num_generations)
+    return grouped.amax(dim=1) == grouped.amin(dim=1)
+
+
 def group_advantages(rewards: Tensor, num_generations: int, scale_rewards: str = "none") -> Tensor:
     """Group-relative advantages A_i = r_i − mean_{j ∈ group(i)} r_j for rewards [N] laid out as
     consecutive groups of G = num_generations completions of the same prompt.

@@ -22,6 +22,8 @@ from typing import Any, Callable
 
 import torch
 
+from dllm_ais.loss import zero_std_groups
+
 CONSOLE_FIELDS = (  # (metric key, console label, format)
     ("reward", "reward", ".3f"),
     ("frac_reward_zero_std", "zero-std", ".2f"),
@@ -76,10 +78,10 @@ def mismatch_warnings(metrics: dict[str, float]) -> dict[str, str]:
 def reward_metrics(rewards: torch.Tensor, num_generations: int) -> dict[str, float]:
     """TRL's reward statistics of a batch [B] of groups of `num_generations` consecutive completions: `reward` (the
     mean), `reward_std` (the mean over groups of the within-group sample std) and `frac_reward_zero_std` (the share
-    of groups whose rewards are all equal: their advantages are 0, they teach nothing)."""
+    of groups whose rewards are all equal: their advantages are 0, they teach nothing; `loss.zero_std_groups`)."""
     group_std = rewards.float().view(-1, num_generations).std(dim=1)
     return {"reward": rewards.float().mean().item(), "reward_std": group_std.mean().item(),
-            "frac_reward_zero_std": torch.isclose(group_std, torch.zeros_like(group_std)).float().mean().item()}
+            "frac_reward_zero_std": zero_std_groups(rewards, num_generations).float().mean().item()}
 
 
 def distinct_completions(completion_ids: torch.Tensor, completion_mask: torch.Tensor, num_generations: int) -> torch.Tensor:

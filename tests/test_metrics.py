@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from dllm_ais.loss import zero_std_groups
 from dllm_ais.metrics import (MetricsLog, completion_metrics, console_line, distinct_completions, ends_with_eos,
                               mismatch_warnings, plotted_points, reward_metrics)
 
@@ -15,6 +16,8 @@ def test_reward_metrics_are_trls_group_statistics():
     assert metrics["reward"] == pytest.approx(5 / 6)
     assert metrics["reward_std"] == pytest.approx(torch.tensor([0.0, 2.0]).std().item() / 3)
     assert metrics["frac_reward_zero_std"] == pytest.approx(2 / 3)
+    assert zero_std_groups(rewards, 2).tolist() == [True, False, True]
+    assert zero_std_groups(torch.tensor([0.1, 0.1 + 1e-12], dtype=torch.float64), 2).tolist() == [False], "equal means equal"
 
 
 def test_completion_metrics_count_lengths_and_completions_cut_by_the_length_limit():

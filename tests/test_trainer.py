@@ -161,6 +161,40 @@ def test_a_block_fraction_scores_one_block_per_iteration_and_trains_on_its_token
     assert any(not torch.equal(before[k], value) for k, value in lora_parameters(trainer).items())
 
 
+def test_groups_to_update_keeps_the_informative_groups_and_the_same_count_on_every_process():
+    from dllm_ais.grpo import groups_to_update
+
+    def kept_groups(rewards, processes):
+        return groups_to_update(torch.tensor(rewards), 2, processes).view(-1, 2)[:, 0].tolist()
+
+    assert kept_groups([1., 1., 0., 1., 0., 0., 1., 0.], 1) == [False, True, False, True]
+    assert kept_groups([1., 1., 0., 0.], 1) == [True, False], "nothing to learn: the first group, one step"
+    # Two processes of three groups: 2 informative groups on the first, none on the second, which keeps its first two.
+    assert kept_groups([0., 1., 1., 1., 1., 0.] + [1., 1., 0., 0., 1., 1.], 2) == [True, False, True, True, True, False]
+
+
+def test_dropping_zero_std_groups_scores_and_trains_on_the_informative_groups_alone(tokenizer, tmp_path):
+    """Rewards [1, 1 | 0, 1]: the first group teaches nothing and is left out of the log-probs, the correction and
+    the update; the batch's reward metrics still count it; the kept group's log-probs are those the full batch gets."""
+    def half_informative(prompts, completions, **kwargs):
+        return [1.0, 1.0, 0.0, 1.0]
+
+    settings = dict(reward_funcs=[half_informative], rollout_precision="bf16", likelihood_estimator="trajectory",
+                    beta=0.0, num_iterations=1)
+    full = make_trainer(tokenizer, tmp_path / "full", **settings).make_generation_batch()
+    trainer = make_trainer(tokenizer, tmp_path / "dropped", drop_zero_std_groups=True, **settings)
+    batch = trainer.make_generation_batch()
+    assert batch.metrics["frac_reward_zero_std"] == 0.5 and batch.metrics["reward"] == 0.75
+    assert batch.advantages.tolist() == [-0.5, 0.5]
+    assert torch.equal(batch.rollout.sequences, full.rollout.sequences[2:])
+    assert torch.allclose(batch.logp_old[0], full.logp_old[0][2:], atol=1e-5)
+    assert batch.weights[0].shape == batch.rollout.completion_mask.shape
+    before = lora_parameters(trainer)
+    metrics = trainer.optimisation_pass(batch, 0)
+    assert metrics["grad_norm"] > 0
+    assert any(not torch.equal(before[k], value) for k, value in lora_parameters(trainer).items())
+
+
 def test_step_merge_trains_with_a_backward_per_segment_and_an_engine_side_when_it_merges_steps(tokenizer, tmp_path):
     """step_merge with 2 segments of the 4 steps: the engine scores the rollout side (bf16: the ratio is 1), the
     optimisation pass backpropagates segment by segment and moves the weights."""
