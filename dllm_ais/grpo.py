@@ -130,7 +130,7 @@ def groups_to_update(rewards: torch.Tensor, num_generations: int, num_processes:
     zero = zero_std_groups(rewards, num_generations).view(num_processes, -1)
     informative = (~zero).sum(dim=1, keepdim=True)
     kept_per_process = informative.max().clamp(min=1)
-    keep = ~zero | (zero & (zero.cumsum(dim=1) <= kept_per_process - informative))
+    keep = ~zero | (zero.cumsum(dim=1) <= kept_per_process - informative)
     return keep.flatten().repeat_interleave(num_generations)
 
 
