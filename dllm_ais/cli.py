@@ -167,12 +167,13 @@ def _load_for_inference(args: argparse.Namespace, config):
 
     from dllm_ais.checkpoint import check_tokenizer_files
     from dllm_ais.engine import RolloutEngine
-    from dllm_ais.loading import load_model, load_tokenizer, resolve_dtype
+    from dllm_ais.loading import keep_freed_host_memory, load_model, load_tokenizer, resolve_dtype
 
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    keep_freed_host_memory(device)
     check_tokenizer_files(config.model_name_or_path)
     tokenizer = load_tokenizer(config.model_name_or_path)
     model = load_model(config.model_name_or_path, resolve_dtype(config.dtype), config.trust_remote_code)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     model = model.to(device).eval()
     if args.precision != "bf16":
         model = RolloutEngine(model, precision=args.precision).model

@@ -13,7 +13,7 @@ from transformers import get_scheduler
 
 from dllm_ais.config import ConfigError, GRPOConfig
 from dllm_ais.engine import RolloutEngine
-from dllm_ais.loading import load_model, resolve_dtype
+from dllm_ais.loading import keep_freed_host_memory, load_model, resolve_dtype
 from dllm_ais.validation import problem_list
 from dllm_ais.policy import (CustomSampler, DiffusionPolicy, Policy, build_policy,
                              custom_policy_problems, is_diffusion, lora_target_modules)
@@ -95,6 +95,7 @@ def build_components(config: GRPOConfig, tokenizer, accelerator: Accelerator, mo
     """Load the model (unless given), build the policies (`training_policies`: from the config, or around `sampler`,
     or `policy` as given), wrap the model in LoRA (`use_peft`), copy the reference (full fine-tuning with beta > 0)
     and the rollout engine, and prepare model, AdamW and the scheduler with `accelerator`."""
+    keep_freed_host_memory(accelerator.device)
     model = model or load_model(config.model_name_or_path, resolve_dtype(config.dtype), config.trust_remote_code,
                                 is_trainable=True)
     policy, greedy_policy, rollout_sampler_policy = training_policies(config, model.config, tokenizer, sampler, policy)

@@ -41,6 +41,9 @@ class RolloutEngine:
             the trainer's model to sample rollouts and compute rollout-side log-probs.
         precision: the precision mode.
         quantized_modules: names of the linear layers stored in FP8 (empty for "bf16").
+        holds_trainer_weights: whether the engine is the trainer's policy itself, LoRA merged: "bf16" in the
+            trainer's own dtypes, all float32 or wider, so that rounding W + ΔW loses nothing that matters (in
+            bfloat16 it can round a small ΔW away).
     """
 
     def __init__(self, trainer_model: nn.Module, precision: str = "fp8", dtype: torch.dtype | None = None):
@@ -60,6 +63,8 @@ class RolloutEngine:
         load_merged_weights_(model, trainer_model)
         self.model = model
         self.precision = precision
+        self.holds_trainer_weights = precision == "bf16" and dtype is None and all(
+            param.dtype in (torch.float32, torch.float64) for param in model.parameters() if param.is_floating_point())
         self.quantized_modules = quantize_model_(model, precision, skip=lm_head_skip_rule(model))
 
     def sync_from(self, trainer_model: nn.Module) -> float:

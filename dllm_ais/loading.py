@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
+import os
+import platform
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,6 +14,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from dllm_ais.config import EMBEDDED_MODELS
 
 END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|endoftext|>")
+# glibc's mallopt parameters (malloc.h) and their environment variables.
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+MALLOC_VARIABLES = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_")
+HOST_MEMORY_KEPT = 1 << 30
 
 
 def resolve_model_path(name_or_path: str) -> str:
@@ -30,6 +37,23 @@ def resolve_dtype(name: str) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if torch.cuda.is_available() else torch.float32
     return getattr(torch, name)
+
+
+def keep_freed_host_memory(device: torch.device | str) -> bool:
+    """On a CPU device under glibc: serve every allocation below 1 GiB from the process heap and keep what is freed
+    there for the next one (mallopt M_MMAP_THRESHOLD and M_TRIM_THRESHOLD); True when set.
+
+    By default glibc maps each large block (activations of tens of MiB) from the system and returns it on free,
+    raising that threshold only as frees come (up to 32 MiB): the first forwards of a run pay page faults on every
+    allocation. Measured on the chain-sum LLaDA: its first greedy evaluation of 64 prompts took 49-57 s, 39-40 s with
+    this. It does what `MALLOC_MMAP_THRESHOLD_` / `MALLOC_TRIM_THRESHOLD_` or a preloaded jemalloc / tcmalloc do, and
+    steps aside when either variable is set."""
+    if torch.device(device).type != "cpu" or platform.libc_ver()[0] != "glibc":
+        return False
+    if any(name in os.environ for name in MALLOC_VARIABLES):
+        return False
+    libc = ctypes.CDLL(None)
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, HOST_MEMORY_KEPT) and libc.mallopt(M_TRIM_THRESHOLD, HOST_MEMORY_KEPT))
 
 
 def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:

@@ -220,9 +220,17 @@ class GRPOTrainer:
     # ----------------------------------------------------------------------------------------------- validation
     def evaluate(self, dataset=None, policy=None) -> EvalResult:
         """Per-prompt rewards and accuracy of greedy completions of the trainer's (full-precision) policy on the
-        held-out (validation) prompts."""
+        held-out (validation) prompts.
+
+        When the rollout engine holds the trainer's weights in the trainer's precision (`rollout_precision=bf16`),
+        it decodes them, synced now: its LoRA adapters are merged, so a forward runs no adapter matmuls (a quarter
+        fewer seconds per forward on the embedded chain-sum LLaDA), as `dllm-ais eval` decodes an engine too."""
         self.model.eval()
-        return evaluate_policy(self.unwrapped_model, self.tokenizer, policy or self.parts.greedy_policy,
+        model = self.unwrapped_model
+        if self.engine.holds_trainer_weights:
+            self.engine.sync_from(model)
+            model = self.engine.model
+        return evaluate_policy(model, self.tokenizer, policy or self.parts.greedy_policy,
                                dataset if dataset is not None else self.eval_dataset, self.eval_reward_funcs,
                                self.config.reward_weights, self.config.eval_batch_size,
                                self.config.max_prompt_length, accuracy=get_task(self.config.task).accuracy)

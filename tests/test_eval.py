@@ -3,6 +3,7 @@ and markdown table, on the embedded digits task and on local files in each hub d
 import dataclasses
 import json
 import math
+import platform
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from dllm_ais.cli import main
 from dllm_ais.config import EMBEDDED_MODELS, GRPOConfig
 from dllm_ais.data import load_task_dataset
 from dllm_ais.evaluation import EvalProtocol, evaluate_policy, standard_error
-from dllm_ais.loading import load_tokenizer
+from dllm_ais.loading import MALLOC_VARIABLES, keep_freed_host_memory, load_tokenizer
 from dllm_ais.policy import build_policy
 from dllm_ais.sampling.rollout import Rollout
 from dllm_ais.tasks import get_task
@@ -115,6 +116,15 @@ def test_eval_on_the_embedded_digits_task_writes_the_report_and_table(tmp_path, 
     assert table in printed and f"| 16 | {100 * entry['accuracy']:.1f} | {100 * entry['accuracy_se']:.1f} |" in table
     with pytest.raises(SystemExit, match="already exists"):  # never overwrites, and says so before loading a model
         main(["eval", "--output", str(output)])
+
+
+def test_freed_host_memory_is_kept_on_cpu_under_glibc_unless_the_environment_sets_it(monkeypatch):
+    for name in MALLOC_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    assert not keep_freed_host_memory("meta")
+    assert keep_freed_host_memory("cpu") == (platform.libc_ver()[0] == "glibc")
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+    assert not keep_freed_host_memory("cpu")
 
 
 def test_eval_through_the_fp8_rollout_engine(tmp_path):

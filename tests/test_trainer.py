@@ -10,6 +10,7 @@ import torch
 from conftest import tiny_llada, tiny_qwen3
 from dllm_ais.config import GRPOConfig
 from dllm_ais.correction import CorrectionSettings, correct
+from dllm_ais.engine import merged_state_items
 from dllm_ais.loss import grpo_loss
 from dllm_ais.rewards import RewardFunctionError
 from dllm_ais.tasks.digits import digits_reward, make_digits_dataset
@@ -230,6 +231,31 @@ def test_validation_decodes_exactly_whatever_the_rollouts_use(tokenizer, tmp_pat
     fast.eval_dataset = validation
     closing = fast.train().history[-1]
     assert {"eval/reward", "eval/rollout_sampler/reward", "eval/rollout_sampler/num_prompts"} <= set(closing)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_validation_decodes_the_current_weights_merged_when_the_engine_holds_them(tokenizer, tmp_path, monkeypatch,
+                                                                                  precision):
+    """A bf16 engine holds the trainer's weights with LoRA merged: validation decodes it, synced first (the adapters
+    moved since the last generation batch). An FP8 engine is never validated: the trainer's own model is."""
+    trainer = make_trainer(tokenizer, tmp_path, rollout_precision=precision, eval_size=4)
+    with torch.no_grad():
+        for name, parameter in trainer.unwrapped_model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(std=0.1)
+    decoded = []
+    monkeypatch.setattr("dllm_ais.trainer.evaluate_policy", lambda model, *args, **kwargs: decoded.append(model))
+    if precision == "fp8":
+        trainer.evaluate(make_digits_dataset(4, seed=5))
+        assert not trainer.engine.holds_trainer_weights and decoded == [trainer.unwrapped_model]
+        return
+    merged = dict(merged_state_items(trainer.unwrapped_model))
+    engine_weights = dict(trainer.engine.model.named_parameters())
+    assert any(not torch.equal(engine_weights[name], weight) for name, weight in merged.items())
+    trainer.evaluate(make_digits_dataset(4, seed=5))
+    assert trainer.engine.holds_trainer_weights and decoded == [trainer.engine.model]
+    for name, weight in merged.items():
+        assert torch.equal(engine_weights[name], weight), name
 
 
 def test_reward_function_errors_name_the_function(tokenizer, tmp_path):
