@@ -222,9 +222,10 @@ class GRPOTrainer:
         """Per-prompt rewards and accuracy of greedy completions of the trainer's (full-precision) policy on the
         held-out (validation) prompts.
 
-        When the rollout engine holds the trainer's weights in the trainer's precision (`rollout_precision=bf16`),
-        it decodes them, synced now: its LoRA adapters are merged, so a forward runs no adapter matmuls (a quarter
-        fewer seconds per forward on the embedded chain-sum LLaDA), as `dllm-ais eval` decodes an engine too."""
+        When the rollout engine holds the trainer's weights in the trainer's precision (`rollout_precision=bf16` on
+        float32 weights: `RolloutEngine.holds_trainer_weights`), it decodes them, synced now: its LoRA adapters are
+        merged, so a forward runs no adapter matmuls (a quarter fewer seconds per forward on the embedded chain-sum
+        LLaDA)."""
         self.model.eval()
         model = self.unwrapped_model
         if self.engine.holds_trainer_weights:
