@@ -218,6 +218,11 @@ class GRPOConfig:
         "help": "gate rule: κ, the k3 divergence at which AIS is ~63% on."})
     ais_alpha_max: float = field(default=1.0, metadata={"range": "[0, 1]"})
     ais_alpha_ema: float = field(default=0.0, metadata={"range": "[0, 1)", "help": "EMA of α across batches; 0 = per batch."})
+    bypass_mode: bool = field(default=False, metadata={
+        "help": "verl's rollout_correction.bypass_mode: the rollout's log-probs are the old ones (pi_old = pi_rollout), "
+                "so the trainer's no-grad pass over each generation batch is skipped and the loss's clipped ratio "
+                "pi_theta / pi_rollout carries the rollout mismatch; its rollout_corr/* diagnostics are measured on the "
+                "batch's first update, where theta = theta_old. Needs correction=none."})
 
     # --- loss ---
     beta: float = field(default=0.04, metadata={**NON_NEGATIVE,
@@ -274,6 +279,10 @@ class GRPOConfig:
         "help": "Keep only the newest N checkpoint-N directories of this run (and the best one); None = keep all."})
     eval_steps: int = field(default=0, metadata={**NON_NEGATIVE, "help": "Score the eval_size validation prompts "
                                                  "(greedy) every this many steps, logged as eval/*; 0 = off."})
+    eval_rollout_sampler: bool = field(default=True, metadata={
+        "help": "After training, also score the validation prompts with a greedy copy of the rollout decoder when it "
+                "decodes otherwise than d1's protocol (a cache, parallel commits, another order, guidance, a custom "
+                "sampler), logged as eval/rollout_sampler/*: one more validation pass, with the fast decoder."})
     metric_for_best_model: str = field(default="reward", metadata={
         "help": "Validation score that ranks checkpoints (eval/<name>: reward, accuracy, rewards/<fn>/mean); the best "
                 "is recorded in output_dir/best_checkpoint.json."})
@@ -428,6 +437,13 @@ class GRPOConfig:
              "rollout_cache, rollout_threshold or rollout_factor, or rollout_exact_fraction=0"),
             (not (self.overwrite_output_dir and self.resume_from_checkpoint not in (None, False)),
              "resume_from_checkpoint continues the run in output_dir; overwrite_output_dir=true starts afresh: set one"),
+            (not self.bypass_mode or self.correction == "none",
+             f"bypass_mode takes the rollout's log-probs as the old ones, so correction={self.correction} would see "
+             "ratios of exactly 1: set correction=none (the loss's clipped ratio then carries the mismatch), or "
+             "bypass_mode=false"),
+            (not self.bypass_mode or self.rollout_fidelity == "fixed",
+             f"rollout_fidelity={self.rollout_fidelity} reads the mismatch before the update, which bypass_mode measures "
+             "during it: set rollout_fidelity=fixed, or bypass_mode=false"),
             (self.eval_steps == 0 or self.eval_size > 0,
              f"eval_steps={self.eval_steps} scores the validation split: set eval_size > 0, or eval_steps=0"),
             (not (self.eval_steps and self.save_steps) or self.save_steps % self.eval_steps == 0,

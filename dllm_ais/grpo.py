@@ -6,12 +6,14 @@
 2. sample G completions per prompt with the engine (the decoder of each group: `dllm_ais.fidelity`);
 3. score them with the reward functions; group advantages over the batch gathered from every process; with
    `drop_zero_std_groups`, keep the groups whose rewards differ (`groups_to_update`) for the stages below;
-4. log-probs with one estimator on both sides, per estimator seed: ℓ_rollout (engine), ℓ_old (trainer, no grad),
-   ℓ_ref (adapter disabled, if β > 0), at the positions the estimate scores (`Policy.scored_positions`);
+4. log-probs with one estimator on both sides, per estimator seed: ℓ_rollout (engine), ℓ_old (trainer, no grad;
+   with `bypass_mode`, verl's, ℓ_old = ℓ_rollout and no pass), ℓ_ref (adapter disabled, if β > 0), at the positions
+   the estimate scores (`Policy.scored_positions`);
 5. correction weights (AIS by default) from ℓ_old vs ℓ_rollout over those positions.
 
 `optimisation_pass`: the clipped GRPO loss × weights over the batch's micro-batches, one optimizer step; within a
-micro-batch, one backward per forward of the estimator (`backward_by_pieces`).
+micro-batch, one backward per forward of the estimator (`backward_by_pieces`). With `bypass_mode` the first pass over
+a batch, still at θ_old, also measures the mismatch of ℓ_θ against ℓ_rollout (`bypass_diagnostics`).
 
 Both take their collaborators (`StepComponents`, the tokenizer, reward functions, the correction) as arguments, so
 scripts and tests run a step without a trainer.
@@ -31,7 +33,7 @@ from accelerate.utils import DistributedType
 
 from dllm_ais.components import StepComponents
 from dllm_ais.config import GRPOConfig
-from dllm_ais.correction import CorrectionSettings, RolloutCorrection
+from dllm_ais.correction import Correction, CorrectionSettings, RolloutCorrection, correct
 from dllm_ais.fidelity import RolloutFidelity, exact_share_metrics
 from dllm_ais.likelihood import LogprobPiece, sum_pieces, whole_piece
 from dllm_ais.loss import TokenLoss, group_advantages, zero_std_groups
@@ -257,8 +259,9 @@ def make_generation_batch(config: GRPOConfig, parts: StepComponents, tokenizer, 
     with torch.no_grad():
         logp_rollout = [micro_batched_logprobs(parts.policy.rollout_logprobs, parts.engine.model, rollout, s,
                                                micro_batch_size, advantages) for s in seeds]
-        logp_old = [micro_batched_logprobs(parts.policy.logprobs, parts.model, rollout, s, micro_batch_size,
-                                           advantages) for s in seeds]
+        logp_old = logp_rollout if config.bypass_mode else [
+            micro_batched_logprobs(parts.policy.logprobs, parts.model, rollout, s, micro_batch_size, advantages)
+            for s in seeds]
     logp_ref = [None if config.beta == 0 else reference_logprobs(parts, rollout, s, micro_batch_size, advantages)
                 for s in seeds]
     timings["timing/logprob_s"] = time.perf_counter() - start
@@ -271,8 +274,11 @@ def make_generation_batch(config: GRPOConfig, parts: StepComponents, tokenizer, 
     # Weights and diagnostics (ESS, α, ...) are computed over the whole batch, gathered from every process, at the
     # positions each estimate scores.
     scored = [gather(micro_batched_positions(parts.policy, rollout, s, micro_batch_size).long()).bool() for s in seeds]
-    corrections = correction([(gather(old), gather(ro)) for old, ro in zip(logp_old, logp_rollout)], all_advantages,
-                             scored)
+    if config.bypass_mode:  # weights 1; the diagnostics come from the first update (`bypass_diagnostics`)
+        corrections = [Correction(mask.float(), None, {}) for mask in scored]
+    else:
+        corrections = correction([(gather(old), gather(ro)) for old, ro in zip(logp_old, logp_rollout)],
+                                 all_advantages, scored)
     timings["timing/correction_s"] = time.perf_counter() - start
     fidelity.update([c.diagnostics for c in corrections])
     if config.rollout_exact_fraction > 0:
@@ -289,11 +295,12 @@ def make_generation_batch(config: GRPOConfig, parts: StepComponents, tokenizer, 
 @dataclass
 class MicroBatchPass:
     """What one micro-batch's forwards and backwards leave: the loss (detached, the sum of its pieces'), the
-    metrics' sums (`TokenLoss`), the entropy [B, L] when asked for, and whether every log-prob at a completion
-    position and every piece's loss were finite."""
+    metrics' sums (`TokenLoss`), the log-probs ℓ_θ [B, L] (detached), the entropy [B, L] when asked for, and whether
+    every log-prob at a completion position and every piece's loss were finite."""
 
     loss: torch.Tensor
     metric_sums: dict[str, torch.Tensor]
+    logprobs: torch.Tensor
     entropy: torch.Tensor | None
     finite_logprobs: torch.Tensor
     finite_loss: torch.Tensor
@@ -322,18 +329,33 @@ def backward_by_pieces(pieces: Iterable[LogprobPiece], objective: TokenLoss, com
     """
     if not (piecewise and objective.takes_pieces):
         pieces = [whole_piece(sum_pieces(pieces, compute_entropy), compute_entropy)]
-    loss, sums, entropy, finite_logprobs, finite_loss = 0.0, {}, None, [], []
+    loss, sums, logprobs, entropy, finite_logprobs, finite_loss = 0.0, {}, 0.0, None, [], []
     for piece in pieces:
         piece_loss, piece_sums = objective(piece.logprobs, piece.positions)
         # Non-finite or not, every piece is backpropagated (every process joins the all-reduce); the caller decides.
         backward(piece_loss)
         loss = loss + piece_loss.detach()
+        logprobs = logprobs + piece.logprobs.detach()
         sums = {name: sums.get(name, 0.0) + value for name, value in piece_sums.items()}
         if compute_entropy:
             entropy = piece.entropy if entropy is None else entropy + piece.entropy
         finite_logprobs.append(torch.isfinite(piece.logprobs.detach()[piece.positions & completion_mask]).all())
         finite_loss.append(torch.isfinite(piece_loss.detach()))
-    return MicroBatchPass(loss, sums, entropy, torch.stack(finite_logprobs).all(), torch.stack(finite_loss).all())
+    return MicroBatchPass(loss, sums, logprobs, entropy, torch.stack(finite_logprobs).all(),
+                          torch.stack(finite_loss).all())
+
+
+def bypass_diagnostics(config: GRPOConfig, accelerator: Accelerator, logp_theta: torch.Tensor,
+                       logp_rollout: torch.Tensor, scored: torch.Tensor) -> dict[str, float]:
+    """`bypass_mode`'s mismatch diagnostics (`rollout_corr/*`, `sampling/sampling_logp_difference/*`): those of
+    correction=none between ℓ_θ [B, L] of a batch's first update, where θ = θ_old (no optimizer step has been taken
+    since the batch was sampled; in train mode, so with any dropout), and ℓ_rollout [B, L], over the `scored`
+    positions of every process: with one estimator seed per iteration (the one-step surrogate), those of the first
+    seed's masks, the only ones scored at θ_old."""
+    gather = accelerator.gather
+    return correct(CorrectionSettings.from_config(config), gather(logp_theta), gather(logp_rollout),
+                   logp_theta.new_zeros(len(logp_theta) * accelerator.num_processes),
+                   gather(scored.long()).bool()).diagnostics
 
 
 def optimisation_pass(config: GRPOConfig, parts: StepComponents, batch: GenerationBatch,
@@ -362,7 +384,7 @@ def optimisation_pass(config: GRPOConfig, parts: StepComponents, batch: Generati
         accelerator.num_processes == 1 or pieces_align_across_processes(config))
     summed: dict[str, float] = dict(batch.diagnostics[k])
     first_pass = iteration == 0  # the policy's entropy on the batch: once, at θ_old (a full-vocabulary pass)
-    losses, entropies, finite = [], [], []
+    losses, entropies, finite, logp_theta = [], [], [], []
     for j, rows in enumerate(rows_of):
         with accelerator.accumulate(model):
             part = batch.rollout.select(rows)
@@ -379,6 +401,7 @@ def optimisation_pass(config: GRPOConfig, parts: StepComponents, batch: Generati
             done = backward_by_pieces(pieces, objective, part.completion_mask,
                                       lambda loss: accelerator.backward(loss * scale), first_pass, piecewise)
         losses.append(done.loss * scale)
+        logp_theta.append(done.logprobs)
         finite.append(torch.stack([done.finite_logprobs, done.finite_loss]))
         if done.entropy is not None:
             entropies.append(masked_mean(done.entropy, scored[rows]))
@@ -396,6 +419,10 @@ def optimisation_pass(config: GRPOConfig, parts: StepComponents, batch: Generati
         optimizer.zero_grad(set_to_none=True)
         raise SkippedBatch("policy log-probs" if bad_logprobs else "loss" if bad_loss else "gradient",
                            f"grad norm {float(grad_norm)}" if bad_gradient else "")
+    if config.bypass_mode and first_pass:  # the batch's mismatch, logged with every pass of it
+        batch.diagnostics[:] = [bypass_diagnostics(config, accelerator, torch.cat(logp_theta), batch.logp_old[k],
+                                                   scored)] * len(batch.seeds)
+        summed.update(batch.diagnostics[k])
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     parts.scheduler.step()

@@ -299,7 +299,7 @@ class GRPOTrainer:
                 self.reporter.progress.close()
                 if self.eval_dataset is not None:
                     eval_after = self.scored_now() or self.evaluate()
-                    if self.parts.rollout_sampler_policy is not None:
+                    if self.parts.rollout_sampler_policy is not None and cfg.eval_rollout_sampler:
                         rollout_sampler = self.evaluate(policy=self.parts.rollout_sampler_policy)
                 self.stop_if_signalled(signals)
                 self.save(final)

@@ -2,7 +2,7 @@
 
     python scripts/bench_mismatch.py                  # both embedded models, every low-precision mode
     python scripts/bench_mismatch.py --prompts 256 --precisions fp8,int4
-    python scripts/bench_mismatch.py --models recipes/drafts/tiny_llada_chain_sum.yaml,recipes/tiny_qwen3_chain_sum.yaml
+    python scripts/bench_mismatch.py --models recipes/tiny_llada_chain_sum.yaml,recipes/tiny_qwen3_chain_sum.yaml
 
 For each model and precision, completions are sampled (temperature 1) by the rollout engine for validation prompts
 of its task, as in training. Then, on exactly the canvases the likelihood stage scores — causal LM: the prompt +

@@ -22,7 +22,7 @@ says when it is not).
 
     python scripts/bench_rollout.py                                  # gen 64 and 256, block 32, 1024 prompts
     python scripts/bench_rollout.py --gen-lengths 64 --num-prompts 64 --batch 32    # a quick check
-    python scripts/bench_rollout.py --recipe recipes/drafts/tiny_llada_chain_sum.yaml --gen-lengths 128 256 --tokens-per-step 2
+    python scripts/bench_rollout.py --recipe recipes/tiny_llada_chain_sum.yaml --gen-lengths 128 256 --tokens-per-step 2
                                                                      # the long-completion model, d1's steps = gen/2
     python scripts/bench_rollout.py ... --variants dual,dual+threshold   # the official algorithm and these only
     python scripts/bench_rollout.py ... --variants dual+refresh --refresh-interval 5 6   # refreshed every 5, every 6 steps

@@ -6,9 +6,9 @@
     python scripts/compare_corrections.py --task chain_sum --quick   # the long-completion models and recipes
 
 Every arm trains the shipped tiny recipe of `--task` (digits — LLaDA: `dllm-ais train`; Qwen3:
-recipes/tiny_qwen3_digits_fp8_ais.yaml; chain_sum — recipes/tiny_qwen3_chain_sum.yaml, and the LLaDA draft
-recipes/drafts/tiny_llada_chain_sum.yaml) through the CLI from the same seeds, changing only `rollout_precision` and
-`correction`:
+recipes/tiny_qwen3_digits_fp8_ais.yaml; chain_sum — recipes/tiny_qwen3_chain_sum.yaml and
+recipes/tiny_llada_chain_sum.yaml) through the CLI from the same seeds, changing only `rollout_precision` and
+`correction` (with `bypass_mode` off: a correction needs the trainer's ℓ_old):
 
   bf16 (reference)   rollout_precision=bf16, correction=none — on-policy
   <p> uncorrected    rollout_precision=<p>,  correction=none
@@ -40,7 +40,7 @@ from pathlib import Path
 REPOSITORY = Path(__file__).resolve().parents[1]
 RECIPES = {  # task -> family -> the recipe its arms train (None: the embedded one)
     "digits": {"llada": None, "qwen3": REPOSITORY / "recipes" / "tiny_qwen3_digits_fp8_ais.yaml"},
-    "chain_sum": {"llada": REPOSITORY / "recipes" / "drafts" / "tiny_llada_chain_sum.yaml",  # a draft: BENCHMARKS §10
+    "chain_sum": {"llada": REPOSITORY / "recipes" / "tiny_llada_chain_sum.yaml",
                   "qwen3": REPOSITORY / "recipes" / "tiny_qwen3_chain_sum.yaml"},
 }
 REFERENCE_ARM = "bf16 (reference)"
@@ -69,9 +69,12 @@ class Run:
     recipe: Path | None = None  # None: the embedded recipe
 
     def command(self) -> list[str]:
+        """The run's `dllm-ais train`; its arm sets the correction, so a recipe's `bypass_mode` (ℓ_old taken from
+        the rollout, no correction) is switched off."""
         recipe = [str(self.recipe)] if self.recipe else []
-        return [sys.executable, "-m", "dllm_ais.cli", "train", *recipe, *self.overrides, f"--seed={self.seed}",
-                f"--output_dir={self.output_dir}", "--overwrite_output_dir=true", "--save_steps=0"]
+        return [sys.executable, "-m", "dllm_ais.cli", "train", *recipe, "--bypass_mode=false", *self.overrides,
+                f"--seed={self.seed}", f"--output_dir={self.output_dir}", "--overwrite_output_dir=true",
+                "--save_steps=0"]
 
     @property
     def finished(self) -> bool:

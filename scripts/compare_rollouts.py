@@ -5,7 +5,7 @@
     python scripts/compare_rollouts.py --arms "trajectory dual+t0.9/adaptive AIS" --seeds 3   # chosen arms, 30 steps
 
 Every arm trains the shipped tiny LLaDA recipe (`dllm-ais train`: digits, FP8 rollouts, LoRA; with `--task chain_sum`
-the draft recipes/drafts/tiny_llada_chain_sum.yaml, BF16 rollouts) through the CLI from the same seeds, changing only
+recipes/tiny_llada_chain_sum.yaml, BF16 rollouts) through the CLI from the same seeds, changing only
 the rollout decoder (`rollout_cache`, `rollout_threshold`), the likelihood estimator (with `likelihood_order` and
 `likelihood_decoder` for the trajectory one: `trajectory` is the exact model's replay of the
 rollout's trajectory, `trajectory@decoder` the replay of the rollout decoder itself, cache included,
@@ -156,7 +156,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help=f"{SETTINGS['digits']['quick']['max_steps']} steps (digits) and only the arms {', '.join(QUICK_ARMS)}")
     parser.add_argument("--task", choices=tuple(RECIPES), default="digits",
-                        help="digits: the embedded LLaDA recipe; chain_sum: recipes/drafts/tiny_llada_chain_sum.yaml")
+                        help="digits: the embedded LLaDA recipe; chain_sum: recipes/tiny_llada_chain_sum.yaml")
     parser.add_argument("--arms", default=None, help="comma-separated arm names (estimator decoder correction)")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time (one CPU thread each)")

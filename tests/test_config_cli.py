@@ -45,6 +45,9 @@ def test_exponent_without_a_dot_is_a_float():
     (["--eval_steps=2", "--save_steps=3"], "save_steps=3 must be a multiple of eval_steps=2"),
     (["--num_completions_to_print=0"], "num_completions_to_print=0"),
     (["--drop_zero_std_groups=true", "--beta=0.04"], "drop_zero_std_groups leaves out groups whose KL term"),
+    (["--bypass_mode=true", "--correction=ais"], "correction=ais would see ratios of exactly 1: set correction=none"),
+    (["--bypass_mode=true", "--correction=none", "--rollout_fidelity=adaptive"],
+     "rollout_fidelity=adaptive reads the mismatch before the update"),
 ])
 def test_bad_config_fails_before_any_model_is_loaded(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

@@ -129,7 +129,7 @@ def test_noise_fraction_and_determinism(rows):
 
 
 RECIPES = {"qwen3": SCRIPTS.parent / "recipes" / "tiny_qwen3_chain_sum.yaml",
-           "llada": SCRIPTS.parent / "recipes" / "drafts" / "tiny_llada_chain_sum.yaml"}  # a draft: BENCHMARKS §10
+           "llada": SCRIPTS.parent / "recipes" / "tiny_llada_chain_sum.yaml"}
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llada"])

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import tiny_llada, tiny_qwen3
+from dllm_ais import grpo
 from dllm_ais.config import GRPOConfig
 from dllm_ais.correction import CorrectionSettings, correct
 from dllm_ais.engine import merged_state_items
@@ -85,6 +86,33 @@ def test_alpha_one_gives_the_tis_update(tokenizer, tmp_path):
         assert any(not torch.equal(before[k], after[name][k]) for k in before)
     for key, value in after["tis"].items():
         assert torch.equal(value, after["ais_alpha_1"][key]), key
+
+
+@pytest.mark.parametrize("model_fn", [tiny_llada, tiny_qwen3], ids=["llada", "qwen3"])
+def test_bypass_mode_takes_the_rollout_logprobs_as_old_and_measures_the_mismatch_in_the_first_update(
+        tokenizer, tmp_path, model_fn, monkeypatch):
+    settings = dict(rollout_precision="fp8", correction="none", beta=0.0)  # FP8 rollouts: a mismatch to measure
+    decoupled = make_trainer(tokenizer, tmp_path / "decoupled", model_fn, **settings)
+    bypass = make_trainer(tokenizer, tmp_path / "bypass", model_fn, bypass_mode=True, **settings)
+    expected = decoupled.make_generation_batch()
+    scorers = []
+    scored_by = grpo.micro_batched_logprobs
+    monkeypatch.setattr(grpo, "micro_batched_logprobs", lambda score, *args: scorers.append(score) or scored_by(
+        score, *args))
+    batch = bypass.make_generation_batch()
+    assert torch.equal(batch.rollout.sequences, expected.rollout.sequences)
+    assert scorers == [bypass.policy.rollout_logprobs] * len(batch.seeds)  # no trainer pass for ℓ_old
+    rollout_side = bypass.policy.rollout_logprobs(bypass.engine.model, batch.rollout, batch.seeds[0])
+    assert torch.equal(batch.logp_old[0], rollout_side)
+    assert batch.diagnostics == [{}] * len(batch.seeds) and torch.equal(batch.weights[0], batch.rollout.completion_mask.float())
+
+    mismatch = {key: value for key, value in expected.diagnostics[0].items() if key.startswith("rollout_corr/")}
+    assert mismatch["rollout_corr/k3_kl"] > 0
+    first, second = bypass.optimisation_pass(batch, 0), bypass.optimisation_pass(batch, 1)
+    for key, value in mismatch.items():  # ℓ_θ at θ_old (train mode, no dropout) against ℓ_rollout
+        assert first[key] == pytest.approx(value, rel=1e-4, abs=1e-7), key
+        assert second[key] == first[key], key
+    assert math.isfinite(first["loss"]) and first["grad_norm"] > 0
 
 
 def test_same_seed_gives_the_same_metrics_and_writes_outputs(tokenizer, tmp_path):
@@ -231,6 +259,14 @@ def test_validation_decodes_exactly_whatever_the_rollouts_use(tokenizer, tmp_pat
     fast.eval_dataset = validation
     closing = fast.train().history[-1]
     assert {"eval/reward", "eval/rollout_sampler/reward", "eval/rollout_sampler/num_prompts"} <= set(closing)
+
+
+def test_the_rollout_decoders_own_score_can_be_left_out(tokenizer, tmp_path):
+    trainer = make_trainer(tokenizer, tmp_path, rollout_cache="dual", eval_size=8, max_steps=1,
+                           eval_rollout_sampler=False)
+    trainer.eval_dataset = make_digits_dataset(8, seed=5)
+    closing = trainer.train().history[-1]
+    assert "eval/reward" in closing and not any(key.startswith("eval/rollout_sampler/") for key in closing)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
