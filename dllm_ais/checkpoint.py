@@ -22,7 +22,7 @@ from accelerate.utils import gather_object, send_to_device
 from peft import PeftModel
 
 from dllm_ais.components import StepComponents
-from dllm_ais.config import ConfigError, GRPOConfig, save_config
+from dllm_ais.config import ConfigError, GRPOConfig, canonical_values, flat_settings, save_config
 from dllm_ais.evaluation import EvalResult
 from dllm_ais.loading import resolve_model_path
 from dllm_ais.grpo import GenerationBatch, any_process
@@ -478,9 +478,10 @@ def resume_checkpoint(config: GRPOConfig, report_skipped: bool = True) -> Path |
             fix = (f"resume from the previous intact checkpoint: --resume_from_checkpoint={previous}"
                    if previous is not None else "no earlier intact checkpoint exists; start a fresh run")
             raise ConfigError(f"resume_from_checkpoint={wanted}: {problem}; {fix}.")
-    saved = read_recipe(checkpoint / "dllm_ais_config.yaml")
-    defaults = GRPOConfig().to_dict()
-    changed = [f"{name}: {show(saved.get(name, defaults[name]))} -> {show(value)}" for name, value in config.to_dict().items()
+    saved = flat_settings(canonical_values(read_recipe(checkpoint / "dllm_ais_config.yaml"), str(checkpoint)))
+    defaults = flat_settings(GRPOConfig().to_dict())
+    changed = [f"{name}: {show(saved.get(name, defaults[name]))} -> {show(value)}"
+               for name, value in flat_settings(config.to_dict()).items()
                if name not in RESUMABLE_CHANGES and saved.get(name, defaults[name]) != value]
     if changed:
         raise ConfigError(f"Cannot resume from {checkpoint}: these fields change the run (only "

@@ -40,6 +40,6 @@ def block_fraction_problem(block_fraction: float, estimator: str) -> str | None:
     denoising trajectory is for the estimators that replay it."""
     if block_fraction == 1 or estimator in TRAJECTORY_ESTIMATORS:
         return None
-    return (f"likelihood_block_fraction={block_fraction} scores a random share of the denoising trajectory's blocks, "
-            f"which likelihood_estimator={estimator} does not replay: set likelihood_estimator to "
-            f"{' or '.join(TRAJECTORY_ESTIMATORS)}, or likelihood_block_fraction=1")
+    return (f"experimental.likelihood_block_fraction={block_fraction} scores a random share of the denoising "
+            f"trajectory's blocks, which likelihood.estimator={estimator} does not replay: set likelihood.estimator to "
+            f"{' or '.join(TRAJECTORY_ESTIMATORS)}, or experimental.likelihood_block_fraction=1")

@@ -22,17 +22,16 @@ Quick start (CPU, a few minutes, nothing downloaded):
 """
 
 TRAIN_EPILOG = """\
-Every field below can be set in the YAML recipe or overridden as --field=value (values are YAML:
---report_to=[tensorboard], --is_clip_low=null). Unknown fields and bad values are reported before any
-model is loaded. Output: <output_dir>/metrics.jsonl (TRL / verl metric names), metrics.png, config.yaml,
-final/ (adapter + tokenizer), checkpoint-N/ every save_steps, best_checkpoint.json with eval_steps,
-completions.jsonl with log_completions. A non-empty output_dir is refused: continue its run exactly with
---resume_from_checkpoint=true (latest checkpoint-N), or start afresh with --overwrite_output_dir=true.
-Ctrl-C or SIGTERM finishes the current step, writes a checkpoint and prints the command that resumes it.
-Without a recipe the embedded run's recipe is used (dllm_ais/assets/tiny_llada/recipe.yaml); the defaults
-below (d1's published LLaDA settings) apply to fields a recipe leaves out.
+Every field below can be set in the YAML recipe or overridden as --field=value; a settings group's
+field as --group.field=value (--rollout.cache=dual, --correction.method=tis; in YAML, nested:
+rollout: {cache: dual}). Values are YAML (--report_to=[tensorboard], --correction.clip_low=null).
+Unknown fields and bad values are reported before any model is loaded; flat names of earlier releases
+(rollout_cache, is_clip, ...) still load, with a one-line hint. Full descriptions: docs/configuration.md.
+Output: <output_dir>/metrics.jsonl, metrics.png, config.yaml, final/ (adapter + tokenizer), checkpoint-N/
+every save_steps. A non-empty output_dir is refused: continue its run with --resume_from_checkpoint=true,
+or start afresh with --overwrite_output_dir=true. Without a recipe the embedded run's recipe is used
+(dllm_ais/assets/tiny_llada/recipe.yaml); the defaults below apply to fields a recipe leaves out.
 
-Fields:
 """
 
 
@@ -232,7 +231,7 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError(f"--gen_lengths {','.join(map(str, odd))}: the protocol denoises in gen_length / 2 steps, "
                           "so every gen length must be even (e.g. 16,32).")
     try:  # every gen length's sampler is checked before the first one runs
-        policies = {gen_length: build_policy(dataclasses.replace(config, **protocol.sampler_fields(gen_length)),
+        policies = {gen_length: build_policy(protocol.decoding(config, gen_length),
                                              model.config, tokenizer, temperature=protocol.temperature)
                     for gen_length in protocol.gen_lengths}
     except ValueError as error:

@@ -1,4 +1,6 @@
-"""Training configuration: one flat dataclass with TRL's field names, loaded from YAML plus `--key=value` overrides.
+"""Training configuration: `GRPOConfig`, TRL's field names at the top level and the pipeline's own stages in settings
+groups (`rollout`, `likelihood`, `correction`, and the study knobs behind `experimental`), loaded from YAML plus
+`--key=value` / `--group.key=value` overrides.
 
 Everything is validated here, before any model or dataset is loaded, so a typo costs seconds, not a GPU hour. Each
 field declares its allowed values in its metadata (`choices`, `range`, see `dllm_ais.validation`); `--help` shows them.
@@ -8,6 +10,7 @@ This module imports nothing heavy: `dllm-ais --help` must not import torch.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import typing
 from dataclasses import dataclass, field
@@ -44,16 +47,18 @@ SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 
 
 # d1's evaluation decoder, whatever the length: LLaDA's own sampler, no block cache, no parallel commits, no guidance
-D1_SAMPLER_FIELDS = {"remasking": "low_confidence", "rollout_cache": "none", "rollout_threshold": None,
-                     "rollout_factor": None, "rollout_cache_refresh_interval": None, "cfg_scale": 0.0}
+D1_ROLLOUT = {"remasking": "low_confidence", "cache": "none", "threshold": None, "cache_refresh_interval": None,
+              "cfg_scale": 0.0}
 
 
-def d1_protocol_fields(gen_length: int, block_length: int) -> dict[str, Any]:
-    """The config fields of d1's evaluation decoder at ``gen_length``: `D1_SAMPLER_FIELDS` with blocks of
-    min(block_length, gen_length) and gen_length / 2 steps (two tokens per step). Held-out validation and
-    `dllm-ais eval` both decode with it."""
-    return {"max_completion_length": gen_length, "block_length": min(block_length, gen_length),
-            "diffusion_steps": max(gen_length // 2, 1), **D1_SAMPLER_FIELDS}
+def with_d1_protocol(config: "GRPOConfig", gen_length: int, block_length: int | None = None) -> "GRPOConfig":
+    """`config` decoding with d1's evaluation protocol at ``gen_length``: `D1_ROLLOUT`, blocks of
+    min(block_length, gen_length) (default: the config's), gen_length / 2 steps (two tokens per step), no factor rule
+    and the rollout's own commit order. Held-out validation and `dllm-ais eval` both decode with it."""
+    block_length = min(block_length or config.rollout.block_length, gen_length)
+    rollout = dataclasses.replace(config.rollout, block_length=block_length, steps=max(gen_length // 2, 1), **D1_ROLLOUT)
+    experimental = dataclasses.replace(config.experimental, rollout_factor=None, likelihood_order="rollout")
+    return dataclasses.replace(config, max_completion_length=gen_length, rollout=rollout, experimental=experimental)
 
 
 def _choice(*options: str) -> dict:
@@ -69,6 +74,234 @@ AT_LEAST_ONE = {"range": "[1, inf)"}
 NON_NEGATIVE = {"range": "[0, inf)"}
 POSITIVE = {"range": "(0, inf)"}
 PATH = {"path": True}  # "~" is expanded
+
+
+GROUP = "group"  # metadata key of the GRPOConfig fields that hold a settings group
+
+
+class SettingsGroup:
+    """A group of settings of one pipeline stage, named `NAME` in recipes (`rollout: {cache: dual}`) and on the command
+    line (`--rollout.cache=dual`). Each group checks its own fields and rules (`problems`); the stage it belongs to
+    takes the group object itself. Groups are frozen: `dataclasses.replace` makes a changed copy."""
+
+    NAME = ""
+    TITLE = ""
+
+    def problems(self) -> list[str]:
+        """Every problem of this group's fields (type, choices, range) and of its rules, each naming the field as
+        `NAME.field`; [] when valid."""
+        invalid = field_problems(self)
+        found = [f"{self.NAME}.{problem}" for problems in invalid.values() for problem in problems]
+        return found if invalid else found + self.rule_problems()
+
+    def rule_problems(self) -> list[str]:
+        """The group's rules across its own fields (its fields are well typed when this runs)."""
+        return []
+
+
+@dataclass(frozen=True)
+class RolloutSettings(SettingsGroup):
+    """How the rollout engine samples: its precision, and the masked-diffusion decoder (LLaDA's sampler with
+    Fast-dLLM's block cache and parallel commits). TRL's sampling names (temperature, top_k, top_p,
+    num_generations, max_completion_length) stay at the top level."""
+
+    NAME = "rollout"
+    TITLE = "the rollout engine's precision and the masked-diffusion decoder"
+
+    precision: str = field(default="fp8", metadata={**_choice(*PRECISIONS),
+        "help": "Precision of the rollout engine; bf16 = no quantization (on-policy baseline)."})
+    steps: int = field(default=128, metadata={**AT_LEAST_ONE, "help": "Denoising steps over the whole completion."})
+    block_length: int = field(default=32, metadata={**AT_LEAST_ONE, "help": "Semi-autoregressive block length."})
+    remasking: str = field(default="low_confidence", metadata={
+        "help": "Remasking rule name (low_confidence, random, or one registered with register_remasking_rule)."})
+    cfg_scale: float = field(default=0.0, metadata={**NON_NEGATIVE,
+        "help": "Classifier-free guidance s: logits = u + (s + 1)(c - u), u with the prompt masked (two forwards per "
+                "step); every likelihood estimator scores the guided logits, as sampled (as d1)."})
+    cache: str = field(default="none", metadata={**_choice(*CACHE_MODES),
+        "help": "Block KV cache (Fast-dLLM): none = the official algorithm; prefix / dual reuse keys/values within a "
+                "block (approximate: docs/algorithms.md says what the importance ratio sees of it)."})
+    cache_refresh_interval: int | None = field(default=None, metadata={**AT_LEAST_ONE,
+        "help": "With a cache: also refresh it every this many steps inside a block (1 = every step, the uncached "
+                "algorithm). null = only at each block's first step."})
+    threshold: float | None = field(default=None, metadata={"range": "[0, 1]",
+        "help": "Parallel decoding: commit every block position with confidence > this (>= 1 per step; Fast-dLLM: "
+                "0.9); steps then no longer applies. null = the fixed step schedule."})
+
+
+@dataclass(frozen=True)
+class LikelihoodSettings(SettingsGroup):
+    """How a completion's log-probs are estimated under a diffusion policy (the same estimator, with the same random
+    masks, on the rollout engine, the trainer and the reference)."""
+
+    NAME = "likelihood"
+    TITLE = "the diffusion log-prob estimator"
+
+    estimator: str = field(default="one_step", metadata={**_choice(*ESTIMATORS),
+        "help": "one_step = d1's surrogate (one forward); trajectory = the exact replay of the denoising steps (one "
+                "forward per step); step_merge = d2's StepMerge (the steps merged into `segments`); elbo = LLaDA's "
+                "Monte-Carlo bound; spg = SPG's ELBO/EUBO sandwich. elbo and spg give each token an equal share of one "
+                "log-likelihood per completion: the ratio is then GSPO's length-normalised sequence ratio."})
+    segments: int = field(default=16, metadata={"range": f"[1, {MAX_TOKENS}]",
+        "help": "step_merge: N, the contiguous segments the denoising steps are merged into (one forward each); "
+                "N >= rollout.steps is the exact trajectory, N = 1 d1's surrogate with an unmasked prompt."})
+    p_mask_prompt: float = field(default=0.15, metadata={"range": "[0, 1)",
+        "help": "Probability of masking each prompt token in the one_step, elbo and spg estimators' canvases."})
+    elbo_samples: int = field(default=2, metadata={"range": "[1, 1024]",
+        "help": "elbo and spg: Monte-Carlo draws of the masking process per estimate, one forward each (SPG's num_t)."})
+    spg_eubo_beta: float = field(default=1.5, metadata={"range": "[1, inf)",
+        "help": "spg: the EUBO's exponent beta (SPG: 1.5 for GSM8K and MATH, 2 for Countdown, 1 for Sudoku)."})
+    spg_block_masking: bool = field(default=True, metadata={
+        "help": "spg: SPG's block-wise masks (earlier blocks clean, one block partly masked, later blocks masked) "
+                "instead of LLaDA's random masks."})
+
+
+@dataclass(frozen=True)
+class CorrectionSettings(SettingsGroup):
+    """The rollout-mismatch correction (`dllm_ais.correction.correct`): `method` is "none" (w = 1, the ratio
+    diagnostics still logged), "tis" / "mis" (importance weights at `level`, truncating / masking at `clip` and
+    `clip_low`, optionally `normalize`d), "acr" (token TIS weights plus the ACR clip scale) or "ais" (adaptive
+    importance sampling with `ais_rule`, `ais_snr_scale`, `ais_kl_scale`, `ais_alpha_max` and the EMA `ais_alpha_ema`
+    of α across generation batches). `bypass_mode` is verl's: the
+    rollout's log-probs are the old ones, so the loss's clipped ratio π_θ / π_rollout carries the mismatch.
+    In a recipe, `correction: tis` is short for `correction: {method: tis}`."""
+
+    NAME = "correction"
+    TITLE = "the rollout-mismatch correction (AIS first), bypass mode included"
+
+    method: str = field(default="ais", metadata={**_choice(*CORRECTION_METHODS),
+        "help": "Rollout-mismatch correction of the policy gradient."})
+    level: str = field(default="token", metadata={**_choice(*IS_LEVELS),
+        "help": "Ratio level: per token, per sequence (product), or geometric (the sequence's mean log-ratio)."})
+    clip: float = field(default=2.0, metadata={**POSITIVE,
+        "help": "Upper truncation C of the importance ratio (tis, mis, ais); with method=acr also the clip scale "
+                "c_t = min(1, C / rho_t) that widens the loss's upper clip bound to (1 + epsilon_high) / c_t."})
+    clip_low: float | None = field(default=None, metadata={**NON_NEGATIVE,
+        "help": "Lower bound of the ratio (tis truncates to it, mis masks below it); null = 1 / clip."})
+    normalize: bool = field(default=False, metadata={"help": "tis and mis: divide the weights by their batch mean."})
+    ais_rule: str = field(default="adaptive", metadata={**_choice(*ALPHA_RULES),
+        "help": "How AIS sets α: adaptive = when the mismatch's systematic shift of the gradient signal stands out "
+                "of the batch's gradient noise (scale-free); gate = k3 KL against ais_kl_scale; oracle = plug-in MSE."})
+    ais_snr_scale: float = field(default=4.0, metadata={**POSITIVE,
+        "help": "adaptive rule: the excess significance (z² − 1) of the mismatch shift at which AIS is ~63% on."})
+    ais_kl_scale: float = field(default=1e-3, metadata={**POSITIVE,
+        "help": "gate rule: κ, the k3 divergence at which AIS is ~63% on."})
+    ais_alpha_max: float = field(default=1.0, metadata={"range": "[0, 1]", "help": "Upper bound of α."})
+    ais_alpha_ema: float = field(default=0.0, metadata={"range": "[0, 1)",
+        "help": "EMA of α across generation batches; 0 = per batch."})
+    bypass_mode: bool = field(default=False, metadata={
+        "help": "verl's rollout_correction.bypass_mode: the rollout's log-probs are the old ones, so the trainer's "
+                "no-grad pass over each generation batch is skipped and the loss's clipped ratio pi_theta / "
+                "pi_rollout carries the mismatch, measured on the batch's first update. Needs method=none."})
+
+    def rule_problems(self) -> list[str]:
+        checks = [
+            (self.clip_low is None or self.clip_low <= self.clip,
+             f"correction.clip_low must lie in [0, correction.clip={self.clip}]; got {self.clip_low}"),
+            (self.method not in ("acr", "ais") or self.level == "token",
+             f"correction.method={self.method} works on token-level ratios: set correction.level=token (got "
+             f"{self.level!r})"),
+            (self.method != "ais" or (self.clip_low is None and not self.normalize),
+             "correction.method=ais mixes with min(rho, correction.clip): leave correction.clip_low=null and "
+             "correction.normalize=false"),
+            (not self.bypass_mode or self.method == "none",
+             f"correction.bypass_mode takes the rollout's log-probs as the old ones, so correction.method="
+             f"{self.method} would see ratios of exactly 1: set correction.method=none (the loss's clipped ratio then "
+             "carries the mismatch), or correction.bypass_mode=false"),
+        ]
+        return [message for ok, message in checks if not ok]
+
+
+@dataclass(frozen=True)
+class ExperimentalSettings(SettingsGroup):
+    """Study knobs behind a door: each is measured in docs/notes/ and used by no shipped recipe's defaults; names and
+    meaning may change between releases."""
+
+    NAME = "experimental"
+    TITLE = "study knobs behind a door (may change between releases)"
+
+    rollout_factor: float | None = field(default=None, metadata={**POSITIVE,
+        "help": "Parallel decoding, Fast-dLLM's factor rule: each step commits the largest n with (n + 1)(1 - c_(n)) "
+                "< this (>= 1 per step; Fast-dLLM: 1.0); instead of rollout.threshold. null = off."})
+    rollout_fidelity: str = field(default="fixed", metadata={**_choice(*FIDELITY_MODES),
+        "help": "Fast rollouts: fixed = always the configured decoder; adaptive = a ladder from it to the exact "
+                "decoder, one rung toward exact after a batch whose importance ratio shows a large mismatch, one back "
+                "after rollout_fidelity_patience calm batches. Needs likelihood.estimator=trajectory, "
+                "likelihood_order=rollout and likelihood_decoder=exact (the ratio that sees the decoder)."})
+    rollout_fidelity_k3_max: float = field(default=0.05, metadata={**NON_NEGATIVE,
+        "help": "rollout_fidelity=adaptive: a batch whose rollout_corr/k3_kl exceeds this moves one rung toward exact."})
+    rollout_fidelity_ess_min: float = field(default=0.9, metadata={"range": "[0, 1]",
+        "help": "rollout_fidelity=adaptive: a batch whose rollout_corr/rollout_is_eff_sample_size is below this moves "
+                "one rung toward exact (0 = off)."})
+    rollout_fidelity_patience: int = field(default=8, metadata={"range": "[1, 1000000]",
+        "help": "rollout_fidelity=adaptive: calm generation batches in a row after which the decoder moves one rung "
+                "back toward the fast one."})
+    rollout_exact_fraction: float = field(default=0.0, metadata={"range": "[0, 1]",
+        "help": "Fast rollouts: the share of each process' GRPO groups (whole groups) decoded by the exact decoder, "
+                "the rest by the fast one; 0 = none."})
+    likelihood_block_fraction: float = field(default=1.0, metadata={"range": "(0, 1]",
+        "help": "trajectory and step_merge: the share of the completion's blocks scored per inner iteration, drawn at "
+                "random (at least one): the update replays those blocks' steps only, and the correction and the loss "
+                "run over their tokens (TRL DDPO's train_timestep_fraction, by blocks). 1 = every block."})
+    likelihood_order: str = field(default="rollout", metadata={**_choice(*LIKELIHOOD_ORDERS),
+        "help": "trajectory and step_merge: the commit order scored. rollout = the rollout sampler's; exact = the "
+                "completion replayed along the exact decoder's order (the ratio then sees precision only)."})
+    likelihood_decoder: str = field(default="rollout", metadata={**_choice(*LIKELIHOOD_DECODERS),
+        "help": "trajectory with a rollout.cache: the logits scored each step. rollout = the rollout decoder's own, "
+                "its cache replayed as sampled (the fast decoder is the policy trained; the ratio sees precision "
+                "only); exact = the model's full forward (the ratio sees the cache's logit error). Without a cache "
+                "both are the same replay."})
+    elbo_coupled: bool = field(default=False, metadata={
+        "help": "elbo and spg without block masking: pair each draw (rate t) with its complement (rate 1 - t), so "
+                "every token is scored once per pair (coupled-GRPO); doubles the forwards."})
+    spg_mix_weight: float = field(default=0.5, metadata={"range": "[0, 1]",
+        "help": "spg: negative-advantage completions score w * EUBO + (1 - w) * ELBO (1 = EUBO alone, 0 = ELBO)."})
+    ratio_type: str = field(default="token", metadata={**_choice(*RATIO_TYPES),
+        "help": "The loss's policy ratio: token = GRPO's per-token ratio; ctpo = CTPO's cumulative prefix ratio."})
+    ctpo_c_low: float = field(default=0.025, metadata={**POSITIVE,
+        "help": "ratio_type=ctpo: the clip range's lower end, log R_t >= -ctpo_c_low * t^ctpo_power (t = valid-token "
+                "position)."})
+    ctpo_c_high: float = field(default=0.05, metadata={**POSITIVE,
+        "help": "ratio_type=ctpo: the clip range's upper end, log R_t <= ctpo_c_high * t^ctpo_power."})
+    ctpo_c_dual: float = field(default=0.05, metadata={**POSITIVE,
+        "help": "ratio_type=ctpo: dual clip for negative advantages, the surrogate floored at "
+                "exp(ctpo_c_dual * t^ctpo_power) * A."})
+    ctpo_power: float = field(default=0.5, metadata={**NON_NEGATIVE,
+        "help": "ratio_type=ctpo: p, the clip range widens as t^p with the valid-token position t (0 = constant)."})
+    ctpo_cap: float = field(default=10.0, metadata={**POSITIVE,
+        "help": "ratio_type=ctpo: cap on the cumulative prefix log-ratio sum_{j<=t} (logp_j - logp_old_j)."})
+    eval_rollout_sampler: bool = field(default=True, metadata={
+        "help": "After training, also score the validation prompts with a greedy copy of the rollout decoder when it "
+                "decodes otherwise than d1's protocol, logged as eval/rollout_sampler/* (one more validation pass)."})
+
+    def ctpo_loss_options(self) -> dict[str, float]:
+        """CTPO's constants as the keyword arguments of `dllm_ais.loss.TokenLoss` (used with ratio_type=ctpo)."""
+        return {"ctpo_c_low": self.ctpo_c_low, "ctpo_c_high": self.ctpo_c_high, "ctpo_c_dual": self.ctpo_c_dual,
+                "ctpo_power": self.ctpo_power, "ctpo_cap": self.ctpo_cap}
+
+
+SETTINGS_GROUPS: dict[str, type[SettingsGroup]] = {
+    group.NAME: group for group in (RolloutSettings, LikelihoodSettings, CorrectionSettings, ExperimentalSettings)}
+GROUP_SHORTHANDS = {"correction": "method"}  # `correction: tis` = `correction: {method: tis}`
+
+# Where each flat field of earlier releases now lives: a recipe, override or checkpoint using the old name still loads,
+# with a one-line hint naming the new place.
+MOVED_FIELDS = {
+    "rollout_precision": "rollout.precision", "diffusion_steps": "rollout.steps", "block_length": "rollout.block_length",
+    "remasking": "rollout.remasking", "cfg_scale": "rollout.cfg_scale", "rollout_cache": "rollout.cache",
+    "rollout_cache_refresh_interval": "rollout.cache_refresh_interval", "rollout_threshold": "rollout.threshold",
+    "likelihood_estimator": "likelihood.estimator", "likelihood_segments": "likelihood.segments",
+    "p_mask_prompt": "likelihood.p_mask_prompt", "elbo_samples": "likelihood.elbo_samples",
+    "spg_eubo_beta": "likelihood.spg_eubo_beta", "spg_block_masking": "likelihood.spg_block_masking",
+    "is_level": "correction.level", "is_clip": "correction.clip", "is_clip_low": "correction.clip_low",
+    "is_normalize": "correction.normalize", "ais_rule": "correction.ais_rule", "ais_snr_scale": "correction.ais_snr_scale",
+    "ais_kl_scale": "correction.ais_kl_scale", "ais_alpha_max": "correction.ais_alpha_max",
+    "ais_alpha_ema": "correction.ais_alpha_ema", "bypass_mode": "correction.bypass_mode",
+    **{name: f"experimental.{name}" for name in (
+        "rollout_factor", "rollout_fidelity", "rollout_fidelity_k3_max", "rollout_fidelity_ess_min",
+        "rollout_fidelity_patience", "rollout_exact_fraction", "likelihood_block_fraction", "likelihood_order",
+        "likelihood_decoder", "elbo_coupled", "spg_mix_weight", "ratio_type", "ctpo_c_low", "ctpo_c_high",
+        "ctpo_c_dual", "ctpo_power", "ctpo_cap", "eval_rollout_sampler")},
+}
 
 
 @dataclass
@@ -113,116 +346,19 @@ class GRPOConfig:
     reward_weights: list[float] | None = field(default=None, metadata={"range": "[-1000000, 1000000]"})
     max_prompt_length: int = field(default=256, metadata=AT_LEAST_ONE)
 
-    # --- rollout ---
-    rollout_precision: str = field(default="fp8", metadata={**_choice(*PRECISIONS),
-        "help": "Precision of the rollout engine; bf16 = no quantization (on-policy baseline)."})
+    # --- rollout and sampling (TRL's names) ---
     num_generations: int = field(default=6, metadata={"range": f"[2, {MAX_SIZE}]",
         "help": "Completions per prompt (the GRPO group size G)."})
     max_completion_length: int = field(default=256, metadata={"range": f"[1, {MAX_TOKENS}]",
         "help": "Completion length (diffusion gen_length)."})
-    diffusion_steps: int = field(default=128, metadata={**AT_LEAST_ONE, "help": "Denoising steps over the whole completion."})
-    block_length: int = field(default=32, metadata=AT_LEAST_ONE)
     temperature: float = field(default=0.9, metadata=NON_NEGATIVE)
-    remasking: str = field(default="low_confidence", metadata={"help": "Remasking rule name (low_confidence, random, ...)."})
-    cfg_scale: float = field(default=0.0, metadata={**NON_NEGATIVE,
-        "help": "Diffusion classifier-free guidance s: logits = u + (s + 1)(c - u), u with the prompt masked (two "
-                "forwards' worth per step); every likelihood estimator scores the guided logits, as sampled (as d1)."})
-    rollout_cache: str = field(default="none", metadata={**_choice(*CACHE_MODES),
-        "help": "Diffusion block KV cache (Fast-dLLM): none = official algorithm; prefix / dual reuse keys/values "
-                "within a block (approximate: the trajectory estimator's ratio sees it, the one-step one does not)."})
-    rollout_threshold: float | None = field(default=None, metadata={"range": "[0, 1]",
-        "help": "Diffusion parallel decoding: commit every block position with confidence > this (>= 1 per step; "
-                "Fast-dLLM: 0.9); diffusion_steps then no longer applies. None = the fixed step schedule."})
-    rollout_factor: float | None = field(default=None, metadata={**POSITIVE,
-        "help": "Diffusion parallel decoding, Fast-dLLM's factor rule: each step commits the largest n with "
-                "(n + 1)(1 - c_(n)) < this (>= 1 per step; Fast-dLLM: 1.0); instead of rollout_threshold. None = off."})
-    rollout_cache_refresh_interval: int | None = field(default=None, metadata={**AT_LEAST_ONE,
-        "help": "With rollout_cache: also refresh the cache every this many steps inside a block (1 = every step, "
-                "the uncached algorithm). None = only at each block's first step."})
-    rollout_fidelity: str = field(default="fixed", metadata={**_choice(*FIDELITY_MODES),
-        "help": "Diffusion fast rollouts: fixed = always the configured decoder; adaptive = a ladder from it to the "
-                "exact decoder (finer cache refreshes, stricter thresholds), one rung toward exact after a batch whose "
-                "importance ratio shows a large mismatch, one back after rollout_fidelity_patience calm batches. "
-                "Needs likelihood_estimator=trajectory with likelihood_order=rollout (the ratio that sees the decoder)."})
-    rollout_fidelity_k3_max: float = field(default=0.05, metadata={**NON_NEGATIVE,
-        "help": "rollout_fidelity=adaptive: a batch whose rollout_corr/k3_kl exceeds this moves one rung toward exact."})
-    rollout_fidelity_ess_min: float = field(default=0.9, metadata={"range": "[0, 1]",
-        "help": "rollout_fidelity=adaptive: a batch whose rollout_corr/rollout_is_eff_sample_size is below this moves "
-                "one rung toward exact (0 = off)."})
-    rollout_fidelity_patience: int = field(default=8, metadata={"range": "[1, 1000000]",
-        "help": "rollout_fidelity=adaptive: calm generation batches in a row after which the decoder moves one rung "
-                "back toward the fast one."})
-    rollout_exact_fraction: float = field(default=0.0, metadata={"range": "[0, 1]",
-        "help": "Diffusion fast rollouts: the share of each process' GRPO groups (whole groups) decoded by the exact "
-                "decoder (no cache, fixed schedule), the rest by the fast one; 0 = none."})
     top_k: int = field(default=0, metadata={**NON_NEGATIVE, "help": "Autoregressive sampling only; 0 = off."})
     top_p: float = field(default=1.0, metadata={"range": "(0, 1]", "help": "Autoregressive sampling only; 1 = off."})
 
-    # --- likelihood ---
-    likelihood_estimator: str = field(default="one_step", metadata={**_choice(*ESTIMATORS),
-        "help": "Diffusion log-prob estimator: d1's one-step surrogate (one forward), the exact trajectory replay (one "
-                "forward per denoising step), d2's StepMerge (the steps merged into likelihood_segments segments, one "
-                "forward each), LLaDA's Monte-Carlo ELBO (elbo) or SPG's ELBO/EUBO sandwich (spg). elbo and spg estimate one log-likelihood "
-                "per completion and give each of its tokens an equal share: the policy ratio and the IS weights are "
-                "then GSPO's length-normalised sequence ratio, automatically (epsilon clips it per sequence)."})
-    likelihood_segments: int = field(default=16, metadata={"range": f"[1, {MAX_TOKENS}]",
-        "help": "step_merge: N, the contiguous segments the denoising steps are merged into; each segment's tokens are "
-                "scored at the canvas of its first step (one forward per segment). N >= diffusion_steps is the exact "
-                "trajectory; N = 1 is d1's one-step surrogate with an unmasked prompt; d2 found 16 the best trade."})
-    p_mask_prompt: float = field(default=0.15, metadata={"range": "[0, 1)",
-        "help": "Probability of masking each prompt token in the one_step, elbo and spg estimators' canvases."})
-    elbo_samples: int = field(default=2, metadata={"range": "[1, 1024]",
-        "help": "elbo and spg: Monte-Carlo draws of the masking process per estimate, one forward each (SPG's num_t)."})
-    elbo_coupled: bool = field(default=False, metadata={
-        "help": "elbo and spg without block masking: pair each draw (rate t) with its complement (rate 1 - t), so "
-                "every token is scored once per pair (coupled-GRPO); doubles the forwards."})
-    spg_eubo_beta: float = field(default=1.5, metadata={"range": "[1, inf)",
-        "help": "spg: the EUBO's exponent beta (SPG: 1.5 for GSM8K and MATH, 2 for Countdown, 1 for Sudoku)."})
-    spg_mix_weight: float = field(default=0.5, metadata={"range": "[0, 1]",
-        "help": "spg: negative-advantage completions score w * EUBO + (1 - w) * ELBO (1 = EUBO alone, 0 = ELBO)."})
-    spg_block_masking: bool = field(default=True, metadata={
-        "help": "spg: SPG's block-wise masks (earlier blocks clean, one block partly masked, later blocks masked) "
-                "instead of LLaDA's random masks."})
-    likelihood_block_fraction: float = field(default=1.0, metadata={"range": "(0, 1]",
-        "help": "Trajectory-type estimators (trajectory, step_merge): the share of the completion's blocks (of "
-                "block_length) scored per inner iteration, drawn at random (at least one block): the update replays "
-                "those blocks' denoising steps only, and the correction (is_level=sequence: the scored tokens' ratio) and "
-                "the loss run over their tokens (TRL DDPO's train_timestep_fraction, by blocks). 1 = every block."})
-    likelihood_order: str = field(default="rollout", metadata={**_choice(*LIKELIHOOD_ORDERS),
-        "help": "Trajectory-type estimators (trajectory, step_merge): the commit order they score. rollout = the "
-                "order the rollout sampler took (the ratio sees a cache's logit error); exact = the completion "
-                "replayed by the engine along the exact decoder's order (no cache, fixed schedule, low confidence), so training happens at the states the "
-                "exact decoder visits; the ratio then sees precision only and the fast decoder's approximation is unseen."})
-    likelihood_decoder: str = field(default="rollout", metadata={**_choice(*LIKELIHOOD_DECODERS),
-        "help": "trajectory estimator with a rollout_cache: the logits it scores each step with. rollout = the rollout "
-                "decoder's own, its block cache replayed as sampled (the fast decoder is the policy trained; the ratio "
-                "sees precision only; a cached step's forward runs the block only); exact = the model's, a full "
-                "forward per step (the ratio sees the cache's logit error; measured: far worse training). Without a "
-                "cache both are the same replay."})
-
-    # --- correction ---
-    correction: str = field(default="ais", metadata={**_choice(*CORRECTION_METHODS),
-        "help": "Rollout-mismatch correction of the policy gradient."})
-    is_level: str = field(default="token", metadata=_choice(*IS_LEVELS))
-    is_clip: float = field(default=2.0, metadata={**POSITIVE,
-        "help": "Upper truncation C of the importance ratio (tis, mis, ais); with correction=acr also the clip scale "
-                "c_t = min(1, C / rho_t) that widens the loss's upper clip bound to (1 + epsilon_high) / c_t."})
-    is_clip_low: float | None = field(default=None, metadata=NON_NEGATIVE)
-    is_normalize: bool = False
-    ais_rule: str = field(default="adaptive", metadata={**_choice(*ALPHA_RULES),
-        "help": "How AIS sets α: adaptive = when the mismatch's systematic shift of the gradient signal stands out "
-                "of the batch's gradient noise (scale-free); gate = k3 KL against ais_kl_scale; oracle = plug-in MSE."})
-    ais_snr_scale: float = field(default=4.0, metadata={**POSITIVE,
-        "help": "adaptive rule: the excess significance (z² − 1) of the mismatch shift at which AIS is ~63% on."})
-    ais_kl_scale: float = field(default=1e-3, metadata={**POSITIVE,
-        "help": "gate rule: κ, the k3 divergence at which AIS is ~63% on."})
-    ais_alpha_max: float = field(default=1.0, metadata={"range": "[0, 1]"})
-    ais_alpha_ema: float = field(default=0.0, metadata={"range": "[0, 1)", "help": "EMA of α across batches; 0 = per batch."})
-    bypass_mode: bool = field(default=False, metadata={
-        "help": "verl's rollout_correction.bypass_mode: the rollout's log-probs are the old ones (pi_old = pi_rollout), "
-                "so the trainer's no-grad pass over each generation batch is skipped and the loss's clipped ratio "
-                "pi_theta / pi_rollout carries the rollout mismatch; its rollout_corr/* diagnostics are measured on the "
-                "batch's first update, where theta = theta_old. Needs correction=none."})
+    # --- the pipeline's own stages: one group each ---
+    rollout: RolloutSettings = field(default_factory=lambda: RolloutSettings(), metadata={GROUP: True})
+    likelihood: LikelihoodSettings = field(default_factory=lambda: LikelihoodSettings(), metadata={GROUP: True})
+    correction: CorrectionSettings = field(default_factory=lambda: CorrectionSettings(), metadata={GROUP: True})
 
     # --- loss ---
     beta: float = field(default=0.04, metadata={**NON_NEGATIVE,
@@ -236,19 +372,6 @@ class GRPOConfig:
                 "of the log-probs, the correction and the update, which then replay the informative groups only "
                 "(DAPO's dynamic-sampling filter, without resampling to refill the batch; the loss is normalised over "
                 "the kept groups). Needs beta=0."})
-    ratio_type: str = field(default="token", metadata=_choice(*RATIO_TYPES))
-    ctpo_c_low: float = field(default=0.025, metadata={**POSITIVE,
-        "help": "ratio_type=ctpo: the clip range's lower end, log R_t >= -ctpo_c_low * t^ctpo_power (t = valid-token "
-                "position)."})
-    ctpo_c_high: float = field(default=0.05, metadata={**POSITIVE,
-        "help": "ratio_type=ctpo: the clip range's upper end, log R_t <= ctpo_c_high * t^ctpo_power."})
-    ctpo_c_dual: float = field(default=0.05, metadata={**POSITIVE,
-        "help": "ratio_type=ctpo: dual clip for negative advantages, the surrogate floored at "
-                "exp(ctpo_c_dual * t^ctpo_power) * A."})
-    ctpo_power: float = field(default=0.5, metadata={**NON_NEGATIVE,
-        "help": "ratio_type=ctpo: p, the clip range widens as t^p with the valid-token position t (0 = constant)."})
-    ctpo_cap: float = field(default=10.0, metadata={**POSITIVE,
-        "help": "ratio_type=ctpo: cap on the cumulative prefix log-ratio sum_{j<=t} (logp_j - logp_old_j)."})
 
     # --- optimisation ---
     learning_rate: float = field(default=3e-6, metadata=POSITIVE)
@@ -279,10 +402,6 @@ class GRPOConfig:
         "help": "Keep only the newest N checkpoint-N directories of this run (and the best one); None = keep all."})
     eval_steps: int = field(default=0, metadata={**NON_NEGATIVE, "help": "Score the eval_size validation prompts "
                                                  "(greedy) every this many steps, logged as eval/*; 0 = off."})
-    eval_rollout_sampler: bool = field(default=True, metadata={
-        "help": "After training, also score the validation prompts with a greedy copy of the rollout decoder when it "
-                "decodes otherwise than d1's protocol (a cache, parallel commits, another order, guidance, a custom "
-                "sampler), logged as eval/rollout_sampler/*: one more validation pass, with the fast decoder."})
     metric_for_best_model: str = field(default="reward", metadata={
         "help": "Validation score that ranks checkpoints (eval/<name>: reward, accuracy, rewards/<fn>/mean); the best "
                 "is recorded in output_dir/best_checkpoint.json."})
@@ -303,12 +422,16 @@ class GRPOConfig:
     dry_run: bool = field(default=False, metadata={
         "help": "Validate the recipe, then run one step on a tiny stand-in model of the same family."})
 
+    experimental: ExperimentalSettings = field(default_factory=lambda: ExperimentalSettings(), metadata={GROUP: True})
+
     def __post_init__(self) -> None:
         self.report_to = normalize_report_to(self.report_to)
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.metadata.get("path") and isinstance(value, str) and value.startswith("~"):
                 setattr(self, f.name, os.path.expanduser(value))
+            if f.metadata.get(GROUP):
+                setattr(self, f.name, as_group(f.name, value))
 
     @property
     def best_metric_key(self) -> str:
@@ -319,26 +442,24 @@ class GRPOConfig:
     @property
     def fast_rollouts(self) -> bool:
         """Whether rollouts decode approximately (a block KV cache or parallel commits)."""
-        return self.rollout_cache != "none" or self.rollout_threshold is not None or self.rollout_factor is not None
+        return (self.rollout.cache != "none" or self.rollout.threshold is not None
+                or self.experimental.rollout_factor is not None)
 
     @property
     def unseen_approximation(self) -> str | None:
         """What the importance ratio of this run cannot see of its fast rollouts, said once at start; None when it
-        sees everything (exact rollouts) — measured costs in BENCHMARKS.md, "Fast rollouts"."""
+        sees everything (exact rollouts). What each costs is measured in BENCHMARKS.md, "Fast rollouts"."""
         if not self.fast_rollouts or self.policy == "autoregressive":
             return None
         if self.replays_decoder:
-            return ("the trajectory estimator replays the fast decoder itself (likelihood_decoder=rollout): the cache "
-                    "and parallel commits are part of the policy trained, and the ratio sees the precision alone; "
-                    "held-out evaluation decodes exactly, and on the embedded task what the fast decoder learned carried "
-                    "over to it: -0.3 +/- 2.3 points against exact rollouts (10 seeds, README \"Fast rollouts and what "
-                    "they cost\")")
+            return ("the trajectory estimator replays the fast decoder itself (experimental.likelihood_decoder="
+                    "rollout): the cache and parallel commits are part of the policy trained, and the ratio sees the "
+                    "precision alone; held-out evaluation decodes exactly (what that costs: BENCHMARKS.md, \"Fast "
+                    "rollouts\")")
         if self.ratio_sees_decoder:
             return ("the trajectory estimator scores the fast sampler's own order: its ratio sees the cache's logit "
-                    "error but not the shift of the visited canvas states; on the embedded task dual cache + threshold "
-                    "0.9 rollouts cost this estimator 30 points of exact-decoding accuracy (3 seeds, README \"Fast "
-                    "rollouts and what they cost\"; likelihood_decoder=exact): the default likelihood_decoder=rollout "
-                    "trains the fast decoder itself instead")
+                    "error but not the shift of the visited canvas states (what that costs: BENCHMARKS.md, \"Fast "
+                    "rollouts\"; experimental.likelihood_decoder=rollout trains the fast decoder itself instead)")
         return ("the fast decoder's approximation (cache, parallel commits) is not seen by the importance ratio, "
                 "which compares the engine and the trainer on the same canvases; only the rollout precision is")
 
@@ -349,21 +470,23 @@ class GRPOConfig:
         with the trainer's exact replay; the other estimators (step_merge's engine side too, with fewer segments than
         steps), and the replay along the exact order, score both sides on the same canvases and see the rollout
         precision only."""
-        return self.likelihood_estimator == "trajectory" and self.likelihood_order == "rollout" and not self.replays_decoder
+        return (self.likelihood.estimator == "trajectory" and self.experimental.likelihood_order == "rollout"
+                and not self.replays_decoder)
 
     @property
     def replays_decoder(self) -> bool:
         """Whether the trajectory estimator scores the rollout decoder's own (cached) logits
         (`dllm_ais.choices.replays_decoder`)."""
-        return replays_decoder(self.likelihood_estimator, self.likelihood_order, self.likelihood_decoder,
-                               self.rollout_cache)
+        return replays_decoder(self.likelihood.estimator, self.experimental.likelihood_order,
+                               self.experimental.likelihood_decoder, self.rollout.cache)
 
     def decoding(self, exact: bool) -> "GRPOConfig":
         """This config as an evaluation decodes: `exact` = d1's protocol at this completion and block length
-        (`d1_protocol_fields`), whatever the rollouts use (order, steps, cache, parallel commits, guidance), else the
+        (`with_d1_protocol`), whatever the rollouts use (order, steps, cache, parallel commits, guidance), else the
         rollout sampler; either way without the trajectory estimator's order replay."""
-        protocol = d1_protocol_fields(self.max_completion_length, self.block_length) if exact else {}
-        return dataclasses.replace(self, likelihood_order="rollout", **protocol)
+        if exact:
+            return with_d1_protocol(self, self.max_completion_length)
+        return dataclasses.replace(self, experimental=dataclasses.replace(self.experimental, likelihood_order="rollout"))
 
     @property
     def eval_batch_size(self) -> int:
@@ -378,72 +501,79 @@ class GRPOConfig:
     def problems(self) -> list[str]:
         """Every problem of this config, each naming the field and the fix; [] when it is valid.
 
-        Field by field (type, choices, range); then the names and paths the config refers to (local model, dataset
-        file, reward functions), of the fields valid on their own; then, when every field is, the rules across fields.
+        Field by field (type, choices, range), each settings group by its own rules; then the names and paths the
+        config refers to (local model, dataset file, reward functions), of the fields valid on their own; then, when
+        every field is, the rules across fields and groups.
         """
         invalid = field_problems(self)
-        problems = [problem for found in invalid.values() for problem in found] + _reference_problems(self, set(invalid))
-        if invalid:  # the rules below assume well-typed fields
+        group_problems = [problem for name in SETTINGS_GROUPS for problem in getattr(self, name).problems()]
+        problems = ([problem for found in invalid.values() for problem in found] + group_problems
+                    + _reference_problems(self, set(invalid)))
+        if invalid or group_problems:  # the rules below assume well-typed fields
             return problems
-        block_fraction = block_fraction_problem(self.likelihood_block_fraction, self.likelihood_estimator)
+        rollout, likelihood, experimental = self.rollout, self.likelihood, self.experimental
+        diffusion = self.policy != "autoregressive"
+        block_fraction = block_fraction_problem(experimental.likelihood_block_fraction, likelihood.estimator)
         checks = [
             (self.generation_batch_size % self.num_generations == 0,
              f"per_device_train_batch_size * gradient_accumulation_steps = {self.generation_batch_size} must be divisible "
              f"by num_generations={self.num_generations} (whole groups per device)"),
-            (self.policy == "autoregressive" or self.max_completion_length % self.block_length == 0,
-             f"max_completion_length={self.max_completion_length} must be a multiple of block_length={self.block_length}"),
-            (self.rollout_threshold is None or self.rollout_factor is None,
-             "rollout_threshold and rollout_factor are two parallel-decoding rules: set one of them"),
-            (self.policy == "autoregressive"
-             or self.diffusion_steps % max(self.max_completion_length // self.block_length, 1) == 0,
-             f"diffusion_steps={self.diffusion_steps} must be a multiple of the number of blocks, max_completion_length "
-             f"/ block_length = {self.max_completion_length // self.block_length} (the exact decoder, which "
-             "rollout_fidelity, rollout_exact_fraction and likelihood_order=exact use, follows its fixed schedule)"),
-            (self.policy == "autoregressive" or self.block_length % 2 == 0
-             or self.block_length >= self.max_completion_length,
-             f"block_length={self.block_length} must be even: held-out validation decodes with d1's protocol, "
-             f"max_completion_length / 2 = {self.max_completion_length // 2} steps, a whole number per block"),
-            (self.policy == "autoregressive" or self.diffusion_steps <= self.max_completion_length,
-             f"diffusion_steps={self.diffusion_steps} must be <= max_completion_length={self.max_completion_length} "
+            (not diffusion or self.max_completion_length % rollout.block_length == 0,
+             f"max_completion_length={self.max_completion_length} must be a multiple of rollout.block_length="
+             f"{rollout.block_length}"),
+            (rollout.threshold is None or experimental.rollout_factor is None,
+             "rollout.threshold and experimental.rollout_factor are two parallel-decoding rules: set one of them"),
+            (not diffusion or rollout.steps % max(self.max_completion_length // rollout.block_length, 1) == 0,
+             f"rollout.steps={rollout.steps} must be a multiple of the number of blocks, max_completion_length / "
+             f"rollout.block_length = {self.max_completion_length // rollout.block_length} (the exact decoder, which "
+             "held-out evaluation and the exact-order experiments use, follows its fixed schedule)"),
+            (not diffusion or rollout.block_length % 2 == 0 or rollout.block_length >= self.max_completion_length,
+             f"rollout.block_length={rollout.block_length} must be even: held-out validation decodes with d1's "
+             f"protocol, max_completion_length / 2 = {self.max_completion_length // 2} steps, a whole number per block"),
+            (not diffusion or rollout.steps <= self.max_completion_length,
+             f"rollout.steps={rollout.steps} must be <= max_completion_length={self.max_completion_length} "
              "(at most one denoising step per token)"),
-            (self.ratio_type != "ctpo" or self.likelihood_estimator not in SEQUENCE_ESTIMATORS,
-             f"likelihood_estimator={self.likelihood_estimator} is sequence-level (one ratio per completion): set "
-             "ratio_type=token, or a token-level estimator (one_step, trajectory, step_merge) for ctpo"),
-            (not (self.likelihood_estimator == "spg" and self.spg_block_masking and self.elbo_coupled),
-             "elbo_coupled pairs random masks and spg_block_masking draws block masks: set one of them to false"),
+            (experimental.ratio_type != "ctpo" or likelihood.estimator not in SEQUENCE_ESTIMATORS,
+             f"likelihood.estimator={likelihood.estimator} is sequence-level (one ratio per completion): set "
+             "experimental.ratio_type=token, or a token-level estimator (one_step, trajectory, step_merge) for ctpo"),
+            (not (likelihood.estimator == "spg" and likelihood.spg_block_masking and experimental.elbo_coupled),
+             "experimental.elbo_coupled pairs random masks and likelihood.spg_block_masking draws block masks: set one "
+             "of them to false"),
             (block_fraction is None, block_fraction),
             (not self.drop_zero_std_groups or self.beta == 0,
              f"drop_zero_std_groups leaves out groups whose KL term (beta={self.beta}) still has a gradient: set "
              "beta=0, or drop_zero_std_groups=false"),
-            (self.likelihood_block_fraction == 1 or self.ratio_type == "token",
-             f"likelihood_block_fraction={self.likelihood_block_fraction} scores some tokens only, and ratio_type="
-             f"{self.ratio_type}'s prefix needs every token: set ratio_type=token, or likelihood_block_fraction=1"),
-            (self.likelihood_order == "rollout" or self.likelihood_estimator in TRAJECTORY_ESTIMATORS,
-             f"likelihood_order={self.likelihood_order} orders the trajectory estimator's replay: set "
-             f"likelihood_estimator to one of {', '.join(TRAJECTORY_ESTIMATORS)}, or likelihood_order=rollout"),
-            (not self.replays_decoder or self.rollout_exact_fraction == 0,
-             f"rollout_exact_fraction={self.rollout_exact_fraction} decodes some groups exactly, but "
-             "likelihood_decoder=rollout replays every completion with the configured (cached) decoder: set "
-             "likelihood_decoder=exact, or rollout_exact_fraction=0"),
-            (self.rollout_fidelity == "fixed" or (self.policy != "autoregressive" and self.fast_rollouts),
-             f"rollout_fidelity={self.rollout_fidelity} moves between a fast diffusion decoder and the exact one: set "
-             "rollout_cache, rollout_threshold or rollout_factor, or rollout_fidelity=fixed"),
-            (self.rollout_fidelity == "fixed" or self.policy == "autoregressive" or self.ratio_sees_decoder,
-             f"rollout_fidelity={self.rollout_fidelity} reacts to the decoder's mismatch, which only the trajectory "
-             "estimator's ratio sees: set likelihood_estimator=trajectory, likelihood_order=rollout and "
-             "likelihood_decoder=exact, or rollout_fidelity=fixed"),
-            (self.rollout_exact_fraction == 0 or (self.policy != "autoregressive" and self.fast_rollouts),
-             f"rollout_exact_fraction={self.rollout_exact_fraction} mixes exact with fast diffusion rollouts: set "
-             "rollout_cache, rollout_threshold or rollout_factor, or rollout_exact_fraction=0"),
+            (experimental.likelihood_block_fraction == 1 or experimental.ratio_type == "token",
+             f"experimental.likelihood_block_fraction={experimental.likelihood_block_fraction} scores some tokens "
+             f"only, and ratio_type={experimental.ratio_type}'s prefix needs every token: set experimental.ratio_type="
+             "token, or experimental.likelihood_block_fraction=1"),
+            (experimental.likelihood_order == "rollout" or likelihood.estimator in TRAJECTORY_ESTIMATORS,
+             f"experimental.likelihood_order={experimental.likelihood_order} orders the trajectory estimator's "
+             f"replay: set likelihood.estimator to one of {', '.join(TRAJECTORY_ESTIMATORS)}, or "
+             "experimental.likelihood_order=rollout"),
+            (not self.replays_decoder or experimental.rollout_exact_fraction == 0,
+             f"experimental.rollout_exact_fraction={experimental.rollout_exact_fraction} decodes some groups exactly, "
+             "but experimental.likelihood_decoder=rollout replays every completion with the configured (cached) "
+             "decoder: set experimental.likelihood_decoder=exact, or experimental.rollout_exact_fraction=0"),
+            (experimental.rollout_fidelity == "fixed" or (diffusion and self.fast_rollouts),
+             f"experimental.rollout_fidelity={experimental.rollout_fidelity} moves between a fast diffusion decoder "
+             "and the exact one: set rollout.cache, rollout.threshold or experimental.rollout_factor, or "
+             "experimental.rollout_fidelity=fixed"),
+            (experimental.rollout_fidelity == "fixed" or not diffusion or self.ratio_sees_decoder,
+             f"experimental.rollout_fidelity={experimental.rollout_fidelity} reacts to the decoder's mismatch, which "
+             "only the trajectory estimator's ratio sees: set likelihood.estimator=trajectory, "
+             "experimental.likelihood_order=rollout and experimental.likelihood_decoder=exact, or "
+             "experimental.rollout_fidelity=fixed"),
+            (experimental.rollout_exact_fraction == 0 or (diffusion and self.fast_rollouts),
+             f"experimental.rollout_exact_fraction={experimental.rollout_exact_fraction} mixes exact with fast "
+             "diffusion rollouts: set rollout.cache, rollout.threshold or experimental.rollout_factor, or "
+             "experimental.rollout_exact_fraction=0"),
             (not (self.overwrite_output_dir and self.resume_from_checkpoint not in (None, False)),
              "resume_from_checkpoint continues the run in output_dir; overwrite_output_dir=true starts afresh: set one"),
-            (not self.bypass_mode or self.correction == "none",
-             f"bypass_mode takes the rollout's log-probs as the old ones, so correction={self.correction} would see "
-             "ratios of exactly 1: set correction=none (the loss's clipped ratio then carries the mismatch), or "
-             "bypass_mode=false"),
-            (not self.bypass_mode or self.rollout_fidelity == "fixed",
-             f"rollout_fidelity={self.rollout_fidelity} reads the mismatch before the update, which bypass_mode measures "
-             "during it: set rollout_fidelity=fixed, or bypass_mode=false"),
+            (not self.correction.bypass_mode or experimental.rollout_fidelity == "fixed",
+             f"experimental.rollout_fidelity={experimental.rollout_fidelity} reads the mismatch before the update, "
+             "which correction.bypass_mode measures during it: set experimental.rollout_fidelity=fixed, or "
+             "correction.bypass_mode=false"),
             (self.eval_steps == 0 or self.eval_size > 0,
              f"eval_steps={self.eval_steps} scores the validation split: set eval_size > 0, or eval_steps=0"),
             (not (self.eval_steps and self.save_steps) or self.save_steps % self.eval_steps == 0,
@@ -456,7 +586,7 @@ class GRPOConfig:
             (not set(self.report_to) - set(TRACKERS),
              f"report_to={show(self.report_to)}: supported trackers are {', '.join(TRACKERS)} (or none, all)"),
         ]
-        return problems + [message for ok, message in checks if not ok] + _correction_problems(self)
+        return problems + [message for ok, message in checks if not ok]
 
     def validate(self) -> "GRPOConfig":
         """Raise ConfigError listing every problem (see `problems`) with its fix; return self when valid."""
@@ -466,7 +596,32 @@ class GRPOConfig:
         return self
 
     def to_dict(self) -> dict[str, Any]:
+        """Every field, the groups as nested mappings (the layout of a recipe)."""
         return dataclasses.asdict(self)
+
+
+def as_group(name: str, value: Any) -> SettingsGroup:
+    """The settings group `name` from a group object, a mapping of its fields, or (correction) the shorthand string
+    of its method. Raises ConfigError for an unknown key or another type."""
+    group = SETTINGS_GROUPS[name]
+    if isinstance(value, group):
+        return value
+    if isinstance(value, str) and name in GROUP_SHORTHANDS:
+        value = {GROUP_SHORTHANDS[name]: value}
+    fields = _group_field_names(group)
+    if not isinstance(value, dict):
+        raise ConfigError(_problem_list([f"{name}={show(value)}: expected a mapping of {name}.* settings (e.g. "
+                                         f"--{name}.{fields[0]}=...)"]))
+    problems = unknown_key_problems([f"{name}.{key}" for key in value], {f"{name}.{f}" for f in fields})
+    if problems:
+        raise ConfigError(_problem_list(problems))
+    types = typing.get_type_hints(group)
+    return group(**{key: _as_float_if_numeric(item) if accepts_float(types[key]) else item
+                    for key, item in value.items()})
+
+
+def _group_field_names(group: type[SettingsGroup]) -> list[str]:
+    return [f.name for f in dataclasses.fields(group)]
 
 
 GRPO_FIELD_TYPES = typing.get_type_hints(GRPOConfig)
@@ -474,17 +629,6 @@ GRPO_FIELD_TYPES = typing.get_type_hints(GRPOConfig)
 
 def _problem_list(problems: list[str]) -> str:
     return problem_list("Invalid configuration:", problems)
-
-
-def _correction_problems(config: GRPOConfig) -> list[str]:
-    """The correction's rules (`dllm_ais.correction.CorrectionSettings`, their one home) applied to `config`."""
-    from dllm_ais.correction import CorrectionSettings, CorrectionSettingsError
-
-    try:
-        CorrectionSettings.from_config(config)
-    except CorrectionSettingsError as error:
-        return error.problems
-    return []
 
 
 def _reference_problems(config: GRPOConfig, invalid: set[str]) -> list[str]:
@@ -522,11 +666,10 @@ def _reference_problems(config: GRPOConfig, invalid: set[str]) -> list[str]:
                 raise ValueError("write 'package.module:function'")
         except ValueError as error:
             problems.append(f"reward_funcs: {show(name)}: {error}")
-    if "remasking" not in invalid:
-        try:
-            resolve_remasking_rule(config.remasking)
-        except ValueError as error:
-            problems.append(f"remasking={show(config.remasking)}: {error}")
+    try:
+        resolve_remasking_rule(config.rollout.remasking)
+    except ValueError as error:
+        problems.append(f"rollout.remasking={show(config.rollout.remasking)}: {error}")
     return [problem for problem in problems if problem]
 
 
@@ -563,27 +706,82 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
 
 
 def set_override(values: dict[str, Any], key: str, value: Any) -> None:
-    """Set ``values[key] = value``; a key ``field.entry`` of a mapping field (``task_args.min_numbers``) sets that one
-    entry of the mapping, keeping the recipe's others."""
+    """Set ``values[key] = value``; a key ``name.entry`` of a settings group (``rollout.cache``) or of a mapping field
+    (``task_args.min_numbers``) sets that one entry, keeping the recipe's others, and a mapping given to a whole
+    settings group (``rollout: {cache: dual}``, or ``correction: tis``, short for ``{method: tis}``) is merged into the
+    group's entries set so far."""
     name, dot, entry = key.partition(".") if isinstance(key, str) else (key, "", "")
-    if not (dot and entry and GRPO_FIELD_TYPES.get(name) is dict):
+    if dot and entry and (name in SETTINGS_GROUPS or GRPO_FIELD_TYPES.get(name) is dict):
+        values[name] = {**_group_entries(name, values.get(name)), entry: value}
+    elif key in SETTINGS_GROUPS and isinstance(_group_entries(key, value), dict) and value not in ({}, None):
+        values[key] = {**_group_entries(key, values.get(key)), **_group_entries(key, value)}
+    else:
         values[key] = value
-        return
-    mapping = values.get(name)
-    values[name] = {**(mapping if isinstance(mapping, dict) else {}), entry: value}
+
+
+def _group_entries(name: str, value: Any) -> Any:
+    """The entries set so far of the group or mapping field `name` from its raw value: a mapping as it is, a group's
+    shorthand string as its mapping, nothing as {}."""
+    if isinstance(value, str) and name in GROUP_SHORTHANDS:
+        return {GROUP_SHORTHANDS[name]: value}
+    return value if isinstance(value, dict) else {} if value is None else value
+
+
+def canonical_values(values: dict[str, Any], origin: str = "the config") -> dict[str, Any]:
+    """`values` (a recipe, overrides, a saved config) with every flat name of earlier releases moved into its
+    settings group (`MOVED_FIELDS`), logging one line per moved name that says where it lives now."""
+    moved = {key: MOVED_FIELDS[key] for key in values if isinstance(key, str) and key in MOVED_FIELDS}
+    result: dict[str, Any] = {}
+    for key, value in values.items():
+        set_override(result, moved.get(key, key), value)
+    if moved:
+        logging.getLogger(__name__).warning(
+            "%s uses flat names of an earlier release, read as: %s", origin,
+            ", ".join(f"{old} -> {new}" for old, new in moved.items()))
+    return result
+
+
+def flat_settings(values: dict[str, Any]) -> dict[str, Any]:
+    """A config's mapping (`GRPOConfig.to_dict`, a canonical recipe) with each settings group's fields as
+    ``group.field`` entries, for comparing two configs field by field."""
+    return {f"{key}.{name}" if key in SETTINGS_GROUPS and isinstance(value, dict) else key: item
+            for key, value in values.items()
+            for name, item in (value.items() if key in SETTINGS_GROUPS and isinstance(value, dict) else [(key, value)])}
+
+
+def recipe_setting(values: dict[str, Any], name: str) -> Any:
+    """The value of the field `name` (``group.field`` for a settings group's) in the nested mapping `values` (a
+    recipe, a saved config), or None when it is not set there."""
+    for key in name.split("."):
+        if not isinstance(values, dict):
+            return None
+        values = values.get(key)
+    return values
 
 
 def load_config(recipe: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None) -> GRPOConfig:
-    """Build a validated `GRPOConfig` from a YAML recipe (optional) and command-line overrides (which win).
+    """Build a validated `GRPOConfig` from a YAML recipe (optional) and command-line overrides (which win); settings
+    groups are nested mappings in the recipe and dotted names on the command line (``--rollout.cache=dual``).
 
     Raises ConfigError listing every problem at once: unknown keys (with a hint), then each field's problems.
     """
-    values: dict[str, Any] = read_recipe(recipe) if recipe is not None else {}
-    for key, value in (parse_overrides(overrides) if isinstance(overrides, list) else (overrides or {})).items():
+    values = canonical_values(read_recipe(recipe), str(recipe)) if recipe is not None else {}
+    overrides = parse_overrides(overrides) if isinstance(overrides, list) else (overrides or {})
+    for key, value in canonical_values(overrides, "the command line").items():
         set_override(values, key, value)
     known = {key: _as_float_if_numeric(value) if accepts_float(GRPO_FIELD_TYPES[key]) else value
              for key, value in values.items() if key in GRPO_FIELD_TYPES}
     problems = unknown_key_problems(list(values), set(GRPO_FIELD_TYPES))
+    for name, group in SETTINGS_GROUPS.items():
+        entries = known.get(name)
+        if isinstance(entries, dict):
+            fields = _group_field_names(group)
+            problems += unknown_key_problems([f"{name}.{key}" for key in entries], {f"{name}.{f}" for f in fields})
+            known[name] = {key: value for key, value in entries.items() if key in fields}
+        elif name in known and not isinstance(entries, group):
+            problems.append(f"{name}={show(entries)}: expected a mapping of {name}.* settings (e.g. "
+                            f"--{name}.{_group_field_names(group)[0]}=...)")
+            del known[name]
     config = GRPOConfig(**known)
     problems += config.problems()
     if problems:
@@ -595,15 +793,72 @@ def save_config(config: GRPOConfig, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
 
 
+# The top-level fields' sections in `--help` and docs/configuration.md: (title, the section's first field)
+TOP_LEVEL_SECTIONS = (("model", "model_name_or_path"), ("data and rewards", "task"),
+                      ("sampling (TRL's names)", "num_generations"), ("loss", "beta"),
+                      ("optimisation", "learning_rate"), ("output and run", "output_dir"))
+HELP_WIDTH = 150
+
+
+def config_sections() -> list[tuple[str, str, list[dataclasses.Field]]]:
+    """(title, option prefix, fields) of each section of the config: the top-level fields by `TOP_LEVEL_SECTIONS`,
+    then each settings group (prefix ``group.``)."""
+    top = [f for f in dataclasses.fields(GRPOConfig) if not f.metadata.get(GROUP)]
+    starts = [next(i for i, f in enumerate(top) if f.name == first) for _, first in TOP_LEVEL_SECTIONS]
+    sections = [(title, "", top[start:end]) for (title, _), start, end
+                in zip(TOP_LEVEL_SECTIONS, starts, [*starts[1:], len(top)])]
+    return sections + [(f"{name}: {group.TITLE}", f"{name}.", list(dataclasses.fields(group)))
+                       for name, group in SETTINGS_GROUPS.items()]
+
+
 def describe_fields() -> str:
-    """One line per field: name, default, help, choices and range — the body of `dllm-ais train --help`."""
+    """The body of `dllm-ais train --help`: each section of the config under its heading, one line per field
+    (``--name=default  help [choices] range``, the help's first sentence, at most `HELP_WIDTH` characters; the full
+    text is in docs/configuration.md, `configuration_reference`)."""
     lines = []
-    for f in dataclasses.fields(GRPOConfig):
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        extra = [f.metadata.get("help", "")]
-        if "choices" in f.metadata:
-            extra.append("[" + "|".join(f.metadata["choices"]) + "]")
-        if "range" in f.metadata:
-            extra.append(Interval.parse(f.metadata["range"]).describe().replace("must be ", ""))
-        lines.append(f"  {f'--{f.name}={default}':<40} {' '.join(e for e in extra if e)}".rstrip())
+    for title, prefix, fields in config_sections():
+        lines += [f"{title}:"] + [_field_line(prefix, f) for f in fields] + [""]
+    return "\n".join(lines).rstrip()
+
+
+def configuration_reference() -> str:
+    """docs/configuration.md: every field of every section with its default, its full help, choices and range
+    (a test keeps the file equal to this)."""
+    lines = ["# Configuration reference", "",
+             "Generated from `dllm_ais/config.py` by `dllm_ais.config.configuration_reference` (the test suite checks it "
+             "is current). Set a field in "
+             "a YAML recipe (settings groups as nested mappings: `rollout: {cache: dual}`) or on the command line "
+             "(`--learning_rate=1e-5`, `--rollout.cache=dual`). The `experimental` group holds study knobs: they may "
+             "change between releases.", ""]
+    for title, prefix, fields in config_sections():
+        lines += [f"## {title}", "", "| field | default | description |", "| --- | --- | --- |"]
+        lines += [f"| `{prefix}{f.name}` | `{_default(f)}` | {_field_text(f, full=True)} |" for f in fields]
+        lines.append("")
     return "\n".join(lines)
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def _field_text(f: dataclasses.Field, full: bool) -> str:
+    """A field's help (the first sentence unless `full`), choices and range."""
+    help_text = f.metadata.get("help", "")
+    extra = [help_text if full else _first_sentence(help_text)]
+    if "choices" in f.metadata:
+        extra.append("[" + "|".join(f.metadata["choices"]) + "]")
+    if "range" in f.metadata:
+        extra.append(Interval.parse(f.metadata["range"]).describe().replace("must be ", ""))
+    return " ".join(e for e in extra if e).replace("|", "\\|" if full else "|")
+
+
+def _field_line(prefix: str, f: dataclasses.Field) -> str:
+    """``  --prefix.name=default  help [choices] range`` of one field, cut to `HELP_WIDTH` characters."""
+    line = f"  {f'--{prefix}{f.name}={_default(f)}':<44} {_field_text(f, full=False)}".rstrip()
+    return line if len(line) <= HELP_WIDTH else line[:HELP_WIDTH - 1] + "…"
+
+
+def _first_sentence(text: str) -> str:
+    """`text` up to the end of its first sentence (a period followed by a space)."""
+    head, period, _ = text.partition(". ")
+    return head + "." if period else text

@@ -23,7 +23,8 @@ from typing import Callable, Union
 import torch
 from torch import Tensor
 
-from dllm_ais.choices import ALPHA_RULES, CORRECTION_METHODS, IS_LEVELS
+from dllm_ais.choices import IS_LEVELS
+from dllm_ais.config import CorrectionSettings
 from dllm_ais.ops import (
     as_token_mask,
     broadcast_advantages,
@@ -391,16 +392,20 @@ def ais_weights(
     α ← alpha_ema · previous_alpha + (1 − alpha_ema) · α (`alpha_raw` is the value before smoothing).
     ŵ lies between 1 and w_t, so ŵ ≤ max(1, C); α = 0 gives ŵ = 1 and α = 1 gives exactly the TIS weights.
     """
-    settings = CorrectionSettings("ais", clip=clip, rule=rule, snr_scale=snr_scale, kl_scale=kl_scale,
-                                  alpha_max=alpha_max, alpha_ema=alpha_ema, group_size=group_size)
-    return _ais_weights(settings, logp_old, logp_rollout, advantages, mask, previous_alpha)
+    settings = CorrectionSettings("ais", clip=clip, ais_rule=rule if isinstance(rule, str) else "adaptive",
+                                  ais_snr_scale=snr_scale, ais_kl_scale=kl_scale, ais_alpha_max=alpha_max,
+                                  ais_alpha_ema=alpha_ema)
+    if problems := settings.problems():
+        raise ValueError("; ".join(problems))
+    return _ais_weights(settings, logp_old, logp_rollout, advantages, mask, previous_alpha, group_size, rule)
 
 
-def _ais_weights(settings: "CorrectionSettings", logp_old: Tensor, logp_rollout: Tensor, advantages: Tensor,
-                 mask: Tensor, previous_alpha: float | None) -> tuple[Tensor, dict[str, float]]:
+def _ais_weights(settings: CorrectionSettings, logp_old: Tensor, logp_rollout: Tensor, advantages: Tensor,
+                 mask: Tensor, previous_alpha: float | None, group_size: int,
+                 rule: AlphaRule) -> tuple[Tensor, dict[str, float]]:
     if previous_alpha is not None and not 0 <= previous_alpha <= 1:
         raise ValueError(f"previous_alpha must lie in [0, 1] or be None; got {previous_alpha}")
-    clip, rule, alpha_ema = settings.clip, settings.rule, settings.alpha_ema
+    clip, alpha_ema = settings.clip, settings.ais_alpha_ema
     valid = as_token_mask(mask, logp_old, logp_rollout)
     token_advantages = broadcast_advantages(advantages, valid)
 
@@ -413,12 +418,12 @@ def _ais_weights(settings: "CorrectionSettings", logp_old: Tensor, logp_rollout:
             masked_sum((tis_weights * token_advantages).square(), valid) / advantage_energy,
             1.0,
         ),
-        **mismatch_shift_statistics(tis_weights, token_advantages, valid, settings.group_size),
+        **mismatch_shift_statistics(tis_weights, token_advantages, valid, group_size),
         "num_tokens": valid.sum().float(),
     }))
 
-    alpha = _mixing_coefficient(rule, {**diagnostics, "clip": clip, "snr_scale": settings.snr_scale,
-                                       "kl_scale": settings.kl_scale, "alpha_max": settings.alpha_max})
+    alpha = _mixing_coefficient(rule, {**diagnostics, "clip": clip, "snr_scale": settings.ais_snr_scale,
+                                       "kl_scale": settings.ais_kl_scale, "alpha_max": settings.ais_alpha_max})
     diagnostics["alpha_raw"] = alpha
     if previous_alpha is not None and alpha_ema > 0:
         alpha = alpha_ema * previous_alpha + (1.0 - alpha_ema) * alpha
@@ -434,91 +439,6 @@ def _ais_weights(settings: "CorrectionSettings", logp_old: Tensor, logp_rollout:
 # The settings, their rules, and the correction of a generation batch
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class CorrectionSettings:
-    """One correction method and its options: the config's `correction`, `is_*` and `ais_*` fields, and the GRPO
-    group size. Constructing one checks every rule (`problems`), so the functions taking it trust it.
-
-    `method` is one of CORRECTION_METHODS: "none" (w = 1, the ratio diagnostics still logged), "tis" / "mis"
-    (`importance_weights` at `level`, truncating / masking at `clip` and `clip_low`, optionally `normalize`d),
-    "acr" (token TIS weights plus the ACR clip scale) or "ais" (`ais_weights` with `rule`, `snr_scale`, `kl_scale`,
-    `alpha_max` and the EMA `alpha_ema` of α across generation batches). `rule` may be a callable diagnostics → α.
-    The `ctpo_*` constants are those of CTPO's cumulative ratio (config `ratio_type=ctpo`), which the loss applies:
-    `ctpo_loss_options` gives them as `loss.TokenLoss` (and `loss.grpo_loss`) arguments.
-    """
-
-    method: str = "ais"
-    level: str = "token"
-    clip: float = 2.0
-    clip_low: float | None = None
-    normalize: bool = False
-    rule: AlphaRule = "adaptive"
-    snr_scale: float = 4.0
-    kl_scale: float = 1e-3
-    alpha_max: float = 1.0
-    alpha_ema: float = 0.0
-    group_size: int = 1
-    ctpo_c_low: float = 0.025
-    ctpo_c_high: float = 0.05
-    ctpo_c_dual: float = 0.05
-    ctpo_power: float = 0.5
-    ctpo_cap: float = 10.0
-
-    @classmethod
-    def from_config(cls, config, rule: AlphaRule | None = None) -> "CorrectionSettings":
-        """The settings of a `GRPOConfig` (`rule` replaces `config.ais_rule`, e.g. a callable)."""
-        return cls(config.correction, level=config.is_level, clip=config.is_clip, clip_low=config.is_clip_low,
-                   normalize=config.is_normalize, rule=rule or config.ais_rule, snr_scale=config.ais_snr_scale,
-                   kl_scale=config.ais_kl_scale, alpha_max=config.ais_alpha_max, alpha_ema=config.ais_alpha_ema,
-                   group_size=config.num_generations, ctpo_c_low=config.ctpo_c_low, ctpo_c_high=config.ctpo_c_high,
-                   ctpo_c_dual=config.ctpo_c_dual, ctpo_power=config.ctpo_power, ctpo_cap=config.ctpo_cap)
-
-    def ctpo_loss_options(self) -> dict[str, float]:
-        """CTPO's constants as the keyword arguments of `dllm_ais.loss.TokenLoss` (used with ratio_type=ctpo)."""
-        return {"ctpo_c_low": self.ctpo_c_low, "ctpo_c_high": self.ctpo_c_high, "ctpo_c_dual": self.ctpo_c_dual,
-                "ctpo_power": self.ctpo_power, "ctpo_cap": self.ctpo_cap}
-
-    def problems(self) -> list[str]:
-        """Every rule these settings break, named by the config fields that set them; [] when they are usable."""
-        def choice(name: str, value, options: tuple[str, ...]) -> list[str]:
-            return [] if value in options else [f"{name} must be one of {', '.join(map(repr, options))}; got {value!r}"]
-
-        problems = choice("correction", self.method, CORRECTION_METHODS) + choice("is_level", self.level, IS_LEVELS)
-        if not callable(self.rule):
-            problems += choice("ais_rule", self.rule, ALPHA_RULES)
-        checks = [
-            (self.clip > 0, f"is_clip must be > 0; got {self.clip}"),
-            (self.clip_low is None or 0 <= self.clip_low <= self.clip,
-             f"is_clip_low must lie in [0, is_clip={self.clip}]; got {self.clip_low}"),
-            (self.snr_scale > 0 and self.kl_scale > 0,
-             f"ais_snr_scale and ais_kl_scale must be > 0; got {self.snr_scale}, {self.kl_scale}"),
-            (0 <= self.alpha_max <= 1, f"ais_alpha_max must lie in [0, 1]; got {self.alpha_max}"),
-            (0 <= self.alpha_ema < 1, f"ais_alpha_ema must lie in [0, 1); got {self.alpha_ema}"),
-            (self.group_size >= 1, f"the group size must be >= 1; got {self.group_size}"),
-            (min(self.ctpo_c_low, self.ctpo_c_high, self.ctpo_c_dual, self.ctpo_cap) > 0 and self.ctpo_power >= 0,
-             "ctpo_c_low, ctpo_c_high, ctpo_c_dual and ctpo_cap must be > 0 and ctpo_power >= 0; got "
-             f"{self.ctpo_c_low}, {self.ctpo_c_high}, {self.ctpo_c_dual}, {self.ctpo_cap} and {self.ctpo_power}"),
-            (self.method not in ("acr", "ais") or self.level == "token",
-             f"correction={self.method} works on token-level ratios: set is_level=token (got {self.level!r})"),
-            (self.method != "ais" or (self.clip_low is None and not self.normalize),
-             "correction=ais mixes with min(rho, is_clip): leave is_clip_low=null and is_normalize=false"),
-        ]
-        return problems + [message for ok, message in checks if not ok]
-
-    def __post_init__(self) -> None:
-        problems = self.problems()
-        if problems:
-            raise CorrectionSettingsError(problems)
-
-
-class CorrectionSettingsError(ValueError):
-    """Correction settings that break a rule; `problems` lists each, named by its config fields."""
-
-    def __init__(self, problems: list[str]):
-        self.problems = problems
-        super().__init__("; ".join(problems))
-
-
-@dataclass(frozen=True)
 class Correction:
     """A correction's output for the loss: detached float32 per-token weights [B, L] (0 at
     invalid positions), the ACR clip scale c_t [B, L] (None unless method "acr"), and the
@@ -530,9 +450,11 @@ class Correction:
 
 
 def correct(settings: CorrectionSettings, logp_old: Tensor, logp_rollout: Tensor, advantages: Tensor, mask: Tensor,
-            previous_alpha: float | None = None) -> Correction:
-    """Apply the rollout-mismatch correction `settings.method` (see `CorrectionSettings`); `previous_alpha` is the
-    smoothed α of the previous generation batch (AIS with alpha_ema > 0).
+            previous_alpha: float | None = None, group_size: int = 1, rule: AlphaRule | None = None) -> Correction:
+    """Apply the rollout-mismatch correction `settings.method` (the config's `correction` settings group,
+    `dllm_ais.config.CorrectionSettings`); `previous_alpha` is the smoothed α of the previous generation batch (AIS
+    with ais_alpha_ema > 0), `group_size` the GRPO group size G (AIS's noise is measured across groups) and `rule`
+    replaces `settings.ais_rule` (e.g. a callable diagnostics → α).
 
     For "none" the level, clip and clip_low are only the diagnostics' thresholds. The diagnostics come under the
     names they are logged with (`logged_name`): verl's rollout-correction metrics `rollout_corr/*`, TRL's
@@ -548,7 +470,8 @@ def correct(settings: CorrectionSettings, logp_old: Tensor, logp_rollout: Tensor
         diagnostics.update(perplexity_diagnostics(logp_old, logp_rollout, valid))
         return Correction(valid.float(), None, _logged(diagnostics))
     if method == "ais":
-        weights, diagnostics = _ais_weights(settings, logp_old, logp_rollout, advantages, valid, previous_alpha)
+        weights, diagnostics = _ais_weights(settings, logp_old, logp_rollout, advantages, valid, previous_alpha,
+                                            group_size, rule or settings.ais_rule)
         return Correction(weights, None, _logged(diagnostics))
     weights, diagnostics = importance_weights(
         logp_old, logp_rollout, valid, level=settings.level, mode="mask" if method == "mis" else "truncate",
@@ -565,18 +488,39 @@ def _logged(diagnostics: dict[str, float]) -> dict[str, float]:
 
 
 class RolloutCorrection:
-    """The correction a run applies to each generation batch: its settings and, for AIS, the moving average of α
-    (`previous_alpha`, the state a checkpoint keeps)."""
+    """The correction a run applies to each generation batch: its settings (the config's `correction` group), the
+    GRPO group size, the α rule (`settings.ais_rule`, or a callable) and, for AIS, the moving average of α
+    (`previous_alpha`, the state a checkpoint keeps).
 
-    def __init__(self, settings: CorrectionSettings):
+    Every correction mode goes through here. In bypass mode (verl's) the old log-probs are the rollout's, so there is
+    nothing to weight: the weights are 1, and the mismatch is measured in the batch's first update instead
+    (`first_update_diagnostics`, where θ = θ_old)."""
+
+    def __init__(self, settings: CorrectionSettings, group_size: int = 1, rule: AlphaRule | None = None):
+        problems = settings.problems()
+        if problems or group_size < 1:
+            raise ValueError("; ".join(problems or [f"the group size must be >= 1; got {group_size}"]))
         self.settings = settings
+        self.group_size = group_size
+        self.rule = rule or settings.ais_rule
         self.previous_alpha: float | None = None
 
     def __call__(self, pairs: list[tuple[Tensor, Tensor]], advantages: Tensor, masks: list[Tensor]) -> list[Correction]:
         """One `Correction` per estimator seed's (ℓ_old, ℓ_rollout), over that seed's scored positions `masks[i]`
-        [B, L]; AIS's α average then advances once, over the seeds."""
-        corrections = [correct(self.settings, old, rollout, advantages, mask, self.previous_alpha)
+        [B, L]; AIS's α average then advances once, over the seeds. In bypass mode: weights 1 at the scored
+        positions and no diagnostics (see `first_update_diagnostics`)."""
+        if self.settings.bypass_mode:
+            return [Correction(mask.float(), None, {}) for mask in masks]
+        corrections = [correct(self.settings, old, rollout, advantages, mask, self.previous_alpha, self.group_size,
+                               self.rule)
                        for (old, rollout), mask in zip(pairs, masks, strict=True)]
         if self.settings.method == "ais":
             self.previous_alpha = sum(c.diagnostics["ais/alpha"] for c in corrections) / len(corrections)
         return corrections
+
+    def first_update_diagnostics(self, logp_theta: Tensor, logp_rollout: Tensor, scored: Tensor) -> dict[str, float]:
+        """Bypass mode's mismatch diagnostics (`rollout_corr/*`, `sampling/sampling_logp_difference/*`): those of
+        method none between ℓ_θ [B, L] of a batch's first update, where θ = θ_old (no optimizer step has been taken
+        since the batch was sampled), and ℓ_rollout [B, L], over the `scored` positions."""
+        return correct(self.settings, logp_theta, logp_rollout, logp_theta.new_zeros(len(logp_theta)),
+                       scored).diagnostics

@@ -67,7 +67,7 @@ def run_dry_run(config: GRPOConfig) -> dict:
         step = run_one_step_on_stand_in(config, scratch)
     print(f"dry run OK: recipe valid ({config.model_name_or_path}, task={config.task}, "
           f"policy={'diffusion' if recipe_is_diffusion(config) else 'autoregressive'}, "
-          f"rollout_precision={config.rollout_precision}, correction={config.correction}); one step on a tiny "
+          f"rollout.precision={config.rollout.precision}, correction.method={config.correction.method}); one step on a tiny "
           f"stand-in: reward={step['reward']:.3f} alpha={step.get('ais/alpha', float('nan')):.3f} "
           f"loss={step['loss']:+.4f}")
     for problem in missing_tracker_problems(config.report_to):  # dry runs log to no tracker; a real run checks them
@@ -80,12 +80,13 @@ def run_one_step_on_stand_in(config: GRPOConfig, output_dir: str) -> dict:
     from dllm_ais.trainer import GRPOTrainer
 
     diffusion = recipe_is_diffusion(config)
-    block = min(config.block_length, 8)
+    block = min(config.rollout.block_length, 8)
     small = dataclasses.replace(
         config, model_name_or_path=EMBEDDED_MODEL, policy="diffusion" if diffusion else "autoregressive",
         dtype="float32", num_generations=2, per_device_train_batch_size=2 * MIN_GROUPS_FOR_NOISE,
-        gradient_accumulation_steps=1, num_iterations=1, max_steps=1, eval_size=0, eval_steps=0, block_length=block,
-        max_completion_length=2 * block, diffusion_steps=block, max_prompt_length=4096, report_to=[], save_steps=0,
+        gradient_accumulation_steps=1, num_iterations=1, max_steps=1, eval_size=0, eval_steps=0,
+        rollout=dataclasses.replace(config.rollout, block_length=block, steps=block),
+        max_completion_length=2 * block, max_prompt_length=4096, report_to=[], save_steps=0,
         dry_run=False, resume_from_checkpoint=None, overwrite_output_dir=False, lora_target_modules=None,
         output_dir=output_dir)
     tokenizer = load_tokenizer(EMBEDDED_MODEL)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from dllm_ais.config import D1_SAMPLER_FIELDS, d1_protocol_fields
+from dllm_ais.config import D1_ROLLOUT, GRPOConfig, with_d1_protocol
 from dllm_ais.loading import resolve_model_path
 from dllm_ais.policy import sample_prompts
 from dllm_ais.rewards import RewardTable, score_rollout_table
@@ -199,12 +199,12 @@ class EvalProtocol:
         """The task's protocol (d1's for the real tasks), with any of its settings replaced."""
         return cls(tuple(gen_lengths or task.eval_gen_lengths), block_length or task.eval_block_length, temperature)
 
-    def sampler_fields(self, gen_length: int) -> dict[str, Any]:
-        """The config fields of the sampler at ``gen_length`` (`d1_protocol_fields`)."""
-        return d1_protocol_fields(gen_length, self.block_length)
+    def decoding(self, config: GRPOConfig, gen_length: int) -> GRPOConfig:
+        """`config` decoding with this protocol at ``gen_length`` (`with_d1_protocol`)."""
+        return with_d1_protocol(config, gen_length, self.block_length)
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), **D1_SAMPLER_FIELDS, "steps": "gen_length / 2", "gen_lengths": list(self.gen_lengths)}
+        return {**asdict(self), **D1_ROLLOUT, "steps": "gen_length / 2", "gen_lengths": list(self.gen_lengths)}
 
 
 # --------------------------------------------------------------------------------------------- provenance

@@ -25,7 +25,7 @@ import torch
 from transformers import AutoTokenizer
 
 from dllm_ais.checkpoint import MARKER, atomic_directory, check_destination
-from dllm_ais.config import EMBEDDED_MODELS, ConfigError, GRPOConfig
+from dllm_ais.config import EMBEDDED_MODELS, ConfigError, GRPOConfig, canonical_values, recipe_setting
 from dllm_ais.loading import load_model, resolve_model_path
 
 REMOTE_CODE_FILE = "modeling_llada.py"
@@ -38,12 +38,12 @@ MAX_REPORT_BYTES = 64 * 2**20
 RUN_ONLY_FIELDS = ("output_dir", "overwrite_output_dir", "resume_from_checkpoint", "report_to", "run_name", "dry_run",
                    "logging_steps", "save_steps", "save_total_limit", "log_completions", "num_completions_to_print")
 CARD_SETTINGS = (  # (field, label) shown in the card's summary table when the recipe has them
-    ("task", "task"), ("rollout_precision", "rollout precision"), ("correction", "correction"),
-    ("ais_rule", "AIS rule"), ("is_clip", "IS clip C"), ("likelihood_estimator", "likelihood estimator"),
+    ("task", "task"), ("rollout.precision", "rollout precision"), ("correction.method", "correction"),
+    ("correction.ais_rule", "AIS rule"), ("correction.clip", "IS clip C"), ("likelihood.estimator", "likelihood estimator"),
     ("num_generations", "generations per prompt"), ("num_iterations", "iterations μ"),
     ("learning_rate", "learning rate"), ("beta", "β (KL)"), ("epsilon", "ε (clip)"), ("loss_type", "loss type"),
     ("max_steps", "optimizer steps"), ("max_completion_length", "completion length"),
-    ("diffusion_steps", "diffusion steps"), ("block_length", "block length"), ("temperature", "temperature"),
+    ("rollout.steps", "diffusion steps"), ("rollout.block_length", "block length"), ("temperature", "temperature"),
     ("use_peft", "LoRA"), ("lora_r", "LoRA r"), ("lora_alpha", "LoRA α"), ("seed", "seed"),
 )
 
@@ -78,7 +78,8 @@ def training_recipe(source: Path) -> dict[str, Any] | None:
     from dllm_ais.validation import read_recipe
 
     try:
-        values = read_recipe(source / TRAINING_CONFIG) if (source / TRAINING_CONFIG).is_file() else None
+        values = (canonical_values(read_recipe(source / TRAINING_CONFIG), str(source / TRAINING_CONFIG))
+                  if (source / TRAINING_CONFIG).is_file() else None)
     except ConfigError:
         return None
     if values is None:
@@ -150,21 +151,22 @@ def model_card(name: str, base_model: str | None, llada: bool, recipe: dict[str,
     from dllm_ais.evaluation import markdown_table
 
     recipe = recipe or {}
+    settings = {key: value for key, _ in CARD_SETTINGS if (value := recipe_setting(recipe, key)) is not None}
     tags = ["dllm-ais", "grpo", "reinforcement-learning"]
-    tags += [f"rollout-{recipe['rollout_precision']}"] if "rollout_precision" in recipe else []
-    tags += [f"correction-{recipe['correction']}"] if "correction" in recipe else []
+    tags += [f"rollout-{settings['rollout.precision']}"] if "rollout.precision" in settings else []
+    tags += [f"correction-{settings['correction.method']}"] if "correction.method" in settings else []
     tags += ["llada", "masked-diffusion", "custom_code"] if llada else []
     data = ModelCardData(base_model=base_model if base_model and is_hub_id(base_model) else None,
                          library_name="transformers", tags=tags, pipeline_tag=None if llada else "text-generation")
     origin = f"`{base_model}`" if base_model else "a local model"
     lines = [f"# {name.rsplit('/', 1)[-1]}", "",
              f"Fine-tuned from {origin} with dllm-ais {__version__}: GRPO with "
-             f"{recipe.get('rollout_precision', 'low-precision')} rollouts and "
-             f"{recipe.get('correction', 'importance-sampling')} correction of the rollout/trainer mismatch. "
+             f"{settings.get('rollout.precision', 'low-precision')} rollouts and "
+             f"{settings.get('correction.method', 'importance-sampling')} correction of the rollout/trainer mismatch. "
              f"Exported from `{source_name}` on {time.strftime('%Y-%m-%d')}.", ""]
     if recipe:
         lines += ["## Training", "", "| setting | value |", "|---|---|"]
-        lines += [f"| {label} | `{recipe[key]}` |" for key, label in CARD_SETTINGS if key in recipe]
+        lines += [f"| {label} | `{settings[key]}` |" for key, label in CARD_SETTINGS if key in settings]
         lines += ["", "<details><summary>The full recipe (dllm-ais GRPOConfig)</summary>", "", "```yaml",
                   _yaml(recipe).rstrip(), "```", "", "</details>", ""]
     else:

@@ -93,8 +93,8 @@ class FidelitySettings:
 
     @classmethod
     def from_config(cls, config: "GRPOConfig") -> "FidelitySettings":
-        return cls(config.rollout_fidelity, config.rollout_fidelity_k3_max, config.rollout_fidelity_ess_min,
-                   config.rollout_fidelity_patience, config.rollout_exact_fraction)
+        return cls(config.experimental.rollout_fidelity, config.experimental.rollout_fidelity_k3_max, config.experimental.rollout_fidelity_ess_min,
+                   config.experimental.rollout_fidelity_patience, config.experimental.rollout_exact_fraction)
 
 
 @dataclass(frozen=True)

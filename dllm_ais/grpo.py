@@ -33,7 +33,7 @@ from accelerate.utils import DistributedType
 
 from dllm_ais.components import StepComponents
 from dllm_ais.config import GRPOConfig
-from dllm_ais.correction import Correction, CorrectionSettings, RolloutCorrection, correct
+from dllm_ais.correction import RolloutCorrection
 from dllm_ais.fidelity import RolloutFidelity, exact_share_metrics
 from dllm_ais.likelihood import LogprobPiece, sum_pieces, whole_piece
 from dllm_ais.loss import TokenLoss, group_advantages, zero_std_groups
@@ -83,7 +83,7 @@ SKIP_HINTS = {
     "loss": "try a lower learning_rate or max_grad_norm",
     "gradient": "try a lower learning_rate or max_grad_norm",
 }
-LOGPROB_HINT = "NaN/inf log-probs usually mean an overflow in low precision: try dtype=float32 or rollout_precision=bf16"
+LOGPROB_HINT = "NaN/inf log-probs usually mean an overflow in low precision: try dtype=float32 or rollout.precision=bf16"
 
 
 class SkippedBatch(Exception):
@@ -259,7 +259,7 @@ def make_generation_batch(config: GRPOConfig, parts: StepComponents, tokenizer, 
     with torch.no_grad():
         logp_rollout = [micro_batched_logprobs(parts.policy.rollout_logprobs, parts.engine.model, rollout, s,
                                                micro_batch_size, advantages) for s in seeds]
-        logp_old = logp_rollout if config.bypass_mode else [
+        logp_old = logp_rollout if config.correction.bypass_mode else [
             micro_batched_logprobs(parts.policy.logprobs, parts.model, rollout, s, micro_batch_size, advantages)
             for s in seeds]
     logp_ref = [None if config.beta == 0 else reference_logprobs(parts, rollout, s, micro_batch_size, advantages)
@@ -274,14 +274,11 @@ def make_generation_batch(config: GRPOConfig, parts: StepComponents, tokenizer, 
     # Weights and diagnostics (ESS, α, ...) are computed over the whole batch, gathered from every process, at the
     # positions each estimate scores.
     scored = [gather(micro_batched_positions(parts.policy, rollout, s, micro_batch_size).long()).bool() for s in seeds]
-    if config.bypass_mode:  # weights 1; the diagnostics come from the first update (`bypass_diagnostics`)
-        corrections = [Correction(mask.float(), None, {}) for mask in scored]
-    else:
-        corrections = correction([(gather(old), gather(ro)) for old, ro in zip(logp_old, logp_rollout)],
-                                 all_advantages, scored)
+    corrections = correction([(gather(old), gather(ro)) for old, ro in zip(logp_old, logp_rollout)],
+                             all_advantages, scored)
     timings["timing/correction_s"] = time.perf_counter() - start
     fidelity.update([c.diagnostics for c in corrections])
-    if config.rollout_exact_fraction > 0:
+    if config.experimental.rollout_exact_fraction > 0:
         decoded_exactly = torch.arange(len(rewards), device=accelerator.device) < num_exact
         fidelity_metrics.update(exact_share_metrics(gather(decoded_exactly), all_rewards))
 
@@ -313,8 +310,8 @@ def pieces_align_across_processes(config: GRPOConfig) -> bool:
     same for every row, or the decoder replay (`GRPOConfig.replays_decoder`) gives one piece per block. With parallel
     decoding a process may commit at fewer distinct steps than another, and each micro-batch then takes a single
     backward."""
-    return (config.likelihood_order == "exact" or config.replays_decoder
-            or (config.rollout_threshold is None and config.rollout_factor is None))
+    return (config.experimental.likelihood_order == "exact" or config.replays_decoder
+            or (config.rollout.threshold is None and config.experimental.rollout_factor is None))
 
 
 def backward_by_pieces(pieces: Iterable[LogprobPiece], objective: TokenLoss, completion_mask: torch.Tensor,
@@ -345,21 +342,18 @@ def backward_by_pieces(pieces: Iterable[LogprobPiece], objective: TokenLoss, com
                           torch.stack(finite_loss).all())
 
 
-def bypass_diagnostics(config: GRPOConfig, accelerator: Accelerator, logp_theta: torch.Tensor,
+def bypass_diagnostics(correction: RolloutCorrection, accelerator: Accelerator, logp_theta: torch.Tensor,
                        logp_rollout: torch.Tensor, scored: torch.Tensor) -> dict[str, float]:
-    """`bypass_mode`'s mismatch diagnostics (`rollout_corr/*`, `sampling/sampling_logp_difference/*`): those of
-    correction=none between ℓ_θ [B, L] of a batch's first update, where θ = θ_old (no optimizer step has been taken
-    since the batch was sampled; in train mode, so with any dropout), and ℓ_rollout [B, L], over the `scored`
-    positions of every process: with one estimator seed per iteration (the one-step surrogate), those of the first
-    seed's masks, the only ones scored at θ_old."""
+    """Bypass mode's mismatch diagnostics (`RolloutCorrection.first_update_diagnostics`) over every process: ℓ_θ
+    [B, L] of a batch's first update (in train mode, so with any dropout) against ℓ_rollout [B, L], over the `scored`
+    positions: with one estimator seed per iteration (the one-step surrogate), those of the first seed's masks, the
+    only ones scored at θ_old."""
     gather = accelerator.gather
-    return correct(CorrectionSettings.from_config(config), gather(logp_theta), gather(logp_rollout),
-                   logp_theta.new_zeros(len(logp_theta) * accelerator.num_processes),
-                   gather(scored.long()).bool()).diagnostics
+    return correction.first_update_diagnostics(gather(logp_theta), gather(logp_rollout), gather(scored.long()).bool())
 
 
-def optimisation_pass(config: GRPOConfig, parts: StepComponents, batch: GenerationBatch,
-                      iteration: int) -> dict[str, float]:
+def optimisation_pass(config: GRPOConfig, parts: StepComponents, batch: GenerationBatch, iteration: int,
+                      correction: RolloutCorrection) -> dict[str, float]:
     """One optimizer step over the generation batch: gradient accumulation over its micro-batches, and within a
     micro-batch over the estimator's forwards (`backward_by_pieces`: a trajectory-type estimator's peak memory is
     one forward's, whatever the number of denoising steps).
@@ -377,7 +371,7 @@ def optimisation_pass(config: GRPOConfig, parts: StepComponents, batch: Generati
     local_tokens = scored.sum().float()
     total_tokens = accelerator.gather(local_tokens.reshape(1)).mean().clamp(min=1).item()
     rows_of = micro_batches(len(batch.advantages), config.per_device_train_batch_size)
-    ctpo_options = CorrectionSettings.from_config(config).ctpo_loss_options()
+    ctpo_options = config.experimental.ctpo_loss_options()
     scale = len(rows_of) if config.loss_type == "dapo" else 1
     # DeepSpeed takes one backward per micro-step; several processes need the same number of backwards (collectives).
     piecewise = accelerator.distributed_type != DistributedType.DEEPSPEED and (
@@ -395,7 +389,7 @@ def optimisation_pass(config: GRPOConfig, parts: StepComponents, batch: Generati
                 logp_ref=None if batch.logp_ref[k] is None else batch.logp_ref[k][rows],
                 beta=config.beta, epsilon=config.epsilon, epsilon_high=config.epsilon_high,
                 loss_type=config.loss_type, max_completion_length=config.max_completion_length,
-                num_items_in_batch=total_tokens, ratio_type=config.ratio_type, **ctpo_options)
+                num_items_in_batch=total_tokens, ratio_type=config.experimental.ratio_type, **ctpo_options)
             pieces = parts.policy.logprob_pieces(model, part, micro_seed(batch.seeds[k], j), compute_entropy=first_pass,
                                                   advantages=batch.advantages[rows])
             done = backward_by_pieces(pieces, objective, part.completion_mask,
@@ -419,8 +413,8 @@ def optimisation_pass(config: GRPOConfig, parts: StepComponents, batch: Generati
         optimizer.zero_grad(set_to_none=True)
         raise SkippedBatch("policy log-probs" if bad_logprobs else "loss" if bad_loss else "gradient",
                            f"grad norm {float(grad_norm)}" if bad_gradient else "")
-    if config.bypass_mode and first_pass:  # the batch's mismatch, logged with every pass of it
-        batch.diagnostics[:] = [bypass_diagnostics(config, accelerator, torch.cat(logp_theta), batch.logp_old[k],
+    if config.correction.bypass_mode and first_pass:  # the batch's mismatch, logged with every pass of it
+        batch.diagnostics[:] = [bypass_diagnostics(correction, accelerator, torch.cat(logp_theta), batch.logp_old[k],
                                                    scored)] * len(batch.seeds)
         summed.update(batch.diagnostics[k])
     optimizer.step()

@@ -110,9 +110,9 @@ def check_metric_for_best_model(config: GRPOConfig, eval_reward_names: list[str]
 def note_unseen_approximation(config: GRPOConfig) -> None:
     """Say once at start what the importance ratio cannot see of this run's fast rollouts (if anything)."""
     if config.unseen_approximation:
-        print(f"note: rollout_cache={config.rollout_cache}, rollout_threshold={config.rollout_threshold}, "
-              f"rollout_factor={config.rollout_factor}: {config.unseen_approximation}. Exact rollouts: "
-              "--rollout_cache=none --rollout_threshold=null.")
+        print(f"note: rollout.cache={config.rollout.cache}, rollout.threshold={config.rollout.threshold}, "
+              f"experimental.rollout_factor={config.experimental.rollout_factor}: {config.unseen_approximation}. "
+              "Exact rollouts: --rollout.cache=none --rollout.threshold=null.")
 
 
 def note_too_few_groups(config: GRPOConfig, rule, num_processes: int) -> None:
@@ -121,10 +121,10 @@ def note_too_few_groups(config: GRPOConfig, rule, num_processes: int) -> None:
     from dllm_ais.correction import MIN_GROUPS_FOR_NOISE
 
     groups = config.generation_batch_size * num_processes // config.num_generations
-    if config.correction == "ais" and rule in ("adaptive", "oracle") and groups < MIN_GROUPS_FOR_NOISE:
-        print(f"note: a generation batch holds {groups} GRPO group(s) over all processes; ais_rule={rule} "
+    if config.correction.method == "ais" and rule in ("adaptive", "oracle") and groups < MIN_GROUPS_FOR_NOISE:
+        print(f"note: a generation batch holds {groups} GRPO group(s) over all processes; correction.ais_rule={rule} "
               f"needs {MIN_GROUPS_FOR_NOISE} to measure the batch's gradient noise, so alpha follows the k3 gate "
-              f"(ais_kl_scale={config.ais_kl_scale:g}). Raise per_device_train_batch_size * "
+              f"(correction.ais_kl_scale={config.correction.ais_kl_scale:g}). Raise per_device_train_batch_size * "
               f"gradient_accumulation_steps * processes / num_generations to {MIN_GROUPS_FOR_NOISE} to use it.")
 
 

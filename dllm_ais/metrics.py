@@ -70,7 +70,7 @@ def mismatch_warnings(metrics: dict[str, float]) -> dict[str, str]:
     """The verl warning levels these metrics cross: metric name -> one line saying so (NaN crosses nothing)."""
     return {key: f"{key} = {metrics[key]:.4g}, {level} (verl's warning level): the rollout engine samples from a "
                  "noticeably different distribution than the trainer scores; watch the correction's metrics, or try "
-                 "a higher rollout_precision (or, with the trajectory estimator, no rollout_cache/rollout_threshold)"
+                 "a higher rollout.precision (or, with the trajectory estimator, no rollout.cache/rollout.threshold)"
             for key, crossed, level in MISMATCH_WARNING_LEVELS
             if key in metrics and math.isfinite(metrics[key]) and crossed(metrics[key])}
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import operator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
 
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from dllm_ais.choices import SEQUENCE_ESTIMATORS, TRAJECTORY_ESTIMATORS, block_fraction_problem, replays_decoder
+from dllm_ais.config import LikelihoodSettings
 from dllm_ais.data import tokenize_prompts
 from dllm_ais.likelihood import (
     DIFFUSION_ESTIMATORS, BlockSubset, BoundSettings, EstimatorSettings, LogprobPiece, causal_logprobs,
@@ -98,26 +100,23 @@ class DiffusionPolicy:
     `token_logprobs` is therefore refused with the trajectory-type estimators. With a block cache and
     `likelihood_decoder="rollout"` the trajectory estimator scores the sampler's own cached logits instead
     (`MaskedDiffusionSampler.decoder_logits`): the fast decoder is the policy trained. `estimator` names one of
-    `DIFFUSION_ESTIMATORS`; `likelihood_segments` is step_merge's N, `bounds` the elbo and spg estimators' settings;
-    `likelihood_block_fraction` < 1 has a trajectory-type estimator score a random share of the blocks per inner
-    iteration (`BlockSubset`).
+    `DIFFUSION_ESTIMATORS` (`likelihood.estimator`, the config's `likelihood` settings group itself); `bounds` are
+    the elbo and spg estimators' settings; the experimental `likelihood_block_fraction` < 1 has a trajectory-type
+    estimator score a random share of the blocks per inner iteration (`BlockSubset`).
     """
 
     sampler_config: DiffusionSamplerConfig
-    estimator: str = "one_step"
-    p_mask_prompt: float = 0.15
+    likelihood: LikelihoodSettings = dataclasses.field(default_factory=LikelihoodSettings)
     likelihood_order: str = "rollout"
     likelihood_decoder: str = "rollout"
     sampler: MaskedDiffusionSampler | None = None
-    likelihood_segments: int = 16
     bounds: BoundSettings = dataclasses.field(default_factory=BoundSettings)
     likelihood_block_fraction: float = 1.0
 
     @classmethod
     def for_sampler(cls, sampler: MaskedDiffusionSampler, **settings) -> "DiffusionPolicy":
         """The policy sampling with `sampler` (its config is the policy's `sampler_config`); `settings` are the other
-        fields (estimator, p_mask_prompt, likelihood_order, likelihood_decoder, likelihood_segments, bounds,
-        likelihood_block_fraction)."""
+        fields (likelihood, likelihood_order, likelihood_decoder, bounds, likelihood_block_fraction)."""
         return cls(sampler.config, sampler=sampler, **settings)
 
     def __post_init__(self):
@@ -136,15 +135,20 @@ class DiffusionPolicy:
             raise ValueError(
                 f"{type(self.sampler).__name__} overrides token_logprobs, but the {self.estimator} estimator scores "
                 "softmax(logits / temperature) against the log-probs the sampler records: move that processing into "
-                "block_logits (scored exactly as sampled), or use likelihood_estimator=one_step")
+                "block_logits (scored exactly as sampled), or use likelihood.estimator=one_step")
         self.estimator_settings = EstimatorSettings(self.sampler_config.mask_token_id, self.sampler_config.temperature,
-                                                    self.p_mask_prompt, logits_fn=self.sampler.scoring_logits,
-                                                    bounds=self.bounds, likelihood_segments=self.likelihood_segments,
+                                                    self.likelihood.p_mask_prompt, logits_fn=self.sampler.scoring_logits,
+                                                    bounds=self.bounds, likelihood_segments=self.likelihood.segments,
                                                     decoder_logits=self.sampler.decoder_logits
                                                     if self.replays_decoder else None, block_subset=block_subset)
         self.exact_order_sampler = None
         if self.estimator in TRAJECTORY_ESTIMATORS and self.likelihood_order == "exact":
             self.exact_order_sampler = self.sampler.with_config(self.sampler_config.exact())
+
+    @property
+    def estimator(self) -> str:
+        """The name of the likelihood estimator (`likelihood.estimator`)."""
+        return self.likelihood.estimator
 
     @property
     def replays_decoder(self) -> bool:
@@ -232,10 +236,10 @@ def is_diffusion(policy: str, model_type: str | None) -> bool:
 
 
 CONFIG_FIELD_OF_SAMPLER_SETTING = {
-    "gen_length": "max_completion_length", "block_length": "block_length", "steps": "diffusion_steps",
-    "remasking": "remasking", "cfg_scale": "cfg_scale", "cache": "rollout_cache",
-    "cache_refresh_interval": "rollout_cache_refresh_interval", "threshold": "rollout_threshold",
-    "factor": "rollout_factor"}
+    "gen_length": "max_completion_length", "block_length": "rollout.block_length", "steps": "rollout.steps",
+    "remasking": "rollout.remasking", "cfg_scale": "rollout.cfg_scale", "cache": "rollout.cache",
+    "cache_refresh_interval": "rollout.cache_refresh_interval", "threshold": "rollout.threshold",
+    "factor": "experimental.rollout_factor"}
 """The `GRPOConfig` field behind each `DiffusionSamplerConfig` setting the config sets (temperature and the special
 token ids come from elsewhere)."""
 
@@ -244,7 +248,7 @@ def diffusion_sampler_config(config: "GRPOConfig", tokens: SpecialTokens, temper
     """The masked-diffusion sampler settings of `config` (the fields `CONFIG_FIELD_OF_SAMPLER_SETTING` names) at
     `temperature`, with the model's special tokens."""
     return DiffusionSamplerConfig(
-        **{setting: getattr(config, field) for setting, field in CONFIG_FIELD_OF_SAMPLER_SETTING.items()},
+        **{setting: operator.attrgetter(field)(config) for setting, field in CONFIG_FIELD_OF_SAMPLER_SETTING.items()},
         temperature=temperature, mask_token_id=tokens.mask_token_id, eos_token_ids=tokens.eos_token_ids,
         pad_token_id=tokens.pad_token_id)
 
@@ -256,9 +260,9 @@ CustomSampler = MaskedDiffusionSampler | Callable[[DiffusionSamplerConfig], Mask
 
 def bound_settings(config: "GRPOConfig") -> BoundSettings:
     """The Monte-Carlo bound settings (elbo and spg estimators) of this config."""
-    return BoundSettings(num_samples=config.elbo_samples, coupled=config.elbo_coupled,
-                         block_masking=config.spg_block_masking, block_length=config.block_length,
-                         eubo_beta=config.spg_eubo_beta, mix_weight=config.spg_mix_weight)
+    return BoundSettings(num_samples=config.likelihood.elbo_samples, coupled=config.experimental.elbo_coupled,
+                         block_masking=config.likelihood.spg_block_masking, block_length=config.rollout.block_length,
+                         eubo_beta=config.likelihood.spg_eubo_beta, mix_weight=config.experimental.spg_mix_weight)
 
 
 def build_policy(config: "GRPOConfig", model_config, tokenizer, temperature: float | None = None,
@@ -283,12 +287,11 @@ def build_policy(config: "GRPOConfig", model_config, tokenizer, temperature: flo
                 raise ValueError(f"sampler= built a {type(built).__name__}, not a MaskedDiffusionSampler: pass a "
                                  "MaskedDiffusionSampler subclass, or a callable returning one of its instances")
             sampler = built
-        return DiffusionPolicy(sampler_config, estimator=config.likelihood_estimator,
-                               p_mask_prompt=config.p_mask_prompt, likelihood_order=config.likelihood_order,
-                               likelihood_decoder=config.likelihood_decoder,
-                               sampler=sampler, bounds=bound_settings(config),
-                               likelihood_segments=config.likelihood_segments,
-                               likelihood_block_fraction=config.likelihood_block_fraction)
+        experimental = config.experimental
+        return DiffusionPolicy(sampler_config, config.likelihood, likelihood_order=experimental.likelihood_order,
+                               likelihood_decoder=experimental.likelihood_decoder, sampler=sampler,
+                               bounds=bound_settings(config),
+                               likelihood_block_fraction=experimental.likelihood_block_fraction)
     sampler = AutoregressiveSamplerConfig(
         max_new_tokens=config.max_completion_length, temperature=temperature, top_k=config.top_k, top_p=config.top_p,
         eos_token_ids=tokens.eos_token_ids, pad_token_id=tokens.pad_token_id)
@@ -341,12 +344,13 @@ def custom_policy_problems(config: "GRPOConfig", model_config, tokenizer, sample
                     f"{', '.join(missing)}"]
         if not isinstance(policy, DiffusionPolicy):
             return []
-        problems = [f"policy.{name}={getattr(policy, name)!r} but the config's {field} is {getattr(config, field)!r}"
-                    for name, field in (("estimator", "likelihood_estimator"), ("p_mask_prompt", "p_mask_prompt"),
-                                        ("likelihood_order", "likelihood_order"),
-                                        ("likelihood_decoder", "likelihood_decoder"),
-                                        ("likelihood_block_fraction", "likelihood_block_fraction"))
-                    if getattr(policy, name) != getattr(config, field)]
+        problems = [f"policy.{name}={getattr(policy, name)!r} but the config's {field} is "
+                    f"{operator.attrgetter(field)(config)!r}"
+                    for name, field in (("likelihood", "likelihood"),
+                                        ("likelihood_order", "experimental.likelihood_order"),
+                                        ("likelihood_decoder", "experimental.likelihood_decoder"),
+                                        ("likelihood_block_fraction", "experimental.likelihood_block_fraction"))
+                    if getattr(policy, name) != operator.attrgetter(field)(config)]
         if policy.estimator in SEQUENCE_ESTIMATORS and policy.bounds != bound_settings(config):
             problems.append(f"policy.bounds={policy.bounds!r} differ from the config's elbo_* / spg_* settings "
                             f"({bound_settings(config)!r})")

@@ -25,7 +25,7 @@ from dllm_ais import grpo
 from dllm_ais.checkpoint import Checkpointer, NonFiniteError, prepare_output_dir
 from dllm_ais.components import build_components, make_accelerator
 from dllm_ais.config import GRPOConfig, save_config
-from dllm_ais.correction import CorrectionSettings, RolloutCorrection
+from dllm_ais.correction import RolloutCorrection
 from dllm_ais.data import load_task_dataset
 from dllm_ais.evaluation import EvalResult, evaluate_policy, held_out_line, held_out_metrics
 from dllm_ais.fidelity import FidelityState, RolloutFidelity
@@ -59,7 +59,7 @@ class GRPOTrainer:
         model / tokenizer: optional preloaded policy; by default loaded from `config.model_name_or_path`.
         reward_funcs: callables with TRL's signature; by default the task preset or `config.reward_funcs`.
         train_dataset / eval_dataset: `datasets.Dataset` with a `prompt` column (+ reward columns).
-        ais_rule: optional callable diagnostics → α replacing `config.ais_rule`.
+        ais_rule: optional callable diagnostics → α replacing `config.correction.ais_rule`.
         eval_reward_funcs: reward functions of the held-out evaluation (default: `reward_funcs`), e.g. the task's
             own rewards for a run trained on shaped or control rewards.
         sampler: a `MaskedDiffusionSampler` to roll out with instead of the plain sampler: an instance (its settings
@@ -99,9 +99,9 @@ class GRPOTrainer:
         self.parts = build_components(config, self.tokenizer, self.accelerator, model, sampler, policy)
         self.policy, self.model, self.engine = self.parts.policy, self.parts.model, self.parts.engine
         self.optimizer, self.scheduler = self.parts.optimizer, self.parts.scheduler
-        self.correction = RolloutCorrection(CorrectionSettings.from_config(config, rule=ais_rule))
+        self.correction = RolloutCorrection(config.correction, config.num_generations, ais_rule)
         if self.accelerator.is_main_process:
-            note_too_few_groups(config, self.correction.settings.rule, self.accelerator.num_processes)
+            note_too_few_groups(config, self.correction.rule, self.accelerator.num_processes)
             note_unseen_approximation(config)
 
         self.run_id = broadcast_object_list([uuid.uuid4().hex])[0]  # names this run and its resumptions
@@ -177,7 +177,7 @@ class GRPOTrainer:
 
     def optimisation_pass(self, batch: GenerationBatch, iteration: int) -> dict[str, float]:
         """`grpo.optimisation_pass`: one optimizer step over the batch (SkippedBatch when non-finite)."""
-        metrics = grpo.optimisation_pass(self.config, self.parts, batch, iteration)
+        metrics = grpo.optimisation_pass(self.config, self.parts, batch, iteration, self.correction)
         self.global_step += 1
         return metrics
 
@@ -299,7 +299,7 @@ class GRPOTrainer:
                 self.reporter.progress.close()
                 if self.eval_dataset is not None:
                     eval_after = self.scored_now() or self.evaluate()
-                    if self.parts.rollout_sampler_policy is not None and cfg.eval_rollout_sampler:
+                    if self.parts.rollout_sampler_policy is not None and cfg.experimental.eval_rollout_sampler:
                         rollout_sampler = self.evaluate(policy=self.parts.rollout_sampler_policy)
                 self.stop_if_signalled(signals)
                 self.save(final)

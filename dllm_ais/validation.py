@@ -213,18 +213,18 @@ FOREIGN_KEYS = {
     "clip_ratio_high": "use epsilon_high",
     "epsilon_low": "the lower clip is epsilon (ratio >= 1 - epsilon); epsilon_high sets the upper one",
     "delta": "two-sided (delta) clipping is not supported; use epsilon / epsilon_high",
-    "importance_sampling_level": "TRL's GSPO policy-ratio level is not supported (ratio_type is token or ctpo); "
-                                 "is_level sets the level of the rollout correction",
-    "is_clip_high": "use is_clip (the upper truncation C)",
-    "vllm_importance_sampling_correction": "set correction (none, tis, mis, acr, ais)",
-    "vllm_importance_sampling_mode": "set correction=tis (truncate) or mis (mask), and is_level (token, sequence, "
-                                     "geometric)",
-    "vllm_importance_sampling_cap": "use is_clip",
-    "vllm_importance_sampling_clip_max": "use is_clip",
-    "rollout_is": "set is_level (token, sequence, geometric) and correction=tis",
-    "rollout_is_threshold": "use is_clip",
-    "rollout_rs": "set correction=mis (masks instead of truncating)",
-    "use_vllm": "rollouts run in the built-in engine; set rollout_precision",
+    "importance_sampling_level": "TRL's GSPO policy-ratio level is not supported (experimental.ratio_type is token "
+                                 "or ctpo); correction.level sets the level of the rollout correction",
+    "is_clip_high": "use correction.clip (the upper truncation C)",
+    "vllm_importance_sampling_correction": "set correction.method (none, tis, mis, acr, ais)",
+    "vllm_importance_sampling_mode": "set correction.method=tis (truncate) or mis (mask), and correction.level (token, "
+                                     "sequence, geometric)",
+    "vllm_importance_sampling_cap": "use correction.clip",
+    "vllm_importance_sampling_clip_max": "use correction.clip",
+    "rollout_is": "set correction.level (token, sequence, geometric) and correction.method=tis",
+    "rollout_is_threshold": "use correction.clip",
+    "rollout_rs": "set correction.method=mis (masks instead of truncating)",
+    "use_vllm": "rollouts run in the built-in engine; set rollout.precision",
     "loss_agg_mode": "use loss_type (grpo, bnpo, dr_grpo, dapo)",
     "n": "use num_generations",
     "rollout_n": "use num_generations",
@@ -235,12 +235,12 @@ FOREIGN_KEYS = {
     "response_length": "use max_completion_length",
     "gen_length": "use max_completion_length",
     "max_length": "use max_prompt_length and max_completion_length",
-    "steps": "use diffusion_steps (denoising steps) or max_steps (optimizer steps)",
+    "steps": "use rollout.steps (denoising steps) or max_steps (optimizer steps)",
     "mask_id": "the mask token comes from the model's config (mask_token_id)",
-    "random_masking": "use p_mask_prompt",
-    "block_size": "use block_length",
-    "rollout_precision_dtype": "use rollout_precision",
-    "quantization": "use rollout_precision",
+    "random_masking": "use likelihood.p_mask_prompt",
+    "block_size": "use rollout.block_length",
+    "rollout_precision_dtype": "use rollout.precision",
+    "quantization": "use rollout.precision",
     "entropy_coeff": "entropy regularisation is not supported",
     "push_to_hub": "after training: dllm-ais export OUTPUT_DIR/final DEST --push_to_hub REPO [--private]",
     "hub_model_id": "after training: dllm-ais export OUTPUT_DIR/final DEST --push_to_hub REPO [--private]",
@@ -252,7 +252,7 @@ FOREIGN_KEYS = {
     "num_generations_eval": "validation is greedy: one completion per prompt",
     "logging_dir": "tracker logs go under output_dir",
 }
-FOREIGN_PREFIXES = {"vllm_": "rollouts run in the built-in engine; set rollout_precision"}
+FOREIGN_PREFIXES = {"vllm_": "rollouts run in the built-in engine; set rollout.precision"}
 
 
 def unknown_key_problems(keys: list[Any], known: set[str]) -> list[str]:

@@ -47,7 +47,7 @@ def completion_log_probs(model, config, rollout, diffusion: bool) -> torch.Tenso
     length = rollout.gen_length
     if diffusion:
         canvas = one_step_masked_input(rollout.sequences, rollout.attention_mask, rollout.prompt_length,
-                                       model.config.mask_token_id, seed=0, p_mask_prompt=config.p_mask_prompt)
+                                       model.config.mask_token_id, seed=0, p_mask_prompt=config.likelihood.p_mask_prompt)
         logits = model(input_ids=canvas, attention_mask=rollout.attention_mask, logits_to_keep=length).logits
     else:
         positions = (rollout.attention_mask.cumsum(-1) - 1).clamp(min=0)

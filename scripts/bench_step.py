@@ -76,7 +76,7 @@ def bench_correction_share(args) -> None:
             rollout_shares.append(batch.metrics["timing/sample_s"] / step)
     print(f"[step shares] device={parts.accelerator.device} torch={torch.__version__} dtype=float32 "
           f"model=LLaDA d_model={args.d_model} layers={args.layers} vocab={len(tokenizer)} "
-          f"completions={args.batch} gen_length={args.gen_length} block_length={config.block_length} "
+          f"completions={args.batch} gen_length={args.gen_length} block_length={config.rollout.block_length} "
           f"num_iterations={config.num_iterations} "
           f"precision={args.precision} rollout_cache={args.rollout_cache} rollout_threshold={args.rollout_threshold} "
           f"repeats={args.repeats}")

@@ -80,7 +80,7 @@ def main() -> None:
                                temperature=1.0).exact_order_sampler
     print(f"device: cpu ({platform.processor() or platform.machine()}), torch {torch.__version__}, float32 model "
           f"{config.model_name_or_path}; {args.prompts} validation prompts x {G} completions, temperature 1, "
-          f"gen {config.max_completion_length}, block {config.block_length}, {config.diffusion_steps} steps")
+          f"gen {config.max_completion_length}, block {config.rollout.block_length}, {config.rollout.steps} steps")
     print("| decoder | steps / row | (a) k3 seen by the ratio | (a) mean abs log ρ | (b) order distance to the exact "
           "replay | (b) context at commit, own / exact order | (b) log-lik per token, own / exact order | "
           "(c) distinct / group | reward | accuracy |")

@@ -197,7 +197,7 @@ def main() -> None:
     args, overrides = parser.parse_known_args()
     torch.set_num_threads(1)
     config = load_config(args.recipe, overrides)
-    args.estimators = args.estimators or config.likelihood_estimator
+    args.estimators = args.estimators or config.likelihood.estimator
     if args.part in ("gradient", "all"):
         gradient_part(config, args)
     if args.part in ("control", "all"):

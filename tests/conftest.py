@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
 
-from dllm_ais.config import EMBEDDED_MODEL_DIR
+from dllm_ais.config import EMBEDDED_MODEL_DIR, GRPOConfig, set_override
 from dllm_ais.models import LLaDAConfig, LLaDAModelLM
 
 
@@ -49,3 +49,13 @@ def tiny_qwen3(tokenizer, seed: int = 0):
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=256, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id))
+
+
+def config_of(*settings: dict, **overrides) -> GRPOConfig:
+    """The `GRPOConfig` of `settings` then `overrides` merged in order; a settings group given more than once is merged
+    entry by entry (`rollout={"steps": 4}` then `rollout={"precision": "fp8"}`), as a recipe and its overrides are."""
+    values: dict = {}
+    for mapping in (*settings, overrides):
+        for key, value in mapping.items():
+            set_override(values, key, value)
+    return GRPOConfig(**values)

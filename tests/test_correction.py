@@ -4,11 +4,10 @@ import math
 import pytest
 import torch
 
-from dllm_ais.config import GRPOConfig
+from dllm_ais.choices import ALPHA_RULES, CORRECTION_METHODS
+from dllm_ais.config import CorrectionSettings, GRPOConfig
 from dllm_ais.correction import (
-    ALPHA_RULES,
-    CORRECTION_METHODS,
-    CorrectionSettings,
+    RolloutCorrection,
     acr_clip_scale,
     ais_weights,
     correct,
@@ -484,7 +483,7 @@ def test_correct_dispatches_to_the_weight_functions(mismatched_batch):
     assert torch.equal(acr.weights, importance_weights(logp_old, logp_rollout, mask, clip=1.2)[0])
     expected_scale = acr_clip_scale(log_importance_ratio(logp_old, logp_rollout, mask), mask, clip=1.2)
     assert torch.equal(acr.clip_scale, expected_scale) and expected_scale.min() < 1
-    ais = correct(CorrectionSettings("ais", rule="oracle"), logp_old, logp_rollout, advantages, mask)
+    ais = correct(CorrectionSettings("ais", ais_rule="oracle"), logp_old, logp_rollout, advantages, mask)
     assert torch.equal(ais.weights, ais_weights(logp_old, logp_rollout, advantages, mask, rule="oracle")[0])
     assert "ais/alpha" in ais.diagnostics
 
@@ -492,18 +491,18 @@ def test_correct_dispatches_to_the_weight_functions(mismatched_batch):
 def test_correct_rejects_unknown_methods_and_unusable_options(mismatched_batch):
     logp_old, logp_rollout, advantages, mask = mismatched_batch
     with pytest.raises(ValueError) as error:
-        CorrectionSettings("fp8")
-    assert all(repr(method) in str(error.value) for method in CORRECTION_METHODS)
+        RolloutCorrection(CorrectionSettings("fp8"))
+    assert all(method in str(error.value) for method in CORRECTION_METHODS)
     with pytest.raises(ValueError, match="level"):
-        CorrectionSettings("ais", level="sequence")
+        RolloutCorrection(CorrectionSettings("ais", level="sequence"))
     with pytest.raises(ValueError, match="normalize"):
-        CorrectionSettings("ais", normalize=True)
+        RolloutCorrection(CorrectionSettings("ais", normalize=True))
 
 
 # ----------------------------------------------------------------------------- config fields reach the computation
 def test_acr_clip_from_the_config_reaches_the_clip_scale(mismatched_batch):
     logp_old, logp_rollout, advantages, mask = mismatched_batch
-    settings = CorrectionSettings.from_config(GRPOConfig(correction="acr", is_clip=1.2))
+    settings = GRPOConfig(correction={"method": "acr", "clip": 1.2}).correction
     correction = correct(settings, logp_old, logp_rollout, advantages, mask)
     log_ratio = log_importance_ratio(logp_old, logp_rollout, mask)
     assert torch.equal(correction.clip_scale, acr_clip_scale(log_ratio, mask, clip=1.2))
@@ -515,9 +514,9 @@ CTPO_FIELDS = dict(ctpo_c_low=0.1, ctpo_c_high=0.2, ctpo_c_dual=0.3, ctpo_power=
 
 
 def test_ctpo_constants_from_the_config_are_the_loss_arguments():
-    settings = CorrectionSettings.from_config(GRPOConfig(ratio_type="ctpo", **CTPO_FIELDS))
+    settings = GRPOConfig(experimental={"ratio_type": "ctpo", **CTPO_FIELDS}).experimental
     assert settings.ctpo_loss_options() == CTPO_FIELDS
-    assert CorrectionSettings().ctpo_loss_options() == {
+    assert GRPOConfig().experimental.ctpo_loss_options() == {
         "ctpo_c_low": 0.025, "ctpo_c_high": 0.05, "ctpo_c_dual": 0.05, "ctpo_power": 0.5, "ctpo_cap": 10.0}
 
 
@@ -526,7 +525,7 @@ def test_ctpo_cap_from_the_config_caps_the_ratio_in_the_loss():
     the ratio itself, exp(min(0.3, cap))."""
     logp, logp_old, advantages, mask = torch.tensor([[0.3]]), torch.zeros(1, 1), torch.tensor([-1.0]), torch.ones(1, 1)
     for cap, expected in ((0.05, math.exp(0.05)), (10.0, math.exp(0.3))):
-        options = CorrectionSettings.from_config(GRPOConfig(ratio_type="ctpo", ctpo_cap=cap, ctpo_c_dual=1.0))
+        options = GRPOConfig(experimental={"ratio_type": "ctpo", "ctpo_cap": cap, "ctpo_c_dual": 1.0}).experimental
         loss, _ = grpo_loss(logp, logp_old, advantages, mask, ratio_type="ctpo", **options.ctpo_loss_options())
         assert loss.item() == pytest.approx(expected)
 
@@ -534,9 +533,8 @@ def test_ctpo_cap_from_the_config_caps_the_ratio_in_the_loss():
 @pytest.mark.parametrize("field, value", [("ctpo_c_low", 0.0), ("ctpo_c_dual", -1.0), ("ctpo_power", -0.5),
                                           ("ctpo_cap", 0.0)])
 def test_unusable_ctpo_constants_are_config_problems_naming_the_field(field, value):
-    assert any(field in problem for problem in GRPOConfig(**{field: value}).problems())
-    with pytest.raises(ValueError, match=field):
-        CorrectionSettings(**{field: value})
+    assert any(f"experimental.{field}" in problem
+               for problem in GRPOConfig(experimental={field: value}).problems())
 
 
 def test_the_optimisation_pass_gives_the_loss_the_configs_ctpo_constants(tokenizer, tmp_path, monkeypatch):
@@ -546,9 +544,10 @@ def test_the_optimisation_pass_gives_the_loss_the_configs_ctpo_constants(tokeniz
     from dllm_ais.trainer import GRPOTrainer
 
     config = GRPOConfig(task="digits", eval_size=0, num_generations=2, per_device_train_batch_size=2,
-                        max_completion_length=4, block_length=4, diffusion_steps=2, num_iterations=1, lora_r=2,
-                        lora_alpha=4, max_prompt_length=64, dtype="float32", rollout_precision="bf16",
-                        output_dir=str(tmp_path), ratio_type="ctpo", **CTPO_FIELDS)
+                        max_completion_length=4, num_iterations=1, lora_r=2, lora_alpha=4, max_prompt_length=64,
+                        dtype="float32", output_dir=str(tmp_path),
+                        rollout={"block_length": 4, "steps": 2, "precision": "bf16"},
+                        experimental={"ratio_type": "ctpo", **CTPO_FIELDS})
     trainer = GRPOTrainer(config, model=tiny_llada(tokenizer), tokenizer=tokenizer,
                           train_dataset=make_digits_dataset(4, seed=1))
     calls = []

@@ -10,7 +10,8 @@ import torch
 
 from conftest import tiny_llada, tiny_qwen3
 from dllm_ais.components import training_policies
-from dllm_ais.config import ConfigError, GRPOConfig
+from conftest import config_of
+from dllm_ais.config import ConfigError, GRPOConfig, LikelihoodSettings
 from dllm_ais.likelihood import one_step_masked_input, plain_logits, selective_log_softmax, trajectory_logprobs
 from dllm_ais.policy import DiffusionPolicy, build_policy
 from dllm_ais.sampling.diffusion import MaskedDiffusionSampler, sampling_logprobs
@@ -18,9 +19,9 @@ from dllm_ais.tasks.digits import digits_reward, make_digits_dataset
 from dllm_ais.trainer import GRPOTrainer
 
 TINY = dict(task="digits", eval_size=0, num_generations=2, per_device_train_batch_size=4, gradient_accumulation_steps=1,
-            max_completion_length=8, block_length=8, diffusion_steps=4, num_iterations=1, max_steps=1, lora_r=4,
-            lora_alpha=8, lora_dropout=0.0, learning_rate=1e-3, max_prompt_length=64, temperature=1.0, dtype="float32",
-            rollout_precision="bf16", correction="ais")
+            max_completion_length=8, num_iterations=1, max_steps=1, lora_r=4, lora_alpha=8, lora_dropout=0.0,
+            learning_rate=1e-3, max_prompt_length=64, temperature=1.0, dtype="float32",
+            rollout={"block_length": 8, "steps": 4, "precision": "bf16"}, correction={"method": "ais"})
 BIASED_IDS = [8, 9, 10, 11]  # the digits 0-3 in the embedded tokenizer
 
 
@@ -46,7 +47,7 @@ class TopTwoSampler(MaskedDiffusionSampler):
 
 
 def config(tmp_path, **overrides) -> GRPOConfig:
-    return GRPOConfig(**{**TINY, "output_dir": str(tmp_path), **overrides})
+    return config_of(TINY, output_dir=str(tmp_path), **overrides)
 
 
 def make_trainer(tokenizer, tmp_path, sampler=None, policy=None, **overrides) -> GRPOTrainer:
@@ -64,7 +65,7 @@ def test_a_biased_logit_stage_is_scored_exactly_as_sampled_by_the_trajectory_est
     """bf16 engine, trajectory estimator, a sampler adding +3 to four token ids: the rollout side (the log-probs the
     sampler recorded) equals the trainer's ℓ_old bit for bit, so every ratio is 1; the plain model's replay, which
     the estimator used before it scored through the sampler, is off by far more than rounding."""
-    trainer = make_trainer(tokenizer, tmp_path, sampler=BiasedSampler, likelihood_estimator="trajectory")
+    trainer = make_trainer(tokenizer, tmp_path, sampler=BiasedSampler, likelihood={"estimator": "trajectory"})
     batch = trainer.make_generation_batch()
     mask = batch.rollout.completion_mask
     assert torch.equal(batch.logp_old[0][mask], batch.rollout.step_logprobs[mask])
@@ -81,7 +82,8 @@ def test_guidance_is_scored_as_sampled(tokenizer, estimator):
     the same canvas with its prompt masked (u), computed here by hand; the trajectory replay equals the guided
     log-probs the sampler recorded."""
     model = tiny_llada(tokenizer).eval()
-    run = GRPOConfig(**{**TINY, "cfg_scale": 0.5, "likelihood_estimator": estimator, "p_mask_prompt": 0.3})
+    run = config_of(TINY, **{"rollout.cfg_scale": 0.5, "likelihood.estimator": estimator,
+                             "likelihood.p_mask_prompt": 0.3})
     policy = build_policy(run, model.config, tokenizer)
     ids, attention = prompts(tokenizer)
     rollout = policy.sample(model, ids, attention, torch.Generator().manual_seed(0))
@@ -121,8 +123,8 @@ def test_scoring_logits_keeps_the_last_positions_or_the_given_ones(tokenizer):
 
 def test_a_sampler_with_its_own_token_logprobs_is_refused_by_the_trajectory_estimator(tokenizer, tmp_path):
     model = tiny_llada(tokenizer)
-    with pytest.raises(ConfigError, match="TopTwoSampler overrides token_logprobs.*likelihood_estimator=one_step"):
-        training_policies(config(tmp_path, likelihood_estimator="trajectory"), model.config, tokenizer, TopTwoSampler)
+    with pytest.raises(ConfigError, match="TopTwoSampler overrides token_logprobs.*likelihood.estimator=one_step"):
+        training_policies(config(tmp_path, likelihood={"estimator": "trajectory"}), model.config, tokenizer, TopTwoSampler)
     policy, _, _ = training_policies(config(tmp_path), model.config, tokenizer, TopTwoSampler)
     assert isinstance(policy.sampler, TopTwoSampler)
 
@@ -149,7 +151,7 @@ def test_a_sampler_instance_must_agree_with_the_config(tokenizer, tmp_path):
     settings = build_policy(config(tmp_path), model_config, tokenizer).sampler_config
     wrong = BiasedSampler(dataclasses.replace(settings, gen_length=16, steps=8, temperature=0.5))
     with pytest.raises(ConfigError, match=r"gen_length=16 \(config max_completion_length: 8\), steps=8 \(config "
-                                          r"diffusion_steps: 4\), temperature=0.5 \(config temperature: 1.0\)"):
+                                          r"rollout.steps: 4\), temperature=0.5 \(config temperature: 1.0\)"):
         training_policies(config(tmp_path), model_config, tokenizer, wrong)
     right = BiasedSampler(settings, bias=1.0)
     policy, _, own = training_policies(config(tmp_path), model_config, tokenizer, right)
@@ -166,7 +168,7 @@ def test_validation_decodes_exactly_and_the_custom_sampler_is_scored_on_its_own(
     exact, own = trainer.parts.greedy_policy.sampler, trainer.parts.rollout_sampler_policy.sampler
     assert type(exact) is MaskedDiffusionSampler and exact.config.temperature == 0
     assert isinstance(own, BiasedSampler) and own.bias == 2.0 and own.config.temperature == 0
-    policy = DiffusionPolicy.for_sampler(trainer.policy.sampler, estimator="one_step", p_mask_prompt=0.15)
+    policy = DiffusionPolicy.for_sampler(trainer.policy.sampler, likelihood=LikelihoodSettings("one_step", p_mask_prompt=0.15))
     given = make_trainer(tokenizer, tmp_path / "policy", policy=policy)
     assert given.policy is policy and isinstance(given.parts.rollout_sampler_policy.sampler, BiasedSampler)
 

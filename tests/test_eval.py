@@ -63,20 +63,20 @@ def test_evaluate_policy_keeps_every_prompts_values_in_dataset_order():
 
 
 def test_the_protocol_is_d1s_for_real_tasks_and_the_embedded_recipes_for_digits():
-    gsm8k = EvalProtocol.for_task(get_task("gsm8k"))
+    gsm8k, digits = EvalProtocol.for_task(get_task("gsm8k")), EvalProtocol.for_task(get_task("digits"))
     assert gsm8k == EvalProtocol((128, 256, 512), 32, 0.0)
-    d1_sampler = {"remasking": "low_confidence", "rollout_cache": "none", "rollout_threshold": None,
-                  "rollout_factor": None, "rollout_cache_refresh_interval": None, "cfg_scale": 0.0}
-    assert gsm8k.sampler_fields(256) == {"max_completion_length": 256, "block_length": 32, "diffusion_steps": 128,
-                                         **d1_sampler}
-    digits = EvalProtocol.for_task(get_task("digits"))
-    assert digits.sampler_fields(16) == {"max_completion_length": 16, "block_length": 16, "diffusion_steps": 8,
-                                         **d1_sampler}
-    # a model trained with fast rollouts (AR order, cache, threshold) is still scored by LLaDA's own sampler
-    trained_fast = GRPOConfig(max_completion_length=32, remasking="left_to_right", rollout_cache="prefix",
-                              rollout_threshold=0.9, cfg_scale=1.0)
+    d1_sampler = {"remasking": "low_confidence", "cache": "none", "threshold": None, "cache_refresh_interval": None,
+                  "cfg_scale": 0.0}
+    # a model trained with fast rollouts (AR order, cache, threshold, factor) is still scored by LLaDA's own sampler
+    trained_fast = GRPOConfig(max_completion_length=32, experimental={"rollout_factor": 1.0},
+                              rollout={"remasking": "left_to_right", "cache": "prefix", "cfg_scale": 1.0})
+    for protocol, config, gen_length, block_length in ((gsm8k, GRPOConfig(), 256, 32), (digits, trained_fast, 16, 16)):
+        decoding = protocol.decoding(config, gen_length)
+        assert decoding.max_completion_length == gen_length and decoding.experimental.rollout_factor is None
+        assert dataclasses.asdict(decoding.rollout) == {"precision": config.rollout.precision, "steps": gen_length // 2,
+                                                        "block_length": block_length, **d1_sampler}
     llada = AutoConfig.from_pretrained(EMBEDDED_MODELS["embedded"])
-    sampler = build_policy(dataclasses.replace(trained_fast, **digits.sampler_fields(16)), llada,
+    sampler = build_policy(digits.decoding(trained_fast, 16), llada,
                            load_tokenizer("embedded"), temperature=0.0).sampler.config
     assert (sampler.remasking, sampler.cache, sampler.threshold, sampler.cfg_scale, sampler.steps) == (
         "low_confidence", "none", None, 0.0, 8)
@@ -84,7 +84,7 @@ def test_the_protocol_is_d1s_for_real_tasks_and_the_embedded_recipes_for_digits(
     assert custom.gen_lengths == (64,) and custom.block_length == 16
     # for an autoregressive model the gen length is the number of new tokens
     qwen = AutoConfig.from_pretrained(EMBEDDED_MODELS["embedded-qwen3"])
-    config = dataclasses.replace(GRPOConfig(policy="autoregressive"), **gsm8k.sampler_fields(512))
+    config = gsm8k.decoding(GRPOConfig(policy="autoregressive"), 512)
     policy = build_policy(config, qwen, load_tokenizer("embedded-qwen3"), temperature=0.0)
     assert policy.sampler.config.max_new_tokens == 512 and policy.sampler.config.temperature == 0.0
 
@@ -96,8 +96,8 @@ def test_eval_on_the_embedded_digits_task_writes_the_report_and_table(tmp_path, 
     report = json.loads(output.read_text())
     assert report["task"] == "digits" and report["split"] == "test" and report["full_split"] is True
     assert report["protocol"] == {"name": "d1", "gen_lengths": [16], "block_length": 16, "temperature": 0.0,
-                                  "remasking": "low_confidence", "rollout_cache": "none", "rollout_threshold": None,
-                                  "rollout_factor": None, "rollout_cache_refresh_interval": None, "cfg_scale": 0.0,
+                                  "remasking": "low_confidence", "cache": "none", "threshold": None,
+                                  "cache_refresh_interval": None, "cfg_scale": 0.0,
                                   "steps": "gen_length / 2", "batch_size": 128}
     (entry,) = report["results"]
     assert entry["num_prompts"] == len(load_task_dataset("digits", "test")) == 500
@@ -169,8 +169,8 @@ def test_the_shipped_rows_grade_reference_answers_as_correct(task):
 
 def test_the_trainer_scores_the_validation_split(tmp_path):
     config = GRPOConfig(eval_size=4, max_steps=1, num_generations=2, per_device_train_batch_size=2,
-                        max_completion_length=16, block_length=16, diffusion_steps=8, max_prompt_length=64,
-                        dtype="float32", output_dir=str(tmp_path), seed=3)
+                        max_completion_length=16, max_prompt_length=64, dtype="float32", output_dir=str(tmp_path),
+                        seed=3, rollout={"block_length": 16, "steps": 8})
     trainer = GRPOTrainer(config)
     expected = load_task_dataset("digits", "validation", size=4, seed=3)
     assert trainer.eval_dataset["prompt"] == expected["prompt"]

@@ -33,7 +33,7 @@ def trained(tmp_path_factory):
                            LoraConfig(r=2, target_modules=lora_target_modules("llada"), init_lora_weights=False))
     adapter = root / "final"
     model.save_pretrained(adapter, save_embedding_layers=False)
-    save_config(GRPOConfig(output_dir=str(root), rollout_precision="fp8", correction="ais"),
+    save_config(GRPOConfig(output_dir=str(root), rollout={"precision": "fp8"}, correction={"method": "ais"}),
                 adapter / "dllm_ais_config.yaml")
     report = {"task": "digits", "split": "test", "model": {"id": str(adapter), "path": str(adapter.resolve())},
               "protocol": {"name": "d1", "temperature": 0.0, "block_length": 32}, "dtype": "float32",

@@ -13,6 +13,7 @@ from dllm_ais.fidelity import (
     ESS_KEY, K3_KEY, FidelitySettings, FidelityState, exact_group_count, fidelity_ladder, next_fidelity,
 )
 from dllm_ais.sampling.diffusion import DiffusionSamplerConfig
+from conftest import config_of
 from test_trainer import make_trainer
 
 FAST_DECODERS = {
@@ -77,35 +78,36 @@ def test_the_exact_share_rounds_stochastically_to_whole_groups(fraction, groups,
 
 
 # the trajectory estimator replaying with the exact model: the ratio that sees the cache (adaptive fidelity's input)
-FAST = dict(rollout_cache="dual", rollout_threshold=0.9, likelihood_estimator="trajectory", likelihood_decoder="exact")
+FAST = {"rollout.cache": "dual", "rollout.threshold": 0.9, "likelihood.estimator": "trajectory",
+        "experimental.likelihood_decoder": "exact"}
 
 
 @pytest.mark.parametrize("settings, problem", [
-    ({**FAST, "likelihood_estimator": "one_step"}, "rollout_fidelity=adaptive reacts to the decoder's mismatch"),
-    ({**FAST, "likelihood_order": "exact"}, "rollout_fidelity=adaptive reacts to the decoder's mismatch"),
-    ({**FAST, "likelihood_decoder": "rollout"}, "rollout_fidelity=adaptive reacts to the decoder's mismatch"),
-    ({"likelihood_estimator": "trajectory"}, "rollout_fidelity=adaptive moves between a fast diffusion decoder"),
+    ({**FAST, "likelihood.estimator": "one_step"}, "experimental.rollout_fidelity=adaptive reacts to the decoder's"),
+    ({**FAST, "experimental.likelihood_order": "exact"}, "experimental.rollout_fidelity=adaptive reacts to the decoder's"),
+    ({**FAST, "experimental.likelihood_decoder": "rollout"}, "experimental.rollout_fidelity=adaptive reacts to the "),
+    ({"likelihood.estimator": "trajectory"}, "experimental.rollout_fidelity=adaptive moves between a fast diffusion"),
 ])
 def test_adaptive_fidelity_needs_fast_rollouts_and_a_ratio_that_sees_the_decoder(settings, problem):
-    assert GRPOConfig(**settings).problems() == []
-    (found,) = GRPOConfig(rollout_fidelity="adaptive", **settings).problems()
+    assert config_of(settings).problems() == []
+    (found,) = config_of(settings, **{"experimental.rollout_fidelity": "adaptive"}).problems()
     assert found.startswith(problem) and "rollout_fidelity=fixed" in found
 
 
 def test_an_exact_share_needs_fast_rollouts_and_the_exact_decoder_needs_a_valid_schedule():
-    (found,) = GRPOConfig(rollout_exact_fraction=0.5).problems()
-    assert found.startswith("rollout_exact_fraction=0.5 mixes exact with fast")
-    assert GRPOConfig(rollout_exact_fraction=0.5, rollout_threshold=0.9).problems() == []
-    (found,) = GRPOConfig(rollout_threshold=0.9, diffusion_steps=12).problems()  # 8 blocks
-    assert found.startswith("diffusion_steps=12 must be a multiple of the number of blocks")
+    (found,) = GRPOConfig(experimental={"rollout_exact_fraction": 0.5}).problems()
+    assert found.startswith("experimental.rollout_exact_fraction=0.5 mixes exact with fast")
+    assert GRPOConfig(experimental={"rollout_exact_fraction": 0.5}, rollout={"threshold": 0.9}).problems() == []
+    (found,) = GRPOConfig(rollout={"threshold": 0.9, "steps": 12}).problems()  # 8 blocks
+    assert found.startswith("rollout.steps=12 must be a multiple of the number of blocks")
     # held-out validation decodes d1's protocol, max_completion_length / 2 steps, whatever the rollouts' schedule
-    (found,) = GRPOConfig(max_completion_length=15, block_length=5, diffusion_steps=15).problems()
-    assert found.startswith("block_length=5 must be even: held-out validation decodes with d1's protocol")
-    assert GRPOConfig(max_completion_length=15, block_length=15, diffusion_steps=15).problems() == []
+    (found,) = GRPOConfig(max_completion_length=15, rollout={"block_length": 5, "steps": 15}).problems()
+    assert found.startswith("rollout.block_length=5 must be even: held-out validation decodes with d1's protocol")
+    assert GRPOConfig(max_completion_length=15, rollout={"block_length": 15, "steps": 15}).problems() == []
 
 
-ADAPTIVE = dict(**FAST, rollout_fidelity="adaptive", rollout_fidelity_k3_max=0.0,  # every batch's k3 is above 0
-                num_iterations=1, max_steps=3, save_steps=1)
+ADAPTIVE = {**FAST, "experimental.rollout_fidelity": "adaptive", "experimental.rollout_fidelity_k3_max": 0.0,
+            "num_iterations": 1, "max_steps": 3, "save_steps": 1}  # every batch's k3 is above 0
 
 
 def comparable(history):
@@ -144,7 +146,8 @@ def test_a_run_resumed_after_step_1_continues_on_the_same_rungs_with_the_same_me
 
 def test_an_exact_fraction_of_one_half_decodes_half_the_groups_with_the_exact_decoders_steps(tokenizer, tmp_path):
     """Fast decoder: threshold 0 commits a whole block per step (1 step); the exact one takes diffusion_steps=4."""
-    trainer = make_trainer(tokenizer, tmp_path, rollout_threshold=0.0, rollout_exact_fraction=0.5)
+    trainer = make_trainer(tokenizer, tmp_path, rollout={"threshold": 0.0},
+                           experimental={"rollout_exact_fraction": 0.5})
     batch = trainer.make_generation_batch()  # 4 completions in 2 groups of 2: one group each
     assert batch.rollout.num_steps.tolist() == [4, 4, 1, 1]
     assert batch.rollout.commit_step[:2].amax().item() == 3 and batch.rollout.commit_step[2:].amax().item() == 0

@@ -29,10 +29,11 @@ def digit_fraction_reward(prompts, completions, **kwargs):
 def test_one_update_raises_positive_advantage_completions_and_lowers_negative_ones(tokenizer, tmp_path, model_fn,
                                                                                    estimator):
     config = GRPOConfig(task="digits", eval_size=0, num_generations=4, per_device_train_batch_size=32,
-                        max_completion_length=8, block_length=8, diffusion_steps=4, num_iterations=1, max_steps=1,
-                        lora_r=8, lora_alpha=16, lora_dropout=0.0, learning_rate=1e-4, weight_decay=0.0, beta=0.0,
-                        max_prompt_length=64, temperature=1.0, dtype="float32", rollout_precision="bf16",
-                        likelihood_estimator=estimator, p_mask_prompt=0.0, output_dir=str(tmp_path))
+                        max_completion_length=8, num_iterations=1, max_steps=1, lora_r=8, lora_alpha=16,
+                        lora_dropout=0.0, learning_rate=1e-4, weight_decay=0.0, beta=0.0, max_prompt_length=64,
+                        temperature=1.0, dtype="float32", output_dir=str(tmp_path),
+                        rollout={"block_length": 8, "steps": 4, "precision": "bf16"},
+                        likelihood={"estimator": estimator, "p_mask_prompt": 0.0})
     trainer = GRPOTrainer(config, model=model_fn(tokenizer), tokenizer=tokenizer, reward_funcs=[digit_fraction_reward],
                           train_dataset=make_digits_dataset(64, seed=1))
     batch = trainer.make_generation_batch()

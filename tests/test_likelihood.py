@@ -547,13 +547,14 @@ def test_step_merge_scores_a_block_subset_with_its_segments_alone(model):
 
 
 def test_policy_with_a_block_fraction_draws_blocks_per_iteration():
+    from dllm_ais.config import LikelihoodSettings
     from dllm_ais.policy import DiffusionPolicy
     from dllm_ais.sampling.diffusion import DiffusionSamplerConfig
 
     config = DiffusionSamplerConfig(gen_length=8, block_length=4, steps=4, temperature=0.9, mask_token_id=MASK)
-    policy = DiffusionPolicy(config, estimator="trajectory", likelihood_block_fraction=0.5)
+    policy = DiffusionPolicy(config, LikelihoodSettings("trajectory"), likelihood_block_fraction=0.5)
     assert policy.num_estimator_seeds(3) == 3, "a fresh draw of blocks per inner iteration"
-    assert DiffusionPolicy(config, estimator="trajectory").num_estimator_seeds(3) == 1
+    assert DiffusionPolicy(config, LikelihoodSettings("trajectory")).num_estimator_seeds(3) == 1
     completion_mask = torch.ones(2, 8, dtype=torch.bool)
     completion_mask[1, 6:] = False
     rollout = Rollout(sequences=torch.zeros(2, 13, dtype=torch.long), attention_mask=torch.ones(2, 13),
@@ -562,5 +563,5 @@ def test_policy_with_a_block_fraction_draws_blocks_per_iteration():
     scored = [policy.scored_positions(rollout, seed) for seed in range(8)]
     assert all(s.sum(dim=1)[0] == 4 and not (s & ~completion_mask).any() for s in scored), "one block, valid tokens"
     assert any(s[:, :4].any() for s in scored) and any(s[:, 4:].any() for s in scored)
-    with pytest.raises(ValueError, match="likelihood_block_fraction=0.5 .* likelihood_estimator=one_step"):
-        DiffusionPolicy(config, estimator="one_step", likelihood_block_fraction=0.5)
+    with pytest.raises(ValueError, match="likelihood_block_fraction=0.5 .* likelihood.estimator=one_step"):
+        DiffusionPolicy(config, LikelihoodSettings("one_step"), likelihood_block_fraction=0.5)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dllm_ais.choices import TRAJECTORY_ESTIMATORS
-from dllm_ais.config import GRPOConfig
+from dllm_ais.config import GRPOConfig, LikelihoodSettings
 from dllm_ais.grpo import backward_by_pieces
 from dllm_ais.likelihood import DIFFUSION_ESTIMATORS, EstimatorSettings, whole_piece
 from dllm_ais.loss import TokenLoss, grpo_loss
@@ -133,7 +133,7 @@ def test_single_forward_estimators_come_as_one_piece(model, rollout):
 def test_step_merge_rollout_side_is_the_samplers_record_only_with_a_segment_per_step(model, rollout, segments,
                                                                                      recorded):
     config = DiffusionSamplerConfig(gen_length=8, block_length=4, steps=4, temperature=0.9, mask_token_id=MASK)
-    policy = DiffusionPolicy(config, estimator="step_merge", likelihood_segments=segments)
+    policy = DiffusionPolicy(config, LikelihoodSettings("step_merge", segments=segments))
     rollout_side = policy.rollout_logprobs(model, rollout, seed=0)
     assert (rollout_side is rollout.step_logprobs) == recorded
     torch.testing.assert_close(rollout_side, policy.logprobs(model, rollout, seed=0),
@@ -143,25 +143,30 @@ def test_step_merge_rollout_side_is_the_samplers_record_only_with_a_segment_per_
 def test_trajectory_type_estimators_share_the_exact_order_replay_and_score_guidance_as_sampled():
     config = DiffusionSamplerConfig(gen_length=8, block_length=4, steps=4, mask_token_id=MASK)
     for estimator in TRAJECTORY_ESTIMATORS:
-        assert DiffusionPolicy(config, estimator=estimator, likelihood_order="exact").exact_order_sampler is not None
-        assert GRPOConfig(likelihood_estimator=estimator, likelihood_order="exact").problems() == []
-        assert GRPOConfig(likelihood_estimator=estimator, cfg_scale=1.0).problems() == []  # scored through the sampler
+        policy = DiffusionPolicy(config, LikelihoodSettings(estimator), likelihood_order="exact")
+        assert policy.exact_order_sampler is not None
+        likelihood = {"estimator": estimator}
+        assert GRPOConfig(likelihood=likelihood, experimental={"likelihood_order": "exact"}).problems() == []
+        assert GRPOConfig(likelihood=likelihood, rollout={"cfg_scale": 1.0}).problems() == []  # scored through the sampler
     assert any("likelihood_order=exact orders" in p for p in
-               GRPOConfig(likelihood_estimator="one_step", likelihood_order="exact").problems())
-    assert any("likelihood_segments" in p for p in GRPOConfig(likelihood_segments=0).problems())
+               GRPOConfig(likelihood={"estimator": "one_step"}, experimental={"likelihood_order": "exact"}).problems())
+    assert any("likelihood.segments" in p for p in GRPOConfig(likelihood={"segments": 0}).problems())
     assert {name for name, e in DIFFUSION_ESTIMATORS.items() if e.pieces is not None} == set(TRAJECTORY_ESTIMATORS)
 
 
 def test_a_backward_per_forward_across_processes_only_when_every_process_has_the_same_forwards():
     from dllm_ais.grpo import pieces_align_across_processes
 
-    assert pieces_align_across_processes(GRPOConfig(likelihood_estimator="trajectory"))  # the fixed schedule
-    assert pieces_align_across_processes(GRPOConfig(likelihood_estimator="trajectory", rollout_cache="dual"))
-    assert not pieces_align_across_processes(GRPOConfig(likelihood_estimator="trajectory", rollout_threshold=0.9))
-    assert not pieces_align_across_processes(GRPOConfig(likelihood_estimator="trajectory", rollout_factor=1.0))
-    assert pieces_align_across_processes(GRPOConfig(likelihood_estimator="trajectory", rollout_threshold=0.9,
-                                                    likelihood_order="exact"))  # replayed on the fixed schedule
-    assert pieces_align_across_processes(GRPOConfig(likelihood_estimator="trajectory", rollout_threshold=0.9,
-                                                    rollout_cache="dual"))  # the decoder replay: a piece per block
-    assert not pieces_align_across_processes(GRPOConfig(likelihood_estimator="trajectory", rollout_threshold=0.9,
-                                                        rollout_cache="dual", likelihood_decoder="exact"))
+    assert pieces_align_across_processes(GRPOConfig(likelihood={"estimator": "trajectory"}))  # the fixed schedule
+    assert pieces_align_across_processes(GRPOConfig(likelihood={"estimator": "trajectory"}, rollout={"cache": "dual"}))
+    assert not pieces_align_across_processes(GRPOConfig(likelihood={"estimator": "trajectory"},
+                                                        rollout={"threshold": 0.9}))
+    assert not pieces_align_across_processes(GRPOConfig(likelihood={"estimator": "trajectory"},
+                                                        experimental={"rollout_factor": 1.0}))
+    assert pieces_align_across_processes(GRPOConfig(likelihood={"estimator": "trajectory"}, rollout={"threshold": 0.9},
+                                                    experimental={"likelihood_order": "exact"}))  # replayed on the fixed schedule
+    assert pieces_align_across_processes(GRPOConfig(likelihood={"estimator": "trajectory"},
+                                                    rollout={"threshold": 0.9, "cache": "dual"}))  # the decoder replay: a piece per block
+    assert not pieces_align_across_processes(GRPOConfig(likelihood={"estimator": "trajectory"},
+                                                        rollout={"threshold": 0.9, "cache": "dual"},
+                                                        experimental={"likelihood_decoder": "exact"}))

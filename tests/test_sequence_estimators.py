@@ -261,10 +261,11 @@ def test_spg_needs_advantages_and_draw_and_bound_settings_are_checked(model, can
 
 def test_config_rules_for_sequence_estimators(tmp_path):
     base = dict(output_dir=str(tmp_path))
-    assert not GRPOConfig(**base, likelihood_estimator="spg").problems()
-    ctpo = GRPOConfig(**base, likelihood_estimator="elbo", ratio_type="ctpo").problems()
+    assert not GRPOConfig(**base, likelihood={"estimator": "spg"}).problems()
+    ctpo = GRPOConfig(**base, likelihood={"estimator": "elbo"}, experimental={"ratio_type": "ctpo"}).problems()
     assert any("sequence-level" in problem and "ratio_type=token" in problem for problem in ctpo)
-    coupled = GRPOConfig(**base, likelihood_estimator="spg", elbo_coupled=True).problems()
+    coupled = GRPOConfig(**base, likelihood={"estimator": "spg"}, experimental={"elbo_coupled": True}).problems()
     assert any("spg_block_masking" in problem for problem in coupled)
-    assert not GRPOConfig(**base, likelihood_estimator="spg", elbo_coupled=True, spg_block_masking=False).problems()
-    assert GRPOConfig(**base, spg_eubo_beta=0.5).problems()
+    assert not GRPOConfig(**base, likelihood={"estimator": "spg", "spg_block_masking": False},
+                          experimental={"elbo_coupled": True}).problems()
+    assert GRPOConfig(**base, likelihood={"spg_eubo_beta": 0.5}).problems()

@@ -9,6 +9,7 @@ import torch
 
 from conftest import tiny_llada, tiny_qwen3
 from dllm_ais import grpo
+from conftest import config_of
 from dllm_ais.config import GRPOConfig
 from dllm_ais.correction import CorrectionSettings, correct
 from dllm_ais.engine import merged_state_items
@@ -18,8 +19,9 @@ from dllm_ais.tasks.digits import digits_reward, make_digits_dataset
 from dllm_ais.trainer import GRPOTrainer, NonFiniteError, SkippedBatch
 
 TINY = dict(task="digits", eval_size=0, num_generations=2, per_device_train_batch_size=4, gradient_accumulation_steps=1,
-            max_completion_length=8, block_length=8, diffusion_steps=4, num_iterations=2, max_steps=2, lora_r=4,
-            lora_alpha=8, lora_dropout=0.0, learning_rate=1e-3, max_prompt_length=64, temperature=1.0, dtype="float32")
+            max_completion_length=8, num_iterations=2, max_steps=2, lora_r=4, lora_alpha=8, lora_dropout=0.0,
+            learning_rate=1e-3, max_prompt_length=64, temperature=1.0, dtype="float32",
+            rollout={"block_length": 8, "steps": 4})
 
 
 def digit_fraction_reward(prompts, completions, **kwargs):
@@ -29,7 +31,7 @@ def digit_fraction_reward(prompts, completions, **kwargs):
 
 
 def make_trainer(tokenizer, tmp_path, model_fn=tiny_llada, reward_funcs=None, ais_rule=None, **overrides):
-    config = GRPOConfig(**{**TINY, "output_dir": str(tmp_path), **overrides})
+    config = config_of(TINY, output_dir=str(tmp_path), **overrides)
     return GRPOTrainer(config, model=model_fn(tokenizer), tokenizer=tokenizer,
                        reward_funcs=reward_funcs or [digit_fraction_reward, digits_reward],
                        train_dataset=make_digits_dataset(16, seed=1), ais_rule=ais_rule)
@@ -41,7 +43,7 @@ def lora_parameters(trainer):
 
 @pytest.mark.parametrize("model_fn", [tiny_llada, tiny_qwen3], ids=["llada", "qwen3"])
 def test_bf16_engine_is_on_policy_and_ais_reduces_to_plain_grpo(tokenizer, tmp_path, model_fn):
-    trainer = make_trainer(tokenizer, tmp_path, model_fn, rollout_precision="bf16", correction="ais")
+    trainer = make_trainer(tokenizer, tmp_path, model_fn, rollout={"precision": "bf16"}, correction={"method": "ais"})
     batch = trainer.make_generation_batch()
     for diagnostics in batch.diagnostics:
         assert diagnostics["rollout_corr/rollout_is_min"] == diagnostics["rollout_corr/rollout_is_max"] == 1.0
@@ -59,7 +61,7 @@ def test_bf16_engine_is_on_policy_and_ais_reduces_to_plain_grpo(tokenizer, tmp_p
 
 
 def test_fp8_engine_shows_a_mismatch_and_bounded_ais_weights(tokenizer, tmp_path):
-    trainer = make_trainer(tokenizer, tmp_path, rollout_precision="fp8", correction="ais", is_clip=2.0)
+    trainer = make_trainer(tokenizer, tmp_path, rollout={"precision": "fp8"}, correction={"method": "ais", "clip": 2.0})
     batch = trainer.make_generation_batch()
     for diagnostics in batch.diagnostics:
         assert diagnostics["rollout_corr/k3_kl"] > 0
@@ -71,9 +73,9 @@ def test_fp8_engine_shows_a_mismatch_and_bounded_ais_weights(tokenizer, tmp_path
 
 def test_alpha_one_gives_the_tis_update(tokenizer, tmp_path):
     after = {}
-    for name, overrides in {"ais_alpha_1": dict(correction="ais"), "tis": dict(correction="tis")}.items():
-        trainer = make_trainer(tokenizer, tmp_path / name, ais_rule=lambda d: 1.0, rollout_precision="fp8",
-                               max_steps=1, **overrides)
+    for name, method in {"ais_alpha_1": "ais", "tis": "tis"}.items():
+        trainer = make_trainer(tokenizer, tmp_path / name, ais_rule=lambda d: 1.0, max_steps=1,
+                               **{"correction.method": method, "rollout.precision": "fp8"})
         batch = trainer.make_generation_batch()
         assert batch.advantages.abs().sum() > 0
         tis = correct(CorrectionSettings("tis", clip=2.0), batch.logp_old[0],
@@ -91,9 +93,9 @@ def test_alpha_one_gives_the_tis_update(tokenizer, tmp_path):
 @pytest.mark.parametrize("model_fn", [tiny_llada, tiny_qwen3], ids=["llada", "qwen3"])
 def test_bypass_mode_takes_the_rollout_logprobs_as_old_and_measures_the_mismatch_in_the_first_update(
         tokenizer, tmp_path, model_fn, monkeypatch):
-    settings = dict(rollout_precision="fp8", correction="none", beta=0.0)  # FP8 rollouts: a mismatch to measure
+    settings = {"beta": 0.0, "rollout.precision": "fp8", "correction.method": "none"}  # FP8: a mismatch to measure
     decoupled = make_trainer(tokenizer, tmp_path / "decoupled", model_fn, **settings)
-    bypass = make_trainer(tokenizer, tmp_path / "bypass", model_fn, bypass_mode=True, **settings)
+    bypass = make_trainer(tokenizer, tmp_path / "bypass", model_fn, **settings, **{"correction.bypass_mode": True})
     expected = decoupled.make_generation_batch()
     scorers = []
     scored_by = grpo.micro_batched_logprobs
@@ -118,7 +120,7 @@ def test_bypass_mode_takes_the_rollout_logprobs_as_old_and_measures_the_mismatch
 def test_same_seed_gives_the_same_metrics_and_writes_outputs(tokenizer, tmp_path):
     histories = []
     for run in ("a", "b"):
-        result = make_trainer(tokenizer, tmp_path / run, rollout_precision="fp8").train()
+        result = make_trainer(tokenizer, tmp_path / run, rollout={"precision": "fp8"}).train()
         histories.append([{k: v for k, v in r.items() if not k.startswith("timing/")} for r in result.history])
         lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
         assert len(lines) == 2 and json.loads(lines[0])["step"] == 1
@@ -131,9 +133,10 @@ def test_cached_parallel_rollouts_show_their_approximation_in_the_trajectory_rat
     """rollout_cache=dual with rollout_threshold=0.9 and the trajectory estimator: a run with AIS completes, and its
     logged k3 KL (FP8 and cache/parallel approximation; the trainer replays without the cache) is above that of the
     same run without the cache (FP8 only) at every step. Measured margin on this model: 10-30x."""
-    settings = dict(rollout_precision="fp8", likelihood_estimator="trajectory", likelihood_decoder="exact",
-                    correction="ais")
-    cached = make_trainer(tokenizer, tmp_path / "dual", rollout_cache="dual", rollout_threshold=0.9, **settings).train()
+    settings = {"rollout.precision": "fp8", "likelihood.estimator": "trajectory",
+                "experimental.likelihood_decoder": "exact", "correction.method": "ais"}
+    cached = make_trainer(tokenizer, tmp_path / "dual", **settings,
+                          **{"rollout.cache": "dual", "rollout.threshold": 0.9}).train()
     uncached = make_trainer(tokenizer, tmp_path / "none", **settings).train()
     assert cached.steps == uncached.steps == 2
     for with_cache, without in zip(cached.history, uncached.history):
@@ -147,8 +150,8 @@ def test_exact_order_replay_sees_precision_only_and_keeps_the_samplers_own_steps
     """likelihood_order=exact with a dual cache + threshold rollouts and the bf16 engine: the completions are
     replayed along the exact decoder's order on both sides, so the ratio is 1 (the decoder's approximation is unseen,
     as documented); `completions/mean_steps` stays the fast sampler's."""
-    run = make_trainer(tokenizer, tmp_path, rollout_precision="bf16", likelihood_estimator="trajectory",
-                       likelihood_order="exact", rollout_cache="dual", rollout_threshold=0.9).train()
+    run = make_trainer(tokenizer, tmp_path, rollout={"precision": "bf16", "cache": "dual", "threshold": 0.9},
+                       likelihood={"estimator": "trajectory"}, experimental={"likelihood_order": "exact"}).train()
     for record in run.history:
         assert record["rollout_corr/k3_kl"] == pytest.approx(0.0, abs=1e-6)
         assert record["completions/mean_steps"] == 8  # one token per step: the threshold sampler's own count
@@ -158,8 +161,8 @@ def test_decoder_replay_makes_the_fast_decoder_the_trained_policy(tokenizer, tmp
     """The trajectory estimator with dual cache + threshold rollouts: the trainer replays the decoder's cache along
     its own commits, so with the bf16 engine the ratio is 1 (the approximation is part of the policy, not a
     mismatch), and the weights move."""
-    run = make_trainer(tokenizer, tmp_path, rollout_precision="bf16", likelihood_estimator="trajectory",
-                       rollout_cache="dual", rollout_threshold=0.9).train()  # likelihood_decoder=rollout by default
+    run = make_trainer(tokenizer, tmp_path, rollout={"precision": "bf16", "cache": "dual", "threshold": 0.9},
+                       likelihood={"estimator": "trajectory"}).train()  # likelihood_decoder=rollout by default
     for record in run.history:
         assert record["rollout_corr/k3_kl"] == pytest.approx(0.0, abs=1e-6)
         assert record["grad_norm"] > 0 and math.isfinite(record["loss"])
@@ -170,8 +173,9 @@ def test_a_block_fraction_scores_one_block_per_iteration_and_trains_on_its_token
     loss cover its valid tokens alone, and the pass moves the weights."""
     from dllm_ais.grpo import micro_batched_positions
 
-    trainer = make_trainer(tokenizer, tmp_path, rollout_precision="bf16", likelihood_estimator="trajectory",
-                           rollout_cache="dual", block_length=4, likelihood_block_fraction=0.5, seed=2)
+    trainer = make_trainer(tokenizer, tmp_path, seed=2,
+                           rollout={"precision": "bf16", "cache": "dual", "block_length": 4},
+                           likelihood={"estimator": "trajectory"}, experimental={"likelihood_block_fraction": 0.5})
     batch = trainer.make_generation_batch()
     assert len(batch.seeds) == 2, "one draw of blocks per inner iteration"
     assert batch.advantages.abs().sum() > 0
@@ -208,8 +212,8 @@ def test_dropping_zero_std_groups_scores_and_trains_on_the_informative_groups_al
     def half_informative(prompts, completions, **kwargs):
         return [1.0, 1.0, 0.0, 1.0]
 
-    settings = dict(reward_funcs=[half_informative], rollout_precision="bf16", likelihood_estimator="trajectory",
-                    beta=0.0, num_iterations=1)
+    settings = dict(reward_funcs=[half_informative], beta=0.0, num_iterations=1, rollout={"precision": "bf16"},
+                    likelihood={"estimator": "trajectory"})
     full = make_trainer(tokenizer, tmp_path / "full", **settings).make_generation_batch()
     trainer = make_trainer(tokenizer, tmp_path / "dropped", drop_zero_std_groups=True, **settings)
     batch = trainer.make_generation_batch()
@@ -227,8 +231,8 @@ def test_dropping_zero_std_groups_scores_and_trains_on_the_informative_groups_al
 def test_step_merge_trains_with_a_backward_per_segment_and_an_engine_side_when_it_merges_steps(tokenizer, tmp_path):
     """step_merge with 2 segments of the 4 steps: the engine scores the rollout side (bf16: the ratio is 1), the
     optimisation pass backpropagates segment by segment and moves the weights."""
-    trainer = make_trainer(tokenizer, tmp_path, rollout_precision="bf16", likelihood_estimator="step_merge",
-                           likelihood_segments=2, num_iterations=1, beta=0.04)
+    trainer = make_trainer(tokenizer, tmp_path, num_iterations=1, beta=0.04, rollout={"precision": "bf16"},
+                           likelihood={"estimator": "step_merge", "segments": 2})
     batch = trainer.make_generation_batch()
     assert not torch.equal(batch.logp_old[0], batch.rollout.step_logprobs)
     metrics = trainer.optimisation_pass(batch, 0)
@@ -243,9 +247,10 @@ def test_validation_decodes_exactly_whatever_the_rollouts_use(tokenizer, tmp_pat
     a cache, is validated the same way (low-confidence remasking, max_completion_length / 2 steps) and has its own
     sampler's score too; a run that rolls out with d1's protocol has none."""
     validation = make_digits_dataset(8, seed=5)
-    fast = make_trainer(tokenizer, tmp_path / "fast", rollout_cache="dual", rollout_threshold=0.9, eval_size=8)
+    fast = make_trainer(tokenizer, tmp_path / "fast", eval_size=8, rollout={"cache": "dual", "threshold": 0.9})
     exact = make_trainer(tokenizer, tmp_path / "exact", eval_size=8)
-    in_order = make_trainer(tokenizer, tmp_path / "in_order", remasking="left_to_right", diffusion_steps=8, eval_size=8)
+    in_order = make_trainer(tokenizer, tmp_path / "in_order", eval_size=8,
+                            rollout={"remasking": "left_to_right", "steps": 8})
     for trainer in (fast, in_order):
         exact_decoder = trainer.parts.greedy_policy.sampler_config
         assert (exact_decoder.cache, exact_decoder.threshold, exact_decoder.factor) == ("none", None, None)
@@ -262,8 +267,8 @@ def test_validation_decodes_exactly_whatever_the_rollouts_use(tokenizer, tmp_pat
 
 
 def test_the_rollout_decoders_own_score_can_be_left_out(tokenizer, tmp_path):
-    trainer = make_trainer(tokenizer, tmp_path, rollout_cache="dual", eval_size=8, max_steps=1,
-                           eval_rollout_sampler=False)
+    trainer = make_trainer(tokenizer, tmp_path, eval_size=8, max_steps=1, rollout={"cache": "dual"},
+                           experimental={"eval_rollout_sampler": False})
     trainer.eval_dataset = make_digits_dataset(8, seed=5)
     closing = trainer.train().history[-1]
     assert "eval/reward" in closing and not any(key.startswith("eval/rollout_sampler/") for key in closing)
@@ -274,7 +279,7 @@ def test_validation_decodes_the_current_weights_merged_when_the_engine_holds_the
                                                                                   precision):
     """A bf16 engine holds the trainer's weights with LoRA merged: validation decodes it, synced first (the adapters
     moved since the last generation batch). An FP8 engine is never validated: the trainer's own model is."""
-    trainer = make_trainer(tokenizer, tmp_path, rollout_precision=precision, eval_size=4)
+    trainer = make_trainer(tokenizer, tmp_path, eval_size=4, rollout={"precision": precision})
     with torch.no_grad():
         for name, parameter in trainer.unwrapped_model.named_parameters():
             if "lora_B" in name:
@@ -323,8 +328,8 @@ def test_lora_preset_for_qwen3(tokenizer, tmp_path):
 
 def test_gradient_accumulation_scores_every_micro_batch_with_the_same_masks(tokenizer, tmp_path):
     """With the one-step estimator, ℓ_θ of the first pass must equal ℓ_old exactly on every micro-batch."""
-    trainer = make_trainer(tokenizer, tmp_path, rollout_precision="bf16", per_device_train_batch_size=2,
-                           gradient_accumulation_steps=2, num_iterations=1)
+    trainer = make_trainer(tokenizer, tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                           num_iterations=1, rollout={"precision": "bf16"})
     batch = trainer.make_generation_batch()
     assert batch.diagnostics[0]["rollout_corr/rollout_is_min"] == batch.diagnostics[0]["rollout_corr/rollout_is_max"] == 1.0
     metrics = trainer.optimisation_pass(batch, 0)
@@ -463,9 +468,9 @@ VERL_METRICS = tuple(f"rollout_corr/{name}" for name in (
 def scored_run(tokenizer, tmp_path_factory):
     """Three FP8 + AIS steps with a validation every step, a checkpoint every step (keeping one) and completions."""
     output_dir = tmp_path_factory.mktemp("scored")
-    trainer = make_trainer(tokenizer, output_dir, rollout_precision="fp8", eval_size=4, eval_steps=1, save_steps=1,
-                           save_total_limit=1, max_steps=3, num_iterations=1, log_completions=True,
-                           num_completions_to_print=2)
+    trainer = make_trainer(tokenizer, output_dir, eval_size=4, eval_steps=1, save_steps=1, save_total_limit=1,
+                           max_steps=3, num_iterations=1, log_completions=True, num_completions_to_print=2,
+                           rollout={"precision": "fp8"})
     return trainer, trainer.train().history, output_dir
 
 

@@ -5,6 +5,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import typing
@@ -89,7 +90,7 @@ def test_values_outside_the_declared_range_are_rejected(name):
     ({"logging_steps": 0}, "logging_steps=0: must be >= 1"),
     ({"lora_r": 0}, "lora_r=0"),
     ({"lora_alpha": 0}, "lora_alpha=0: must be in (0, 65536]"),
-    ({"diffusion_steps": 0}, "diffusion_steps=0"),
+    ({"rollout.steps": 0}, "rollout.steps=0"),
     ({"save_steps": -1}, "save_steps=-1"),
     ({"output_dir": ""}, "output_dir='': must not be blank"),
     ({"reward_weights": [math.nan], "reward_funcs": ["digits_reward"]}, "reward_weights=[nan]"),
@@ -98,10 +99,10 @@ def test_values_outside_the_declared_range_are_rejected(name):
     ({"reward_funcs": ["module_without_function:"]}, "reward_funcs: 'module_without_function:'"),
     ({"remasking": "lowest_confidence"}, "remasking='lowest_confidence'"),
     ({"task": "sudoku"}, "task=sudoku has no default dataset"),
-    ({"diffusion_steps": 32}, "diffusion_steps=32 must be <= max_completion_length=16"),
+    ({"rollout.steps": 32}, "rollout.steps=32 must be <= max_completion_length=16"),
     ({"likelihood_order": "exact"}, "likelihood_order=exact orders the trajectory estimator's replay"),
-    ({"likelihood_block_fraction": 0.5}, "likelihood_block_fraction=0.5 scores a random share of the denoising "
-     "trajectory's blocks, which likelihood_estimator=one_step does not replay"),
+    ({"experimental.likelihood_block_fraction": 0.5}, "experimental.likelihood_block_fraction=0.5 scores a random "
+     "share of the denoising trajectory's blocks, which likelihood.estimator=one_step does not replay"),
     ({"likelihood_block_fraction": 0}, "likelihood_block_fraction=0: must be in (0, 1]"),
     ({"likelihood_estimator": "trajectory", "likelihood_block_fraction": 0.5, "ratio_type": "ctpo"},
      "ratio_type=ctpo's prefix needs every token"),
@@ -113,8 +114,8 @@ def test_invalid_values_fail_in_load_config_naming_the_field(overrides, message)
 
 
 def test_block_length_zero_is_blamed_on_itself_and_all_problems_come_at_once():
-    message = problems_of(["--block_length=0", "--lora_r=0", "--reward_funcs=[nope]", "--num_train_epochs=3"])
-    assert "block_length=0: must be >= 1" in message and "diffusion_steps" not in message
+    message = problems_of(["--rollout.block_length=0", "--lora_r=0", "--reward_funcs=[nope]", "--num_train_epochs=3"])
+    assert "rollout.block_length=0: must be >= 1" in message and "rollout.steps" not in message
     assert "lora_r=0" in message and "'nope'" in message and "num_train_epochs" in message
 
 
@@ -281,12 +282,17 @@ def test_library_noise_only_with_verbose(tmp_path, verbose):
 
 
 def test_the_start_note_says_what_the_ratio_sees_of_fast_rollouts_per_estimator():
-    fast = dict(rollout_cache="dual", rollout_threshold=0.9)
+    fast = dict(rollout={"cache": "dual", "threshold": 0.9})
     assert GRPOConfig().unseen_approximation is None  # exact rollouts: nothing to say
-    assert "replays the fast decoder itself" in GRPOConfig(likelihood_estimator="trajectory", **fast).unseen_approximation
-    assert GRPOConfig(likelihood_estimator="trajectory", **fast).replays_decoder
-    exact_model = GRPOConfig(likelihood_estimator="trajectory", likelihood_decoder="exact", **fast)
-    assert exact_model.ratio_sees_decoder and "30 points" in exact_model.unseen_approximation
+    decoder_replay = GRPOConfig(**fast, likelihood={"estimator": "trajectory"})
+    assert "replays the fast decoder itself" in decoder_replay.unseen_approximation and decoder_replay.replays_decoder
+    exact_model = GRPOConfig(**fast, likelihood={"estimator": "trajectory"},
+                             experimental={"likelihood_decoder": "exact"})
+    assert exact_model.ratio_sees_decoder and "visited canvas states" in exact_model.unseen_approximation
+    # measured costs live in the docs, not in runtime messages
+    assert all("BENCHMARKS.md" in config.unseen_approximation
+               and not re.search(r"\d+ (points|seeds)", config.unseen_approximation)
+               for config in (decoder_replay, exact_model))
     assert "not seen by the importance ratio" in GRPOConfig(**fast).unseen_approximation  # one_step
-    no_cache = GRPOConfig(likelihood_estimator="trajectory", rollout_threshold=0.9)
+    no_cache = GRPOConfig(likelihood={"estimator": "trajectory"}, rollout={"threshold": 0.9})
     assert not no_cache.replays_decoder and no_cache.ratio_sees_decoder  # no cache: the decoder's logits are exact
