@@ -26,7 +26,7 @@ from dllm_ais.likelihood import (
     selective_log_softmax,
     shape_logits,
 )
-from dllm_ais.sampling.rollout import PromptError, Rollout, completion_mask_through_first_eos, token_id_tuple
+from dllm_ais.rollout import PromptError, Rollout, completion_mask_through_first_eos, token_id_tuple
 
 __all__ = ["AutoregressiveSampler", "AutoregressiveSamplerConfig"]
 

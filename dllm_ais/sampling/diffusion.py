@@ -66,7 +66,7 @@ import torch
 import torch.nn.functional as F
 
 from dllm_ais.choices import CACHE_MODES
-from dllm_ais.sampling.rollout import PromptError, Rollout, completion_mask_through_first_eos, token_id_tuple
+from dllm_ais.rollout import PromptError, Rollout, completion_mask_through_first_eos, token_id_tuple
 
 __all__ = [
     "CACHE_MODES",

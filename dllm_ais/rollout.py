@@ -1,0 +1,101 @@
+"""The `Rollout`: what every sampler (diffusion or autoregressive) hands to the rest of the pipeline.
+
+It imports no other dllm_ais module, so that `sampling` (which builds it) and `likelihood` (which scores it) both
+import it from below."""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, fields
+
+import torch
+
+
+class PromptError(ValueError):
+    """Prompts a sampler cannot complete (too long for the model, holding the mask token); the message says why."""
+
+
+@dataclass
+class Rollout:
+    """A batch of sampled completions on a fixed canvas `[left-padded prompt | completion]`.
+
+    Shapes: B sequences, P prompt positions (left padded), L completion positions.
+
+    Attributes:
+        sequences: [B, P + L] prompt and completion token ids.
+        attention_mask: [B, P + L] 1 for real tokens, 0 for left padding of the prompt.
+        completion_mask: [B, L] True for completion tokens that count: up to and including the first EOS.
+        step_logprobs: [B, L] float32 log-probability of each completion token under the sampling
+            distribution at the moment it was committed (after temperature and any other processing).
+        commit_step: [B, L] index of the denoising step (diffusion) or decoding step (autoregressive)
+            at which each completion token was committed.
+        prompt_length: P.
+        num_steps: optional [B] number of steps (model evaluations) each row took: the diffusion steps that
+            committed at least one of its tokens, or the autoregressive steps through its first EOS. With parallel
+            decoding it varies per row; None when the sampler does not record it.
+    """
+
+    sequences: torch.LongTensor
+    attention_mask: torch.Tensor
+    completion_mask: torch.Tensor
+    step_logprobs: torch.Tensor
+    commit_step: torch.LongTensor
+    prompt_length: int
+    num_steps: torch.LongTensor | None = None
+
+    @property
+    def completion_ids(self) -> torch.LongTensor:
+        """[B, L] completion token ids."""
+        return self.sequences[:, self.prompt_length :]
+
+    @property
+    def prompt_ids(self) -> torch.LongTensor:
+        """[B, P] left-padded prompt ids."""
+        return self.sequences[:, : self.prompt_length]
+
+    @property
+    def gen_length(self) -> int:
+        return self.sequences.shape[1] - self.prompt_length
+
+    def to(self, device: torch.device | str) -> "Rollout":
+        return self._map_tensors(lambda t: t.to(device))
+
+    def select(self, rows: slice | torch.Tensor) -> "Rollout":
+        """The rollout restricted to some sequences (a slice or an index tensor over the batch)."""
+        return self._map_tensors(lambda t: t[rows])
+
+    def _map_tensors(self, fn) -> "Rollout":
+        return Rollout(**{f.name: fn(v) if torch.is_tensor(v := getattr(self, f.name)) else v for f in fields(self)})
+
+    @staticmethod
+    def concatenate(parts: list["Rollout"]) -> "Rollout":
+        """One rollout holding the sequences of `parts` (same canvas layout) in order; an optional field stays None
+        unless every part has it."""
+        def joined(name: str):
+            values = [getattr(part, name) for part in parts]
+            if not torch.is_tensor(values[0]):
+                return values[0]
+            return torch.cat(values) if all(torch.is_tensor(v) for v in values) else None
+
+        if len({part.prompt_length for part in parts}) != 1:
+            raise ValueError("Rollouts with different prompt lengths cannot share one canvas.")
+        return Rollout(**{f.name: joined(f.name) for f in fields(Rollout)})
+
+
+def completion_mask_through_first_eos(completion_ids: torch.Tensor, eos_token_ids: list[int] | tuple[int, ...]) -> torch.Tensor:
+    """[B, L] bool mask that is True up to and including the first token in `eos_token_ids` (all True if none)."""
+    is_eos = torch.zeros_like(completion_ids, dtype=torch.bool)
+    for eos in eos_token_ids:
+        is_eos |= completion_ids == eos
+    eos_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()
+    return eos_before == 0
+
+
+def token_id_tuple(ids: int | list[int] | tuple[int, ...] | None) -> tuple[int, ...]:
+    """Normalise an id or a sequence of ids to a tuple of ints (None → ()); anything but integers is a ValueError."""
+    if ids is None:
+        return ()
+    ids = (ids,) if not isinstance(ids, (list, tuple)) else tuple(ids)
+    if any(isinstance(i, bool) or not hasattr(i, "__index__") for i in ids):
+        raise ValueError(f"token ids must be ints; got {ids!r}")
+    return tuple(operator.index(i) for i in ids)
