@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from dllm_ais.choices import IS_LEVELS
-from dllm_ais.config import CorrectionSettings
+from dllm_ais.settings import CorrectionSettings
 from dllm_ais.ops import (
     as_token_mask,
     broadcast_advantages,

@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from dllm_ais.choices import SEQUENCE_ESTIMATORS, TRAJECTORY_ESTIMATORS, block_fraction_problem, replays_decoder
-from dllm_ais.config import LikelihoodSettings
 from dllm_ais.data import tokenize_prompts
 from dllm_ais.likelihood import (
     DIFFUSION_ESTIMATORS, BlockSubset, BoundSettings, EstimatorSettings, LogprobPiece, causal_logprobs,
@@ -25,7 +24,8 @@ from dllm_ais.likelihood import (
 from dllm_ais.loading import SpecialTokens, special_tokens
 from dllm_ais.sampling.autoregressive import AutoregressiveSampler, AutoregressiveSamplerConfig
 from dllm_ais.sampling.diffusion import DiffusionSamplerConfig, MaskedDiffusionSampler, resolve_remasking_rule
-from dllm_ais.sampling.rollout import Rollout
+from dllm_ais.rollout import Rollout
+from dllm_ais.settings import LikelihoodSettings
 
 if TYPE_CHECKING:
     from dllm_ais.config import GRPOConfig

@@ -23,6 +23,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     # "__init__" is `dllm_ais/__init__.py`.
     ("foundations: no dllm_ais import", {"ops", "choices", "validation", "console", "interruption", "trackers",
                                          "rollout", "models"}),
+    ("the stages' settings groups", {"settings"}),
     ("the step's numerical stages", {"sampling", "likelihood", "quantization", "engine", "correction", "loss",
                                      "metrics"}),
     ("tasks and their rewards", {"tasks", "rewards"}),

@@ -17,7 +17,7 @@ One module per job, each importing only the ones above it in this list:
                 `eubo_from_draws` / `sandwiched_log_likelihood`, SPG's upper bound and its sandwich with the ELBO by
                 the sign of the advantage (the `spg` estimator), with their `BoundSettings`.
 - `causal`      `causal_logprobs`, teacher-forced log-probs of causal LMs under the AR sampler's distribution.
-- `registry`    `DIFFUSION_ESTIMATORS`: what a config's `likelihood_estimator` names, with `EstimatorSettings`.
+- `registry`    `DIFFUSION_ESTIMATORS`: what a config's `likelihood.estimator` names, with `EstimatorSettings`.
 """
 from dllm_ais.likelihood.bounds import (
     BoundSettings,

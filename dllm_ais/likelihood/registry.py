@@ -1,4 +1,4 @@
-"""The diffusion estimators a config can name (`likelihood_estimator`, choices.ESTIMATORS): `DIFFUSION_ESTIMATORS`,
+"""The diffusion estimators a config can name (`likelihood.estimator`, choices.ESTIMATORS): `DIFFUSION_ESTIMATORS`,
 each a `DiffusionEstimator` whose adapter scores a `Rollout` with the `EstimatorSettings`, and the positions an
 estimate scores (`scored_positions`, a `BlockSubset`)."""
 from __future__ import annotations
@@ -194,7 +194,7 @@ def _spg_of_rollout(model: nn.Module, rollout: Rollout, settings: EstimatorSetti
     """`sandwiched_log_likelihood` of the ELBO and EUBO from the same draws (block-wise if set), as per-token
     values (`spread_over_tokens`); needs each sequence's advantage."""
     if advantages is None:
-        raise ValueError("likelihood_estimator=spg picks each sequence's bound by the sign of its advantage: "
+        raise ValueError("likelihood.estimator=spg picks each sequence's bound by the sign of its advantage: "
                          "pass advantages (one per sequence)")
     bounds = settings.bounds
     draws, logprobs, entropy = _bound_draws(model, rollout, settings, seed, bounds.block_masking, compute_entropy)
