@@ -488,17 +488,24 @@ def _group_entries(name: str, value: Any) -> Any:
     return value if isinstance(value, dict) else {} if value is None else value
 
 
-def canonical_values(values: dict[str, Any], origin: str = "the config") -> dict[str, Any]:
-    """`values` (a recipe, overrides, a saved config) with every flat name of earlier releases moved into its
-    settings group (`MOVED_FIELDS`), logging one line per moved name that says where it lives now."""
+def renamed_items(values: dict[str, Any], origin: str) -> list[tuple[str, Any]]:
+    """The (key, value) pairs of `values` (a recipe, overrides, a saved config) with every flat name of earlier releases
+    renamed to its place in a settings group (`MOVED_FIELDS`: ``rollout_cache`` -> ``rollout.cache``), logging one line
+    that names each move and where `origin` used it."""
     moved = {key: MOVED_FIELDS[key] for key in values if isinstance(key, str) and key in MOVED_FIELDS}
-    result: dict[str, Any] = {}
-    for key, value in values.items():
-        set_override(result, moved.get(key, key), value)
     if moved:
         logging.getLogger(__name__).warning(
             "%s uses flat names of an earlier release, read as: %s", origin,
             ", ".join(f"{old} -> {new}" for old, new in moved.items()))
+    return [(moved.get(key, key), value) for key, value in values.items()]
+
+
+def canonical_values(values: dict[str, Any], origin: str = "the config") -> dict[str, Any]:
+    """`values` as the nested mapping of the current layout: flat names of earlier releases moved into their settings
+    groups (`renamed_items`), dotted names nested (`set_override`)."""
+    result: dict[str, Any] = {}
+    for key, value in renamed_items(values, origin):
+        set_override(result, key, value)
     return result
 
 
@@ -528,7 +535,7 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | dict[st
     """
     values = canonical_values(read_recipe(recipe), str(recipe)) if recipe is not None else {}
     overrides = parse_overrides(overrides) if isinstance(overrides, list) else (overrides or {})
-    for key, value in canonical_values(overrides, "the command line").items():
+    for key, value in renamed_items(overrides, "the command line"):
         set_override(values, key, value)
     known = {key: _as_float_if_numeric(value) if accepts_float(GRPO_FIELD_TYPES[key]) else value
              for key, value in values.items() if key in GRPO_FIELD_TYPES}

@@ -45,8 +45,7 @@ def keep_freed_host_memory(device: torch.device | str) -> bool:
 
     By default glibc maps each large block (activations of tens of MiB) from the system and returns it on free,
     raising that threshold only as frees come (up to 32 MiB): the first forwards of a run pay page faults on every
-    allocation. Measured on the chain-sum LLaDA: its first greedy evaluation of 64 prompts took 49-57 s, 39-41 s with
-    this. It does what `MALLOC_MMAP_THRESHOLD_` / `MALLOC_TRIM_THRESHOLD_` or a preloaded jemalloc / tcmalloc do, and
+    allocation (what this saves is measured in docs/notes/long-completion-chain-sums.md). It does what `MALLOC_MMAP_THRESHOLD_` / `MALLOC_TRIM_THRESHOLD_` or a preloaded jemalloc / tcmalloc do, and
     steps aside when either variable is set."""
     if torch.device(device).type != "cpu" or platform.libc_ver()[0] != "glibc":
         return False

@@ -12,7 +12,7 @@ Prefix masks (`SFTConfig(masking="prefix")`, beyond LLaDA's recipe): per sequenc
 answer's tokens, the answer before c clean, every position from c on masked, and the `prefix_window` tokens from c
 scored with plain cross-entropy. Nothing after a scored token is ever visible, so a worked answer that repeats its
 results on later lines (a column's digit in the line's total) cannot be learnt by copying them back — which is what
-the i.i.d. masks above mostly teach on such answers (BENCHMARKS.md §10). It is the conditional that block-wise
+the i.i.d. masks above mostly teach on such answers (docs/notes/long-completion-chain-sums.md). It is the conditional that block-wise
 low-confidence decoding of the first masked tokens needs. A `random_masking_share` of the steps keeps the i.i.d. loss,
 so the model still fills any masked pattern.
 """

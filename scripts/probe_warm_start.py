@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from build_tiny_model import WARM_START_TASKS  # noqa: E402
 
-from dllm_ais.config import GRPOConfig, d1_protocol_fields  # noqa: E402
+from dllm_ais.config import GRPOConfig, with_d1_protocol  # noqa: E402
 from dllm_ais.data import load_task_dataset  # noqa: E402
 from dllm_ais.loading import load_model, load_tokenizer, special_tokens  # noqa: E402
 from dllm_ais.policy import build_policy, sample_prompts  # noqa: E402
@@ -74,9 +74,9 @@ def demonstration_kinds(completions: list[str], clean: list[str], noisy: list[st
 
 @torch.no_grad()
 def decode_greedily(model, tokenizer, spec, prompts: list, batch_size: int = 64) -> list[str]:
-    """The completions of d1's evaluation protocol (greedy, `d1_protocol_fields`) at the warm start's length."""
-    config = GRPOConfig(policy="diffusion", task=spec.task, task_args=spec.task_args,
-                        **d1_protocol_fields(spec.gen_length, 32))
+    """The completions of d1's evaluation protocol (greedy, `with_d1_protocol`) at the warm start's length."""
+    config = with_d1_protocol(GRPOConfig(policy="diffusion", task=spec.task, task_args=spec.task_args),
+                              spec.gen_length, 32)
     policy = build_policy(config, model.config, tokenizer, temperature=0.0)
     max_prompt_length, device = spec.max_positions - spec.gen_length, next(model.parameters()).device
     rollouts = (sample_prompts(policy, model, tokenizer, prompts[start:start + batch_size], max_prompt_length, device,

@@ -27,25 +27,26 @@ def test_overrides_parse_yaml_values():
 
 
 def test_exponent_without_a_dot_is_a_float():
-    config = load_config(EMBEDDED_RECIPE, ["--learning_rate=1e-5", "--ais_kl_scale=2e-3"])
-    assert (config.learning_rate, config.ais_kl_scale) == (1e-5, 2e-3)
+    config = load_config(EMBEDDED_RECIPE, ["--learning_rate=1e-5", "--correction.ais_kl_scale=2e-3"])
+    assert (config.learning_rate, config.correction.ais_kl_scale) == (1e-5, 2e-3)
 
 
 @pytest.mark.parametrize("overrides, message", [
     (["--learnig_rate=1e-5"], "did you mean 'learning_rate'"),
     (["--num_generations=1"], "num_generations=1"),
     (["--num_generations=4", "--per_device_train_batch_size=6"], "divisible by num_generations"),
-    (["--max_completion_length=100"], "multiple of block_length"),
+    (["--max_completion_length=100"], "multiple of rollout.block_length"),
     (["--beta=abc"], "beta='abc': expected float"),
     (["--correction=magic"], "choose one of none, tis, mis, acr, ais"),
     (["--report_to=[mlflow]"], "supported trackers"),
-    (["--rollout_cache=full"], "rollout_cache='full': choose one of none, prefix, dual"),
-    (["--rollout_threshold=1.5"], "rollout_threshold=1.5: must be in [0, 1]"),
+    (["--rollout.cache=full"], "rollout.cache='full': choose one of none, prefix, dual"),
+    (["--rollout.threshold=1.5"], "rollout.threshold=1.5: must be in [0, 1]"),
     (["--eval_steps=2", "--eval_size=0"], "eval_steps=2 scores the validation split: set eval_size > 0"),
     (["--eval_steps=2", "--save_steps=3"], "save_steps=3 must be a multiple of eval_steps=2"),
     (["--num_completions_to_print=0"], "num_completions_to_print=0"),
     (["--drop_zero_std_groups=true", "--beta=0.04"], "drop_zero_std_groups leaves out groups whose KL term"),
-    (["--bypass_mode=true", "--correction=ais"], "correction=ais would see ratios of exactly 1: set correction=none"),
+    (["--correction.bypass_mode=true", "--correction=ais"],
+     "correction.method=ais would see ratios of exactly 1: set correction.method=none"),
     (["--bypass_mode=true", "--correction=none", "--rollout_fidelity=adaptive"],
      "rollout_fidelity=adaptive reads the mismatch before the update"),
 ])
@@ -65,12 +66,37 @@ def test_ci_runs_the_readme_test_command():
     assert test_command in (ROOT / ".ci" / "run").read_text().splitlines()
 
 
-def test_train_help_teaches_the_fields(capsys):
+def test_train_help_teaches_the_fields_in_groups_one_line_each(capsys):
+    from dllm_ais.config import HELP_WIDTH, configuration_reference
+
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     out = capsys.readouterr().out
-    for field in ("--num_generations", "--rollout_precision", "--correction", "--ais_kl_scale", "--dry_run"):
+    for field in ("--num_generations", "--rollout.precision", "--correction.method", "--correction.ais_kl_scale",
+                  "--experimental.rollout_fidelity", "--dry_run"):
         assert field in out
+    fields = out[out.index("\nmodel:\n"):]
+    headings = [line for line in fields.splitlines() if line and not line.startswith("  ")]
+    assert [heading.split(":")[0] for heading in headings] == [
+        "model", "data and rewards", "sampling (TRL's names)", "loss", "optimisation", "output and run", "rollout",
+        "likelihood", "correction", "experimental"]
+    assert all(len(line) <= HELP_WIDTH for line in fields.splitlines())
+    assert (ROOT / "docs" / "configuration.md").read_text() == configuration_reference() + "\n", (
+        "docs/configuration.md is stale: python -c 'from dllm_ais.config import configuration_reference as r; "
+        "print(r())' > docs/configuration.md")
+
+
+def test_flat_names_of_earlier_releases_load_into_their_groups_with_a_one_line_hint(tmp_path, caplog):
+    recipe = tmp_path / "old.yaml"
+    recipe.write_text("rollout_cache: dual\nis_clip: 1.5\ncorrection: tis\nlikelihood_order: rollout\n")
+    with caplog.at_level("WARNING", logger="dllm_ais.config"):
+        config = load_config(recipe, ["--diffusion_steps=16", "--correction.level=sequence"])
+    assert (config.rollout.cache, config.rollout.steps, config.experimental.likelihood_order) == ("dual", 16, "rollout")
+    assert (config.correction.method, config.correction.clip, config.correction.level) == ("tis", 1.5, "sequence")
+    hints = [record.getMessage() for record in caplog.records]
+    assert len(hints) == 2 and all("\n" not in hint for hint in hints)
+    assert "rollout_cache -> rollout.cache" in hints[0] and "is_clip -> correction.clip" in hints[0]
+    assert "diffusion_steps -> rollout.steps" in hints[1]
 
 
 def test_cli_error_for_bad_override_is_clear(capsys):
