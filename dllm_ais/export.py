@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-from dllm_ais.checkpoint import MARKER, atomic_directory, check_destination
+from dllm_ais.run_dir import MARKER, atomic_directory, check_destination
 from dllm_ais.config import EMBEDDED_MODELS, ConfigError, GRPOConfig
 from dllm_ais.loading import load_model, resolve_model_path
 

@@ -32,6 +32,20 @@ def resolve_model_path(name_or_path: str) -> str:
     return name_or_path
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                   "sentencepiece.bpe.model")
+
+
+def check_tokenizer_files(name_or_path: str) -> None:
+    """Raise FileNotFoundError (one line, naming the directory and the fix) when `name_or_path` is a local model
+    directory without tokenizer files — transformers would otherwise suggest installing sentencepiece or tiktoken."""
+    path = Path(resolve_model_path(name_or_path))
+    if not path.is_dir() or any((path / name).is_file() for name in TOKENIZER_FILES) or any(path.glob("*.tiktoken")):
+        return
+    raise FileNotFoundError(f"{path} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...); copy its "
+                            "base model's tokenizer there (tokenizer.save_pretrained(path)) or pass the base model.")
+
+
 def resolve_dtype(name: str) -> torch.dtype:
     """`auto` = bfloat16 on CUDA, float32 on CPU (CPU matmuls in bf16 are slow and gain nothing here)."""
     if name == "auto":

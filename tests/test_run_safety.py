@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
-from dllm_ais.checkpoint import (NoSpaceLeft, begin_staging, check_destination, clean_leftovers,
-                                 commit_staging, prepare_output_dir, resume_checkpoint, staged_directory,
-                                 verify_checkpoint)
+from dllm_ais.checkpoint import prepare_output_dir, resume_checkpoint
+from dllm_ais.run_dir import (NoSpaceLeft, begin_staging, check_destination, clean_leftovers, commit_staging,
+                              staged_directory, verify_checkpoint)
 from dllm_ais.cli import main
 from dllm_ais.config import ConfigError, GRPOConfig
 from dllm_ais.console import printable
