@@ -90,8 +90,7 @@ def describe_contents(directory: Path, limit: int = 4) -> str:
 def check_destination(final: Path, overwrite: bool, flag: str = "--overwrite") -> None:
     """Raise OutputExistsError unless `final` may be written: absent, empty, or — with `overwrite` — a directory
     that dllm-ais wrote. Nothing else is ever replaced, so no command can delete what it did not create. A directory
-    (or the parent of one) that a live run holds is refused whatever `overwrite` says."""
-    check_not_in_use(final.parent)
+    that is, lies in or contains a live run's directory is refused whatever `overwrite` says."""
     check_not_in_use(final)
     if not final.exists() or (final.is_dir() and not any(final.iterdir())):
         return

@@ -18,7 +18,7 @@ from dllm_ais.cli import main
 from dllm_ais.config import ConfigError, GRPOConfig
 from dllm_ais.console import printable
 from dllm_ais.metrics import MetricsLog
-from dllm_ais.run_lock import RunDirectoryInUse, release_run_lock
+from dllm_ais.run_lock import LOCK_FILE, RunDirectoryInUse, release_run_lock
 
 ERROR_LINES = 2  # what a refused command may print on stderr at most
 
@@ -224,3 +224,72 @@ def test_inference_input_errors_are_one_line_naming_the_fix(tmp_path):
     for (code, error), (argv, expected) in zip(run_cli([argv for argv, _ in cases], tmp_path), cases):
         assert code == 2, (argv, error)
         assert len(error.splitlines()) <= ERROR_LINES and expected in error, (argv, error)
+
+
+def hold_in_another_process(directory):
+    """A process holding the run lock of `directory`, as a live `dllm-ais train` there does (kill it after)."""
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from dllm_ais.run_lock import hold_run_lock; "
+                               f"hold_run_lock({str(directory)!r}); print('held', flush=True); time.sleep(600)"],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def stop(holder):
+    holder.kill()
+    holder.wait()
+
+
+def test_a_run_inside_a_live_run_or_around_one_is_refused(tmp_path, capsys):
+    outer, inner = tmp_path / "run", tmp_path / "run" / "final"
+    holder = hold_in_another_process(outer)
+    try:  # the attack: train into P/final while P trains (P would then fail at its final save)
+        assert main(["train", f"--output_dir={inner}"]) == 2
+        error = capsys.readouterr().err.strip()
+        assert len(error.splitlines()) == 1 and f"pid {holder.pid}" in error and "lies inside it" in error, error
+        assert not inner.exists()  # nothing created inside the live run
+        with pytest.raises(RunDirectoryInUse):
+            check_destination(outer / "exported", overwrite=True)
+    finally:
+        stop(holder)
+    holder = hold_in_another_process(inner)
+    try:  # the attack: --overwrite_output_dir on P while a run lives in P/final would delete the live run
+        assert main(["train", f"--output_dir={outer}", "--overwrite_output_dir=true"]) == 2
+        error = capsys.readouterr().err.strip()
+        assert len(error.splitlines()) == 1 and f"{inner} is in use" in error and f"pid {holder.pid}" in error, error
+        assert inner.is_dir() and (inner / LOCK_FILE).is_file()
+    finally:
+        stop(holder)
+    assert prepare_output_dir(GRPOConfig(output_dir=str(inner))) is None  # both free once the holders are gone
+    release_run_lock(inner)
+
+
+def test_deleting_or_replacing_the_lock_file_admits_no_second_writer(tmp_path, capsys):
+    run = tmp_path / "run"
+    holder = hold_in_another_process(run)
+    try:
+        (run / LOCK_FILE).unlink()  # the attack: rm P/.dllm-ais.lock (the lock is on the directory, not the name)
+        assert main(["train", f"--output_dir={run}", "--resume_from_checkpoint=false"]) == 2
+        assert "in use by a live dllm-ais run" in capsys.readouterr().err
+        (run / LOCK_FILE).mkdir()  # a lock path that is a directory: still one line, still refused
+        assert main(["train", f"--output_dir={run}"]) == 2
+        error = capsys.readouterr().err.strip()
+        assert len(error.splitlines()) == 1 and "in use by a live dllm-ais run" in error, error
+    finally:
+        stop(holder)
+
+
+def test_a_planted_lock_symlink_is_replaced_not_followed(tmp_path):
+    run, victim = tmp_path / "run", tmp_path / "victim.txt"
+    run.mkdir()
+    victim.write_text("precious")
+    (run / LOCK_FILE).symlink_to(victim)  # the attack: the holder record would be written into the link's target
+    assert prepare_output_dir(GRPOConfig(output_dir=str(run))) is None
+    assert victim.read_text() == "precious" and not (run / LOCK_FILE).is_symlink()
+    assert json.loads((run / LOCK_FILE).read_text())["pid"] == os.getpid()
+    release_run_lock(run)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / LOCK_FILE).mkdir()  # a lock path that is a directory: the run still takes the lock, no traceback
+    assert prepare_output_dir(GRPOConfig(output_dir=str(other))) is None
+    release_run_lock(other)
