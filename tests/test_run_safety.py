@@ -293,3 +293,36 @@ def test_a_planted_lock_symlink_is_replaced_not_followed(tmp_path):
     (other / LOCK_FILE).mkdir()  # a lock path that is a directory: the run still takes the lock, no traceback
     assert prepare_output_dir(GRPOConfig(output_dir=str(other))) is None
     release_run_lock(other)
+
+
+def test_a_damaged_marker_is_damage_of_its_checkpoint_only(tmp_path, capsys):
+    """One flipped byte in the newest checkpoint's marker: that checkpoint is skipped and named; the earlier one
+    resumes, by `true` or named explicitly (the output_dir is not mistaken for someone else's)."""
+    intact = checkpoint(tmp_path, 2, {"optimizer.bin": b"x" * 100})
+    flipped = checkpoint(tmp_path, 4, {"optimizer.bin": b"y" * 100})
+    marker = bytearray((flipped / ".dllm-ais.json").read_bytes())
+    marker[1] ^= 0x20  # the attack (or a disk error): one byte
+    (flipped / ".dllm-ais.json").write_bytes(bytes(marker))
+    config = GRPOConfig(output_dir=str(tmp_path), resume_from_checkpoint=True)
+    assert prepare_output_dir(config) == intact
+    warning = capsys.readouterr().err
+    assert f"skipped {flipped}: its marker {flipped / '.dllm-ais.json'} is missing or damaged" in warning
+    assert prepare_output_dir(dataclasses.replace(config, resume_from_checkpoint=str(intact))) == intact
+    with pytest.raises(ConfigError) as refused:
+        resume_checkpoint(dataclasses.replace(config, resume_from_checkpoint=str(flipped)))
+    assert "\n" not in str(refused.value) and f"--resume_from_checkpoint={intact}" in str(refused.value)
+    release_run_lock(tmp_path)
+
+
+@pytest.mark.parametrize("field", ["files", "run"])
+def test_a_marker_lacking_a_field_never_switches_verification_off(tmp_path, capsys, field):
+    """A marker without its manifest used to read as "predates manifests": the damaged optimizer resumed."""
+    intact = checkpoint(tmp_path, 2, {"optimizer.bin": b"x" * 100})
+    stripped = checkpoint(tmp_path, 4, {"optimizer.bin": b"y" * 100})
+    marker = json.loads((stripped / ".dllm-ais.json").read_text())
+    del marker[field]
+    (stripped / ".dllm-ais.json").write_text(json.dumps(marker))
+    (stripped / "optimizer.bin").write_bytes(b"z" * 100)  # damaged, and nothing left to tell
+    assert f"lacks a valid {field!r} field" in verify_checkpoint(stripped)
+    assert resume_checkpoint(GRPOConfig(output_dir=str(tmp_path), resume_from_checkpoint=True)) == intact
+    assert f"skipped {stripped}: its marker" in capsys.readouterr().err
