@@ -297,6 +297,10 @@ def _check_output_dir(config: GRPOConfig, is_main_process: bool) -> Path | None:
                or (e.name in RUN_OUTPUTS and provenance(e) is None)]
     if provenance(output_dir) is None:
         foreign += [e.name for e in present if e.name in RUN_FILES]
+    odd = [e.name for e in present if e.name in RUN_FILES and (e.is_symlink() or not e.is_file())]
+    if odd:
+        raise ConfigError(f"output_dir {output_dir} holds {', '.join(odd)} that is not a regular file (a directory or "
+                          "a link) where the run writes that file. Move it away or choose another --output_dir.")
     if foreign:
         raise ConfigError(f"output_dir {output_dir} holds {', '.join(foreign)} that dllm-ais did not write; the run "
                           "would replace them. Move them away or choose another --output_dir.")
