@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import platform
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from dllm_ais.config import EMBEDDED_MODELS
+from dllm_ais.config import EMBEDDED_MODELS, ConfigError
 
 END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|endoftext|>")
 # glibc's mallopt parameters (malloc.h) and their environment variables.
@@ -79,6 +80,24 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+def refuse_remote_code(path: str) -> None:
+    """ConfigError, in one line, when the model directory `path` has a config.json whose `model_type` neither
+    transformers nor dllm-ais provides, or that asks for code of its own (`auto_map`) for such a type: its code
+    would have to run, and dllm-ais never runs a model directory's code (trust_remote_code stays off)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        config = json.loads((Path(path) / "config.json").read_bytes()[:1 << 20])
+    except (OSError, ValueError):
+        return  # no local config (a Hub id) or an unreadable one: transformers reports it
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if isinstance(model_type, str) and model_type not in CONFIG_MAPPING:
+        asks = " and asks for its own code (auto_map)" if "auto_map" in config else ""
+        raise ConfigError(f"{path}: its config.json names model_type {model_type!r:.60}, which neither transformers "
+                          f"nor dllm-ais provides{asks}; dllm-ais never runs a model directory's code "
+                          "(trust_remote_code). Use a model of a supported architecture.")
+
+
 def load_model(name_or_path: str, dtype: torch.dtype, trust_remote_code: bool = False,
                is_trainable: bool = False) -> torch.nn.Module:
     """`AutoModelForCausalLM.from_pretrained` (safetensors only); LLaDA resolves to dllm_ais' native model.
@@ -93,6 +112,8 @@ def load_model(name_or_path: str, dtype: torch.dtype, trust_remote_code: bool = 
 
         base = load_model(PeftConfig.from_pretrained(path).base_model_name_or_path, dtype, trust_remote_code)
         return PeftModel.from_pretrained(base, path, is_trainable=is_trainable)
+    if not trust_remote_code:
+        refuse_remote_code(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
                                                  use_safetensors=True)
     model.name_or_path = model.config.name_or_path = name_or_path
@@ -106,6 +127,8 @@ def load_model_config(name_or_path: str, trust_remote_code: bool = False):
         from peft import PeftConfig
 
         path = resolve_model_path(PeftConfig.from_pretrained(path).base_model_name_or_path)
+    if not trust_remote_code:
+        refuse_remote_code(path)
     return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 

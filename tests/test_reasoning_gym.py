@@ -223,3 +223,16 @@ def test_typed_entry_values_survive_the_dataset_columns():
     assert type(gym_task.loads_entry_value(gym_task.dumps_entry_value(value))["grid"][0]) is tuple
     with pytest.raises(ValueError):  # rows from a file: parsed within bounds
         gym_task.loads_entry_value("[" * 100_000 + "]" * 100_000)
+
+
+def test_settings_that_make_generation_take_too_long_are_refused_up_front_with_the_limit(monkeypatch):
+    """--task_args.max_numbers=100000000 stalled for minutes with no message; one problem now has a time limit."""
+    monkeypatch.setattr(gym_task.SAMPLER, "deadline_seconds", 2.0)
+    monkeypatch.setattr(gym_task, "GENERATION_SECONDS", 2.0)
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, ["--task=reasoning_gym", "--task_args.dataset=countdown",
+                           "--task_args.max_numbers=100000000"])
+    problems = str(refused.value).splitlines()[1:]
+    assert problems == ["  - task_args: countdown takes more than 2 s (the limit) to generate one problem with these "
+                        "settings; choose smaller ones"]
+    assert load_config(None, ["--task=reasoning_gym", "--task_args.dataset=countdown"]).task_args  # still fine

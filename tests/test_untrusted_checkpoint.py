@@ -68,11 +68,15 @@ def test_eval_generate_and_export_import_no_reward_from_the_checkpoint(tmp_path,
     assert markers["reward"].exists()
 
 
-def test_trust_remote_code_in_a_saved_config_is_not_honoured(tmp_path, markers):
+def test_trust_remote_code_in_a_saved_config_is_not_honoured(tmp_path, markers, capsys):
     directory = write_checkpoint(tmp_path / "downloaded-model", markers, model_type="evil_architecture")
     for command in commands(directory, tmp_path):
-        with pytest.raises(ValueError, match="evil_architecture|trust_remote_code"):  # refused: unknown code
-            main(command)
+        assert main(command) == 2  # refused: unknown code, in one line naming the directory and the setting
+        error = capsys.readouterr().err.strip().splitlines()
+        assert len(error) == 1 and str(directory) in error[0], error
+        assert "evil_architecture" in error[0] and "trust_remote_code" in error[0]
+    assert main(["train", f"--model_name_or_path={directory}", f"--output_dir={tmp_path / 'run'}"]) == 2
+    assert "evil_architecture" in capsys.readouterr().err
     assert not markers["remote_code"].exists() and not markers["reward"].exists()
     with pytest.raises(Exception):  # noqa: B017 - control: with the flag the payload runs (it defines no model)
         load_model(str(directory), torch.float32, trust_remote_code=True)

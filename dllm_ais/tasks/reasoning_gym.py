@@ -110,6 +110,8 @@ ANSWER_GUARDS: dict[str, Callable[[str], bool]] = {
 }
 
 SCORER = BoundedWorker(f"{__name__}:gym_score_handler", DEADLINE_SECONDS, install_hint=INSTALL_HINT)
+GENERATION_SECONDS = 10.0  # the most one problem may take to generate: settings that take longer are refused
+SAMPLER = BoundedWorker(f"{__name__}:gym_sample_handler", GENERATION_SECONDS, install_hint=INSTALL_HINT)
 
 
 # ------------------------------------------------------------------------------------------------ settings
@@ -147,7 +149,7 @@ def check_task_args(task_args: dict[str, Any]) -> list[str]:
     """The problems of ``task_args`` (one line each, naming the key): reasoning-gym missing, no or an unknown
     ``dataset`` (with a did-you-mean), an unknown setting, a value of the wrong type or one the dataset rejects."""
     try:
-        reasoning_gym = import_reasoning_gym()
+        import_reasoning_gym()
     except GymMissingError as error:
         return [str(error)]
     name = task_args.get("dataset")
@@ -184,12 +186,26 @@ def check_task_args(task_args: dict[str, Any]) -> list[str]:
         json.dumps(settings)
     except (TypeError, ValueError):
         return ["task_args: plain values only (numbers, strings, lists, mappings)"]
-    try:
-        reasoning_gym.create_dataset(name, seed=0, size=1, **settings)
-    except Exception as error:  # noqa: BLE001 - the dataset's own check, reported in one line
-        message = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-        return [f"task_args: {name} rejects these settings: {message}"]
-    return []
+    rejected = SAMPLER.call(name, json.dumps(settings))
+    if rejected is None:
+        return [f"task_args: {name} takes more than {GENERATION_SECONDS:.0f} s (the limit) to generate one problem "
+                "with these settings; choose smaller ones"]
+    return [f"task_args: {name} rejects these settings: {rejected}"] if rejected else []
+
+
+def gym_sample_handler() -> Callable[[str, str], str]:
+    """The settings check's worker: ``sample(dataset, settings)`` builds the dataset with those settings and
+    generates its first problem; it returns "" when that works, else the first line of the dataset's error."""
+    import reasoning_gym
+
+    def sample(name: str, settings: str) -> str:
+        try:
+            reasoning_gym.create_dataset(name, seed=0, size=1, **json.loads(settings))[0]
+        except Exception as error:  # noqa: BLE001 - the dataset's own check, reported in one line
+            return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        return ""
+
+    return sample
 
 
 def _split_settings(task_args: dict[str, Any]) -> tuple[str, str]:
