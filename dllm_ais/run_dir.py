@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from dllm_ais.metrics import sync_logs_in
-from dllm_ais.run_lock import LOCK_FILE, check_not_in_use
+from dllm_ais.run_lock import LOCK_FILE, check_not_in_use, check_still_held
 from dllm_ais.safe_json import loads_bounded
 
 # ------------------------------------------------------------------------------------------ safe directory writes
@@ -221,6 +221,7 @@ def commit_staging(staging: Path, final: Path, overwrite: bool = False) -> None:
         record_manifest(staging)
         fsync_tree(staging)
         sync_logs_in(final.parent)
+        check_still_held(final.parent)
         check_destination(final, overwrite)
         displaced = None
         if final.is_dir() and any(final.iterdir()):

@@ -146,6 +146,22 @@ def hold_run_lock(directory: str | Path) -> bool:
     return created
 
 
+def check_still_held(directory: str | Path) -> None:
+    """Before writing into `directory`: when it lies in (or is) a run directory this process holds, raise
+    RunDirectoryInUse if that path no longer names the locked directory (moved away and replaced meanwhile: the
+    writes would land in a directory nobody locked)."""
+    key = Path(directory).resolve()
+    for held, descriptor in _held.items():
+        if held == key or held in key.parents:
+            try:
+                same = os.stat(held, follow_symlinks=False).st_ino == os.fstat(descriptor).st_ino
+            except OSError:
+                same = False
+            if not same:
+                raise RunDirectoryInUse(f"{held} was moved or replaced while this run held it; nothing more is "
+                                        "written there. Find the run's directory where it was moved to.")
+
+
 def release_run_lock(directory: str | Path) -> None:
     """Release this process' lock of `directory` (its holder record stays, naming the last holder)."""
     descriptor = _held.pop(Path(directory).resolve(), None)
