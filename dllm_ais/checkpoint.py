@@ -417,6 +417,10 @@ class Checkpointer:
         the run's state; the run must have `num_prompts` training prompts, as the checkpoint's did. Every file is
         read once and verified (`read_verified`), then loaded from those bytes (`load_data`, `weights_state`)."""
         accelerator = self.parts.accelerator
+        if accelerator.distributed_type == DistributedType.DEEPSPEED:
+            raise ConfigError(f"Cannot resume from {checkpoint} under DeepSpeed: its engine reads its own checkpoint "
+                              "files with unrestricted unpickling, and dllm-ais resumes only from verified bytes "
+                              "(one process, DDP or FSDP). Start the run under DDP or FSDP to make it resumable.")
         try:
             files = read_verified(checkpoint)
         except DamagedCheckpoint as damage:
