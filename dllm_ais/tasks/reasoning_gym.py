@@ -13,8 +13,11 @@ of ``task_args`` but ``dataset`` is a field of that dataset's config class (``Co
 unknown setting or a value the dataset rejects one line naming the key.
 
 Rows: ``prompt`` is the answer-tag format (``REASONING_FORMAT``) followed by the entry's question; the columns
-``question``, ``answer``, ``metadata`` (a JSON string), ``gym_dataset`` and ``gym_settings`` (JSON) carry what the
-verifier needs. Rewards: :func:`gym_correctness_reward`, the dataset's ``score_answer`` on the ``<answer>`` text
+``question``, ``answer`` (the reference as text, empty for datasets whose entries carry none, which a note names),
+``gym_answer`` and ``metadata`` (the reference and the metadata as JSON that keeps their Python types: tuples, sets,
+non-string keys), ``gym_dataset`` and ``gym_settings`` (JSON) carry what the verifier needs: the entry it scores
+against equals the original, so every dataset's own reference answers get full credit. Settings under which one
+problem takes more than ``GENERATION_SECONDS`` to generate are refused when the config is checked. Rewards: :func:`gym_correctness_reward`, the dataset's ``score_answer`` on the ``<answer>`` text
 (in [0, 1]), and gsm8k's ``soft_format_reward`` (0.5); accuracy: 1.0 where the verifier gives full credit.
 
 Splits come from disjoint ranges of generator seeds (reasoning-gym seeds entry ``i`` with ``seed + i``): test rows
