@@ -25,6 +25,7 @@ from dllm_ais.config import ConfigError
 
 LOCK_FILE = ".dllm-ais.lock"
 MAX_RECORD_BYTES = 4096
+MAX_DIRECTORIES_SEARCHED = 10_000  # for live runs inside a directory (a run's own tree holds a few dozen)
 _held: dict[Path, int] = {}  # resolved directory -> descriptor of the locked directory
 
 
@@ -78,16 +79,17 @@ def _locked_by_another(directory: Path) -> bool:
 
 
 def _live_run_around(directory: Path) -> Path | None:
-    """The live run directory (another process') that `directory` (resolved) is, lies in, or contains; None."""
+    """The live run directory (another process') that `directory` (resolved) is, lies in, or contains (among its
+    first `MAX_DIRECTORIES_SEARCHED` subdirectories); None."""
     for ancestor in (directory, *directory.parents):
         if _locked_by_another(ancestor):
             return ancestor
     if not directory.is_dir() or directory.is_symlink():
         return None
-    for root, subdirectories, _ in os.walk(directory):  # never follows symlinks
-        for name in subdirectories:
-            if _locked_by_another(Path(root) / name):
-                return Path(root) / name
+    subdirectories = (Path(root) / name for root, names, _ in os.walk(directory) for name in names)  # no symlinks
+    for _, subdirectory in zip(range(MAX_DIRECTORIES_SEARCHED), subdirectories):
+        if _locked_by_another(subdirectory):
+            return subdirectory
     return None
 
 
