@@ -152,7 +152,8 @@ def weights_state(files: dict[str, bytes], directory: Path) -> dict[str, torch.T
         try:
             state.update(load_safetensors(files[name]))
         except Exception as error:  # noqa: BLE001 - bytes that are not safetensors, in one line
-            raise ConfigError(f"{directory / name} is not a safetensors file ({error}).") from None
+            raise ConfigError(f"{directory / name} is not a safetensors file ({type(error).__name__}); resume from "
+                              "another checkpoint.") from None
     return state
 
 
