@@ -1,451 +1,211 @@
-"""Run directories and checkpoints: atomic directory writes and their markers, saving, resuming and the best
-record."""
+"""What a checkpoint holds and how a run continues from one: the run's state (`RunState`), saving it with the
+weights, optimizer, scheduler and RNGs (`Checkpointer.save_checkpoint`), choosing the checkpoint to resume from and
+taking the run directory (`prepare_output_dir`), and resuming (`Checkpointer.resume`).
+
+A resume reads every file of the checkpoint once into memory, verifies it against the checkpoint's manifest
+(`dllm_ais.run_dir.read_verified`) and loads from those bytes only, with safe loaders: safetensors for the weights,
+`torch.load(weights_only=True)` for the rest. Nothing is read again from disk after its check, so a file swapped in
+the meantime is never loaded, and a pickle holding code is refused in one line naming the file.
+"""
 
 from __future__ import annotations
 
-import errno
-import hashlib
+import dataclasses
+import io
 import json
-import os
 import pickle
+import random
 import re
-import secrets
-import shutil
-import socket
 import sys
-from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any
 
+import numpy as np
 import torch
-from accelerate.utils import gather_object, send_to_device
+from accelerate.utils import DistributedType, gather_object, send_to_device
 from peft import PeftModel
 
 from dllm_ais.components import StepComponents
 from dllm_ais.config import ConfigError, GRPOConfig, canonical_values, flat_settings, save_config
 from dllm_ais.evaluation import EvalResult
-from dllm_ais.loading import resolve_model_path
 from dllm_ais.grpo import GenerationBatch, any_process
-from dllm_ais.metrics import sync_logs_in
-from dllm_ais.run_lock import LOCK_FILE, check_not_in_use, give_up_run_lock, hold_run_lock, holds_run_lock
+from dllm_ais.run_dir import (BOOKKEEPING, CHECKPOINT_NAME, MARKER, DamagedCheckpoint, atomic_directory,
+                              atomic_write_text, carries_marker, checkpoint_manifest, clean_leftovers,
+                              describe_contents, discard_directory, dllm_ais_record, fsync_directory, is_leftover,
+                              provenance, prune_checkpoints, read_verified, run_checkpoints, staged_directory,
+                              verify_checkpoint)
+from dllm_ais.run_lock import give_up_run_lock, hold_run_lock, holds_run_lock
 from dllm_ais.validation import read_recipe, show
 
-if TYPE_CHECKING:
-    from dllm_ais.trainer import GRPOTrainer
-
-# ------------------------------------------------------------------------------------------ safe directory writes
-MARKER = ".dllm-ais.json"  # provenance file inside every directory dllm-ais writes; its proof of ownership
-LEFTOVER_PREFIXES = (".tmp-", ".old-", ".trash-")
-BOOKKEEPING = (MARKER, LOCK_FILE)  # files of dllm-ais' own in a directory, never counted as its contents
-MIB = 1024 * 1024
-TOKENED_LEFTOVER = re.compile(r"\.(tmp|trash)-.+-[0-9a-f]{8}")  # the names staging_directory / discard_directory give
-
-
-class OutputExistsError(FileExistsError):
-    """A destination is in the way (not empty, or not written by dllm-ais); the message names the way out."""
-
-
-def dllm_ais_record(path: str | Path) -> dict[str, Any] | None:
-    """The JSON object in the file at `path` when dllm-ais wrote it (its `written_by` says so); None otherwise."""
-    try:
-        record = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) and record.get("written_by") == "dllm-ais" else None
-
-
-def provenance(directory: str | Path) -> dict[str, Any] | None:
-    """The marker dllm-ais leaves in each directory it writes; None when absent or unreadable (not provably ours)."""
-    return dllm_ais_record(Path(directory) / MARKER)
-
-
-def is_leftover(entry: Path) -> bool:
-    """A staging, displaced or half-deleted directory of an interrupted dllm-ais write: one carrying the marker, or
-    an empty `.tmp-`/`.trash-<name>-<token>` one (a staging directory killed before its marker was written, or a
-    deletion killed after its marker went: removing it loses nothing)."""
-    if not (entry.name.startswith(LEFTOVER_PREFIXES) and entry.is_dir() and not entry.is_symlink()):
-        return False
-    return provenance(entry) is not None or (TOKENED_LEFTOVER.fullmatch(entry.name) is not None
-                                             and not any(entry.iterdir()))
-
-
-def describe_contents(directory: Path, limit: int = 4) -> str:
-    names = sorted(e.name + ("/" if e.is_dir() else "") for e in directory.iterdir()
-                   if not is_leftover(e) and e.name not in BOOKKEEPING)
-    return ", ".join(names[:limit]) + (f", … ({len(names)} entries)" if len(names) > limit else "")
-
-
-def check_destination(final: Path, overwrite: bool, flag: str = "--overwrite") -> None:
-    """Raise OutputExistsError unless `final` may be written: absent, empty, or — with `overwrite` — a directory
-    that dllm-ais wrote. Nothing else is ever replaced, so no command can delete what it did not create. A directory
-    (or the parent of one) that a live run holds is refused whatever `overwrite` says."""
-    check_not_in_use(final.parent)
-    check_not_in_use(final)
-    if not final.exists() or (final.is_dir() and not any(final.iterdir())):
-        return
-    if not final.is_dir():
-        raise OutputExistsError(f"{final} is a file; choose a directory path that does not exist yet.")
-    if not overwrite:
-        raise OutputExistsError(f"{final} is not empty (holds {describe_contents(final)}); choose a new directory "
-                                f"(e.g. {final / 'NAME'}) or pass {flag} to replace a directory that dllm-ais wrote.")
-    marker = provenance(final)
-    if marker is None:
-        raise OutputExistsError(f"{final} holds files dllm-ais did not write ({describe_contents(final)}); {flag} only "
-                                "replaces directories dllm-ais wrote. Choose a new directory or move this one away.")
-    if marker.get("run_directory"):
-        raise OutputExistsError(f"{final} is the output_dir of a training run (its checkpoints and metrics); {flag} "
-                                "never replaces one. Choose a new directory.")
-
-
-def fsync_directory(path: str | Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
-def fsync_tree(root: Path) -> None:
-    """Flush every file and directory under `root` to the disk (a rename is only durable after its content is)."""
-    for directory, _, files in os.walk(root):
-        for name in files:
-            descriptor = os.open(os.path.join(directory, name), os.O_RDONLY)
-            try:
-                os.fsync(descriptor)
-            finally:
-                os.close(descriptor)
-        fsync_directory(directory)
-
-
-def remove_directory(path: Path) -> None:
-    """Delete a directory dllm-ais wrote, its marker last: a crash midway leaves a leftover still provably ours."""
-    for child in path.iterdir():
-        if child.name == MARKER:
-            continue
-        if child.is_dir() and not child.is_symlink():
-            shutil.rmtree(child)
-        else:
-            child.unlink()
-    (path / MARKER).unlink(missing_ok=True)
-    path.rmdir()
-
-
-def discard_directory(path: Path, name: str | None = None) -> None:
-    """Delete a directory dllm-ais wrote: first renamed to `.trash-<name>-*`, so it never stays half-deleted under
-    a name that a resume or a leftover recovery would trust."""
-    trash = path.with_name(f".trash-{name or path.name}-{secrets.token_hex(4)}")
-    os.rename(path, trash)
-    fsync_directory(path.parent)
-    remove_directory(trash)
-
-
-def _writer_is_running(marker: dict[str, Any]) -> bool:
-    pid = marker.get("pid")
-    if marker.get("host") != socket.gethostname() or not isinstance(pid, int) or pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def clean_leftovers(parent: str | Path, name: str | None = None) -> None:
-    """Finish what interrupted atomic writes left in `parent` (for directory `name`, or for all): a `.tmp-<name>-*`
-    staging directory is deleted unless its writer still runs; `.old-<name>` (a complete previous copy moved aside)
-    is renamed back when `<name>` is missing — the crash fell between the two renames — and deleted otherwise;
-    `.trash-*` is deleted. Only directories carrying dllm-ais' marker are touched, and empty ones (an interrupted
-    deletion's last step)."""
-    parent = Path(parent)
-    if not parent.is_dir():
-        return
-    for entry in sorted(parent.iterdir()):
-        if not is_leftover(entry):
-            continue
-        prefix, _, rest = entry.name[1:].partition("-")
-        target = rest if prefix == "old" else rest.rpartition("-")[0]
-        if name is not None and target != name:
-            continue
-        marker = provenance(entry)
-        if marker is None:  # empty: see is_leftover
-            entry.rmdir()
-        elif prefix == "tmp" and _writer_is_running(marker):
-            continue
-        elif prefix == "old" and not (parent / target).exists():
-            os.rename(entry, parent / target)
-            fsync_directory(parent)
-        elif prefix == "trash":
-            remove_directory(entry)
-        else:
-            discard_directory(entry, target)
-
-
-def staging_directory(final: Path, token: str) -> Path:
-    """Where `final` is staged: `.tmp-<name>-<token>` beside it (processes writing one checkpoint share `token`)."""
-    return final.parent / f".tmp-{final.name}-{token}"
-
-
-def begin_staging(final: Path, token: str | None = None, **fields: Any) -> Path:
-    """Create the staging directory of `final`, marked as dllm-ais' (with `fields`), after checking that the disk
-    has room for it (see `check_free_space`)."""
-    check_free_space(final)
-    staging = staging_directory(final, token or secrets.token_hex(4))
-    staging.mkdir(parents=True)
-    marker = {"written_by": "dllm-ais", "pid": os.getpid(), "host": socket.gethostname(), **fields}
-    (staging / MARKER).write_text(json.dumps(marker))
-    return staging
-
-
-def commit_staging(staging: Path, final: Path, overwrite: bool = False) -> None:
-    """Make the finished `staging` directory `final` by renames only, after recording every file's size and hash in
-    its marker (`verify_checkpoint` checks them) and flushing it — and the run's open JSONL logs — to disk.
-
-    `final` may be absent or empty, or (with `overwrite`) a directory dllm-ais wrote: that one is first renamed to
-    `.old-<name>` and deleted once the new copy is in place, so a complete copy always exists under one of the names.
-    Nothing beside `final` is touched. On failure the staging directory is removed.
-    """
-    try:
-        record_manifest(staging)
-        fsync_tree(staging)
-        sync_logs_in(final.parent)
-        check_destination(final, overwrite)
-        displaced = None
-        if final.is_dir() and any(final.iterdir()):
-            displaced = final.with_name(f".old-{final.name}")
-            os.rename(final, displaced)
-        elif final.is_dir():
-            final.rmdir()
-        os.rename(staging, final)
-        fsync_directory(final.parent)
-    except BaseException:
-        if staging.exists():
-            remove_directory(staging)
-        raise
-    if displaced is not None:
-        discard_directory(displaced, final.name)
-
-
-@contextmanager
-def atomic_directory(final: str | Path, overwrite: bool = False, flag: str = "--overwrite") -> Iterator[Path]:
-    """Yield a staging directory beside `final`; once the block has written everything, it becomes `final`.
-
-    `final` must be absent or empty unless `overwrite` allows replacing a directory dllm-ais wrote (checked before
-    the block runs, so a refused destination costs nothing); `flag` is how the user says "overwrite" in the error.
-    A crash leaves `final` as it was plus a leftover that the next write to `final` cleans up; an exception removes
-    the staging directory (a full disk is reported as `NoSpaceLeft`).
-    """
-    final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    clean_leftovers(final.parent, final.name)
-    check_destination(final, overwrite, flag)
-    with staged_directory(final, overwrite=overwrite) as staging:
-        yield staging
-
-
-@contextmanager
-def staged_directory(final: str | Path, token: str | None = None, is_main_process: bool = True,
-                     overwrite: bool = True, **fields: Any) -> Iterator[Path]:
-    """Yield the staging directory of `final` (see `begin_staging`; `fields` go into its marker); once the block
-    has written everything, it becomes `final` (`commit_staging`). The trainer's checkpoints use this with the run's
-    `token`, so that every process writes into one staging directory; only the main process creates and commits it.
-
-    Any exception removes the staging directory (it never stays, holding the space); a full disk — ENOSPC, or a
-    library's write error while the disk has no room left — is raised as `NoSpaceLeft`, saying how much a
-    checkpoint needs.
-    """
-    final = Path(final)
-    staging = begin_staging(final, token, **fields) if is_main_process else staging_directory(final, token)
-    try:
-        yield staging
-    except BaseException as error:
-        no_space = no_space_error(error, final)
-        if is_main_process and staging.exists():
-            remove_directory(staging)
-        if no_space is not None:
-            raise no_space from error
-        raise
-    if is_main_process:
-        commit_staging(staging, final, overwrite)
-
-
-# ------------------------------------------------------------------------------------------ integrity and space
-class NoSpaceLeft(OSError):
-    """The disk has no room for what is being written; the message says where and how much is needed."""
-
-    def __str__(self) -> str:
-        return self.strerror
-
-
-def directory_size(directory: Path) -> int:
-    """Bytes of the files under `directory` (0 when it does not exist)."""
-    return sum(os.path.getsize(os.path.join(root, name)) for root, _, files in os.walk(directory) for name in files)
-
-
-def checkpoint_size_estimate(parent: Path) -> int:
-    """Bytes the next checkpoint in `parent` needs: the size of the newest checkpoint-N there (0 when none)."""
-    newest = run_checkpoints(parent)
-    return directory_size(newest[-1][1]) if newest else 0
-
-
-def no_space_message(where: Path, needed: int, free: int | None = None, at_least: bool = False) -> str:
-    free_text = f"{free / MIB:.1f} MB free; " if free is not None else ""
-    amount = f"more than {needed / MIB:.1f}" if at_least else f"~{needed / MIB:.1f}"
-    return f"no space left on {where} ({free_text}a checkpoint needs {amount} MB)"
-
-
-def check_free_space(final: Path) -> None:
-    """Raise NoSpaceLeft before writing `final` when its disk has less room than the newest checkpoint beside it
-    took (plus 10 %): better a clear refusal than a library's error halfway through the write."""
-    needed = int(1.1 * checkpoint_size_estimate(final.parent))
-    free = shutil.disk_usage(final.parent).free if final.parent.is_dir() else None
-    if needed and free is not None and free < needed:
-        raise NoSpaceLeft(errno.ENOSPC, no_space_message(final.parent, needed, free))
-
-
-def no_space_error(error: BaseException, final: Path) -> NoSpaceLeft | None:
-    """`error` as NoSpaceLeft when it came from a full disk — ENOSPC or EDQUOT anywhere in its chain, or any write
-    error while less than 1 MB is left on `final`'s disk (torch reports a full disk as `RuntimeError: ... unexpected
-    pos`) — else None. The size needed is the newest checkpoint's; without one, more than the staging directories
-    beside `final` held when the write failed."""
-    if isinstance(error, NoSpaceLeft):
-        return error
-    cause: BaseException | None = error
-    full = False
-    while cause is not None and not full:
-        full = isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT)
-        cause = cause.__cause__ or cause.__context__
-    parent = final.parent
-    if not full and isinstance(error, (OSError, RuntimeError)) and parent.is_dir():
-        full = shutil.disk_usage(parent).free < MIB
-    if not full:
-        return None
-    needed = checkpoint_size_estimate(parent)
-    if needed:
-        return NoSpaceLeft(errno.ENOSPC, no_space_message(parent, needed))
-    written = sum(directory_size(entry) for entry in parent.glob(".tmp-*") if entry.is_dir())
-    return NoSpaceLeft(errno.ENOSPC, no_space_message(parent, written, at_least=True))
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
-                   "sentencepiece.bpe.model")
-
-
-def check_tokenizer_files(name_or_path: str) -> None:
-    """Raise FileNotFoundError (one line, naming the directory and the fix) when `name_or_path` is a local model
-    directory without tokenizer files — transformers would otherwise suggest installing sentencepiece or tiktoken."""
-    path = Path(resolve_model_path(name_or_path))
-    if not path.is_dir() or any((path / name).is_file() for name in TOKENIZER_FILES) or any(path.glob("*.tiktoken")):
-        return
-    raise FileNotFoundError(f"{path} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...); copy its "
-                            "base model's tokenizer there (tokenizer.save_pretrained(path)) or pass the base model.")
-
-
-def file_digest(path: Path) -> str:
-    """The sha256 of a file's bytes, in hex."""
-    digest = hashlib.sha256()
-    with path.open("rb") as file:
-        while chunk := file.read(4 * MIB):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def record_manifest(directory: Path) -> None:
-    """Add to `directory`'s marker the size and sha256 of every file in it (its `files`, by relative path)."""
-    marker = json.loads((directory / MARKER).read_text())
-    marker["files"] = {str(path.relative_to(directory)): {"size": path.stat().st_size, "sha256": file_digest(path)}
-                       for path in sorted(directory.rglob("*")) if path.is_file() and path.name != MARKER}
-    (directory / MARKER).write_text(json.dumps(marker))
-
-
-def verify_checkpoint(directory: str | Path) -> str | None:
-    """Why `directory` is damaged — a file its marker lists that is missing, of another size or with other bytes
-    than when it was written — or None when every file verifies (or the marker predates manifests)."""
-    directory = Path(directory)
-    files = (provenance(directory) or {}).get("files")
-    for name, expected in (files or {}).items():
-        path = directory / name
-        if not path.is_file():
-            return f"{path} is missing"
-        size = path.stat().st_size
-        if size != expected["size"]:
-            return f"{path} is damaged ({size} bytes, {expected['size']} when written)"
-        if file_digest(path) != expected["sha256"]:
-            return f"{path} is damaged (its bytes changed since it was written)"
-    return None
-
-
-def load_saved_weights(model: torch.nn.Module, directory: str | Path) -> None:
-    """Load, in place, what `save_pretrained` wrote into `directory`: the adapter into a peft model, all weights
-    (one file or shards) into a plain model. Every saved tensor must find its parameter; a parameter may only be
-    missing from the files when it is tied to one that was loaded."""
-    from safetensors.torch import load_file
-
-    directory = Path(directory)
-    if (directory / "adapter_config.json").is_file():
-        from peft import set_peft_model_state_dict
-        from peft.utils import load_peft_weights
-
-        result = set_peft_model_state_dict(model, load_peft_weights(str(directory), device="cpu"))
-        missing = []
-    else:
-        state: dict[str, torch.Tensor] = {}
-        for file in sorted(directory.glob("model*.safetensors")):
-            state.update(load_file(file))
-        result = model.load_state_dict(state, strict=False)
-        loaded = {p.data_ptr() for name, p in model.state_dict().items() if name in state}
-        missing = [k for k in result.missing_keys if model.state_dict()[k].data_ptr() not in loaded]
-    if result.unexpected_keys or missing:
-        raise ValueError(f"{directory} does not match the model: unexpected {result.unexpected_keys[:5]}, "
-                         f"missing {missing[:5]}.")
-
-
-# ------------------------------------------------------------------------------------------ run directories
-CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
 RESUMABLE_CHANGES = frozenset({  # fields a resumed run may change: they do not alter the training trajectory
     "max_steps", "logging_steps", "save_steps", "save_total_limit", "output_dir", "overwrite_output_dir",
     "resume_from_checkpoint", "report_to", "run_name", "dry_run", "max_consecutive_skipped_batches", "eval_steps",
     "log_completions", "num_completions_to_print"})  # not eval_size: the held-out baseline is paired with the end
 RUN_OUTPUTS = ("final",)  # directories a run writes besides its checkpoint-N
 RUN_FILES = ("config.yaml", "metrics.jsonl", "metrics.png", "completions.jsonl", "best_checkpoint.json")
+BEST_CHECKPOINT_FILE = "best_checkpoint.json"
+RUN_STATE_FILE = "custom_checkpoint_0.pkl"  # the name accelerate's register_for_checkpointing gave it
+CONFIG_FILE = "dllm_ais_config.yaml"
+RESUME_FILES = (RUN_STATE_FILE, CONFIG_FILE)
+RANDOM_STATES = re.compile(r"random_states_(\d+)\.pkl")  # accelerate's save_state writes one per process
+PICKLED_WEIGHTS = re.compile(r"(adapter_model|pytorch_model|model).*\.(bin|pt|pth|pkl)")
 
 
-def run_checkpoints(output_dir: str | Path, run_id: str | None = None) -> list[tuple[int, Path]]:
-    """The `checkpoint-N` directories dllm-ais wrote in `output_dir` (of run `run_id` if given), oldest step first."""
-    output_dir = Path(output_dir)
-    found = []
-    for entry in output_dir.iterdir() if output_dir.is_dir() else ():
-        match = CHECKPOINT_NAME.fullmatch(entry.name)
-        marker = provenance(entry) if match and entry.is_dir() else None
-        if marker is not None and (run_id is None or marker.get("run") == run_id):
-            found.append((int(match.group(1)), entry))
-    return sorted(found)
+class NonFiniteError(FloatingPointError):
+    """Training stopped: `max_consecutive_skipped_batches` batches in a row were non-finite, or weights to be saved are."""
 
 
-def prune_checkpoints(output_dir: str | Path, run_id: str, keep: int, protect: str | Path | None = None) -> None:
-    """`save_total_limit`: delete the oldest checkpoint-N directories this run wrote beyond the newest `keep`, never
-    `protect` (the best checkpoint by validation score)."""
-    protected = Path(protect).resolve() if protect is not None else None
-    for _, path in run_checkpoints(output_dir, run_id)[:-keep]:
-        if path.resolve() != protected:
-            discard_directory(path)
+# ------------------------------------------------------------------------------------------ the run's state
+@dataclass
+class RunState:
+    """What a checkpoint restores besides weights, optimizer, scheduler and the global RNGs: the trainer's counters
+    (steps, generation batches, tokens seen), prompt order and cursor, the AIS α EMA, the adaptive rollout
+    fidelity's rung and calm-batch count, the skip counters, the best validation score so far (TRL's `best_metric`,
+    `best_global_step`, `best_model_checkpoint`), the completion samples not yet logged, the held-out baseline and
+    the generation batch in flight on this process. The trainer's attributes of the same names; the samplers' and
+    estimators' generators are seeded from `generation_index`."""
+
+    run_id: str
+    global_step: int = 0
+    generation_index: int = 0
+    previous_alpha: float | None = None
+    rollout_fidelity_state: dict[str, int] = field(default_factory=lambda: {"level": 0, "calm_batches": 0})
+    prompt_order: torch.Tensor | None = None
+    prompt_cursor: int = 0
+    batch_iteration: int = 0
+    skipped_batches: int = 0
+    consecutive_skipped_batches: int = 0
+    num_input_tokens_seen: int = 0
+    best_metric: float | None = None
+    best_global_step: int | None = None
+    best_model_checkpoint: str | None = None
+    completion_samples: list[dict[str, Any]] | None = None
+    batch: GenerationBatch | None = None
+    eval_before: EvalResult | None = None
+
+    SAVED_APART = ("batch", "eval_before")  # stored as their state dicts (`to_state_dict`)
+    ADDED_LATER = {"rollout_fidelity_state": {"level": 0, "calm_batches": 0}}
+    """Fields that checkpoints written before them lack, with the value that run had (so they still resume)."""
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The field names, which are also the trainer's attribute names."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    def to_state_dict(self, batches: list[dict[str, Any] | None]) -> dict[str, Any]:
+        """The state as tensors and plain values (what `torch.load(weights_only=True)` reads back), with `batches`,
+        the state dicts of every process' generation batch in flight."""
+        plain = {name: getattr(self, name) for name in self.names() if name not in self.SAVED_APART}
+        return {**plain, "batches": batches,
+                "eval_before": None if self.eval_before is None else self.eval_before.state_dict()}
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any], process_index: int, device: torch.device | str) -> "RunState":
+        """The state `to_state_dict` wrote, with process `process_index`'s generation batch on `device`; a field
+        written before it existed takes its `ADDED_LATER` value, any other missing field is a KeyError."""
+        values = {}
+        for name in cls.names():
+            if name not in cls.SAVED_APART:
+                values[name] = state[name] if name in state or name not in cls.ADDED_LATER else cls.ADDED_LATER[name]
+        batch, eval_before = state["batches"][process_index], state["eval_before"]
+        return cls(**values, batch=None if batch is None else GenerationBatch.from_state_dict(batch, device),
+                   eval_before=None if eval_before is None else EvalResult.from_state_dict(eval_before))
 
 
-def resumable(directory: Path) -> bool:
-    """A complete training checkpoint: written by dllm-ais, with the trainer state accelerate's save_state wrote."""
-    return (provenance(directory) is not None and (directory / "custom_checkpoint_0.pkl").is_file()
-            and (directory / "dllm_ais_config.yaml").is_file())
+# ------------------------------------------------------------------------------------------ safe loading from bytes
+def numpy_array_globals() -> list[Any]:
+    """The numpy constructors an RNG state's array needs under `weights_only` (data only: no callable beyond
+    rebuilding an array of a dtype)."""
+    multiarray = getattr(np, "_core", None) or np.core
+    return [multiarray.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def load_data(path: Path, data: bytes, numpy_arrays: bool = False) -> Any:
+    """`torch.load(weights_only=True)` of the verified bytes `data` of `path` (with numpy arrays allowed when
+    `numpy_arrays`); a pickle naming anything else, or bytes that do not load, is one ConfigError naming the file."""
+    try:
+        with torch.serialization.safe_globals(numpy_array_globals() if numpy_arrays else []):
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        named = re.search(r"GLOBAL (\S+)", str(error))
+        raise ConfigError(f"{path} holds more than tensors and plain values ({named.group(1) if named else 'code'}); "
+                          "refusing to resume from it. Resume from a checkpoint you wrote.") from None
+    except Exception as error:  # noqa: BLE001 - any other failure of the bytes to load, in one line
+        raise ConfigError(f"{path} does not load ({type(error).__name__}); resume from another checkpoint.") from None
+
+
+def weights_state(files: dict[str, bytes], directory: Path) -> dict[str, torch.Tensor]:
+    """The state dict in a checkpoint's safetensors weights — the adapter's, or every `model*.safetensors` shard —
+    from verified bytes; ConfigError naming the file when there are none (pickled weights are never loaded)."""
+    from safetensors.torch import load as load_safetensors
+
+    names = (["adapter_model.safetensors"] if "adapter_config.json" in files
+             else sorted(n for n in files if re.fullmatch(r"model.*\.safetensors", n)))
+    present = [name for name in names if name in files]
+    if not present:
+        pickled = sorted(n for n in files if PICKLED_WEIGHTS.fullmatch(n))
+        found = f"{directory / pickled[0]} is a pickle and is never loaded" if pickled else "it lists none"
+        raise ConfigError(f"{directory} holds no safetensors weights ({found}); resume from a checkpoint you wrote.")
+    state: dict[str, torch.Tensor] = {}
+    for name in present:
+        try:
+            state.update(load_safetensors(files[name]))
+        except Exception as error:  # noqa: BLE001 - bytes that are not safetensors, in one line
+            raise ConfigError(f"{directory / name} is not a safetensors file ({type(error).__name__}); resume from "
+                              "another checkpoint.") from None
+    return state
+
+
+def load_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], directory: Path) -> None:
+    """Load `state` (see `weights_state`) in place: into a peft model's adapter, or all weights of a plain model.
+    Every saved tensor must find its parameter; a parameter may only be missing when it is tied to a loaded one."""
+    if isinstance(model, PeftModel):
+        from peft import set_peft_model_state_dict
+
+        result, missing = set_peft_model_state_dict(model, state), []
+    else:
+        result = model.load_state_dict(state, strict=False)
+        loaded = {p.data_ptr() for name, p in model.state_dict().items() if name in state}
+        missing = [k for k in result.missing_keys if model.state_dict()[k].data_ptr() not in loaded]
+    if result.unexpected_keys or missing:
+        raise ConfigError(f"{directory} does not match the model: unexpected {result.unexpected_keys[:5]}, "
+                          f"missing {missing[:5]}.")
+
+
+def restore_random_states(states: Any, path: Path) -> int:
+    """Set Python's, numpy's, torch's (and CUDA's, where present) global RNGs to what accelerate's `save_state`
+    stored in `path`; returns the accelerator's saved `step`. States that do not apply are one ConfigError."""
+    try:
+        random.setstate(states["random_state"])
+        np.random.set_state(states["numpy_random_seed"])
+        torch.set_rng_state(states["torch_manual_seed"])
+        if torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(states["torch_cuda_manual_seed"])
+        return int(states.get("step", 0))
+    except Exception as error:  # noqa: BLE001 - never resume with other random state than the checkpoint's
+        raise ConfigError(f"{path}: its random states do not load ({type(error).__name__}: {error!s:.80}); resume "
+                          "from another checkpoint.") from None
+
+
+# ------------------------------------------------------------------------------------------ choosing a checkpoint
+def checkpoint_problem(directory: Path) -> str | None:
+    """Why `directory` cannot be resumed — its marker or a file damaged (`verify_checkpoint`), or the manifest
+    missing the trainer state or the config — or None."""
+    if (problem := verify_checkpoint(directory)) is not None:
+        return problem
+    missing = [name for name in RESUME_FILES if name not in checkpoint_manifest(directory)]
+    return f"incomplete (no {', '.join(missing)})" if missing else None
 
 
 def newest_intact_checkpoint(output_dir: str | Path, before: int | None = None) -> tuple[Path | None, list[str]]:
-    """The newest complete checkpoint-N in `output_dir` (with N < `before` if given) whose files verify, and why
-    each newer one was skipped (one line each)."""
+    """The newest complete checkpoint-N in `output_dir` (with N < `before` if given) whose marker and files verify,
+    and why each newer one was skipped (one line each)."""
     skipped = []
     for step, path in reversed(run_checkpoints(output_dir)):
         if before is not None and step >= before:
             continue
-        problem = "incomplete (no trainer state)" if not resumable(path) else verify_checkpoint(path)
+        problem = checkpoint_problem(path)
         if problem is None:
             return path, skipped
         skipped.append(f"skipped {path}: {problem}")
@@ -469,16 +229,16 @@ def resume_checkpoint(config: GRPOConfig, report_skipped: bool = True) -> Path |
             print(f"warning: resume_from_checkpoint=true {line}; resuming from {checkpoint}", file=sys.stderr)
     else:
         checkpoint = Path(wanted)
-        if not resumable(checkpoint):
-            raise ConfigError(f"resume_from_checkpoint={wanted}: not a complete dllm-ais training checkpoint (a "
+        if not carries_marker(checkpoint):
+            raise ConfigError(f"resume_from_checkpoint={wanted}: not a dllm-ais training checkpoint (a "
                               "checkpoint-N directory written by `dllm-ais train`, with its trainer state).")
-        if (problem := verify_checkpoint(checkpoint)) is not None:
+        if (problem := checkpoint_problem(checkpoint)) is not None:
             match = CHECKPOINT_NAME.fullmatch(checkpoint.name)
             previous = newest_intact_checkpoint(checkpoint.parent, int(match.group(1)))[0] if match else None
             fix = (f"resume from the previous intact checkpoint: --resume_from_checkpoint={previous}"
                    if previous is not None else "no earlier intact checkpoint exists; start a fresh run")
             raise ConfigError(f"resume_from_checkpoint={wanted}: {problem}; {fix}.")
-    saved = flat_settings(canonical_values(read_recipe(checkpoint / "dllm_ais_config.yaml"), str(checkpoint)))
+    saved = flat_settings(canonical_values(read_recipe(checkpoint / CONFIG_FILE), str(checkpoint)))
     defaults = flat_settings(GRPOConfig().to_dict())
     changed = [f"{name}: {show(saved.get(name, defaults[name]))} -> {show(value)}"
                for name, value in flat_settings(config.to_dict()).items()
@@ -535,10 +295,14 @@ def _check_output_dir(config: GRPOConfig, is_main_process: bool) -> Path | None:
         raise ConfigError(f"output_dir {output_dir} is not empty (holds {describe_contents(output_dir)}). Pass {ways}, "
                           "or choose another --output_dir.")
     ours = {path for _, path in run_checkpoints(output_dir)} | {output_dir / n for n in RUN_OUTPUTS}
-    foreign = [e.name for e in present if (CHECKPOINT_NAME.fullmatch(e.name) or e.name in RUN_OUTPUTS)
-               and provenance(e) is None]
+    foreign = [e.name for e in present if (CHECKPOINT_NAME.fullmatch(e.name) and not carries_marker(e))
+               or (e.name in RUN_OUTPUTS and provenance(e) is None)]
     if provenance(output_dir) is None:
         foreign += [e.name for e in present if e.name in RUN_FILES]
+    odd = [e.name for e in present if e.name in RUN_FILES and (e.is_symlink() or not e.is_file())]
+    if odd:
+        raise ConfigError(f"output_dir {output_dir} holds {', '.join(odd)} that is not a regular file (a directory or "
+                          "a link) where the run writes that file. Move it away or choose another --output_dir.")
     if foreign:
         raise ConfigError(f"output_dir {output_dir} holds {', '.join(foreign)} that dllm-ais did not write; the run "
                           "would replace them. Move them away or choose another --output_dir.")
@@ -554,98 +318,48 @@ def _check_output_dir(config: GRPOConfig, is_main_process: bool) -> Path | None:
     return checkpoint
 
 
+
 # ------------------------------------------------------------------------------------------ saving and resuming a run
-BEST_CHECKPOINT_FILE = "best_checkpoint.json"
-
-
-class NonFiniteError(FloatingPointError):
-    """Training stopped: `max_consecutive_skipped_batches` batches in a row were non-finite, or weights to be saved are."""
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Replace the file at `path` with `text` by one rename: readers see the old content or the new, never a part."""
-    staging = path.with_name(f".tmp-{path.name}")
-    staging.write_text(text)
-    os.replace(staging, path)
-
-
-class TrainingProgress:
-    """What a checkpoint needs besides weights, optimizer, scheduler and the global RNGs (accelerate saves those):
-    the trainer's counters (steps, generation batches, tokens seen), prompt order and cursor, the α EMA, the adaptive
-    rollout fidelity's rung and calm-batch count, the held-out baseline, the best validation score so far (TRL's
-    `best_metric`, `best_global_step`, `best_model_checkpoint`), the skip counters, the completion samples not yet
-    logged and the generation batch in flight on every process (each holds its own prompts' rollouts). The samplers'
-    and estimators' generators are seeded from `generation_index`.
-
-    This is the object `accelerator.register_for_checkpointing` stores (state_dict / load_state_dict); it holds
-    tensors and plain values only, so resuming can check the file loads with `torch.load(weights_only=True)`.
-    accelerate writes it from the main process only, so `state_dict` (called on every process) gathers the batches.
-    """
-
-    FIELDS = ("run_id", "global_step", "generation_index", "previous_alpha", "rollout_fidelity_state", "prompt_order",
-              "prompt_cursor", "batch_iteration", "skipped_batches", "consecutive_skipped_batches",
-              "num_input_tokens_seen", "best_metric", "best_global_step", "best_model_checkpoint", "completion_samples")
-
-    ADDED_LATER = {"rollout_fidelity_state": {"level": 0, "calm_batches": 0}}
-    """Fields that checkpoints written before them lack, with the value that run had (so they still resume)."""
-
-    def __init__(self, trainer: "GRPOTrainer"):
-        self.trainer = trainer
-
-    def state_dict(self) -> dict[str, Any]:
-        batch, eval_before = self.trainer.batch, self.trainer.eval_before
-        batches = [None if batch is None else send_to_device(batch.state_dict(), "cpu")]
-        if self.trainer.accelerator.num_processes > 1:
-            batches = gather_object(batches)
-        return {**{name: getattr(self.trainer, name) for name in self.FIELDS}, "batches": batches,
-                "eval_before": None if eval_before is None else eval_before.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for name in self.FIELDS:
-            setattr(self.trainer, name, state[name] if name in state else self.ADDED_LATER[name])
-        batch, eval_before = state["batches"][self.trainer.accelerator.process_index], state["eval_before"]
-        self.trainer.batch = None if batch is None else GenerationBatch.from_state_dict(batch, self.trainer.accelerator.device)
-        self.trainer.eval_before = None if eval_before is None else EvalResult.from_state_dict(eval_before)
-
-
 class Checkpointer:
     """Saving and resuming one training run in `config.output_dir`: the model directory (`save_model`), resumable
     `checkpoint-N` directories (`save_checkpoint`, `resume`) and the best-score record (`write_best_record`).
 
-    It registers `TrainingProgress(trainer)` and the weight hooks with accelerate, so `save_state` / `load_state`
-    carry the trainer's progress and leave the weights to save_pretrained's files."""
+    Saving uses accelerate's `save_state` for the optimizer, scheduler and RNGs (its hook leaves the weights to
+    save_pretrained's files) and writes the run's `RunState` itself; resuming reads nothing through accelerate."""
 
-    def __init__(self, config: GRPOConfig, parts: StepComponents, tokenizer, trainer: "GRPOTrainer"):
-        self.config, self.parts, self.tokenizer, self.trainer = config, parts, tokenizer, trainer
+    def __init__(self, config: GRPOConfig, parts: StepComponents, tokenizer):
+        self.config, self.parts, self.tokenizer = config, parts, tokenizer
         self.output_dir = Path(config.output_dir)
         self.last_checkpoint: tuple[int, Path] | None = None
         parts.accelerator.register_save_state_pre_hook(self._leave_weights_to_save_pretrained)
-        parts.accelerator.register_load_state_pre_hook(self._load_weights_from_save_pretrained)
-        parts.accelerator.register_for_checkpointing(TrainingProgress(trainer))
 
-    def write_best_record(self) -> None:
+    def checkpoint_directory(self, step: int) -> Path:
+        """Where the checkpoint of `step` is written."""
+        return self.output_dir / f"checkpoint-{step}"
+
+    def write_best_record(self, state: RunState) -> None:
         """`output_dir/best_checkpoint.json`: the best validation score so far, its step, and the directory holding
         the weights of that step (a checkpoint-N, final/ when the last step scored best, or null when that step was
         not saved). Written atomically; without a score yet, a record an earlier run left there is removed."""
-        path, run = self.output_dir / BEST_CHECKPOINT_FILE, self.trainer
-        if run.best_global_step is None:
+        path = self.output_dir / BEST_CHECKPOINT_FILE
+        if state.best_global_step is None:
             if dllm_ais_record(path) is not None:
                 path.unlink()
             return
-        record = {"written_by": "dllm-ais", "run": run.run_id, "metric_for_best_model": self.config.best_metric_key,
-                  "greater_is_better": self.config.greater_is_better, "best_metric": run.best_metric,
-                  "best_global_step": run.best_global_step, "best_model_checkpoint": run.best_model_checkpoint}
+        record = {"written_by": "dllm-ais", "run": state.run_id, "metric_for_best_model": self.config.best_metric_key,
+                  "greater_is_better": self.config.greater_is_better, "best_metric": state.best_metric,
+                  "best_global_step": state.best_global_step, "best_model_checkpoint": state.best_model_checkpoint}
         atomic_write_text(path, json.dumps(record, indent=2) + "\n")
 
-    def checked_state_dict(self) -> dict[str, torch.Tensor]:
+    def checked_state_dict(self, step: int) -> dict[str, torch.Tensor]:
         """The model's state dict to save (a collective under FSDP / ZeRO-3: every process calls this); raises
         NonFiniteError when a trainable weight is NaN or inf, so nothing non-finite is ever written."""
         accelerator = self.parts.accelerator
         accelerator.wait_for_everyone()
         local = [p.to_local() if hasattr(p, "to_local") else p for p in self.parts.trainable_parameters]
         if any_process(accelerator, not all(torch.isfinite(p).all() for p in local))[0]:
-            raise NonFiniteError(f"refusing to save non-finite weights at step {self.trainer.global_step}; the last "
-                                 "checkpoint holds finite ones.")
+            raise NonFiniteError(f"refusing to save non-finite weights at step {step}; the last checkpoint holds "
+                                 "finite ones.")
         return accelerator.get_state_dict(self.parts.model)
 
     def write_model(self, directory: Path, state_dict: dict[str, torch.Tensor]) -> None:
@@ -656,76 +370,110 @@ class Checkpointer:
         peft_only = {"save_embedding_layers": False} if isinstance(model, PeftModel) else {}
         model.save_pretrained(directory, state_dict=state_dict, safe_serialization=True, **peft_only)
         self.tokenizer.save_pretrained(directory)
-        save_config(self.config, directory / "dllm_ais_config.yaml")
+        save_config(self.config, directory / CONFIG_FILE)
 
-    def save_model(self, directory: Path) -> None:
-        """Write the model directory (see `write_model`) atomically into `directory`."""
-        state_dict = self.checked_state_dict()
+    def save_model(self, directory: Path, step: int) -> None:
+        """Write the model directory (see `write_model`) of `step` atomically into `directory`."""
+        state_dict = self.checked_state_dict(step)
         if self.parts.accelerator.is_main_process:
             with atomic_directory(directory, overwrite=True) as staging:
                 self.write_model(staging, state_dict)
 
-    def save_checkpoint(self, validation: dict[str, float] | None = None) -> Path:
-        """Write `output_dir/checkpoint-<step>` atomically: the model directory plus accelerate's `save_state`
-        (optimizer, scheduler, every process' RNGs and `TrainingProgress`), from which `resume` continues the run
-        exactly; then keep only the newest `save_total_limit` checkpoints of this run (and the best one). The
-        directory's marker records the step's `validation` scores when it was scored."""
-        run, accelerator = self.trainer, self.parts.accelerator
-        directory = self.output_dir / f"checkpoint-{run.global_step}"
-        if self.last_checkpoint is not None and self.last_checkpoint[0] == run.global_step:
-            return self.last_checkpoint[1]
-        if run.best_global_step == run.global_step:
-            run.best_model_checkpoint = str(directory)
-        state_dict = self.checked_state_dict()
-        with staged_directory(directory, run.run_id[:8], accelerator.is_main_process, overwrite=True,
-                              run=run.run_id, step=run.global_step, validation=validation) as staging:
+    def save_checkpoint(self, state: RunState, validation: dict[str, float] | None = None) -> Path:
+        """Write `checkpoint_directory(state.global_step)` atomically: the model directory, accelerate's
+        `save_state` (optimizer, scheduler, every process' RNGs) and `state` (with every process' generation batch),
+        from which `resume` continues the run exactly; then keep only the newest `save_total_limit` checkpoints of
+        this run (and the best one). The directory's marker records the step's `validation` scores when scored."""
+        accelerator, step = self.parts.accelerator, state.global_step
+        directory = self.checkpoint_directory(step)
+        if self.saved_now(step):
+            return directory
+        state_dict = self.checked_state_dict(step)
+        batches = [None if state.batch is None else send_to_device(state.batch.state_dict(), "cpu")]
+        if accelerator.num_processes > 1:
+            batches = gather_object(batches)
+        with staged_directory(directory, state.run_id[:8], accelerator.is_main_process, overwrite=True,
+                              run=state.run_id, step=step, validation=validation) as staging:
             if accelerator.is_main_process:
                 self.write_model(staging, state_dict)
             accelerator.wait_for_everyone()
             accelerator.save_state(str(staging))
+            if accelerator.is_main_process:
+                torch.save(state.to_state_dict(batches), staging / RUN_STATE_FILE)
             accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             if self.config.save_total_limit:
-                prune_checkpoints(self.output_dir, run.run_id, self.config.save_total_limit,
-                                  protect=run.best_model_checkpoint)
-            self.write_best_record()
+                prune_checkpoints(self.output_dir, state.run_id, self.config.save_total_limit,
+                                  protect=state.best_model_checkpoint)
+            self.write_best_record(state)
         accelerator.wait_for_everyone()
-        self.last_checkpoint = (run.global_step, directory)
+        self.last_checkpoint = (step, directory)
         return directory
 
-    def saved_now(self) -> bool:
-        """Whether a checkpoint of the current step exists."""
-        return self.last_checkpoint is not None and self.last_checkpoint[0] == self.trainer.global_step
+    def saved_now(self, step: int) -> bool:
+        """Whether a checkpoint of `step` exists."""
+        return self.last_checkpoint is not None and self.last_checkpoint[0] == step
 
-    def resume(self, checkpoint: Path, num_prompts: int) -> None:
-        """Restore what `save_checkpoint` wrote: weights, optimizer, scheduler, RNGs and the trainer's progress;
-        the run must have `num_prompts` training prompts, as the checkpoint's did."""
+    def resume(self, checkpoint: Path, num_prompts: int) -> RunState:
+        """Restore what `save_checkpoint` wrote — weights, optimizer, scheduler, this process' RNGs — and return
+        the run's state; the run must have `num_prompts` training prompts, as the checkpoint's did. Every file is
+        read once and verified (`read_verified`), then loaded from those bytes (`load_data`, `weights_state`)."""
         accelerator = self.parts.accelerator
-        for file in sorted(checkpoint.glob("custom_checkpoint_*.pkl")):
-            try:  # accelerate unpickles this file without restriction: first make sure it holds only data
-                torch.load(file, weights_only=True)
-            except pickle.UnpicklingError as error:
-                raise ConfigError(f"{file} holds more than tensors and plain values; refusing to resume from it "
-                                  f"({error}).") from error
-        written_by = len(list(checkpoint.glob("random_states_*.pkl")))  # accelerate writes one per process
+        if accelerator.distributed_type == DistributedType.DEEPSPEED:
+            raise ConfigError(f"Cannot resume from {checkpoint} under DeepSpeed: its engine reads its own checkpoint "
+                              "files with unrestricted unpickling, and dllm-ais resumes only from verified bytes "
+                              "(one process, DDP or FSDP). Start the run under DDP or FSDP to make it resumable.")
+        try:
+            files = read_verified(checkpoint)
+        except DamagedCheckpoint as damage:
+            raise ConfigError(f"Cannot resume from {checkpoint}: {damage}.") from None
+        written_by = sum(1 for name in files if RANDOM_STATES.fullmatch(name))
         if written_by != accelerator.num_processes:
             raise ConfigError(f"Cannot resume from {checkpoint}: it was written by {written_by} process(es), this run "
                               f"has {accelerator.num_processes}; launch it with --num_processes {written_by}.")
-        accelerator.load_state(str(checkpoint))
-        trained_on = len(self.trainer.prompt_order)
+        missing = [name for name in ("optimizer.bin", "scheduler.bin", RUN_STATE_FILE) if name not in files]
+        if missing:
+            raise ConfigError(f"Cannot resume from {checkpoint}: it holds no {', '.join(missing)}; resume from a "
+                              "complete checkpoint.")
+        loaded = {name: load_data(checkpoint / name, files[name]) for name in ("optimizer.bin", "scheduler.bin")}
+        rng_file = f"random_states_{accelerator.process_index}.pkl"
+        rng = load_data(checkpoint / rng_file, files[rng_file], numpy_arrays=True)
+        saved_state = load_data(checkpoint / RUN_STATE_FILE, files[RUN_STATE_FILE])
+        try:
+            state = RunState.from_state_dict(saved_state, accelerator.process_index, accelerator.device)
+        except (KeyError, IndexError, TypeError, ValueError) as error:
+            raise ConfigError(f"{checkpoint / RUN_STATE_FILE} is not a run state dllm-ais wrote ({type(error).__name__}"
+                              f": {error!s:.80}); resume from another checkpoint.") from None
+        if accelerator.distributed_type == DistributedType.FSDP:
+            self._load_sharded(checkpoint, files, loaded["optimizer.bin"])
+        else:
+            load_weights(self.parts.unwrapped_model, weights_state(files, checkpoint), checkpoint)
+            self.parts.optimizer.load_state_dict(loaded["optimizer.bin"])
+        self.parts.scheduler.load_state_dict(loaded["scheduler.bin"])
+        accelerator.step = restore_random_states(rng, checkpoint / rng_file)
+        trained_on = len(state.prompt_order)
         if trained_on != num_prompts:
             raise ConfigError(f"Cannot resume from {checkpoint}: it was trained on {trained_on} prompts, "
                               f"the dataset now has {num_prompts}.")
-        self.last_checkpoint = (self.trainer.global_step, checkpoint)
+        self.last_checkpoint = (state.global_step, checkpoint)
+        return state
+
+    def _load_sharded(self, checkpoint: Path, files: dict[str, bytes], optimizer_state: dict[str, Any]) -> None:
+        """Under FSDP: the full model state accelerate saved (`pytorch_model_fsdp.bin`) and the full optimizer
+        state, from verified bytes, distributed into this process' shards."""
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        name = "pytorch_model_fsdp.bin"
+        if name not in files:
+            raise ConfigError(f"Cannot resume from {checkpoint}: it holds no {name} (written by a run without FSDP?); "
+                              "resume it with the launch that wrote it.")
+        options = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(self.parts.model, load_data(checkpoint / name, files[name]), options=options)
+        set_optimizer_state_dict(self.parts.model, self.parts.optimizer, optimizer_state, options=options)
 
     def _leave_weights_to_save_pretrained(self, models, weights, output_dir) -> None:
         """accelerate's save_state hook: it would store the full state dict (a LoRA run's frozen base included); the
         checkpoint's save_pretrained files hold the weights instead. (Under FSDP and DeepSpeed accelerate writes
-        and reads its own model files and passes no state dicts.)"""
+        its own model files and passes no state dicts.)"""
         weights.clear()
-
-    def _load_weights_from_save_pretrained(self, models, input_dir) -> None:
-        """accelerate's load_state hook, the counterpart of `_leave_weights_to_save_pretrained`."""
-        if models:
-            load_saved_weights(self.parts.unwrapped_model, input_dir)
-            models.clear()

@@ -48,7 +48,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 
         run_dry_run(config)
         return 0
-    from dllm_ais.checkpoint import check_tokenizer_files
+    from dllm_ais.loading import check_tokenizer_files
     from dllm_ais.interruption import TrainingInterrupted
     from dllm_ais.trainer import GRPOTrainer, NonFiniteError
 
@@ -84,7 +84,8 @@ def _train_failed(args: argparse.Namespace, overrides: list[str], config, error:
     other error is raised on."""
     from pathlib import Path
 
-    from dllm_ais.checkpoint import clean_leftovers, newest_intact_checkpoint, no_space_error
+    from dllm_ais.checkpoint import newest_intact_checkpoint
+    from dllm_ais.run_dir import clean_leftovers, no_space_error
     from dllm_ais.run_lock import holds_run_lock
 
     if not holds_run_lock(config.output_dir):
@@ -164,7 +165,7 @@ def _load_for_inference(args: argparse.Namespace, config):
     """Model (through the rollout engine at --precision) and tokenizer of `config` for eval/generate."""
     import torch
 
-    from dllm_ais.checkpoint import check_tokenizer_files
+    from dllm_ais.loading import check_tokenizer_files
     from dllm_ais.engine import RolloutEngine
     from dllm_ais.loading import keep_freed_host_memory, load_model, load_tokenizer, resolve_dtype
 
@@ -324,7 +325,8 @@ def _sft(args: argparse.Namespace, overrides: list[str]) -> int:
 
     import yaml
 
-    from dllm_ais.checkpoint import atomic_directory, check_destination, check_tokenizer_files
+    from dllm_ais.loading import check_tokenizer_files
+    from dllm_ais.run_dir import atomic_directory, check_destination
     from dllm_ais.config import ConfigError
     from dllm_ais.data import load_task_dataset
     from dllm_ais.loading import load_model, load_tokenizer, resolve_dtype

@@ -10,6 +10,7 @@ does not depend on the run, so the carved rows never appear in the training spli
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -186,6 +187,18 @@ def with_required_columns(dataset: datasets.Dataset, task: Task, source: str = "
     return dataset
 
 
+def check_examples(dataset: datasets.Dataset, task: Task, source: str) -> datasets.Dataset:
+    """`dataset` when ``task.to_example`` takes every row; otherwise a DatasetFileError naming the `source`, the
+    first row it rejects (a value of the wrong type, such as ``target: "six"``) and the problem, in one line."""
+    for index, row in enumerate(dataset):
+        try:
+            task.to_example(dict(row))
+        except Exception as error:  # noqa: BLE001 - any rejection of a file's row is reported with the row
+            raise DatasetFileError(f"{source}: row {index + 1}: {first_line(error)}; fix the value or remove the "
+                                   "row") from None
+    return dataset
+
+
 def examples_from_rows(dataset: datasets.Dataset, task: Task) -> datasets.Dataset:
     """Map every row through ``task.to_example``, keeping the other columns. The retyped
     columns are moved aside under a temporary name first, because ``datasets`` would otherwise
@@ -244,7 +257,12 @@ def load_task_dataset(
         raise ValueError(f"the {task} task has no default dataset; pass path= a local file with columns {expected}")
     else:
         loaders, source = hub_split_loaders(spec), f"the {task} hub data"
-    checked = {name: (lambda name=name, load=load: with_required_columns(load(), spec, f"{source} ({name} split)"))
+    def checked_split(name: str, load: Callable[[], datasets.Dataset]) -> datasets.Dataset:
+        where = f"{source} ({name} split)"
+        dataset = with_required_columns(load(), spec, where)
+        return dataset if path is None else check_examples(dataset, spec, where)  # a local file's values
+
+    checked = {name: functools.partial(checked_split, name, load)
                for name, load in loaders.items()}  # checked whole, before carving: row numbers are the source's
     dataset = resolve_split(split, checked)
     return examples_from_rows(subsample(dataset, size, seed), spec)

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-from dllm_ais.checkpoint import MARKER, atomic_directory, check_destination
 from dllm_ais.config import EMBEDDED_MODELS, ConfigError, GRPOConfig, canonical_values, recipe_setting
+from dllm_ais.run_dir import MARKER, atomic_directory, check_destination
 from dllm_ais.loading import load_model, resolve_model_path
 
 REMOTE_CODE_FILE = "modeling_llada.py"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import platform
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from dllm_ais.config import EMBEDDED_MODELS
+from dllm_ais.config import EMBEDDED_MODELS, ConfigError
 
 END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|endoftext|>")
 # glibc's mallopt parameters (malloc.h) and their environment variables.
@@ -30,6 +31,20 @@ def resolve_model_path(name_or_path: str) -> str:
                                     "`python scripts/build_tiny_model.py` (see its --help).")
         return str(directory)
     return name_or_path
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                   "sentencepiece.bpe.model")
+
+
+def check_tokenizer_files(name_or_path: str) -> None:
+    """Raise FileNotFoundError (one line, naming the directory and the fix) when `name_or_path` is a local model
+    directory without tokenizer files — transformers would otherwise suggest installing sentencepiece or tiktoken."""
+    path = Path(resolve_model_path(name_or_path))
+    if not path.is_dir() or any((path / name).is_file() for name in TOKENIZER_FILES) or any(path.glob("*.tiktoken")):
+        return
+    raise FileNotFoundError(f"{path} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...); copy its "
+                            "base model's tokenizer there (tokenizer.save_pretrained(path)) or pass the base model.")
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -64,6 +79,24 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+def refuse_remote_code(path: str) -> None:
+    """ConfigError, in one line, when the model directory `path` has a config.json whose `model_type` neither
+    transformers nor dllm-ais provides, or that asks for code of its own (`auto_map`) for such a type: its code
+    would have to run, and dllm-ais never runs a model directory's code (trust_remote_code stays off)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        config = json.loads((Path(path) / "config.json").read_bytes()[:1 << 20])
+    except (OSError, ValueError):
+        return  # no local config (a Hub id) or an unreadable one: transformers reports it
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if isinstance(model_type, str) and model_type not in CONFIG_MAPPING:
+        asks = " and asks for its own code (auto_map)" if "auto_map" in config else ""
+        raise ConfigError(f"{path}: its config.json names model_type {model_type!r:.60}, which neither transformers "
+                          f"nor dllm-ais provides{asks}; dllm-ais never runs a model directory's code "
+                          "(trust_remote_code). Use a model of a supported architecture.")
+
+
 def load_model(name_or_path: str, dtype: torch.dtype, trust_remote_code: bool = False,
                is_trainable: bool = False) -> torch.nn.Module:
     """`AutoModelForCausalLM.from_pretrained` (safetensors only); LLaDA resolves to dllm_ais' native model.
@@ -78,6 +111,8 @@ def load_model(name_or_path: str, dtype: torch.dtype, trust_remote_code: bool = 
 
         base = load_model(PeftConfig.from_pretrained(path).base_model_name_or_path, dtype, trust_remote_code)
         return PeftModel.from_pretrained(base, path, is_trainable=is_trainable)
+    if not trust_remote_code:
+        refuse_remote_code(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
                                                  use_safetensors=True)
     model.name_or_path = model.config.name_or_path = name_or_path
@@ -91,6 +126,8 @@ def load_model_config(name_or_path: str, trust_remote_code: bool = False):
         from peft import PeftConfig
 
         path = resolve_model_path(PeftConfig.from_pretrained(path).base_model_name_or_path)
+    if not trust_remote_code:
+        refuse_remote_code(path)
     return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 

@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch
 
 from dllm_ais.loss import zero_std_groups
+from dllm_ais.safe_json import loads_bounded
 
 CONSOLE_FIELDS = (  # (metric key, console label, format)
     ("reward", "reward", ".3f"),
@@ -123,9 +124,13 @@ class MetricsLog:
         self.path = Path(output_dir) / name
         self.path.parent.mkdir(parents=True, exist_ok=True)
         previous = Path(previous) if previous is not None else self.path
+        for path in {self.path, previous}:
+            if path.is_symlink() or (path.exists() and not path.is_file()):
+                raise FileExistsError(f"{path} is not a regular file (a directory or a link); the run writes its "
+                                      f"{name} there: move it away, then run again.")
         kept: list[bytes] = []
         if resume_step is not None and previous.is_file():
-            kept, damaged = lines_up_to(previous, resume_step)
+            kept, damaged = lines_up_to(previous, resume_step, TEXT_FIELDS.get(name, ()))
             if damaged:
                 report_damaged_lines(previous, damaged, kept, resume_step, keep_copy=previous.resolve() == self.path.resolve())
         self.records: list[dict[str, Any]] = [json.loads(line) for line in kept]
@@ -179,20 +184,44 @@ def replace_file(path: Path, content: bytes) -> None:
         raise
 
 
-def lines_up_to(path: Path, step: int) -> tuple[list[bytes], list[int]]:
+MAX_RECORD_BYTES = 1 << 20  # a metrics line is ~2 KB; a completions line holds one prompt and its completion
+MAX_RECORD_KEYS, MAX_KEY_CHARS = 4096, 256
+TEXT_FIELDS = {"completions.jsonl": ("prompt", "completion")}  # the only fields of a run's logs that hold text
+
+
+def parse_record(line: bytes, text_fields: tuple[str, ...] = ()) -> dict[str, Any] | None:
+    """The record one line of a run's JSONL log holds when it has the shape dllm-ais writes, else None (a damaged
+    line): a whole line of at most `MAX_RECORD_BYTES`, one flat JSON object (no nesting: parsed with a depth bound)
+    of at most `MAX_RECORD_KEYS` short keys, an integer `step` >= 0 when present, every value a number, a boolean
+    or null — or a string, for the `text_fields` only."""
+    try:
+        record = loads_bounded(line, MAX_RECORD_BYTES, max_depth=1) if line.endswith(b"\n") else None
+    except ValueError:
+        return None
+    if not isinstance(record, dict) or len(record) > MAX_RECORD_KEYS:
+        return None
+    step = record.get("step", 0)
+    if type(step) is not int or step < 0:
+        return None
+    for key, value in record.items():
+        allowed = (int, float, bool, type(None), str) if key in text_fields else (int, float, bool, type(None))
+        if len(key) > MAX_KEY_CHARS or not isinstance(value, allowed):
+            return None
+    return record
+
+
+def lines_up_to(path: Path, step: int, text_fields: tuple[str, ...] = ()) -> tuple[list[bytes], list[int]]:
     """(the valid lines of a run's JSONL file with `step` <= the given one, the numbers of its damaged lines).
 
-    A valid line is a whole JSON object ending in a newline; damaged lines (torn, cut, NUL bytes) are skipped, never
-    a reason to drop what follows them. A run's closing held-out line (validation scores without training
-    metrics) and lines past `step` belong to steps the resumed run writes again, and are left out."""
+    A valid line is one `parse_record` accepts (`text_fields` may hold text); damaged lines (torn, cut, NUL bytes,
+    other types, nested or oversized JSON) are skipped, never a reason to drop what follows them. A run's closing
+    held-out line (validation scores without training metrics) and lines past `step` belong to steps the resumed
+    run writes again, and are left out."""
     kept, damaged = [], []
     with path.open("rb") as file:
         for number, line in enumerate(file, start=1):
-            try:
-                record = json.loads(line) if line.endswith(b"\n") else None
-            except ValueError:
-                record = None
-            if not isinstance(record, dict):
+            record = parse_record(line, text_fields)
+            if record is None:
                 damaged.append(number)
                 continue
             closing = "eval/reward" in record and "loss" not in record
@@ -209,7 +238,7 @@ def report_damaged_lines(path: Path, damaged: list[int], kept: list[bytes], step
         copy = path.with_name(f"{path.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
         shutil.copyfile(path, copy)
         aside = f"; the original file is kept as {copy}"
-    print(f"warning: {path}: line(s) {numbers} damaged (not a whole JSON record), left out; kept its {len(kept)} "
+    print(f"warning: {path}: line(s) {numbers} damaged (not a whole JSON record of a run's log), left out; kept its {len(kept)} "
           f"valid line(s) up to step {step}{aside}", file=sys.stderr)
 
 

@@ -1,10 +1,15 @@
-"""One writer per run directory: an exclusive advisory lock (`fcntl.flock`) on `<directory>/.dllm-ais.lock`.
+"""One writer per run directory, and no run inside another: an exclusive advisory lock (`fcntl.flock`) on the run
+directory itself.
 
-The kernel releases a flock when the process holding it exits, however it exits (kill -9 included), so a lock is
-never stale. The lock file itself records the holder (pid, host, start time) for the refusal message; the file is
-only deleted by the process that created it, while holding the lock, when it gives the directory up unused.
-Locks taken here are held until `release_run_lock` or the end of the process; taking a lock this process already
-holds is a no-op, so one process may construct several trainers on one directory in turn.
+The lock is taken on the directory's own inode, opened without following a symlink, so no file in it — deleted,
+replaced, planted as a symlink or as a directory — can admit a second writer or redirect a write. The kernel
+releases a flock when the process holding it exits, however it exits (kill -9 included), so a lock is never stale.
+A run directory may neither lie inside a live run's directory nor contain one: taking a lock checks the directory's
+ancestors and descendants for live locks after taking its own (two runs starting together both see each other and
+both refuse rather than both proceed). `<directory>/.dllm-ais.lock` only records the holder (pid, host, start time)
+for the refusal message; it is replaced by a rename, never written through a link, and a refused run deletes the
+one it wrote. Locks taken here are held until `release_run_lock` or the end of the process; taking a lock this
+process already holds is a no-op, so one process may construct several trainers on one directory in turn.
 """
 
 from __future__ import annotations
@@ -19,26 +24,90 @@ from pathlib import Path
 from dllm_ais.config import ConfigError
 
 LOCK_FILE = ".dllm-ais.lock"
-_held: dict[Path, int] = {}  # resolved directory -> descriptor of its locked lock file
+MAX_RECORD_BYTES = 4096
+MAX_DIRECTORIES_SEARCHED = 10_000  # for live runs inside a directory (a run's own tree holds a few dozen)
+_held: dict[Path, int] = {}  # resolved directory -> descriptor of the locked directory
 
 
 class RunDirectoryInUse(ConfigError):
-    """Another live process holds the run directory's lock; the message names it."""
+    """Another live process holds the run directory's lock, or one inside or around it; the message names it."""
 
 
-def _holder(lock_path: Path) -> str:
-    """`pid N on host H since T`, as the holder recorded it (or `an unknown process` when unreadable)."""
+def _holder(directory: Path) -> str:
+    """`pid N on host H (since T)`, as the holder of `directory` recorded it (or `an unknown process`)."""
     try:
-        record = json.loads(lock_path.read_text())
-        return f"pid {record['pid']} on host {record['host']} (since {record['since']})"
+        descriptor = os.open(directory / LOCK_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        try:
+            record = json.loads(os.read(descriptor, MAX_RECORD_BYTES))
+        finally:
+            os.close(descriptor)
+        return f"pid {int(record['pid'])} on host {str(record['host'])[:80]} (since {str(record['since'])[:40]})"
     except (OSError, ValueError, KeyError, TypeError):
         return "an unknown process"
 
 
-def _in_use_error(directory: Path) -> RunDirectoryInUse:
-    return RunDirectoryInUse(f"{directory} is in use by a live dllm-ais run: {_holder(directory / LOCK_FILE)}. One "
-                             "writer per run directory: wait for that run to end (or stop it), or choose another "
-                             "directory.")
+def _in_use_error(directory: Path, wanted: Path) -> RunDirectoryInUse:
+    relation = ("" if directory == wanted else f", and {wanted} lies inside it" if directory in wanted.parents
+                else f", inside {wanted}")
+    return RunDirectoryInUse(f"{directory} is in use by a live dllm-ais run{relation}: {_holder(directory)}. One "
+                             "writer per run directory, and no run inside another: wait for that run to end (or stop "
+                             "it), or choose another directory.")
+
+
+def _open_directory(directory: Path) -> int | None:
+    """A read-only descriptor of `directory` itself (never through a symlink); None when it is not a directory."""
+    try:
+        return os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+
+
+def _locked_by_another(directory: Path) -> bool:
+    """Whether another live process holds `directory`'s lock (this process' own locks excepted)."""
+    if directory in _held:
+        return False
+    descriptor = _open_directory(directory)
+    if descriptor is None:
+        return False
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(descriptor)  # also drops the shared lock just taken
+    return False
+
+
+def _live_run_around(directory: Path) -> Path | None:
+    """The live run directory (another process') that `directory` (resolved) is, lies in, or contains (among its
+    first `MAX_DIRECTORIES_SEARCHED` subdirectories); None."""
+    for ancestor in (directory, *directory.parents):
+        if _locked_by_another(ancestor):
+            return ancestor
+    if not directory.is_dir() or directory.is_symlink():
+        return None
+    subdirectories = (Path(root) / name for root, names, _ in os.walk(directory) for name in names)  # no symlinks
+    for _, subdirectory in zip(range(MAX_DIRECTORIES_SEARCHED), subdirectories):
+        if _locked_by_another(subdirectory):
+            return subdirectory
+    return None
+
+
+def _record_holder(directory: Path) -> None:
+    """Replace `directory`'s `LOCK_FILE` by a record of this process (by a rename: a planted symlink is replaced,
+    never followed). Best effort: it only feeds the refusal message, so a lock path that is a directory is kept."""
+    record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                         "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")}).encode()
+    staging = directory / f"{LOCK_FILE}.tmp-{os.getpid()}"
+    try:
+        descriptor = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        try:
+            os.write(descriptor, record)
+        finally:
+            os.close(descriptor)
+        os.replace(staging, directory / LOCK_FILE)
+    except OSError:
+        staging.unlink(missing_ok=True)
 
 
 def holds_run_lock(directory: str | Path) -> bool:
@@ -48,64 +117,73 @@ def holds_run_lock(directory: str | Path) -> bool:
 
 def hold_run_lock(directory: str | Path) -> bool:
     """Take the exclusive lock of run directory `directory` (created if missing) for this process, or raise
-    RunDirectoryInUse naming the live holder. Returns whether this call created the lock file (see
-    `give_up_run_lock`)."""
-    directory = Path(directory)
-    key = directory.resolve()
+    RunDirectoryInUse naming the live holder of it, or of a run directory it lies in or contains. Returns whether
+    this call created the holder record (see `give_up_run_lock`)."""
+    key = Path(directory).resolve()
     if key in _held:
         return False
-    directory.mkdir(parents=True, exist_ok=True)
-    lock_path = directory / LOCK_FILE
-    while True:
-        created = not lock_path.exists()
-        descriptor = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(descriptor)
-            raise _in_use_error(directory) from None
-        try:  # the file may have been deleted (by a holder giving it up) between our open and our lock: retry
-            same_file = os.stat(lock_path).st_ino == os.fstat(descriptor).st_ino
-        except FileNotFoundError:
-            same_file = False
-        if same_file:
-            break
+    if (live := _live_run_around(key)) is not None:  # before creating anything inside a live run
+        raise _in_use_error(live, key)
+    existed = key.is_dir()
+    key.mkdir(parents=True, exist_ok=True)
+    descriptor = _open_directory(key)
+    if descriptor is None:
+        raise RunDirectoryInUse(f"{directory} is not a directory (a symlink was put in its place?); choose another "
+                                "directory.")
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _held[key] = descriptor
+        if (live := _live_run_around(key)) is not None:  # checked again once held: a run starting meanwhile
+            raise _in_use_error(live, key)
+    except BaseException as error:
+        _held.pop(key, None)
         os.close(descriptor)
-    record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                         "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")}).encode()
-    os.ftruncate(descriptor, 0)
-    os.pwrite(descriptor, record, 0)
-    _held[key] = descriptor
+        if not existed and not any(key.iterdir()):
+            key.rmdir()
+        if isinstance(error, BlockingIOError):
+            raise _in_use_error(key, key) from None
+        raise
+    created = not (key / LOCK_FILE).exists()
+    _record_holder(key)
     return created
 
 
+def check_still_held(directory: str | Path) -> None:
+    """Before writing into `directory`: when it lies in (or is) a run directory this process holds, raise
+    RunDirectoryInUse if that path no longer names the locked directory (moved away and replaced meanwhile: the
+    writes would land in a directory nobody locked)."""
+    key = Path(directory).resolve()
+    for held, descriptor in _held.items():
+        if held == key or held in key.parents:
+            try:
+                same = os.stat(held, follow_symlinks=False).st_ino == os.fstat(descriptor).st_ino
+            except OSError:
+                same = False
+            if not same:
+                raise RunDirectoryInUse(f"{held} was moved or replaced while this run held it; nothing more is "
+                                        "written there. Find the run's directory where it was moved to.")
+
+
 def release_run_lock(directory: str | Path) -> None:
-    """Release this process' lock of `directory` (the file stays: deleting it could let two writers in)."""
+    """Release this process' lock of `directory` (its holder record stays, naming the last holder)."""
     descriptor = _held.pop(Path(directory).resolve(), None)
     if descriptor is not None:
-        os.close(descriptor)  # closing the last descriptor of the open file releases the flock
+        os.close(descriptor)  # closing the last descriptor of the open directory releases the flock
 
 
 def give_up_run_lock(directory: str | Path, created: bool) -> None:
-    """Release the lock after refusing to run in `directory`; a lock file this process `created` is deleted first
-    (still locked, so no one can be holding it), so a refused run leaves nothing behind."""
+    """Release the lock after refusing to run in `directory`; a holder record this process `created` is deleted
+    first, so a refused run leaves nothing behind."""
     if created and holds_run_lock(directory):
-        (Path(directory) / LOCK_FILE).unlink(missing_ok=True)
+        record = Path(directory) / LOCK_FILE
+        if record.is_file() and not record.is_symlink():
+            record.unlink()
     release_run_lock(directory)
 
 
 def check_not_in_use(directory: str | Path) -> None:
-    """Raise RunDirectoryInUse when another live process holds `directory`'s lock (without taking it)."""
-    directory = Path(directory)
-    if holds_run_lock(directory):
-        return
-    try:
-        descriptor = os.open(directory / LOCK_FILE, os.O_RDONLY)
-    except OSError:  # no lock file (or not a directory): no run ever held it
-        return
-    try:
-        fcntl.flock(descriptor, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise _in_use_error(directory) from None
-    finally:
-        os.close(descriptor)
+    """Raise RunDirectoryInUse when `directory` is, lies in or contains the directory of a live run of another
+    process (without taking any lock)."""
+    key = Path(directory).resolve()
+    if (live := _live_run_around(key)) is not None:
+        raise _in_use_error(live, key)

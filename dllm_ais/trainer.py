@@ -22,7 +22,7 @@ from accelerate.utils import broadcast_object_list, set_seed
 from tqdm.auto import tqdm
 
 from dllm_ais import grpo
-from dllm_ais.checkpoint import Checkpointer, NonFiniteError, prepare_output_dir
+from dllm_ais.checkpoint import Checkpointer, NonFiniteError, RunState, prepare_output_dir
 from dllm_ais.components import build_components, make_accelerator
 from dllm_ais.config import GRPOConfig, save_config
 from dllm_ais.correction import RolloutCorrection
@@ -115,12 +115,21 @@ class GRPOTrainer:
         self.best_global_step: int | None = None
         self.best_model_checkpoint: str | None = None
         self.completion_samples: list[dict[str, Any]] | None = None  # of the newest generation batch, until logged
-        self.checkpointer = Checkpointer(config, self.parts, self.tokenizer, self)
+        self.checkpointer = Checkpointer(config, self.parts, self.tokenizer)
         self.fidelity = RolloutFidelity.from_config(config, self.policy)
         if self.resume_from is not None:
-            self.checkpointer.resume(self.resume_from, len(self.train_dataset))
+            self.restore(self.checkpointer.resume(self.resume_from, len(self.train_dataset)))
         if self.accelerator.is_main_process and (note := self.fidelity.start_note()):
             print(note)
+
+    def run_state(self) -> RunState:
+        """What a checkpoint of the current step restores (the attributes `RunState` names)."""
+        return RunState(**{name: getattr(self, name) for name in RunState.names()})
+
+    def restore(self, state: RunState) -> None:
+        """Continue from `state` (a resumed checkpoint's)."""
+        for name in RunState.names():
+            setattr(self, name, getattr(state, name))
 
     @property
     def unwrapped_model(self):
@@ -255,13 +264,15 @@ class GRPOTrainer:
 
     # ----------------------------------------------------------------------------------------------- saving
     def save(self, directory: Path) -> None:
-        self.checkpointer.save_model(directory)
+        self.checkpointer.save_model(directory, self.global_step)
 
     def save_checkpoint(self) -> Path:
         """`checkpoint-<step>` (see `Checkpointer.save_checkpoint`), its marker holding the step's finite scores."""
         scored = self.scored_now()
         validation = None if scored is None else {k: v for k, v in scored.summary().items() if math.isfinite(v)}
-        return self.checkpointer.save_checkpoint(validation)
+        if self.best_global_step == self.global_step:
+            self.best_model_checkpoint = str(self.checkpointer.checkpoint_directory(self.global_step))
+        return self.checkpointer.save_checkpoint(self.run_state(), validation)
 
     def stop_if_signalled(self, signals: StopSignals) -> None:
         """After SIGINT/SIGTERM reached any process: checkpoint the current step and raise TrainingInterrupted."""
@@ -278,7 +289,7 @@ class GRPOTrainer:
         self.reporter = RunReporter.open(cfg, self.accelerator, self.global_step, self.resume_from)
         if is_main:
             save_config(cfg, Path(cfg.output_dir) / "config.yaml")
-            self.checkpointer.write_best_record()
+            self.checkpointer.write_best_record(self.run_state())
         eval_after = rollout_sampler = None
         try:
             with StopSignals() as signals:
@@ -303,10 +314,10 @@ class GRPOTrainer:
                         rollout_sampler = self.evaluate(policy=self.parts.rollout_sampler_policy)
                 self.stop_if_signalled(signals)
                 self.save(final)
-                if self.best_global_step == self.global_step and not self.checkpointer.saved_now():
+                if self.best_global_step == self.global_step and not self.checkpointer.saved_now(self.global_step):
                     self.best_model_checkpoint = str(final)
             if is_main:
-                self.checkpointer.write_best_record()
+                self.checkpointer.write_best_record(self.run_state())
                 held_out = eval_after and {"step": self.global_step,
                                            **held_out_metrics(self.eval_before, eval_after, rollout_sampler)}
                 self.reporter.finish(held_out, eval_after and held_out_line(self.eval_before, eval_after, rollout_sampler),

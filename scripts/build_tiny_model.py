@@ -73,7 +73,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from build_tokenizer import build_hf_tokenizer, build_word_tokenizer  # noqa: E402
 from chain_sum_steps import chain_sum_demonstration  # noqa: E402
 
-from dllm_ais.checkpoint import atomic_directory  # noqa: E402
+from dllm_ais.run_dir import atomic_directory  # noqa: E402
 from dllm_ais.config import EMBEDDED_MODELS, GRPOConfig  # noqa: E402
 from dllm_ais.data import load_task_dataset  # noqa: E402
 from dllm_ais.evaluation import evaluate_policy  # noqa: E402

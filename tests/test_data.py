@@ -259,3 +259,23 @@ def test_apply_chat_template_renders_the_generation_prompt():
     tokenizer.chat_template = None
     with pytest.raises(ValueError, match="no chat template"):
         apply_chat_template(tokenizer, prompt)
+
+
+@pytest.mark.parametrize("content, problem", [
+    (b'{"nums": [1, 2, 3], "target": 6}\n{"nums": [4, 5, 6], "target": "six"}\n',
+     "row 2: invalid literal for int() with base 10: 'six'"),
+    (b"PAR1" + bytes(range(256)) * 4 + b"PAR1", "cannot read it as parquet"),
+], ids=["wrong-type", "garbage-parquet"])
+def test_a_dataset_file_that_cannot_be_used_is_one_line_naming_the_file_and_row(tmp_path, capsys, content, problem):
+    from dllm_ais.cli import main
+
+    path = tmp_path / ("rows.parquet" if content.startswith(b"PAR1") else "rows.jsonl")
+    path.write_bytes(content)
+    assert main(["train", "--task=countdown", f"--dataset_path={path}", f"--output_dir={tmp_path / 'run'}",
+                 "--eval_size=0"]) == 2
+    stderr = capsys.readouterr().err  # besides the datasets library's progress bars
+    error = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert "Traceback" not in stderr and len(error) == 1 and str(path) in error[0] and problem in error[0], stderr
+    valid = tmp_path / "valid.jsonl"  # the legitimate file still loads
+    valid.write_bytes(content.splitlines()[0] + b"\n" if path.suffix == ".jsonl" else b'{"nums": [1, 2, 3], "target": 6}\n')
+    assert len(load_task_dataset("countdown", "train", path=valid)) == 1

@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from dllm_ais.checkpoint import MARKER
+from dllm_ais.run_dir import MARKER
 from dllm_ais.cli import main
 from dllm_ais.config import EMBEDDED_MODELS, GRPOConfig, save_config
 from dllm_ais.export import export_merged_model, model_card, portable_name

@@ -2,12 +2,11 @@
 
 import dataclasses
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from dllm_ais.checkpoint import TrainingProgress
+from dllm_ais.checkpoint import RunState
 from dllm_ais.config import GRPOConfig
 from dllm_ais.fidelity import (
     ESS_KEY, K3_KEY, FidelitySettings, FidelityState, exact_group_count, fidelity_ladder, next_fidelity,
@@ -157,10 +156,9 @@ def test_an_exact_fraction_of_one_half_decodes_half_the_groups_with_the_exact_de
 
 
 def test_a_checkpoint_written_before_the_fidelity_state_resumes_at_rung_0_and_other_missing_fields_still_fail():
-    older = {name: 0 for name in TrainingProgress.FIELDS if name != "rollout_fidelity_state"}
+    older = {name: 0 for name in RunState.names() if name not in ("rollout_fidelity_state", *RunState.SAVED_APART)}
     older.update(batches=[None], eval_before=None)
-    trainer = SimpleNamespace(accelerator=SimpleNamespace(process_index=0, device="cpu"))
-    TrainingProgress(trainer).load_state_dict(older)
-    assert trainer.rollout_fidelity_state == {"level": 0, "calm_batches": 0} and trainer.global_step == 0
+    state = RunState.from_state_dict(older, process_index=0, device="cpu")
+    assert state.rollout_fidelity_state == {"level": 0, "calm_batches": 0} and state.global_step == 0
     with pytest.raises(KeyError, match="global_step"):
-        TrainingProgress(trainer).load_state_dict({k: v for k, v in older.items() if k != "global_step"})
+        RunState.from_state_dict({k: v for k, v in older.items() if k != "global_step"}, process_index=0, device="cpu")

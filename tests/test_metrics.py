@@ -74,3 +74,50 @@ def test_held_out_curves_start_from_the_baseline():
                {"step": 120, "eval/accuracy": 0.28, "eval/accuracy_before": 0.25}]
     assert plotted_points(records, "eval/accuracy") == [(0, 0.25), (60, 0.26), (120, 0.28)]
     assert plotted_points(records, "reward") == [(1, 0.5)]
+
+
+def test_hostile_metrics_lines_on_resume_are_damaged_lines_kept_aside_and_the_plot_still_draws(tmp_path, capsys):
+    """A 200k-deep nested line (a RecursionError before), values of the wrong types (kept before, then the plot
+    crashed after training), an oversized line: each reported as damaged and left out; the valid lines stay."""
+    from dllm_ais.metrics import MAX_RECORD_BYTES, MetricsLog, plot_metrics
+
+    valid = [json.dumps({"step": step, "loss": 0.1, "reward": 0.5}) + "\n" for step in (1, 2, 3)]
+    hostile = ["[" * 200_000 + "]" * 200_000 + "\n",
+               json.dumps({"step": 2, "loss": 0.1, "reward": "high"}) + "\n",
+               json.dumps({"step": 2, "reward": [0.5], "loss": {"a": 1}}) + "\n",
+               json.dumps({"step": "2", "loss": 0.1}) + "\n",
+               json.dumps({"step": 2, "loss": 0.1, "pad": 0.0, "x" * MAX_RECORD_BYTES: 1}) + "\n"]
+    (tmp_path / "metrics.jsonl").write_text(valid[0] + "".join(hostile) + "".join(valid[1:]))
+    log = MetricsLog(tmp_path, resume_step=3)
+    log.close()
+    assert [r["step"] for r in log.records] == [1, 2, 3]
+    warning = capsys.readouterr().err
+    assert "line(s) 2, 3, 4, 5, 6 damaged" in warning and "kept its 3 valid line(s)" in warning
+    assert len(list(tmp_path.glob("metrics.jsonl.damaged-*"))) == 1
+    assert plot_metrics(log.records, tmp_path / "metrics.png") is not None
+
+
+def test_completions_lines_may_hold_text_metrics_lines_may_not(tmp_path):
+    from dllm_ais.metrics import MetricsLog
+
+    line = json.dumps({"step": 1, "prompt": "2+2", "completion": "4", "reward": 1.0}) + "\n"
+    for name, kept in (("completions.jsonl", 1), ("metrics.jsonl", 0)):
+        (tmp_path / name).write_text(line)
+        log = MetricsLog(tmp_path, resume_step=1, name=name)
+        log.close()
+        assert len(log.records) == kept
+
+
+def test_a_metrics_path_that_is_a_directory_is_one_line(tmp_path, capsys):
+    from dllm_ais.cli import main
+
+    run = tmp_path / "run"
+    (run / "metrics.jsonl").mkdir(parents=True)  # in a directory an earlier run wrote
+    (run / ".dllm-ais.json").write_text(json.dumps({"written_by": "dllm-ais", "run_directory": True}))
+    assert main(["train", f"--output_dir={run}", "--max_steps=1", "--overwrite_output_dir=true"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and "holds metrics.jsonl that is not a regular file" in error, error
+    (run / "metrics.jsonl").rmdir()
+    (run / "metrics.jsonl").symlink_to(tmp_path / "elsewhere.jsonl")
+    with pytest.raises(FileExistsError, match="metrics.jsonl is not a regular file"):  # the log refuses it too
+        MetricsLog(run)

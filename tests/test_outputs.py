@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
-from dllm_ais.checkpoint import (MARKER, OutputExistsError, atomic_directory, begin_staging, check_destination,
-                                 clean_leftovers, commit_staging, prepare_output_dir, provenance, prune_checkpoints,
-                                 run_checkpoints)
+from dllm_ais.checkpoint import prepare_output_dir
+from dllm_ais.run_dir import (MARKER, OutputExistsError, atomic_directory, begin_staging, check_destination,
+                              clean_leftovers, commit_staging, provenance, prune_checkpoints, run_checkpoints)
 from dllm_ais.cli import main
 from dllm_ais.config import EMBEDDED_MODELS, ConfigError, GRPOConfig
 from dllm_ais.export import export_merged_model

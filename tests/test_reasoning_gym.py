@@ -175,3 +175,64 @@ def test_eval_provenance_names_the_generator_settings():
     source = dataset_provenance(get_task("reasoning_gym"), "test", None, rows("chain_sum", 4, "test", max_digits=2),
                                 settings)
     assert source["generated"] == "reasoning_gym" and source["task_args"] == settings and source["num_rows"] == 4
+
+
+WRONG_BUT_WELL_FORMED = {"countdown": "1 + 1", "puzzle24": "1 + 1", "spiral_matrix": "0 0", "binary_matrix": "0 0",
+                         "string_insertion": "ABC", "n_queens": "_ Q"}
+
+
+def own_score(dataset, answer: str, entry: dict) -> float:
+    """reasoning-gym's own score of `answer` on `entry`; a verifier that raises on it means 0 (as in our reward)."""
+    try:
+        return float(dataset.score_answer(answer, entry))
+    except Exception:  # noqa: BLE001
+        return 0.0
+
+
+def test_every_offered_dataset_scores_its_own_entries_as_reasoning_gym_does(capsys):
+    """Our reward (rows rebuilt from an entry's columns, scored in the bounded worker) equals the dataset's own
+    `score_answer` on the original entry, for the reference answer and for a wrong one, on every offered dataset.
+    Before, arc_agi's and rearc's reference answers scored 0.05 (their tuple grids came back from JSON as lists)."""
+    import reasoning_gym
+
+    mismatches, without_reference = [], []
+    for name in gym_task.exposed_datasets():
+        dataset = reasoning_gym.create_dataset(name, seed=gym_task.split_seed("test", 0), size=3)
+        for index in range(3):
+            entry = dataset[index]
+            row = {**gym_task.entry_columns(entry), "prompt": gym_task.prompt(entry["question"]),
+                   "gym_dataset": name, "gym_settings": "{}"}
+            wrong = WRONG_BUT_WELL_FORMED.get(name, "no idea")  # the guards score a malformed answer 0 unseen
+            for answer in ([] if entry["answer"] is None else [str(entry["answer"])]) + [wrong]:
+                ours, theirs = score(row, answer), own_score(dataset, answer, entry)
+                if ours != theirs:
+                    mismatches.append((name, index, answer[:30], ours, theirs))
+            if entry["answer"] is None:
+                without_reference.append(name)
+                assert row["answer"] == ""  # not the text "None"
+    assert not mismatches
+    assert set(without_reference) == {"boxnet", "graph_color", "propositional_logic", "rubiks_cube", "rush_hour"}
+    rows("rush_hour")  # a dataset without references says so when its rows are built
+    assert "rush_hour entries carry no reference answer" in capsys.readouterr().err
+
+
+def test_typed_entry_values_survive_the_dataset_columns():
+    value = {"grid": ((1, 2), (3, 4)), "cells": {(0, 1): "x"}, "seen": {3, 1}, "tag": {gym_task.TYPE_TAG: 1},
+             "plain": [1, "a", None]}
+    assert gym_task.loads_entry_value(gym_task.dumps_entry_value(value)) == value
+    assert type(gym_task.loads_entry_value(gym_task.dumps_entry_value(value))["grid"][0]) is tuple
+    with pytest.raises(ValueError):  # rows from a file: parsed within bounds
+        gym_task.loads_entry_value("[" * 100_000 + "]" * 100_000)
+
+
+def test_settings_that_make_generation_take_too_long_are_refused_up_front_with_the_limit(monkeypatch):
+    """--task_args.max_numbers=100000000 stalled for minutes with no message; one problem now has a time limit."""
+    monkeypatch.setattr(gym_task.SAMPLER, "deadline_seconds", 2.0)
+    monkeypatch.setattr(gym_task, "GENERATION_SECONDS", 2.0)
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, ["--task=reasoning_gym", "--task_args.dataset=countdown",
+                           "--task_args.max_numbers=100000000"])
+    problems = str(refused.value).splitlines()[1:]
+    assert problems == ["  - task_args: countdown takes more than 2 s (the limit) to generate one problem with these "
+                        "settings; choose smaller ones"]
+    assert load_config(None, ["--task=reasoning_gym", "--task_args.dataset=countdown"]).task_args  # still fine

@@ -160,7 +160,7 @@ def test_a_checkpoint_whose_trainer_state_holds_code_is_refused_before_accelerat
 
     import torch
 
-    from dllm_ais.checkpoint import record_manifest
+    from dllm_ais.run_dir import record_manifest
     from dllm_ais.config import ConfigError
     from test_trainer import make_trainer
 
@@ -181,11 +181,13 @@ def test_a_checkpoint_written_by_another_number_of_processes_is_refused(tokenize
     import shutil
 
     from dllm_ais.config import ConfigError
+    from dllm_ais.run_dir import record_manifest
     from test_trainer import make_trainer
 
     make_trainer(tokenizer, tmp_path / "run", max_steps=1, save_steps=1).train()
     two_processes = tmp_path / "two" / "checkpoint-1"
     shutil.copytree(tmp_path / "run" / "checkpoint-1", two_processes)
     shutil.copy(two_processes / "random_states_0.pkl", two_processes / "random_states_1.pkl")
+    record_manifest(two_processes)  # as a two-process run writes it: its manifest lists both (unlisted files are never read)
     with pytest.raises(ConfigError, match=r"written by 2 process\(es\), this run has 1; launch it with --num_processes 2"):
         make_trainer(tokenizer, tmp_path / "resumed", max_steps=2, resume_from_checkpoint=str(two_processes))

@@ -11,14 +11,14 @@ import sys
 
 import pytest
 
-from dllm_ais.checkpoint import (NoSpaceLeft, begin_staging, check_destination, clean_leftovers,
-                                 commit_staging, prepare_output_dir, resume_checkpoint, staged_directory,
-                                 verify_checkpoint)
+from dllm_ais.checkpoint import prepare_output_dir, resume_checkpoint
+from dllm_ais.run_dir import (NoSpaceLeft, begin_staging, check_destination, clean_leftovers, commit_staging,
+                              staged_directory, verify_checkpoint)
 from dllm_ais.cli import main
 from dllm_ais.config import ConfigError, GRPOConfig
 from dllm_ais.console import printable
 from dllm_ais.metrics import MetricsLog
-from dllm_ais.run_lock import RunDirectoryInUse, release_run_lock
+from dllm_ais.run_lock import LOCK_FILE, RunDirectoryInUse, release_run_lock
 
 ERROR_LINES = 2  # what a refused command may print on stderr at most
 
@@ -224,3 +224,121 @@ def test_inference_input_errors_are_one_line_naming_the_fix(tmp_path):
     for (code, error), (argv, expected) in zip(run_cli([argv for argv, _ in cases], tmp_path), cases):
         assert code == 2, (argv, error)
         assert len(error.splitlines()) <= ERROR_LINES and expected in error, (argv, error)
+
+
+def hold_in_another_process(directory):
+    """A process holding the run lock of `directory`, as a live `dllm-ais train` there does (kill it after)."""
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from dllm_ais.run_lock import hold_run_lock; "
+                               f"hold_run_lock({str(directory)!r}); print('held', flush=True); time.sleep(600)"],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def stop(holder):
+    holder.kill()
+    holder.wait()
+
+
+def test_a_run_inside_a_live_run_or_around_one_is_refused(tmp_path, capsys):
+    outer, inner = tmp_path / "run", tmp_path / "run" / "final"
+    holder = hold_in_another_process(outer)
+    try:  # the attack: train into P/final while P trains (P would then fail at its final save)
+        assert main(["train", f"--output_dir={inner}"]) == 2
+        error = capsys.readouterr().err.strip()
+        assert len(error.splitlines()) == 1 and f"pid {holder.pid}" in error and "lies inside it" in error, error
+        assert not inner.exists()  # nothing created inside the live run
+        with pytest.raises(RunDirectoryInUse):
+            check_destination(outer / "exported", overwrite=True)
+    finally:
+        stop(holder)
+    holder = hold_in_another_process(inner)
+    try:  # the attack: --overwrite_output_dir on P while a run lives in P/final would delete the live run
+        assert main(["train", f"--output_dir={outer}", "--overwrite_output_dir=true"]) == 2
+        error = capsys.readouterr().err.strip()
+        assert len(error.splitlines()) == 1 and f"{inner} is in use" in error and f"pid {holder.pid}" in error, error
+        assert inner.is_dir() and (inner / LOCK_FILE).is_file()
+    finally:
+        stop(holder)
+    assert prepare_output_dir(GRPOConfig(output_dir=str(inner))) is None  # both free once the holders are gone
+    release_run_lock(inner)
+
+
+def test_deleting_or_replacing_the_lock_file_admits_no_second_writer(tmp_path, capsys):
+    run = tmp_path / "run"
+    holder = hold_in_another_process(run)
+    try:
+        (run / LOCK_FILE).unlink()  # the attack: rm P/.dllm-ais.lock (the lock is on the directory, not the name)
+        assert main(["train", f"--output_dir={run}", "--resume_from_checkpoint=false"]) == 2
+        assert "in use by a live dllm-ais run" in capsys.readouterr().err
+        (run / LOCK_FILE).mkdir()  # a lock path that is a directory: still one line, still refused
+        assert main(["train", f"--output_dir={run}"]) == 2
+        error = capsys.readouterr().err.strip()
+        assert len(error.splitlines()) == 1 and "in use by a live dllm-ais run" in error, error
+    finally:
+        stop(holder)
+
+
+def test_a_planted_lock_symlink_is_replaced_not_followed(tmp_path):
+    run, victim = tmp_path / "run", tmp_path / "victim.txt"
+    run.mkdir()
+    victim.write_text("precious")
+    (run / LOCK_FILE).symlink_to(victim)  # the attack: the holder record would be written into the link's target
+    assert prepare_output_dir(GRPOConfig(output_dir=str(run))) is None
+    assert victim.read_text() == "precious" and not (run / LOCK_FILE).is_symlink()
+    assert json.loads((run / LOCK_FILE).read_text())["pid"] == os.getpid()
+    release_run_lock(run)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / LOCK_FILE).mkdir()  # a lock path that is a directory: the run still takes the lock, no traceback
+    assert prepare_output_dir(GRPOConfig(output_dir=str(other))) is None
+    release_run_lock(other)
+
+
+def test_a_damaged_marker_is_damage_of_its_checkpoint_only(tmp_path, capsys):
+    """One flipped byte in the newest checkpoint's marker: that checkpoint is skipped and named; the earlier one
+    resumes, by `true` or named explicitly (the output_dir is not mistaken for someone else's)."""
+    intact = checkpoint(tmp_path, 2, {"optimizer.bin": b"x" * 100})
+    flipped = checkpoint(tmp_path, 4, {"optimizer.bin": b"y" * 100})
+    marker = bytearray((flipped / ".dllm-ais.json").read_bytes())
+    marker[1] ^= 0x20  # the attack (or a disk error): one byte
+    (flipped / ".dllm-ais.json").write_bytes(bytes(marker))
+    config = GRPOConfig(output_dir=str(tmp_path), resume_from_checkpoint=True)
+    assert prepare_output_dir(config) == intact
+    warning = capsys.readouterr().err
+    assert f"skipped {flipped}: its marker {flipped / '.dllm-ais.json'} is missing or damaged" in warning
+    assert prepare_output_dir(dataclasses.replace(config, resume_from_checkpoint=str(intact))) == intact
+    with pytest.raises(ConfigError) as refused:
+        resume_checkpoint(dataclasses.replace(config, resume_from_checkpoint=str(flipped)))
+    assert "\n" not in str(refused.value) and f"--resume_from_checkpoint={intact}" in str(refused.value)
+    release_run_lock(tmp_path)
+
+
+@pytest.mark.parametrize("field", ["files", "run"])
+def test_a_marker_lacking_a_field_never_switches_verification_off(tmp_path, capsys, field):
+    """A marker without its manifest used to read as "predates manifests": the damaged optimizer resumed."""
+    intact = checkpoint(tmp_path, 2, {"optimizer.bin": b"x" * 100})
+    stripped = checkpoint(tmp_path, 4, {"optimizer.bin": b"y" * 100})
+    marker = json.loads((stripped / ".dllm-ais.json").read_text())
+    del marker[field]
+    (stripped / ".dllm-ais.json").write_text(json.dumps(marker))
+    (stripped / "optimizer.bin").write_bytes(b"z" * 100)  # damaged, and nothing left to tell
+    assert f"lacks a valid {field!r} field" in verify_checkpoint(stripped)
+    assert resume_checkpoint(GRPOConfig(output_dir=str(tmp_path), resume_from_checkpoint=True)) == intact
+    assert f"skipped {stripped}: its marker" in capsys.readouterr().err
+
+
+def test_a_run_directory_replaced_under_a_live_run_gets_no_more_writes(tmp_path):
+    """Moving the live run's directory away and putting another in its place: the lock stays with the moved one,
+    and the live run refuses to write into the stranger (the second writer cannot share a directory with it)."""
+    run = tmp_path / "run"
+    assert prepare_output_dir(GRPOConfig(output_dir=str(run))) is None
+    with staged_directory(run / "checkpoint-1") as staging:  # the legitimate write
+        (staging / "file.bin").write_bytes(b"x")
+    os.rename(run, tmp_path / "moved")
+    run.mkdir()
+    with pytest.raises(RunDirectoryInUse, match="was moved or replaced while this run held it"):
+        with staged_directory(run / "checkpoint-2") as staging:
+            (staging / "file.bin").write_bytes(b"y")
+    assert not (run / "checkpoint-2").exists() and (tmp_path / "moved" / "checkpoint-1" / "file.bin").is_file()
+    release_run_lock(run)

@@ -13,8 +13,11 @@ of ``task_args`` but ``dataset`` is a field of that dataset's config class (``Co
 unknown setting or a value the dataset rejects one line naming the key.
 
 Rows: ``prompt`` is the answer-tag format (``REASONING_FORMAT``) followed by the entry's question; the columns
-``question``, ``answer``, ``metadata`` (a JSON string), ``gym_dataset`` and ``gym_settings`` (JSON) carry what the
-verifier needs. Rewards: :func:`gym_correctness_reward`, the dataset's ``score_answer`` on the ``<answer>`` text
+``question``, ``answer`` (the reference as text, empty for datasets whose entries carry none, which a note names),
+``gym_answer`` and ``metadata`` (the reference and the metadata as JSON that keeps their Python types: tuples, sets,
+non-string keys), ``gym_dataset`` and ``gym_settings`` (JSON) carry what the verifier needs: the entry it scores
+against equals the original, so every dataset's own reference answers get full credit. Settings under which one
+problem takes more than ``GENERATION_SECONDS`` to generate are refused when the config is checked. Rewards: :func:`gym_correctness_reward`, the dataset's ``score_answer`` on the ``<answer>`` text
 (in [0, 1]), and gsm8k's ``soft_format_reward`` (0.5); accuracy: 1.0 where the verifier gives full credit.
 
 Splits come from disjoint ranges of generator seeds (reasoning-gym seeds entry ``i`` with ``seed + i``): test rows
@@ -49,10 +52,12 @@ import functools
 import json
 import math
 import re
+import sys
 import typing
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from dllm_ais.safe_json import loads_bounded
 from dllm_ais.tasks import REASONING_FORMAT, Messages, Task, accuracy_of, user_prompt
 from dllm_ais.tasks.bounded_worker import BoundedWorker
 from dllm_ais.tasks.countdown import UnsafeExpressionError, parse_arithmetic
@@ -108,6 +113,8 @@ ANSWER_GUARDS: dict[str, Callable[[str], bool]] = {
 }
 
 SCORER = BoundedWorker(f"{__name__}:gym_score_handler", DEADLINE_SECONDS, install_hint=INSTALL_HINT)
+GENERATION_SECONDS = 10.0  # the most one problem may take to generate: settings that take longer are refused
+SAMPLER = BoundedWorker(f"{__name__}:gym_sample_handler", GENERATION_SECONDS, install_hint=INSTALL_HINT)
 
 
 # ------------------------------------------------------------------------------------------------ settings
@@ -145,7 +152,7 @@ def check_task_args(task_args: dict[str, Any]) -> list[str]:
     """The problems of ``task_args`` (one line each, naming the key): reasoning-gym missing, no or an unknown
     ``dataset`` (with a did-you-mean), an unknown setting, a value of the wrong type or one the dataset rejects."""
     try:
-        reasoning_gym = import_reasoning_gym()
+        import_reasoning_gym()
     except GymMissingError as error:
         return [str(error)]
     name = task_args.get("dataset")
@@ -182,12 +189,26 @@ def check_task_args(task_args: dict[str, Any]) -> list[str]:
         json.dumps(settings)
     except (TypeError, ValueError):
         return ["task_args: plain values only (numbers, strings, lists, mappings)"]
-    try:
-        reasoning_gym.create_dataset(name, seed=0, size=1, **settings)
-    except Exception as error:  # noqa: BLE001 - the dataset's own check, reported in one line
-        message = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-        return [f"task_args: {name} rejects these settings: {message}"]
-    return []
+    rejected = SAMPLER.call(name, json.dumps(settings))
+    if rejected is None:
+        return [f"task_args: {name} takes more than {GENERATION_SECONDS:.0f} s (the limit) to generate one problem "
+                "with these settings; choose smaller ones"]
+    return [f"task_args: {name} rejects these settings: {rejected}"] if rejected else []
+
+
+def gym_sample_handler() -> Callable[[str, str], str]:
+    """The settings check's worker: ``sample(dataset, settings)`` builds the dataset with those settings and
+    generates its first problem; it returns "" when that works, else the first line of the dataset's error."""
+    import reasoning_gym
+
+    def sample(name: str, settings: str) -> str:
+        try:
+            reasoning_gym.create_dataset(name, seed=0, size=1, **json.loads(settings))[0]
+        except Exception as error:  # noqa: BLE001 - the dataset's own check, reported in one line
+            return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        return ""
+
+    return sample
 
 
 def _split_settings(task_args: dict[str, Any]) -> tuple[str, str]:
@@ -213,13 +234,53 @@ def split_seed(split: str, seed: int) -> int:
     return (len(SPLIT_OFFSETS) + seed % training_blocks) * SPLIT_STRIDE
 
 
-def _plain(value: Any) -> Any:
-    """A JSON-ready stand-in for a metadata value json cannot write (numpy scalars and arrays, sets)."""
-    if hasattr(value, "tolist"):
-        return value.tolist()
+TYPE_TAG = "__dllm_ais_type__"  # marks a value JSON has no form for (a tuple, a set, a dict with other keys)
+MAX_ENTRY_BYTES, MAX_ENTRY_DEPTH = 16 << 20, 64
+
+
+def encode_value(value: Any) -> Any:
+    """A JSON-ready form of an entry's answer or metadata that `decode_value` turns back into an equal value of the
+    same types: tuples, sets and dicts whose keys are not all strings are tagged; numpy values become lists and
+    numbers; anything else json cannot write, its text."""
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    if isinstance(value, list):
+        return [encode_value(item) for item in value]
+    if isinstance(value, tuple):
+        return {TYPE_TAG: "tuple", "items": [encode_value(item) for item in value]}
     if isinstance(value, (set, frozenset)):
-        return sorted(value, key=repr)
+        return {TYPE_TAG: type(value).__name__, "items": [encode_value(item) for item in sorted(value, key=repr)]}
+    if isinstance(value, dict):
+        if all(isinstance(key, str) for key in value) and TYPE_TAG not in value:
+            return {key: encode_value(item) for key, item in value.items()}
+        return {TYPE_TAG: "dict", "items": [[encode_value(key), encode_value(item)] for key, item in value.items()]}
+    if hasattr(value, "tolist"):
+        return encode_value(value.tolist())
     return str(value)
+
+
+def decode_value(value: Any) -> Any:
+    """The value `encode_value` wrote (plain JSON decodes as itself); it only builds tuples, sets and dicts."""
+    if isinstance(value, list):
+        return [decode_value(item) for item in value]
+    if not isinstance(value, dict):
+        return value
+    kind = value.get(TYPE_TAG)
+    if kind is None:
+        return {key: decode_value(item) for key, item in value.items()}
+    items = [decode_value(item) for item in value["items"]]
+    builders = {"tuple": tuple, "set": set, "frozenset": frozenset, "dict": lambda pairs: dict(map(tuple, pairs))}
+    return builders[kind](items)
+
+
+def dumps_entry_value(value: Any) -> str:
+    """`value` (an entry's answer or metadata) as JSON text that keeps its types (`encode_value`)."""
+    return json.dumps(encode_value(value))
+
+
+def loads_entry_value(text: str) -> Any:
+    """The value `dumps_entry_value` wrote, parsed within size and depth bounds (rows may come from a file)."""
+    return decode_value(loads_bounded(text, MAX_ENTRY_BYTES, MAX_ENTRY_DEPTH))
 
 
 @functools.lru_cache(maxsize=32)
@@ -239,9 +300,16 @@ def split_entries(name: str, settings: str, split: str, size: int, seed: int) ->
             break
         entry = generator[index]
         if entry["question"] not in held_out:
-            entries.append({"question": entry["question"], "answer": str(entry["answer"]),
-                            "metadata": json.dumps(entry["metadata"], default=_plain)})
+            entries.append(entry_columns(entry))
     return tuple(entries)
+
+
+def entry_columns(entry: dict[str, Any]) -> dict[str, str]:
+    """A reasoning-gym entry as the row's text columns: ``question``; ``answer``, the reference as text (empty for
+    an entry without one); ``gym_answer`` and ``metadata``, the reference and the metadata with their types
+    (``dumps_entry_value``), from which the scorer rebuilds an entry equal to the original."""
+    return {"question": entry["question"], "answer": "" if entry["answer"] is None else str(entry["answer"]),
+            "gym_answer": dumps_entry_value(entry["answer"]), "metadata": dumps_entry_value(entry["metadata"])}
 
 
 def prompt(question: str) -> Messages:
@@ -259,6 +327,10 @@ def generate(split: str, size: int | None, seed: int, **task_args: Any) -> "data
         raise ValueError(f"the reasoning_gym task has splits {sorted(DEFAULT_SIZES)}, got {split!r}")
     size = DEFAULT_SIZES[split] if size is None else size
     entries = split_entries(name, settings, split, size, seed)
+    if any(entry["gym_answer"] == "null" for entry in entries):
+        print(f"note: reasoning-gym's {name} entries carry no reference answer (the 'answer' column is empty): "
+              "rewards and accuracy come from its verifier checking each answer, and there are no targets to "
+              "fine-tune on.", file=sys.stderr)
     if len(entries) < size:
         raise ValueError(f"task_args {name} {settings}: only {len(entries)} of the {size} {split} rows asked for "
                          "differ from the held-out questions; these settings allow too few distinct problems (widen "
@@ -268,6 +340,7 @@ def generate(split: str, size: int | None, seed: int, **task_args: Any) -> "data
         "question": [entry["question"] for entry in entries],
         "answer": [entry["answer"] for entry in entries],
         "metadata": [entry["metadata"] for entry in entries],
+        "gym_answer": [entry["gym_answer"] for entry in entries],
         "gym_dataset": [name] * len(entries),
         "gym_settings": [settings] * len(entries),
     })
@@ -276,19 +349,22 @@ def generate(split: str, size: int | None, seed: int, **task_args: Any) -> "data
 # ------------------------------------------------------------------------------------------------ scoring
 
 
-def gym_score_handler() -> Callable[[str, str, str | None, str, str, str], float]:
-    """The worker's scorer: ``score(dataset, settings, answer, question, reference, metadata)`` is the dataset's
-    ``score_answer`` (its instance built once per settings) on the entry rebuilt from the columns; a verifier that
-    raises, or returns anything but a number in [0, 1], scores 0."""
+def gym_score_handler() -> Callable[[str, str, str | None, str, str, str, str | None], float]:
+    """The worker's scorer: ``score(dataset, settings, answer, question, reference, metadata, typed_reference)`` is
+    the dataset's ``score_answer`` (its instance built once per settings) on the entry rebuilt from the columns with
+    its types (``loads_entry_value``; the reference from ``gym_answer`` when the row has it, else the ``answer``
+    text); a verifier that raises, or returns anything but a number in [0, 1], scores 0."""
     import reasoning_gym
 
     @functools.lru_cache(maxsize=64)
     def verifier(name: str, settings: str):
         return reasoning_gym.create_dataset(name, **json.loads(settings))
 
-    def score(name: str, settings: str, answer: str | None, question: str, reference: str, metadata: str) -> float:
-        entry = {"question": question, "answer": reference, "metadata": json.loads(metadata)}
+    def score(name: str, settings: str, answer: str | None, question: str, reference: str, metadata: str,
+              typed_reference: str | None) -> float:
         try:
+            entry = {"question": question, "metadata": loads_entry_value(metadata),
+                     "answer": reference if typed_reference is None else loads_entry_value(typed_reference)}
             value = float(verifier(name, settings).score_answer(answer, entry))
         except Exception:  # noqa: BLE001 - any failure of the verifier on untrusted text means "wrong"
             return 0.0
@@ -297,7 +373,8 @@ def gym_score_handler() -> Callable[[str, str, str | None, str, str, str], float
     return score
 
 
-def gym_score(answer: str | None, name: str, settings: str, question: str, reference: str, metadata: str) -> float:
+def gym_score(answer: str | None, name: str, settings: str, question: str, reference: str, metadata: str,
+              typed_reference: str | None = None) -> float:
     """The verifier's score of one extracted answer, behind the guards: 0 for no answer, one longer than
     ``MAX_GYM_ANSWER_CHARS`` or one the dataset's whitelist rejects; otherwise the bounded worker's score (0 and one
     timeout when it runs out of time)."""
@@ -308,7 +385,7 @@ def gym_score(answer: str | None, name: str, settings: str, question: str, refer
     guard = ANSWER_GUARDS.get(name)
     if guard is not None and not guard(answer):
         return 0.0
-    result = SCORER.call(name, settings, answer, question, reference, metadata)
+    result = SCORER.call(name, settings, answer, question, reference, metadata, typed_reference)
     if result is None:
         record_timeout()
         return 0.0
@@ -317,11 +394,13 @@ def gym_score(answer: str | None, name: str, settings: str, question: str, refer
 
 def gym_correctness_reward(prompts: list, completions: list, **kwargs) -> list[float]:
     """Per completion, the reasoning-gym verifier's score (in [0, 1]) of its ``<answer>`` text (:func:`gym_score`),
-    read against the ``gym_dataset``, ``gym_settings``, ``question``, ``answer`` and ``metadata`` columns."""
+    read against the ``gym_dataset``, ``gym_settings``, ``question``, ``answer`` and ``metadata`` columns (and
+    ``gym_answer``, the typed reference, where the rows carry it)."""
     texts = completion_texts(completions, "gym_correctness_reward")
     columns = [dataset_column(kwargs, column, "gym_correctness_reward")
                for column in ("gym_dataset", "gym_settings", "question", "answer", "metadata")]
-    return [gym_score(extract_xml_answer(text), *row) for text, *row in zip(texts, *columns, strict=True)]
+    typed = kwargs.get("gym_answer") or [None] * len(texts)
+    return [gym_score(extract_xml_answer(text), *row) for text, *row in zip(texts, *columns, typed, strict=True)]
 
 
 def _sample_row(name: str, settings: dict[str, Any], question: str, answer: str, metadata: dict[str, Any]) -> dict:
