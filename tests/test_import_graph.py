@@ -22,25 +22,18 @@ LAYERS: list[tuple[str, set[str]]] = [
     # dllm_ais's top-level modules and packages (every module of `likelihood/` is in `likelihood`'s layer);
     # "__init__" is `dllm_ais/__init__.py`.
     ("foundations: no dllm_ais import", {"ops", "choices", "validation", "console", "interruption", "trackers",
-                                         "rollout", "models"}),
+                                         "rollout", "models", "safe_json"}),
     ("the stages' settings groups", {"settings"}),
     ("the step's numerical stages", {"sampling", "likelihood", "quantization", "engine", "correction", "loss",
                                      "metrics"}),
     ("tasks and their rewards", {"tasks", "rewards"}),
     ("the config and its rules", {"config"}),
-    ("a run's inputs and outputs", {"data", "loading", "run_lock", "reporting"}),
+    ("a run's inputs and outputs", {"data", "loading", "run_lock", "run_dir", "reporting"}),
     ("the policy seam", {"policy", "fidelity"}),
     ("one GRPO step and what it is built from", {"grpo", "components", "evaluation", "checkpoint"}),
     ("training loops", {"trainer", "sft", "launch"}),
     ("entry points", {"cli", "dry_run", "export", "__init__"}),
 ]
-
-KNOWN_BACK_ARROWS = {
-    # Temporary: checkpoint.py names GRPOTrainer (under TYPE_CHECKING) while trainer.py imports checkpoint, a circle
-    # that is being removed in a separate change. test_checkpoint_does_not_import_trainer tracks it.
-    (f"{ROOT}.checkpoint", f"{ROOT}.trainer"),
-}
-
 
 def _module_files() -> dict[str, Path]:
     modules = {}
@@ -100,9 +93,8 @@ def _arrow(source: str, target: str) -> str:
     return f"{source} → {target} ({MODULES[source].relative_to(PACKAGE_DIR.parent)}:{GRAPH[source][target]})"
 
 
-def _edges(skip_known: bool) -> dict[str, set[str]]:
-    return {source: {target for target in targets if not (skip_known and (source, target) in KNOWN_BACK_ARROWS)}
-            for source, targets in GRAPH.items()}
+def _edges() -> dict[str, set[str]]:
+    return {source: set(targets) for source, targets in GRAPH.items()}
 
 
 def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -196,17 +188,10 @@ def test_every_module_has_one_layer():
 
 
 def test_no_import_circles():
-    circles = _circle_report(_edges(skip_known=True))
+    circles = _circle_report(_edges())
     assert circles == [], "import circles:\n" + "\n".join(circles)
 
 
 def test_no_import_from_a_higher_layer():
-    back_arrows = _back_arrows(_edges(skip_known=True))
+    back_arrows = _back_arrows(_edges())
     assert back_arrows == [], "imports from a higher layer:\n" + "\n".join(back_arrows)
-
-
-@pytest.mark.xfail(strict=False, reason="checkpoint ↔ trainer: being removed in a separate change (issue 36)")
-def test_checkpoint_does_not_import_trainer():
-    edges = _edges(skip_known=False)
-    problems = _circle_report(edges) + _back_arrows(edges)
-    assert problems == [], "\n".join(problems)
