@@ -30,6 +30,7 @@ logits' dtype); the prompt of a long request is cut from the left to fit `max_le
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +59,7 @@ from dllm_ais.policy import CONFIG_FIELD_OF_SAMPLER_SETTING, is_diffusion
 from dllm_ais.sampling.autoregressive import AutoregressiveSampler, AutoregressiveSamplerConfig
 from dllm_ais.sampling.diffusion import DiffusionSamplerConfig, MaskedDiffusionSampler
 
+logger = logging.getLogger(__name__)
 MODEL_NAME = "dllm_ais"
 DEFAULT_SEED = 1234  # eval_llada.py's set_seed
 DEFAULT_MAX_LENGTH = 2048  # the harness's `hf` default when the config names no context length
@@ -190,6 +192,17 @@ def _batches(indices: list[int], size: int) -> list[list[int]]:
 # --------------------------------------------------------------------------------------------- the harness model
 
 
+def available_device(device: str | None) -> torch.device:
+    """`device` when this machine has it; else (none named, or CUDA without a GPU: the harness CLI asks for cuda:0
+    by default) CUDA when available, else the CPU."""
+    if device is not None and (not device.startswith("cuda") or torch.cuda.is_available()):
+        return torch.device(device)
+    if device is not None:
+        logger.warning("device %s is not available here; running on the CPU", device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+
 @register_model(MODEL_NAME)
 class DllmAisLM(TemplateLM):
     """The harness model: a local path, Hub id, `embedded*` name, LoRA adapter directory or merged export
@@ -218,8 +231,7 @@ class DllmAisLM(TemplateLM):
                              "supported by the dllm_ais model)")
         state = PartialState()
         self._rank, self._world_size = state.process_index, state.num_processes
-        self._device = torch.device(state.device if self._world_size > 1 else
-                                    device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self._device = state.device if self._world_size > 1 else available_device(device)
         self.tokenizer = load_tokenizer(pretrained)
         model = load_model(pretrained, resolve_dtype(dtype), trust_remote_code).eval()
         self.model = self._placed(model, device_map)

@@ -212,19 +212,23 @@ def test_harness_end_to_end_on_local_tasks(task_dir, pretrained):
     from lm_eval.tasks import TaskManager
 
     results = simple_evaluate(model="dllm_ais", model_args=f"pretrained={pretrained},mc_num=8", batch_size=4,
-                              tasks=["dllm_ais_mc", "dllm_ais_gen"], task_manager=TaskManager(include_path=str(task_dir)),
+                              tasks=["dllm_ais_mc", "dllm_ais_gen"], task_manager=TaskManager(include_path=str(task_dir), include_defaults=False),
                               apply_chat_template=True, log_samples=True, limit=4)
     samples = results["samples"]
     lm = DllmAisLM(pretrained=pretrained, batch_size=4, mc_num=8)
-    generated = lm.generate_until([Instance("generate_until", {}, (sample["arguments"]["gen_args_0"]["arg_0"],
-                                                                   sample["arguments"]["gen_args_0"]["arg_1"]), 0)
+    generated = lm.generate_until([Instance("generate_until", {}, sample["arguments"][0], 0)
                                    for sample in samples["dllm_ais_gen"]], disable_tqdm=True)
     assert generated == [sample["filtered_resps"][0] for sample in samples["dllm_ais_gen"]]
     expected = sum(text == sample["target"] for text, sample in zip(generated, samples["dllm_ais_gen"])) / 4
     assert results["results"]["dllm_ais_gen"]["exact_match,none"] == pytest.approx(expected)
     assert expected >= 0.5  # the embedded models answer the digits prompts
-    accuracy = results["results"]["dllm_ais_mc"]["acc,none"]
-    assert 0 <= accuracy <= 1 and len(samples["dllm_ais_mc"]) == 4
+    scores = [[value for value, _ in lm.loglikelihood([Instance("loglikelihood", {}, args, 0)
+                                                     for args in sample["arguments"]], disable_tqdm=True)]
+              for sample in samples["dllm_ais_mc"]]
+    harness_scores = [response[0][0] for sample in samples["dllm_ais_mc"] for response in sample["resps"]]
+    assert harness_scores == pytest.approx([value for row in scores for value in row], abs=1e-4)  # batches differ
+    accuracy = sum(max(range(2), key=row.__getitem__) == 0 for row in scores) / 4
+    assert results["results"]["dllm_ais_mc"]["acc,none"] == pytest.approx(accuracy)
 
 
 def test_cli_forwards_to_the_harness(task_dir, capsys):
