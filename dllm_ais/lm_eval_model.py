@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -54,7 +55,7 @@ from dllm_ais.likelihood import (
     plain_logits,
     selective_log_softmax,
 )
-from dllm_ais.loading import SpecialTokens, load_model, load_tokenizer, resolve_dtype, special_tokens
+from dllm_ais.loading import SpecialTokens, load_model, load_tokenizer, resolve_dtype, resolve_model_path, special_tokens
 from dllm_ais.policy import CONFIG_FIELD_OF_SAMPLER_SETTING, is_diffusion
 from dllm_ais.sampling.autoregressive import AutoregressiveSampler, AutoregressiveSamplerConfig
 from dllm_ais.sampling.diffusion import DiffusionSamplerConfig, MaskedDiffusionSampler
@@ -192,6 +193,17 @@ def _batches(indices: list[int], size: int) -> list[list[int]]:
 # --------------------------------------------------------------------------------------------- the harness model
 
 
+def tokenizer_source(pretrained: str) -> str:
+    """Where the tokenizer of `pretrained` is: the directory itself, or for an adapter directory without tokenizer
+    files its base model."""
+    path = Path(resolve_model_path(pretrained))
+    if (path / "adapter_config.json").is_file() and not (path / "tokenizer_config.json").is_file():
+        from peft import PeftConfig
+
+        return PeftConfig.from_pretrained(str(path)).base_model_name_or_path
+    return pretrained
+
+
 def available_device(device: str | None) -> torch.device:
     """`device` when this machine has it; else (none named, or CUDA without a GPU: the harness CLI asks for cuda:0
     by default) CUDA when available, else the CPU."""
@@ -229,10 +241,10 @@ class DllmAisLM(TemplateLM):
         if not str(batch_size).isdigit() or int(batch_size) < 1:
             raise ValueError(f"batch_size={batch_size!r}: pass a positive integer (automatic batch sizes are not "
                              "supported by the dllm_ais model)")
-        state = PartialState()
+        state = PartialState(cpu=not torch.cuda.is_available())  # several processes: GPUs, else gloo on CPUs
         self._rank, self._world_size = state.process_index, state.num_processes
         self._device = state.device if self._world_size > 1 else available_device(device)
-        self.tokenizer = load_tokenizer(pretrained)
+        self.tokenizer = load_tokenizer(tokenizer_source(pretrained))
         model = load_model(pretrained, resolve_dtype(dtype), trust_remote_code).eval()
         self.model = self._placed(model, device_map)
         self.diffusion = is_diffusion(policy, self.model.config.model_type)

@@ -158,6 +158,27 @@ def test_causal_path_equals_harness_hf_model(qwen3):
     assert ours[0] == "1 5 4" and ours[1] == "1"
 
 
+def test_adapter_directory_and_merged_export_score_alike(tmp_path, qwen3):
+    """A LoRA adapter directory (without tokenizer files: its base's tokenizer) and its merged export load and score
+    the same, and differently from the base model."""
+    from peft import LoraConfig, get_peft_model
+
+    from dllm_ais.export import export_merged_model
+    from dllm_ais.loading import load_model
+
+    torch.manual_seed(0)
+    adapter = get_peft_model(load_model("embedded-qwen3", torch.float32),
+                             LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    adapter.save_pretrained(tmp_path / "adapter")
+    export_merged_model(tmp_path / "adapter", tmp_path / "merged", dtype=torch.float32)
+    requests = loglikelihood_requests(qwen3)[:3]
+    scores = [[value for value, _ in DllmAisLM(pretrained=str(path), dtype="float32").loglikelihood(
+        requests, disable_tqdm=True)] for path in (tmp_path / "adapter", tmp_path / "merged")]
+    base = [value for value, _ in qwen3.loglikelihood(requests, disable_tqdm=True)]
+    assert scores[0] == pytest.approx(scores[1], abs=1e-4)
+    assert max(abs(a - b) for a, b in zip(scores[0], base)) > 1e-2
+
+
 TASKS = {
     "dllm_ais_mc": """task: dllm_ais_mc
 dataset_path: json
