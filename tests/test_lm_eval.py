@@ -267,3 +267,11 @@ def test_bad_arguments_fail_at_construction():
     assert math.isnan(diffusion_loglikelihood(
         DllmAisLM(pretrained="embedded").model, torch.tensor([9, 10]), torch.tensor([11]), 6, 4, 4,
         mask_generator(0)).standard_error)  # one batch: no spread to measure
+
+
+def test_the_package_and_its_cli_do_not_import_the_harness():
+    import subprocess
+    import sys
+
+    code = "import sys, dllm_ais, dllm_ais.cli; dllm_ais.cli.build_parser(); print('lm_eval' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
