@@ -43,7 +43,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from dllm_ais.config import d1_protocol_fields
+from dllm_ais.config import DTYPES, POLICIES, d1_protocol_fields
 from dllm_ais.evaluation import standard_error
 from dllm_ais.likelihood import (
     LogitsFn,
@@ -214,7 +214,6 @@ def available_device(device: str | None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-
 @register_model(MODEL_NAME)
 class DllmAisLM(TemplateLM):
     """The harness model: a local path, Hub id, `embedded*` name, LoRA adapter directory or merged export
@@ -238,6 +237,9 @@ class DllmAisLM(TemplateLM):
         super().__init__()
         from accelerate import PartialState
 
+        if policy not in POLICIES or dtype not in DTYPES:
+            raise ValueError(f"policy={policy!r}, dtype={dtype!r}: policy must be one of {', '.join(POLICIES)} and "
+                             f"dtype one of {', '.join(DTYPES)}")
         if not str(batch_size).isdigit() or int(batch_size) < 1:
             raise ValueError(f"batch_size={batch_size!r}: pass a positive integer (automatic batch sizes are not "
                              "supported by the dllm_ais model)")
