@@ -59,6 +59,7 @@ from dllm_ais.loading import SpecialTokens, load_model, load_tokenizer, resolve_
 from dllm_ais.policy import CONFIG_FIELD_OF_SAMPLER_SETTING, is_diffusion
 from dllm_ais.sampling.autoregressive import AutoregressiveSampler, AutoregressiveSamplerConfig
 from dllm_ais.sampling.diffusion import DiffusionSamplerConfig, MaskedDiffusionSampler
+from dllm_ais.validation import ConfigError
 
 logger = logging.getLogger(__name__)
 MODEL_NAME = "dllm_ais"
@@ -96,9 +97,9 @@ def llada_mask_draw(gen_length: int, batch: int, generator: torch.Generator) -> 
 
 
 def check_monte_carlo_sizes(num_samples: int, batch_size: int) -> None:
-    """Raise ValueError unless the number of copies is a positive multiple of the Monte-Carlo batch."""
+    """Raise ConfigError unless the number of copies is a positive multiple of the Monte-Carlo batch."""
     if num_samples < 1 or batch_size < 1 or num_samples % batch_size:
-        raise ValueError(f"mc_num={num_samples} must be a positive multiple of mc_batch_size={batch_size} (model_args)")
+        raise ConfigError(f"mc_num={num_samples} must be a positive multiple of mc_batch_size={batch_size} (model_args)")
 
 
 @torch.no_grad()
@@ -238,10 +239,10 @@ class DllmAisLM(TemplateLM):
         from accelerate import PartialState
 
         if policy not in POLICIES or dtype not in DTYPES:
-            raise ValueError(f"policy={policy!r}, dtype={dtype!r}: policy must be one of {', '.join(POLICIES)} and "
+            raise ConfigError(f"policy={policy!r}, dtype={dtype!r}: policy must be one of {', '.join(POLICIES)} and "
                              f"dtype one of {', '.join(DTYPES)}")
         if not str(batch_size).isdigit() or int(batch_size) < 1:
-            raise ValueError(f"batch_size={batch_size!r}: pass a positive integer (automatic batch sizes are not "
+            raise ConfigError(f"batch_size={batch_size!r}: pass a positive integer (automatic batch sizes are not "
                              "supported by the dllm_ais model)")
         state = PartialState(cpu=not torch.cuda.is_available())  # several processes: GPUs, else gloo on CPUs
         self._rank, self._world_size = state.process_index, state.num_processes
@@ -263,8 +264,11 @@ class DllmAisLM(TemplateLM):
                                  "cache": cache, "threshold": threshold, "factor": factor}
         if self.diffusion:  # settings checked now, not after the first requests ran
             check_monte_carlo_sizes(self.mc_num, self.mc_batch_size)
-            d1_sampler_config(self.block_length, self.block_length, self.tokens, 0.0,
-                              **{**self.sampler_settings, "steps": None})
+            try:
+                d1_sampler_config(self.block_length, self.block_length, self.tokens, 0.0,
+                                  **{**self.sampler_settings, "steps": None})
+            except ValueError as error:
+                raise ConfigError(f"--model_args: {error}") from None
 
     def _placed(self, model: nn.Module, device_map: str | None) -> nn.Module:
         """The model on this process's device, or spread over the visible GPUs by accelerate (`device_map="auto"`)."""
@@ -357,8 +361,8 @@ class DllmAisLM(TemplateLM):
         results = []
         for _, context, continuation in tqdm(requests, desc="loglikelihood", disable=disable_tqdm):
             if len(continuation) >= self.max_length:
-                raise ValueError(f"a continuation of {len(continuation)} tokens does not fit max_length="
-                                 f"{self.max_length}; raise max_length (model_args) if the model allows it")
+                raise ConfigError(f"a continuation of {len(continuation)} tokens does not fit max_length="
+                                  f"{self.max_length}; raise max_length (model_args) if the model allows it")
             context = context[-(self.max_length - len(continuation)):]
             estimate = self.estimate_loglikelihood(context, continuation)
             results.append((estimate.value, self.is_check_greedy and self.greedy_reproduces(context, continuation)))
@@ -438,24 +442,24 @@ class DllmAisLM(TemplateLM):
             config = AutoregressiveSamplerConfig.from_generation_kwargs(
                 max_new_tokens=max_tokens, pad_token_id=self.tokens.pad_token_id, **kwargs)
             return AutoregressiveSampler(config), max_tokens
-        temperature = float(kwargs.pop("temperature", 0.0)) if kwargs.pop("do_sample", False) else 0.0
-        kwargs.pop("temperature", None)
+        do_sample, temperature = kwargs.pop("do_sample", False), float(kwargs.pop("temperature", 0.0))
         if kwargs:
-            raise ValueError(f"generation kwargs {sorted(kwargs)} have no meaning for the masked-diffusion sampler; "
-                             "set its settings (block_length, steps, remasking, ...) in --model_args instead")
+            raise ConfigError(f"generation kwargs {sorted(kwargs)} have no meaning for the masked-diffusion sampler; "
+                              "set its settings (block_length, steps, remasking, ...) in --model_args instead")
         block = self.block_length
         gen_length = self.gen_length or -(-max_tokens // block) * block
         steps = self.sampler_settings["steps"] or max(gen_length // 2, 1)
         settings = {**self.sampler_settings, "steps": steps}
-        return MaskedDiffusionSampler(d1_sampler_config(gen_length, block, self.tokens, temperature, **settings)), gen_length
+        config = d1_sampler_config(gen_length, block, self.tokens, temperature if do_sample else 0.0, **settings)
+        return MaskedDiffusionSampler(config), gen_length
 
     def _encode_prompts(self, contexts: list[str], gen_length: int) -> tuple[Tensor, Tensor]:
         """Left-padded token ids and attention mask of `contexts`, each cut from the left to leave `gen_length`
         positions within max_length."""
         budget = self.max_length - gen_length
         if budget < 1:
-            raise ValueError(f"{gen_length} generated tokens leave no room for a prompt within max_length="
-                             f"{self.max_length}; lower max_gen_toks (--gen_kwargs) or gen_length")
+            raise ConfigError(f"{gen_length} generated tokens leave no room for a prompt within max_length="
+                              f"{self.max_length}; lower max_gen_toks (--gen_kwargs) or gen_length")
         return left_padded([self.tok_encode(context)[-budget:] for context in contexts], self.tokens.pad_token_id,
                            self._device)
 

@@ -128,6 +128,17 @@ def test_llada_greedy_check(llada):
     assert flags == [True, False]
 
 
+def test_llada_generation_honours_max_gen_toks_and_until(llada):
+    """One sampler (gen_length 32, d1's protocol) for 3 and 8 tokens: the shorter text is the longer one cut."""
+    context = chat(llada, "sort 3 9 1 4") + "\n\n"
+    texts = llada.generate_until([Instance("generate_until", {}, (context, kwargs), 0) for kwargs in (
+        {"until": [], "max_gen_toks": 8}, {"until": [], "max_gen_toks": 3}, {"until": [" "], "max_gen_toks": 8})],
+        disable_tqdm=True)
+    assert texts == ["1 3 4 9", "1 3", "1"]
+    with pytest.raises(ValueError, match="top_p"):
+        llada.generate_until([Instance("generate_until", {}, (context, {"until": [], "top_p": 0.9}), 0)])
+
+
 def test_rolling_loglikelihood_refused_for_diffusion(llada):
     with pytest.raises(NotImplementedError, match="masked-diffusion"):
         llada.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, ("some text",), 0)])
