@@ -38,7 +38,8 @@ from typing import Any
 import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
-from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text, resolve_max_length
+from lm_eval.models.utils import (handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text,
+                                  resolve_max_length)
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from torch import Tensor, nn
 from tqdm.auto import tqdm
@@ -55,7 +56,8 @@ from dllm_ais.likelihood import (
     plain_logits,
     selective_log_softmax,
 )
-from dllm_ais.loading import SpecialTokens, load_model, load_tokenizer, resolve_dtype, resolve_model_path, special_tokens
+from dllm_ais.loading import (SpecialTokens, load_model, load_tokenizer, resolve_dtype, resolve_model_path,
+                              special_tokens)
 from dllm_ais.policy import CONFIG_FIELD_OF_SAMPLER_SETTING, is_diffusion
 from dllm_ais.sampling.autoregressive import AutoregressiveSampler, AutoregressiveSamplerConfig
 from dllm_ais.sampling.diffusion import DiffusionSamplerConfig, MaskedDiffusionSampler
@@ -86,8 +88,8 @@ def llada_mask_draw(gen_length: int, batch: int, generator: torch.Generator) -> 
     """One batch of LLaDA's evaluation forward process over a continuation of L = `gen_length` tokens.
 
     k ~ U{1, …, L}; copy i ∈ [0, b) masks n_i = ((round(k + i·L/b) − 1) mod L) + 1 tokens — stratified counts
-    spread over 1..L — at positions σ_i(j) < n_i for a uniform permutation σ_i; its rate is t_i = n_i / L. Draws from
-    `generator`: randint for k, then one randperm(L) per copy (eval_llada.py's `_forward_process`, in its order).
+    spread over 1..L — at the positions j with σ_i(j) < n_i for a uniform permutation σ_i; its rate is t_i = n_i / L.
+    Draws from `generator`: randint for k, then one randperm(L) per copy (eval_llada.py's `_forward_process`, in its order).
     """
     start = torch.randint(1, gen_length + 1, (), generator=generator)
     counts = torch.round(torch.linspace(float(start), start + (batch - 1) * (gen_length / batch), steps=batch)).long()
@@ -99,7 +101,8 @@ def llada_mask_draw(gen_length: int, batch: int, generator: torch.Generator) -> 
 def check_monte_carlo_sizes(num_samples: int, batch_size: int) -> None:
     """Raise ConfigError unless the number of copies is a positive multiple of the Monte-Carlo batch."""
     if num_samples < 1 or batch_size < 1 or num_samples % batch_size:
-        raise ConfigError(f"mc_num={num_samples} must be a positive multiple of mc_batch_size={batch_size} (model_args)")
+        raise ConfigError(f"mc_num={num_samples} must be a positive multiple of mc_batch_size={batch_size} "
+                          "(--model_args)")
 
 
 @torch.no_grad()
@@ -150,7 +153,8 @@ def causal_continuation_scores(model: nn.Module, rows: list[list[int]], continua
                    use_cache=False, logits_to_keep=scored + 1).logits[:, :-1]
     targets = input_ids[:, width - scored:]
     logprobs = selective_log_softmax(logits, targets)
-    in_continuation = torch.arange(scored, device=device) >= scored - torch.tensor(continuation_lengths, device=device)[:, None]
+    lengths = torch.tensor(continuation_lengths, device=device).unsqueeze(1)
+    in_continuation = torch.arange(scored, device=device) >= scored - lengths
     totals = torch.where(in_continuation, logprobs, 0.0).sum(dim=1)
     greedy = ((logits.argmax(dim=-1) == targets) | ~in_continuation).all(dim=1)
     return list(zip(totals.tolist(), greedy.tolist()))
@@ -166,7 +170,8 @@ def d1_sampler_config(gen_length: int, block_length: int, tokens: SpecialTokens,
     tokens and any sampler `settings` (steps, remasking, cfg_scale, cache, threshold, factor, ...) replaced."""
     fields = d1_protocol_fields(gen_length, block_length)
     protocol = {setting: fields[field] for setting, field in CONFIG_FIELD_OF_SAMPLER_SETTING.items() if field in fields}
-    return DiffusionSamplerConfig(**{**protocol, **{key: value for key, value in settings.items() if value is not None}},
+    chosen = {key: value for key, value in settings.items() if value is not None}
+    return DiffusionSamplerConfig(**{**protocol, **chosen},
                                   temperature=temperature, mask_token_id=tokens.mask_token_id,
                                   eos_token_ids=tokens.eos_token_ids, pad_token_id=tokens.pad_token_id)
 

@@ -158,14 +158,14 @@ def test_causal_path_equals_harness_hf_model(qwen3):
     assert [flag for _, flag in ours] == [flag for _, flag in theirs] and ours[-1][1]
 
     texts = [Instance("loglikelihood_rolling", {}, (text,), 0) for text in ("reverse 4 5 1\n\n1 5 4", "sort 9 8")]
-    rolling = zip(qwen3.loglikelihood_rolling(texts, disable_tqdm=True), hf.loglikelihood_rolling(texts, disable_tqdm=True))
-    assert all(a == pytest.approx(b, abs=1e-4) for a, b in rolling)
+    rolling = qwen3.loglikelihood_rolling(texts, disable_tqdm=True)
+    assert rolling == pytest.approx(hf.loglikelihood_rolling(texts, disable_tqdm=True), abs=1e-4)
 
     generations = [Instance("generate_until", {}, (chat(qwen3, question) + "\n\n", kwargs), 0)
                    for question, _ in QUESTIONS for kwargs in ({"until": ["\n"], "max_gen_toks": 8},
                                                                 {"until": [" "], "max_gen_toks": 3})]
-    ours, theirs = qwen3.generate_until(generations, disable_tqdm=True), hf.generate_until(generations, disable_tqdm=True)
-    assert ours == theirs
+    ours = qwen3.generate_until(generations, disable_tqdm=True)
+    assert ours == hf.generate_until(generations, disable_tqdm=True)
     assert ours[0] == "1 5 4" and ours[1] == "1"
 
 
@@ -243,8 +243,9 @@ def test_harness_end_to_end_on_local_tasks(task_dir, pretrained):
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
+    tasks = TaskManager(include_path=str(task_dir), include_defaults=False)
     results = simple_evaluate(model="dllm_ais", model_args=f"pretrained={pretrained},mc_num=8", batch_size=4,
-                              tasks=["dllm_ais_mc", "dllm_ais_gen"], task_manager=TaskManager(include_path=str(task_dir), include_defaults=False),
+                              tasks=["dllm_ais_mc", "dllm_ais_gen"], task_manager=tasks,
                               apply_chat_template=True, log_samples=True, limit=4)
     samples = results["samples"]
     lm = DllmAisLM(pretrained=pretrained, batch_size=4, mc_num=8)
