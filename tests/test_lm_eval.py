@@ -6,6 +6,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -262,6 +263,52 @@ def test_harness_end_to_end_on_local_tasks(task_dir, pretrained):
     assert harness_scores == pytest.approx([value for row in scores for value in row], abs=1e-4)  # batches differ
     accuracy = sum(max(range(2), key=row.__getitem__) == 0 for row in scores) / 4
     assert results["results"]["dllm_ais_mc"]["acc,none"] == pytest.approx(accuracy)
+
+
+DATA_PARALLEL_SCRIPT = """
+import json, sys
+from lm_eval import simple_evaluate
+from lm_eval.tasks import TaskManager
+from dllm_ais.lm_eval_model import DllmAisLM
+
+model = DllmAisLM(pretrained="embedded", mc_num=8, batch_size=4)
+results = simple_evaluate(model=model, tasks=["dllm_ais_mc", "dllm_ais_gen"], apply_chat_template=True, log_samples=False,
+                          task_manager=TaskManager(include_path=sys.argv[1], include_defaults=False))
+if model.rank == 0:
+    print(json.dumps([model.world_size, {task: values[metric] for task, metric in
+                      (("dllm_ais_mc", "acc,none"), ("dllm_ais_gen", "exact_match,none"))
+                      for values in [results["results"][task]]}]))
+"""
+
+
+def test_data_parallel_processes_share_the_requests(task_dir, tmp_path):
+    """Two processes (torchrun; gloo on a CPU-only machine, as `accelerate launch` on GPUs) split the requests and
+    report what one process reports."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    script = tmp_path / "data_parallel.py"
+    script.write_text(DATA_PARALLEL_SCRIPT)
+    import dllm_ais
+
+    package_root = str(Path(dllm_ais.__file__).parents[1])  # the processes import this checkout's dllm_ais
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+                   "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+    command = [shutil.which("torchrun") or "torchrun", "--nproc_per_node", "2", str(script), str(task_dir)]
+    run = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    world_size, metrics = json.loads(run.stdout.strip().splitlines()[-1])
+    single = simple_evaluate(model=DllmAisLM(pretrained="embedded", mc_num=8, batch_size=4),
+                             tasks=["dllm_ais_mc", "dllm_ais_gen"], apply_chat_template=True,
+                             task_manager=TaskManager(include_path=str(task_dir), include_defaults=False))["results"]
+    assert world_size == 2
+    assert metrics == {"dllm_ais_mc": single["dllm_ais_mc"]["acc,none"],
+                       "dllm_ais_gen": single["dllm_ais_gen"]["exact_match,none"]}
 
 
 def test_cli_forwards_to_the_harness(task_dir, capsys):
