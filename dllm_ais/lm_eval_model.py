@@ -21,10 +21,11 @@ Masked-diffusion models (LLaDA):
 Causal LMs (Qwen3, ...): teacher-forced log-probs and greedy flags as the harness's `hf` model computes them, and
 generation with `AutoregressiveSampler` (model.generation_config's EOS ids, as `generate` uses).
 
-Differences from LLaDA's class: every request draws its masks from a generator seeded with `seed` (LLaDA's draws from
-one global stream), so a request scores the same whatever its rank, batch or order, and the choices of a question
+Differences from LLaDA's class: every request draws its masks from a generator seeded with `seed` (LLaDA's class draws
+from one global stream), so a request scores the same whatever its rank, batch or order, and the choices of a question
 share their masks where their lengths agree; log-probs are float32 log-softmax (LLaDA's `cross_entropy` runs in the
-logits' dtype); the prompt of a long request is cut from the left to fit `max_length` instead of failing.
+logits' dtype), and so are the greedy check's confidences (LLaDA's: float32); the prompt of a long request is cut from
+the left to fit `max_length` instead of failing.
 """
 
 from __future__ import annotations
@@ -88,8 +89,9 @@ def llada_mask_draw(gen_length: int, batch: int, generator: torch.Generator) -> 
     """One batch of LLaDA's evaluation forward process over a continuation of L = `gen_length` tokens.
 
     k ~ U{1, …, L}; copy i ∈ [0, b) masks n_i = ((round(k + i·L/b) − 1) mod L) + 1 tokens — stratified counts
-    spread over 1..L — at the positions j with σ_i(j) < n_i for a uniform permutation σ_i; its rate is t_i = n_i / L.
-    Draws from `generator`: randint for k, then one randperm(L) per copy (eval_llada.py's `_forward_process`, in its order).
+    spread over 1..L — at the positions j with σ_i(j) < n_i, σ_i a uniform permutation; its rate is t_i = n_i / L.
+    Draws from `generator`: randint for k, then one randperm(L) per copy (eval_llada.py's `_forward_process`, in its
+    order).
     """
     start = torch.randint(1, gen_length + 1, (), generator=generator)
     counts = torch.round(torch.linspace(float(start), start + (batch - 1) * (gen_length / batch), steps=batch)).long()
@@ -143,15 +145,16 @@ def left_padded(rows: list[list[int]], pad_token_id: int, device: torch.device) 
 def causal_continuation_scores(model: nn.Module, rows: list[list[int]], continuation_lengths: list[int],
                                pad_token_id: int) -> list[tuple[float, bool]]:
     """Per row x (a context followed by its last c tokens, the continuation): Σ_{j in the continuation}
-    log softmax(f(x_<j))[x_j] and whether every x_j is the argmax, as the harness's `hf` model scores it. The rows
-    run as one left-padded forward (position ids = cumsum(attention mask) − 1), its LM head on the last max(c) + 1
-    positions only."""
+    log softmax(f(x_<j))[x_j] and whether every x_j is the argmax, as the harness's `hf` model scores it: the rows
+    without their last token run as one left-padded forward (position ids = cumsum(attention mask) − 1), its LM head
+    on the last max(c) positions only."""
     device = next(model.parameters()).device
-    input_ids, attention_mask = left_padded(rows, pad_token_id, device)
-    width, scored = input_ids.shape[1], max(continuation_lengths)
+    input_ids, attention_mask = left_padded([row[:-1] for row in rows], pad_token_id, device)
+    next_ids, _ = left_padded([row[1:] for row in rows], pad_token_id, device)
+    scored = max(continuation_lengths)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=causal_position_ids(attention_mask),
-                   use_cache=False, logits_to_keep=scored + 1).logits[:, :-1]
-    targets = input_ids[:, width - scored:]
+                   use_cache=False, logits_to_keep=scored).logits
+    targets = next_ids[:, -scored:]
     logprobs = selective_log_softmax(logits, targets)
     lengths = torch.tensor(continuation_lengths, device=device).unsqueeze(1)
     in_continuation = torch.arange(scored, device=device) >= scored - lengths
@@ -347,8 +350,8 @@ class DllmAisLM(TemplateLM):
         return results
 
     def _causal_scores(self, requests, disable_tqdm: bool) -> list[tuple[float, bool]]:
-        """Causal scores in batches of `batch_size`, longest first, each row cut from the left to the last
-        max_length + 1 tokens (the `hf` model's window)."""
+        """Causal scores in batches of `batch_size`, longest first, each row cut from the left to its last
+        max_length + 1 tokens (the `hf` model's window: max_length inputs)."""
         rows = [(context + continuation)[-(self.max_length + 1):] for _, context, continuation in requests]
         lengths = [len(continuation) for _, _, continuation in requests]
         order = sorted(range(len(rows)), key=lambda index: -len(rows[index]))

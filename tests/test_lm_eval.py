@@ -170,6 +170,21 @@ def test_causal_path_equals_harness_hf_model(qwen3):
     assert ours[0] == "1 5 4" and ours[1] == "1"
 
 
+def test_causal_windows_equal_harness_hf_model_when_requests_are_long():
+    """Requests longer than max_length lose the start of their context as the `hf` model cuts it."""
+    from lm_eval.models.huggingface import HFLM
+
+    ours = DllmAisLM(pretrained="embedded-qwen3", batch_size=2, max_length=12)
+    hf = HFLM(pretrained=str(EMBEDDED_MODELS["embedded-qwen3"]), batch_size=2, device="cpu", dtype="float32",
+              max_length=12)
+    requests = loglikelihood_requests(ours)
+    values = [value for value, _ in ours.loglikelihood(requests, disable_tqdm=True)]
+    assert values == pytest.approx([value for value, _ in hf.loglikelihood(requests, disable_tqdm=True)], abs=1e-4)
+    kwargs = {"until": ["\n"], "max_gen_toks": 4}
+    generations = [Instance("generate_until", {}, (chat(ours, question) + "\n\n", kwargs), 0) for question, _ in QUESTIONS]
+    assert ours.generate_until(generations, disable_tqdm=True) == hf.generate_until(generations, disable_tqdm=True)
+
+
 def test_adapter_directory_and_merged_export_score_alike(tmp_path, qwen3):
     """A LoRA adapter directory (without tokenizer files: its base's tokenizer) and its merged export load and score
     the same, and differently from the base model."""
