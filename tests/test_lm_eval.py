@@ -181,7 +181,8 @@ def test_causal_windows_equal_harness_hf_model_when_requests_are_long():
     values = [value for value, _ in ours.loglikelihood(requests, disable_tqdm=True)]
     assert values == pytest.approx([value for value, _ in hf.loglikelihood(requests, disable_tqdm=True)], abs=1e-4)
     kwargs = {"until": ["\n"], "max_gen_toks": 4}
-    generations = [Instance("generate_until", {}, (chat(ours, question) + "\n\n", kwargs), 0) for question, _ in QUESTIONS]
+    generations = [Instance("generate_until", {}, (chat(ours, question) + "\n\n", kwargs), 0)
+                   for question, _ in QUESTIONS]
     assert ours.generate_until(generations, disable_tqdm=True) == hf.generate_until(generations, disable_tqdm=True)
 
 
@@ -287,7 +288,7 @@ from lm_eval.tasks import TaskManager
 from dllm_ais.lm_eval_model import DllmAisLM
 
 model = DllmAisLM(pretrained="embedded", mc_num=8, batch_size=4)
-results = simple_evaluate(model=model, tasks=["dllm_ais_mc", "dllm_ais_gen"], apply_chat_template=True, log_samples=False,
+results = simple_evaluate(model=model, tasks=["dllm_ais_mc", "dllm_ais_gen"], apply_chat_template=True,
                           task_manager=TaskManager(include_path=sys.argv[1], include_defaults=False))
 if model.rank == 0:
     print(json.dumps([model.world_size, {task: values[metric] for task, metric in
