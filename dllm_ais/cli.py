@@ -361,6 +361,27 @@ def _sft(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def _lm_eval(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Run the lm-evaluation-harness CLI on the arguments after `lm-eval`, with the `dllm_ais` model registered (and
+    chosen when no --model is given)."""
+    try:
+        from dllm_ais.lm_eval_model import MODEL_NAME
+    except ImportError as error:
+        raise SystemExit(f"error: `dllm-ais lm-eval` needs lm-evaluation-harness ({error}); install it with "
+                         "pip install 'dllm-ais[lm-eval]'") from None
+    from lm_eval.__main__ import cli_evaluate
+
+    harness_args = args.argv[args.argv.index("lm-eval") + 1:]
+    if not any(arg == "--model" or arg.startswith("--model=") for arg in harness_args):
+        harness_args = ["--model", MODEL_NAME, *harness_args]
+    saved, sys.argv = sys.argv, ["lm_eval", *harness_args]
+    try:
+        cli_evaluate()
+    finally:
+        sys.argv = saved
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from dllm_ais.config import describe_fields
 
@@ -456,6 +477,13 @@ def build_parser() -> argparse.ArgumentParser:
     sft.add_argument("--dtype", default="auto")
     sft.add_argument("--seed", type=int, default=0)
     sft.set_defaults(handler=_sft)
+
+    lm_eval = commands.add_parser(
+        "lm-eval", add_help=False, help="lm-evaluation-harness on any task, with this library's model (needs [lm-eval])",
+        description="Forwards every argument to the lm_eval CLI with --model dllm_ais (registered; the default), "
+                    "e.g. dllm-ais lm-eval --model_args pretrained=outputs/dllm-ais/final --tasks arc_easy. "
+                    "See docs/lm-eval.md; `dllm-ais lm-eval --help` prints the harness's options.")
+    lm_eval.set_defaults(handler=_lm_eval, verbose=False)
     return parser
 
 
