@@ -29,16 +29,12 @@ from dllm_ais.config import D1_SAMPLER_FIELDS, d1_protocol_fields
 from dllm_ais.loading import resolve_model_path
 from dllm_ais.policy import sample_prompts
 from dllm_ais.rewards import RewardTable, score_rollout_table
+from dllm_ais.statistics import paired_difference, standard_error
 from dllm_ais.tasks import RewardFunction, Task
 
 REPORTED_LIBRARIES = ("dllm-ais", "torch", "transformers", "accelerate", "peft", "torchao", "datasets",
                       "huggingface_hub", "math-verify")
 HASHED_SUFFIXES = (".safetensors", ".json")
-
-
-def standard_error(values: torch.Tensor) -> float:
-    """s / √n with the sample standard deviation s (n − 1 in the denominator); NaN below two values."""
-    return (values.std(correction=1) / math.sqrt(len(values))).item() if len(values) > 1 else math.nan
 
 
 @dataclass
@@ -86,31 +82,6 @@ class EvalResult:
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> "EvalResult":
         return cls(**state)
-
-
-@dataclass(frozen=True)
-class PairedDifference:
-    """after − before over the same prompts: the mean difference, its standard error and the number of prompts."""
-
-    mean: float
-    standard_error: float
-    num_prompts: int
-
-    def __str__(self) -> str:
-        return f"Δ {self.mean:+.4f} ± {self.standard_error:.4f} SE, {self.num_prompts} prompts"
-
-
-def paired_difference(before: torch.Tensor, after: torch.Tensor) -> PairedDifference:
-    """Mean of d_i = after_i − before_i over prompts i and its paired standard error s_d / √n.
-
-    Pairing removes the prompt-to-prompt variance that two independent means would carry, so a change
-    is significant when |mean| exceeds a few standard errors.
-    """
-    if before.shape != after.shape:
-        raise ValueError(f"paired values must cover the same prompts; got {tuple(before.shape)} and "
-                         f"{tuple(after.shape)}")
-    differences = after.float() - before.float()
-    return PairedDifference(differences.mean().item(), standard_error(differences), len(differences))
 
 
 def held_out_metrics(before: EvalResult | None, after: EvalResult,
@@ -306,44 +277,12 @@ def report_entry(gen_length: int, result: EvalResult, seconds: float) -> dict[st
         "rewards": {name: _finite_or_none(values.nanmean().item()) for name, values in result.per_function.items()},
         "timeouts": result.timeouts,
         "seconds": round(seconds, 3),
-        "per_prompt": {
-            "accuracy": None if result.per_prompt_accuracy is None else result.per_prompt_accuracy.tolist(),
-            "reward": result.per_prompt_reward.tolist(),
-        },
+        "per_prompt": per_prompt_values(result),
     }
 
 
-def markdown_table(report: dict[str, Any]) -> str:
-    """The report as a markdown table: one row per gen length, accuracy ± SE (in %), then each reward's mean."""
-    names = list(report["results"][0]["rewards"]) if report["results"] else []
+def per_prompt_values(result: EvalResult) -> dict[str, list[float] | None]:
+    """The evaluation's per-prompt reward and accuracy (None without an accuracy function), in dataset order."""
+    return {"accuracy": None if result.per_prompt_accuracy is None else result.per_prompt_accuracy.tolist(),
+            "reward": result.per_prompt_reward.tolist()}
 
-    def number(value: float | None, scale: float = 1.0, digits: int = 3) -> str:
-        return "n/a" if value is None else f"{scale * value:.{digits}f}"
-
-    lines = [
-        f"**{report['task']}** ({report['split']}, {report['results'][0]['num_prompts']} prompts) · model "
-        f"`{report['model']['id']}` · {report['protocol']['name']} protocol (temperature "
-        f"{report['protocol']['temperature']}, block {report['protocol']['block_length']}, steps = gen_length / 2) · "
-        f"dtype {report['dtype']}, rollout {report['rollout_precision']} · {report['device']}",
-        "",
-        "| gen length | accuracy (%) | ± SE | reward | " + " | ".join(names) + " |",
-        "|---:|---:|---:|---:|" + "---:|" * len(names),
-    ]
-    for entry in report["results"]:
-        lines.append(f"| {entry['gen_length']} | {number(entry['accuracy'], 100, 1)} | "
-                     f"{number(entry['accuracy_se'], 100, 1)} | {number(entry['reward'])} | "
-                     + " | ".join(number(entry["rewards"][name]) for name in names) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def write_report(report: dict[str, Any], path: Path) -> tuple[Path, Path]:
-    """Write the JSON report to ``path`` and its markdown table beside it (same name, ``.md``); refuses to
-    replace an existing file."""
-    table_path = path.with_suffix(".md")
-    for target in (path, table_path):
-        if target.exists():
-            raise FileExistsError(f"{target} already exists; pass another --output (nothing was overwritten)")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    table_path.write_text(markdown_table(report))
-    return path, table_path

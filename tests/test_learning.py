@@ -9,7 +9,7 @@ import torch
 
 from conftest import tiny_llada, tiny_qwen3
 from dllm_ais.config import EMBEDDED_RECIPE, GRPOConfig, load_config
-from dllm_ais.evaluation import paired_difference
+from dllm_ais.statistics import paired_difference
 from dllm_ais.rewards import permuted_reward, resolve_reward_functions
 from dllm_ais.tasks.digits import make_digits_dataset
 from dllm_ais.trainer import GRPOTrainer

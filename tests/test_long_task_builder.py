@@ -1,4 +1,4 @@
-"""The long-completion warm-start builder (scripts/build_tiny_model.py --task chain_sum): the worked chain-sum
+"""The long-completion warm-start builder (tools/build_tiny_model.py --task chain_sum): the worked chain-sum
 demonstrations, their word tokenizer and their lengths in it, their verification and their noise."""
 
 import importlib
@@ -19,18 +19,18 @@ from dllm_ais.data import load_task_dataset, tokenize_prompts
 from dllm_ais.loading import load_model, load_tokenizer
 from dllm_ais.tasks.parsing import extract_xml_answer
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+TOOLS = Path(__file__).resolve().parent.parent / "tools"
 
 
 def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
     module = sys.modules[name] = importlib.util.module_from_spec(spec)  # registered first: it defines dataclasses
     spec.loader.exec_module(module)
     return module
 
 
 builder = load_script("build_tiny_model")
-steps = importlib.import_module("chain_sum_steps")  # the builder put scripts/ on the path
+steps = importlib.import_module("chain_sum_steps")  # the builder put tools/ on the path
 ROWS = 200
 
 

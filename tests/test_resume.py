@@ -95,7 +95,8 @@ def test_kill_9_after_a_checkpoint_then_resume_gives_the_uninterrupted_metrics(t
     assert best["best_model_checkpoint"] == str(output_dir / f"checkpoint-{best['best_global_step']}")
     kept = {"checkpoint-6", "checkpoint-8", f"checkpoint-{best['best_global_step']}"}  # the newest two and the best
     assert sorted(p.name for p in output_dir.iterdir()) == sorted([  # no leftovers
-        *kept, ".dllm-ais.json", ".dllm-ais.lock", "best_checkpoint.json", "completions.jsonl", "config.yaml", "final", "metrics.jsonl",
+        *kept, ".dllm-ais.json", ".dllm-ais.lock", "best_checkpoint.json", "completions.jsonl", "config.yaml", "final", "held_out.json",
+        "metrics.jsonl",
         "metrics.png"])
 
 

@@ -1,7 +1,7 @@
 """Why fast diffusion rollouts teach a trajectory-type estimator something else: the approximation split into parts.
 
-    python scripts/diagnose_fast_rollouts.py                    # the embedded LLaDA, 128 prompts x 4 completions
-    python scripts/diagnose_fast_rollouts.py --model outputs/tiny-digits-fp8-ais/final --prompts 256
+    python -m dllm_ais.experimental.diagnose_fast_rollouts                    # the embedded LLaDA, 128 prompts x 4 completions
+    python -m dllm_ais.experimental.diagnose_fast_rollouts --model outputs/tiny-digits-fp8-ais/final --prompts 256
 
 Each decoder samples the same validation prompts (temperature 1, the recipe's schedule) from the full-precision
 model itself, so precision plays no part: what differs is the decoding alone. Per decoder:
@@ -16,7 +16,7 @@ model itself, so precision plays no part: what differs is the decoding alone. Pe
   log-likelihood along each order. Exact rollouts are themselves not their replay (at temperature 1 uncommitted
   positions are redrawn): their row is the baseline for the others.
 - (c) exploration: distinct completions per group of 4, reward and accuracy of the samples, steps per row.
-(d) estimator noise needs gradients: `scripts/learning_diagnostics.py` measures the gradient's SNR.
+(d) estimator noise needs gradients: `python -m dllm_ais.experimental.learning_diagnostics` measures the gradient's SNR.
 """
 
 from __future__ import annotations
