@@ -210,8 +210,8 @@ def markdown(summary: dict[str, Any], header: str) -> str:
     """The study as a markdown table: one row per arm."""
     metric = summary["metric"]
     lines = [header, "",
-             f"| arm | held-out accuracy | held-out reward | Δ {metric} vs {summary['baseline']}, per seed (paired over "
-             f"prompts, ± SE) | mean Δ over seeds ± seed SE | 95 % CI |",
+             f"| arm | held-out accuracy | held-out reward | Δ {metric} vs {summary['baseline']}, per seed "
+             "(paired over prompts, ± SE) | mean Δ over seeds ± seed SE | 95 % CI |",
              "| --- | --- | --- | --- | --- | --- |"]
     for name, entry in summary["arms"].items():
         versus = entry["versus_baseline"]

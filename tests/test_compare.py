@@ -93,7 +93,8 @@ def test_compare_runs_arms_by_seeds_then_reuses_them(tmp_path, monkeypatch, caps
     per_seed = []
     for run_dir, seed in zip(ais["runs"], range(2)):
         baseline_dir = numbers["arms"]["none"]["runs"][seed]
-        values = [json.loads((Path(d) / "held_out.json").read_text())["after"]["accuracy"] for d in (baseline_dir, run_dir)]
+        values = [json.loads((Path(d) / "held_out.json").read_text())["after"]["accuracy"]
+                  for d in (baseline_dir, run_dir)]
         per_seed.append(paired_difference(*values).mean)
     assert [d["mean"] for d in ais["versus_baseline"]["per_seed"]] == pytest.approx(per_seed)
     assert ais["versus_baseline"]["across_seeds"]["mean"] == pytest.approx(sum(per_seed) / 2)
