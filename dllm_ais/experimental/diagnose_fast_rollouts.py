@@ -1,6 +1,6 @@
 """Why fast diffusion rollouts teach a trajectory-type estimator something else: the approximation split into parts.
 
-    python -m dllm_ais.experimental.diagnose_fast_rollouts                    # the embedded LLaDA, 128 prompts x 4 completions
+    python -m dllm_ais.experimental.diagnose_fast_rollouts     # the embedded LLaDA, 128 prompts x 4 completions
     python -m dllm_ais.experimental.diagnose_fast_rollouts --model outputs/tiny-digits-fp8-ais/final --prompts 256
 
 Each decoder samples the same validation prompts (temperature 1, the recipe's schedule) from the full-precision
@@ -36,9 +36,12 @@ from dllm_ais.policy import build_policy
 from dllm_ais.rewards import resolve_reward_functions, score_rollout_table
 from dllm_ais.tasks import get_task
 
-DECODERS = {"exact": {}, "dual cache": {"rollout_cache": "dual"}, "threshold 0.9": {"rollout_threshold": 0.9},
-            "dual + threshold 0.9": {"rollout_cache": "dual", "rollout_threshold": 0.9},
-            "prefix + threshold 0.9": {"rollout_cache": "prefix", "rollout_threshold": 0.9}}
+DECODERS = {  # each sets both fields: the recipe's own decoder may be a fast one
+    "exact": {"rollout_cache": "none", "rollout_threshold": None},
+    "dual cache": {"rollout_cache": "dual", "rollout_threshold": None},
+    "threshold 0.9": {"rollout_cache": "none", "rollout_threshold": 0.9},
+    "dual + threshold 0.9": {"rollout_cache": "dual", "rollout_threshold": 0.9},
+    "prefix + threshold 0.9": {"rollout_cache": "prefix", "rollout_threshold": 0.9}}
 
 
 def kendall_distance(first: torch.Tensor, second: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -58,12 +61,12 @@ def context_size(commit_step: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model or adapter directory (default: the recipe's model)")
     parser.add_argument("--prompts", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
     overrides = ["--output_dir=/tmp/unused", "--likelihood_estimator=trajectory", "--likelihood_decoder=exact"]
     config = load_config(EMBEDDED_RECIPE, overrides + ([f"--model_name_or_path={args.model}"] if args.model else []))
