@@ -286,3 +286,38 @@ def per_prompt_values(result: EvalResult) -> dict[str, list[float] | None]:
     return {"accuracy": None if result.per_prompt_accuracy is None else result.per_prompt_accuracy.tolist(),
             "reward": result.per_prompt_reward.tolist()}
 
+
+def markdown_table(report: dict[str, Any]) -> str:
+    """The report as a markdown table: one row per gen length, accuracy ± SE (in %), then each reward's mean."""
+    names = list(report["results"][0]["rewards"]) if report["results"] else []
+
+    def number(value: float | None, scale: float = 1.0, digits: int = 3) -> str:
+        return "n/a" if value is None else f"{scale * value:.{digits}f}"
+
+    lines = [
+        f"**{report['task']}** ({report['split']}, {report['results'][0]['num_prompts']} prompts) · model "
+        f"`{report['model']['id']}` · {report['protocol']['name']} protocol (temperature "
+        f"{report['protocol']['temperature']}, block {report['protocol']['block_length']}, steps = gen_length / 2) · "
+        f"dtype {report['dtype']}, rollout {report['rollout_precision']} · {report['device']}",
+        "",
+        "| gen length | accuracy (%) | ± SE | reward | " + " | ".join(names) + " |",
+        "|---:|---:|---:|---:|" + "---:|" * len(names),
+    ]
+    for entry in report["results"]:
+        lines.append(f"| {entry['gen_length']} | {number(entry['accuracy'], 100, 1)} | "
+                     f"{number(entry['accuracy_se'], 100, 1)} | {number(entry['reward'])} | "
+                     + " | ".join(number(entry["rewards"][name]) for name in names) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(report: dict[str, Any], path: Path) -> tuple[Path, Path]:
+    """Write the JSON report to ``path`` and its markdown table beside it (same name, ``.md``); refuses to
+    replace an existing file."""
+    table_path = path.with_suffix(".md")
+    for target in (path, table_path):
+        if target.exists():
+            raise FileExistsError(f"{target} already exists; pass another --output (nothing was overwritten)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    table_path.write_text(markdown_table(report))
+    return path, table_path

@@ -128,8 +128,8 @@ def test_noise_fraction_and_determinism(rows):
     assert list(rows["answer"]) == list(builder.chain_sum_demonstrations(rows, 0.5, seed=3)["answer"])
 
 
-RECIPES = {"qwen3": SCRIPTS.parent / "recipes" / "tiny_qwen3_chain_sum.yaml",
-           "llada": SCRIPTS.parent / "recipes" / "tiny_llada_chain_sum.yaml"}
+RECIPES = {"qwen3": TOOLS.parent / "recipes" / "tiny_qwen3_chain_sum.yaml",
+           "llada": TOOLS.parent / "recipes" / "tiny_llada_chain_sum.yaml"}
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llada"])
