@@ -65,11 +65,20 @@ def test_memory_benchmark_measures_each_estimator_in_its_own_process(capsys):
     assert float(rows[0][-1]) == 1.0 and all(float(row[-2]) > 0 for row in rows)
 
 
-def test_step_benchmark_prints_the_shares_and_the_memory_ratio(capsys):
-    assert main(["bench", "step", "--batch", "4", "--gen-length", "8", "--repeats", "1", "--warmup", "0",
-                 "--vocab", "512", "--sequences", "2", "--prompt-length", "8", "--completion-length", "16"]) == 0
+def test_step_benchmark_prints_the_rollout_and_correction_shares(capsys):
+    assert main(["bench", "step", "--part", "correction", "--batch", "4", "--gen-length", "8", "--repeats", "1",
+                 "--warmup", "0"]) == 0
     out = capsys.readouterr().out
-    assert "[step shares] device=cpu" in out and "correction time / step time: median" in out
+    assert "[step shares] device=cpu" in out and "completions=4 gen_length=8" in out
+    shares = [float(line.split("median ")[1].split("%")[0]) for line in out.splitlines() if "median" in line]
+    assert len(shares) == 2 and all(0 < share < 100 for share in shares)  # rollout, correction
+
+
+@pytest.mark.slow  # two fresh processes
+def test_step_benchmark_log_prob_memory_pass_computes_the_naive_log_probs(capsys):
+    assert main(["bench", "step", "--part", "memory", "--vocab", "512", "--sequences", "2", "--prompt-length", "8",
+                 "--completion-length", "16"]) == 0
+    out = capsys.readouterr().out
     assert "[log-prob memory] device=cpu" in out and "vocab=512 sequences=2 prompt=8 completion=16" in out
     assert "ratio ours/naive: " in out  # at this size: "n/a", the growth is below the process's earlier peak
     naive, ours = (float(word) for word in out.split("sum of log-probs naive ")[1].split(" vs ours "))
