@@ -28,7 +28,7 @@ from peft import PeftModel
 
 from dllm_ais.components import StepComponents
 from dllm_ais.config import ConfigError, GRPOConfig, canonical_values, flat_settings, save_config
-from dllm_ais.evaluation import EvalResult
+from dllm_ais.evaluation import EvalResult, per_prompt_values
 from dllm_ais.grpo import GenerationBatch, any_process
 from dllm_ais.run_dir import (BOOKKEEPING, CHECKPOINT_NAME, MARKER, DamagedCheckpoint, atomic_directory,
                               atomic_write_text, carries_marker, checkpoint_manifest, clean_leftovers,
@@ -43,7 +43,8 @@ RESUMABLE_CHANGES = frozenset({  # fields a resumed run may change: they do not 
     "resume_from_checkpoint", "report_to", "run_name", "dry_run", "max_consecutive_skipped_batches", "eval_steps",
     "log_completions", "num_completions_to_print"})  # not eval_size: the held-out baseline is paired with the end
 RUN_OUTPUTS = ("final",)  # directories a run writes besides its checkpoint-N
-RUN_FILES = ("config.yaml", "metrics.jsonl", "metrics.png", "completions.jsonl", "best_checkpoint.json")
+HELD_OUT_FILE = "held_out.json"  # the per-prompt held-out values of a finished run (`write_held_out`)
+RUN_FILES = ("config.yaml", "metrics.jsonl", "metrics.png", "completions.jsonl", "best_checkpoint.json", HELD_OUT_FILE)
 BEST_CHECKPOINT_FILE = "best_checkpoint.json"
 RUN_STATE_FILE = "custom_checkpoint_0.pkl"  # the name accelerate's register_for_checkpointing gave it
 CONFIG_FILE = "dllm_ais_config.yaml"
@@ -311,6 +312,7 @@ def _check_output_dir(config: GRPOConfig, is_main_process: bool) -> Path | None:
         if not continues_here:
             for path in sorted(p for p in ours if p.is_dir()):
                 discard_directory(path)
+            (output_dir / HELD_OUT_FILE).unlink(missing_ok=True)  # the replaced run's mark of having finished
         output_dir.mkdir(parents=True, exist_ok=True)
         if provenance(output_dir) is None:
             (output_dir / MARKER).write_text(json.dumps({"written_by": "dllm-ais", "run_directory": True}))
@@ -320,6 +322,23 @@ def _check_output_dir(config: GRPOConfig, is_main_process: bool) -> Path | None:
 
 
 # ------------------------------------------------------------------------------------------ saving and resuming a run
+def write_held_out(output_dir: str | Path, before: EvalResult | None, after: EvalResult) -> Path:
+    """Write `held_out.json` into a finished run's `output_dir`: the per-prompt values (`per_prompt_values`) of its
+    final held-out evaluation (`after`) and of its baseline (`before`; null for a resumed run that turned evaluation
+    on). Written last, in one rename: its presence marks a finished run, and `dllm-ais compare` pairs runs prompt by
+    prompt through it."""
+    path = Path(output_dir) / HELD_OUT_FILE
+    atomic_write_text(path, json.dumps({"after": per_prompt_values(after),
+                                        "before": None if before is None else per_prompt_values(before)}) + "\n")
+    return path
+
+
+def read_held_out(output_dir: str | Path) -> dict | None:
+    """The `held_out.json` of a finished run (see `write_held_out`); None when the run has not finished."""
+    path = Path(output_dir) / HELD_OUT_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 class Checkpointer:
     """Saving and resuming one training run in `config.output_dir`: the model directory (`save_model`), resumable
     `checkpoint-N` directories (`save_checkpoint`, `resume`) and the best-score record (`write_best_record`).

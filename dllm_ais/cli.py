@@ -382,6 +382,40 @@ def _lm_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def _compare(args: argparse.Namespace, overrides: list[str]) -> int:
+    import shlex
+    from pathlib import Path
+
+    from dllm_ais.compare import StudyError, run_study
+
+    try:
+        table, folder = run_study(Path(args.study), args.seeds, overrides, args.output_dir and Path(args.output_dir),
+                                  args.jobs, args.arms and [arm.strip() for arm in args.arms.split(",")],
+                                  shlex.join(["dllm-ais", *args.argv]))
+    except StudyError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(table + f"\ntable: {folder / 'comparison.md'} | numbers: {folder / 'comparison.json'} | plot: "
+                  f"{folder / 'comparison.png'}")
+    return 0
+
+
+BENCHMARKS = {  # `dllm-ais bench NAME` -> what it measures; the module dllm_ais.bench.NAME runs it
+    "rollout": "fast diffusion decoders (KV cache, parallel decoding, AR order) against the official algorithm",
+    "sampler": "the diffusion sampler's overhead over bare forwards, and the rollout engine's weight sync",
+    "mismatch": "token and sequence KL / ESS between the trainer and the rollout engine, per precision",
+    "memory": "peak memory of likelihood scoring + backward per diffusion estimator and step count",
+    "step": "one GRPO step: rollout and correction shares, and the log-prob pass's peak memory",
+}
+
+
+def _bench(args: argparse.Namespace, arguments: list[str]) -> int:
+    import importlib
+
+    importlib.import_module(f"dllm_ais.bench.{args.benchmark}").main(arguments)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from dllm_ais.config import describe_fields
 
@@ -484,6 +518,27 @@ def build_parser() -> argparse.ArgumentParser:
                     "e.g. dllm-ais lm-eval --model_args pretrained=outputs/dllm-ais/final --tasks arc_easy. "
                     "See docs/lm-eval.md; `dllm-ais lm-eval --help` prints the harness's options.")
     lm_eval.set_defaults(handler=_lm_eval, verbose=False)
+
+    from dllm_ais.compare import __doc__ as compare_description
+
+    compare = commands.add_parser("compare", parents=[common], help="arms x seeds of a recipe, paired against a "
+                                  "baseline arm: table, JSON and plot", description=compare_description,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter,
+                                  epilog="Any --field=value after the study file overrides every run (and names its "
+                                         "runs apart). Studies: recipes/studies/.")
+    compare.add_argument("study", help="study YAML: base, overrides, baseline, arms")
+    compare.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per arm")
+    compare.add_argument("--arms", help="comma-separated arms to run (the baseline always runs); default: all")
+    compare.add_argument("--jobs", type=int, default=1, help="runs at a time (CPU threads are shared among them)")
+    compare.add_argument("--output_dir", help="the study folder (default: outputs/studies/<study name>)")
+    compare.set_defaults(handler=_compare)
+
+    bench = commands.add_parser("bench", parents=[common], help="benchmarks: ratios measured in one run, printed "
+                                "beside the device and settings", description="Run a benchmark; `dllm-ais bench NAME "
+                                "--help` lists its options.")
+    benchmarks = bench.add_subparsers(dest="benchmark", required=True, metavar="NAME")
+    for name, summary in BENCHMARKS.items():  # each benchmark parses (and documents) its own options
+        benchmarks.add_parser(name, add_help=False, help=summary).set_defaults(handler=_bench)
     return parser
 
 

@@ -29,16 +29,12 @@ from dllm_ais.config import D1_ROLLOUT, GRPOConfig, with_d1_protocol
 from dllm_ais.loading import resolve_model_path
 from dllm_ais.policy import sample_prompts
 from dllm_ais.rewards import RewardTable, score_rollout_table
+from dllm_ais.statistics import paired_difference, standard_error
 from dllm_ais.tasks import RewardFunction, Task
 
 REPORTED_LIBRARIES = ("dllm-ais", "torch", "transformers", "accelerate", "peft", "torchao", "datasets",
                       "huggingface_hub", "math-verify")
 HASHED_SUFFIXES = (".safetensors", ".json")
-
-
-def standard_error(values: torch.Tensor) -> float:
-    """s / √n with the sample standard deviation s (n − 1 in the denominator); NaN below two values."""
-    return (values.std(correction=1) / math.sqrt(len(values))).item() if len(values) > 1 else math.nan
 
 
 @dataclass
@@ -86,31 +82,6 @@ class EvalResult:
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> "EvalResult":
         return cls(**state)
-
-
-@dataclass(frozen=True)
-class PairedDifference:
-    """after − before over the same prompts: the mean difference, its standard error and the number of prompts."""
-
-    mean: float
-    standard_error: float
-    num_prompts: int
-
-    def __str__(self) -> str:
-        return f"Δ {self.mean:+.4f} ± {self.standard_error:.4f} SE, {self.num_prompts} prompts"
-
-
-def paired_difference(before: torch.Tensor, after: torch.Tensor) -> PairedDifference:
-    """Mean of d_i = after_i − before_i over prompts i and its paired standard error s_d / √n.
-
-    Pairing removes the prompt-to-prompt variance that two independent means would carry, so a change
-    is significant when |mean| exceeds a few standard errors.
-    """
-    if before.shape != after.shape:
-        raise ValueError(f"paired values must cover the same prompts; got {tuple(before.shape)} and "
-                         f"{tuple(after.shape)}")
-    differences = after.float() - before.float()
-    return PairedDifference(differences.mean().item(), standard_error(differences), len(differences))
 
 
 def held_out_metrics(before: EvalResult | None, after: EvalResult,
@@ -306,11 +277,14 @@ def report_entry(gen_length: int, result: EvalResult, seconds: float) -> dict[st
         "rewards": {name: _finite_or_none(values.nanmean().item()) for name, values in result.per_function.items()},
         "timeouts": result.timeouts,
         "seconds": round(seconds, 3),
-        "per_prompt": {
-            "accuracy": None if result.per_prompt_accuracy is None else result.per_prompt_accuracy.tolist(),
-            "reward": result.per_prompt_reward.tolist(),
-        },
+        "per_prompt": per_prompt_values(result),
     }
+
+
+def per_prompt_values(result: EvalResult) -> dict[str, list[float] | None]:
+    """The evaluation's per-prompt reward and accuracy (None without an accuracy function), in dataset order."""
+    return {"accuracy": None if result.per_prompt_accuracy is None else result.per_prompt_accuracy.tolist(),
+            "reward": result.per_prompt_reward.tolist()}
 
 
 def markdown_table(report: dict[str, Any]) -> str:

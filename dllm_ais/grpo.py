@@ -16,7 +16,7 @@ micro-batch, one backward per forward of the estimator (`backward_by_pieces`). W
 a batch, still at θ_old, also measures the mismatch of ℓ_θ against ℓ_rollout (`bypass_diagnostics`).
 
 Both take their collaborators (`StepComponents`, the tokenizer, reward functions, the correction) as arguments, so
-scripts and tests run a step without a trainer.
+benchmarks and tests run a step without a trainer.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ the left to fit `max_length` instead of failing.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -45,8 +46,8 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from dllm_ais.config import DTYPES, POLICIES, d1_protocol_fields
-from dllm_ais.evaluation import standard_error
+from dllm_ais.config import DTYPES, POLICIES, GRPOConfig, with_d1_protocol
+from dllm_ais.statistics import standard_error
 from dllm_ais.likelihood import (
     LogitsFn,
     MaskDraw,
@@ -59,7 +60,7 @@ from dllm_ais.likelihood import (
 )
 from dllm_ais.loading import (SpecialTokens, load_model, load_tokenizer, resolve_dtype, resolve_model_path,
                               special_tokens)
-from dllm_ais.policy import CONFIG_FIELD_OF_SAMPLER_SETTING, is_diffusion
+from dllm_ais.policy import diffusion_sampler_config, is_diffusion
 from dllm_ais.sampling.autoregressive import AutoregressiveSampler, AutoregressiveSamplerConfig
 from dllm_ais.sampling.diffusion import DiffusionSamplerConfig, MaskedDiffusionSampler
 from dllm_ais.validation import ConfigError
@@ -168,15 +169,12 @@ def causal_continuation_scores(model: nn.Module, rows: list[list[int]], continua
 
 def d1_sampler_config(gen_length: int, block_length: int, tokens: SpecialTokens, temperature: float,
                       **settings: Any) -> DiffusionSamplerConfig:
-    """The sampler of d1's protocol at `gen_length` (`d1_protocol_fields`: blocks of min(block_length, gen_length),
+    """The sampler of d1's protocol at `gen_length` (`with_d1_protocol`: blocks of min(block_length, gen_length),
     gen_length / 2 steps, low-confidence remasking, no cache, no guidance) at `temperature`, with the model's special
     tokens and any sampler `settings` (steps, remasking, cfg_scale, cache, threshold, factor, ...) replaced."""
-    fields = d1_protocol_fields(gen_length, block_length)
-    protocol = {setting: fields[field] for setting, field in CONFIG_FIELD_OF_SAMPLER_SETTING.items() if field in fields}
+    protocol = with_d1_protocol(GRPOConfig(policy="diffusion"), gen_length, block_length)
     chosen = {key: value for key, value in settings.items() if value is not None}
-    return DiffusionSamplerConfig(**{**protocol, **chosen},
-                                  temperature=temperature, mask_token_id=tokens.mask_token_id,
-                                  eos_token_ids=tokens.eos_token_ids, pad_token_id=tokens.pad_token_id)
+    return dataclasses.replace(diffusion_sampler_config(protocol, tokens, temperature), **chosen)
 
 
 def completion_text(tokenizer, completion_ids: Tensor, completion_mask: Tensor, max_tokens: int,

@@ -28,7 +28,7 @@ def resolve_model_path(name_or_path: str) -> str:
         directory = EMBEDDED_MODELS[name_or_path]
         if not (directory / "config.json").is_file():
             raise FileNotFoundError(f"The embedded model is missing from {directory}; rebuild it with "
-                                    "`python scripts/build_tiny_model.py` (see its --help).")
+                                    "`python tools/build_tiny_model.py` (see its --help).")
         return str(directory)
     return name_or_path
 

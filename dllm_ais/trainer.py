@@ -22,7 +22,7 @@ from accelerate.utils import broadcast_object_list, set_seed
 from tqdm.auto import tqdm
 
 from dllm_ais import grpo
-from dllm_ais.checkpoint import Checkpointer, NonFiniteError, RunState, prepare_output_dir
+from dllm_ais.checkpoint import Checkpointer, NonFiniteError, RunState, prepare_output_dir, write_held_out
 from dllm_ais.components import build_components, make_accelerator
 from dllm_ais.config import GRPOConfig, save_config
 from dllm_ais.correction import RolloutCorrection
@@ -322,6 +322,8 @@ class GRPOTrainer:
                                            **held_out_metrics(self.eval_before, eval_after, rollout_sampler)}
                 self.reporter.finish(held_out, eval_after and held_out_line(self.eval_before, eval_after, rollout_sampler),
                                      final)
+                if eval_after:
+                    write_held_out(cfg.output_dir, self.eval_before, eval_after)
         except TrainingInterrupted:
             if is_main:
                 self.reporter.plot()

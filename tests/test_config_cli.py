@@ -146,6 +146,7 @@ def test_cli_trains_the_tiny_qwen3_through_the_shared_loop(tmp_path, capsys):
     assert "held-out reward: before" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # two processes per run
 @pytest.mark.parametrize("estimator", [
     (),  # the shipped one-step estimator
     ("--likelihood_estimator=trajectory", "--rollout_threshold=null"),  # a backward per denoising step, in step

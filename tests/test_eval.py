@@ -13,7 +13,8 @@ from transformers import AutoConfig
 from dllm_ais.cli import main
 from dllm_ais.config import EMBEDDED_MODELS, GRPOConfig
 from dllm_ais.data import load_task_dataset
-from dllm_ais.evaluation import EvalProtocol, evaluate_policy, standard_error
+from dllm_ais.evaluation import EvalProtocol, evaluate_policy
+from dllm_ais.statistics import standard_error
 from dllm_ais.loading import MALLOC_VARIABLES, keep_freed_host_memory, load_tokenizer
 from dllm_ais.policy import build_policy
 from dllm_ais.sampling.rollout import Rollout

@@ -83,6 +83,7 @@ def fresh_python(code, *args, tmp_path):
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # two fresh Python processes load the export
 def test_an_exported_llada_loads_in_fresh_pythons_with_dllm_ais_and_with_transformers_alone(trained, tmp_path):
     adapter, expected = trained
     merged = export_merged_model(adapter, tmp_path / "merged", torch.float32)

@@ -24,6 +24,8 @@ import pytest
 
 from test_resume import comparable, metrics, output_of, start, wait_until
 
+pytestmark = pytest.mark.slow  # two-process FSDP trainings
+
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
           str(ROOT / "recipes" / "accelerate" / "fsdp.yaml"), "--cpu", "--num_processes", "2"]

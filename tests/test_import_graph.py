@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     # dllm_ais's top-level modules and packages (every module of `likelihood/` is in `likelihood`'s layer);
     # "__init__" is `dllm_ais/__init__.py`.
     ("foundations: no dllm_ais import", {"ops", "choices", "validation", "console", "interruption", "trackers",
-                                         "rollout", "models", "safe_json"}),
+                                         "rollout", "models", "safe_json", "statistics"}),
     ("the stages' settings groups", {"settings"}),
     ("the step's numerical stages", {"sampling", "likelihood", "quantization", "engine", "correction", "loss",
                                      "metrics"}),
@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("the policy seam", {"policy", "fidelity"}),
     ("one GRPO step and what it is built from", {"grpo", "components", "evaluation", "checkpoint"}),
     ("training loops", {"trainer", "sft", "launch"}),
-    ("entry points", {"cli", "dry_run", "export", "__init__"}),
+    ("entry points", {"cli", "dry_run", "export", "__init__", "compare", "bench", "experimental", "lm_eval_model"}),
 ]
 
 def _module_files() -> dict[str, Path]:

@@ -9,7 +9,7 @@ import torch
 
 from conftest import tiny_llada, tiny_qwen3
 from dllm_ais.config import EMBEDDED_RECIPE, GRPOConfig, load_config
-from dllm_ais.evaluation import paired_difference
+from dllm_ais.statistics import paired_difference
 from dllm_ais.rewards import permuted_reward, resolve_reward_functions
 from dllm_ais.tasks.digits import make_digits_dataset
 from dllm_ais.trainer import GRPOTrainer
@@ -54,6 +54,7 @@ def test_one_update_raises_positive_advantage_completions_and_lowers_negative_on
     assert torch.corrcoef(torch.stack([change, advantages]))[0, 1] > 0.3
 
 
+@pytest.mark.slow  # study length: the shipped recipe trained twice (real and random rewards)
 @pytest.mark.parametrize("family", ["llada", "qwen3"])
 def test_shipped_run_improves_held_out_reward_and_beats_the_random_reward_control(tmp_path, family):
     """A shorter run of the shipped recipe (same seed, fewer steps, fewer held-out prompts): the greedy held-out

@@ -1,4 +1,4 @@
-"""The long-completion warm-start builder (scripts/build_tiny_model.py --task chain_sum): the worked chain-sum
+"""The long-completion warm-start builder (tools/build_tiny_model.py --task chain_sum): the worked chain-sum
 demonstrations, their word tokenizer and their lengths in it, their verification and their noise."""
 
 import importlib
@@ -19,18 +19,18 @@ from dllm_ais.data import load_task_dataset, tokenize_prompts
 from dllm_ais.loading import load_model, load_tokenizer
 from dllm_ais.tasks.parsing import extract_xml_answer
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+TOOLS = Path(__file__).resolve().parent.parent / "tools"
 
 
 def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
     module = sys.modules[name] = importlib.util.module_from_spec(spec)  # registered first: it defines dataclasses
     spec.loader.exec_module(module)
     return module
 
 
 builder = load_script("build_tiny_model")
-steps = importlib.import_module("chain_sum_steps")  # the builder put scripts/ on the path
+steps = importlib.import_module("chain_sum_steps")  # the builder put tools/ on the path
 ROWS = 200
 
 
@@ -128,8 +128,8 @@ def test_noise_fraction_and_determinism(rows):
     assert list(rows["answer"]) == list(builder.chain_sum_demonstrations(rows, 0.5, seed=3)["answer"])
 
 
-RECIPES = {"qwen3": SCRIPTS.parent / "recipes" / "tiny_qwen3_chain_sum.yaml",
-           "llada": SCRIPTS.parent / "recipes" / "tiny_llada_chain_sum.yaml"}
+RECIPES = {"qwen3": TOOLS.parent / "recipes" / "tiny_qwen3_chain_sum.yaml",
+           "llada": TOOLS.parent / "recipes" / "tiny_llada_chain_sum.yaml"}
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llada"])
@@ -193,35 +193,11 @@ def test_probe_decodes_with_d1s_protocol_and_counts_the_planted_mistake(monkeypa
     assert len(counts) == 3 and sum(counts) == 16 and counts[0] > counts[2]
 
 
-def test_rollout_benchmark_runs_the_chosen_variants_beside_the_official_algorithm(capsys):
-    bench = load_script("bench_rollout")
-    bench.main(["--gen-lengths", "16", "--block-length", "16", "--num-prompts", "4", "--batch", "4",
-                "--variants", "dual"])
-    rows = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.endswith("thread(s)]")]
-    assert rows == ["official", "dual"]
-    with pytest.raises(SystemExit):
-        bench.main(["--variants", "dual,bogus"])
-    assert "unknown ['bogus']; choose from official, prefix, dual, dual+refresh" in capsys.readouterr().err
-
-
-def test_rollout_benchmark_dual_cache_refreshed_every_step_reproduces_the_official_algorithm(capsys):
-    """dual+refresh at interval 1 recomputes the cache before every step: the official algorithm's greedy tokens."""
-    bench = load_script("bench_rollout")
-    bench.main(["--gen-lengths", "32", "--block-length", "16", "--num-prompts", "4", "--batch", "4",
-                "--variants", "dual,dual+refresh", "--refresh-interval", "1", "64"])
-    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()
-            if line.endswith("thread(s)]")}
-    assert set(rows) == {"official", "dual", "dual+refresh/1", "dual+refresh/64"}
-    agreement = {name: float(row[3]) for name, row in rows.items()}  # share of the official greedy tokens
-    assert agreement["dual+refresh/1"] == 1.0 and agreement["dual"] < 1.0
-    # Refreshed every 64 steps, past a 16-token block's 16 steps: only at block starts, the plain dual cache.
-    assert agreement["dual+refresh/64"] == agreement["dual"]
-
-
 def test_learning_diagnostics_samples_the_recipes_own_task(monkeypatch, capsys):
     """The gradient diagnostic draws its batch from the recipe's task with its task_args (chain sums), the rewards
     then score completions of those prompts."""
-    diagnostics = load_script("learning_diagnostics")
+    from dllm_ais.experimental import learning_diagnostics as diagnostics
+
     drawn = []
     monkeypatch.setattr(diagnostics, "load_task_dataset",
                         lambda *args, **kwargs: drawn.append(kwargs) or load_task_dataset(*args, **kwargs))

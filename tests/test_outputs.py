@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from dllm_ais.checkpoint import prepare_output_dir
+from dllm_ais.checkpoint import HELD_OUT_FILE, prepare_output_dir
 from dllm_ais.run_dir import (MARKER, OutputExistsError, atomic_directory, begin_staging, check_destination,
                               clean_leftovers, commit_staging, provenance, prune_checkpoints, run_checkpoints)
 from dllm_ais.cli import main
@@ -176,3 +176,15 @@ def test_overwrite_rewrites_a_runs_files_only_in_a_directory_a_run_marked(tmp_pa
     assert prepare_output_dir(config) is None
     with pytest.raises(OutputExistsError, match="output_dir of a training run"):  # export/sft never replace it
         check_destination(project, overwrite=True)
+
+
+def test_a_rerun_drops_the_replaced_runs_held_out_record_and_refuses_one_it_did_not_write(tmp_path):
+    """held_out.json marks a finished run (what `dllm-ais compare` reuses): a rerun over a run must not keep it."""
+    config = GRPOConfig(output_dir=str(tmp_path / "run"), overwrite_output_dir=True)
+    assert prepare_output_dir(config) is None
+    (tmp_path / "run" / HELD_OUT_FILE).write_text("{}")
+    assert prepare_output_dir(config) is None and not (tmp_path / "run" / HELD_OUT_FILE).exists()
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / HELD_OUT_FILE).write_text("{}")
+    with pytest.raises(ConfigError, match=f"{HELD_OUT_FILE} that dllm-ais did not write"):
+        prepare_output_dir(dataclasses.replace(config, output_dir=str(tmp_path / "mine")))

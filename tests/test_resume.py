@@ -71,6 +71,7 @@ def wait_until(condition, process, timeout=300):
         time.sleep(0.02)
 
 
+@pytest.mark.slow  # training processes killed and resumed beside an uninterrupted one
 def test_kill_9_after_a_checkpoint_then_resume_gives_the_uninterrupted_metrics(tmp_path, reference, uninterrupted,
                                                                                  capsys):
     output_dir = tmp_path / "run"
@@ -95,10 +96,11 @@ def test_kill_9_after_a_checkpoint_then_resume_gives_the_uninterrupted_metrics(t
     assert best["best_model_checkpoint"] == str(output_dir / f"checkpoint-{best['best_global_step']}")
     kept = {"checkpoint-6", "checkpoint-8", f"checkpoint-{best['best_global_step']}"}  # the newest two and the best
     assert sorted(p.name for p in output_dir.iterdir()) == sorted([  # no leftovers
-        *kept, ".dllm-ais.json", ".dllm-ais.lock", "best_checkpoint.json", "completions.jsonl", "config.yaml", "final", "metrics.jsonl",
-        "metrics.png"])
+        *kept, ".dllm-ais.json", ".dllm-ais.lock", "best_checkpoint.json", "completions.jsonl", "config.yaml", "final",
+        "held_out.json", "metrics.jsonl", "metrics.png"])
 
 
+@pytest.mark.slow  # a training process signalled, then resumed
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_ends_the_step_with_a_checkpoint_and_one_line_to_resume(tmp_path, uninterrupted, stop):
     output_dir = tmp_path / "run"

@@ -14,7 +14,8 @@ from test_rewards import weighted_rewards
 
 from dllm_ais.tasks import get_task, math500, task_names
 from dllm_ais.tasks import reasoning_gym as gym_task
-from dllm_ais.tasks.fuzzing import adversarial_completions, example_rows, fuzz_reward, non_string_completions
+from dllm_ais.tasks.fuzzing import (EXPONENT_TOWERS, adversarial_completions, example_rows, fuzz_reward,
+                                    non_string_completions)
 from dllm_ais.tasks.gsm8k import has_soft_layout, has_strict_layout
 
 FUZZ_COUNT = 2_000
@@ -49,6 +50,23 @@ def test_reward_survives_the_fuzz_corpus(task, function, short_math_deadline):
     report = fuzz_reward(function, CORPUS, example_rows(get_task(task)))
     assert report.count == FUZZ_COUNT
     assert report.exceptions == []
+    assert report.max_seconds < PER_CALL_BOUND.get(task, DEFAULT_PER_CALL_BOUND)
+    assert not MARKER.exists(), "a reward evaluated a code payload"
+
+
+@pytest.fixture(scope="module")
+def long_corpus():
+    """The slow tier's corpus: ten times the default one, fractions nested twice as deep, every exponent tower."""
+    return adversarial_completions(10 * FUZZ_COUNT, seed=1, max_chars=80_000, max_fraction_depth=20,
+                                   towers=EXPONENT_TOWERS, code_marker=str(MARKER))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task, function", BUILT_IN, ids=[f.__name__ for _, f in BUILT_IN])
+def test_reward_survives_the_long_fuzz_corpus_at_its_own_deadline(task, function, long_corpus):
+    """What the default test checks, on the long corpus with the verifiers' shipped deadlines."""
+    report = fuzz_reward(function, long_corpus, example_rows(get_task(task)))
+    assert report.count == len(long_corpus) and report.exceptions == []
     assert report.max_seconds < PER_CALL_BOUND.get(task, DEFAULT_PER_CALL_BOUND)
     assert not MARKER.exists(), "a reward evaluated a code payload"
 

@@ -60,6 +60,7 @@ def test_a_refused_run_leaves_nothing_behind(tmp_path):
     assert not (tmp_path / "new").exists()
 
 
+@pytest.mark.slow  # two training processes at once
 def test_two_trains_started_together_one_refuses_and_the_metrics_are_one_runs(tmp_path):
     run = tmp_path / "run"
     command = [sys.executable, "-m", "dllm_ais.cli", "train", f"--output_dir={run}", "--max_steps=2", "--eval_size=4",
@@ -200,6 +201,7 @@ def run_cli(argv_list, cwd):
     return results
 
 
+@pytest.mark.slow  # a fresh CLI process per bad file, all at once
 def test_each_bad_dataset_file_is_one_line_naming_it(bad_inputs, tmp_path):
     argv_list = [["train", "--task=gsm8k", f"--dataset_path={path}", f"--output_dir={tmp_path / path.stem}"]
                  for path, _ in bad_inputs.values()]
@@ -210,6 +212,7 @@ def test_each_bad_dataset_file_is_one_line_naming_it(bad_inputs, tmp_path):
         assert str(path) in error and detail in error, (argv, error)
 
 
+@pytest.mark.slow  # a fresh CLI process per case, all at once
 def test_inference_input_errors_are_one_line_naming_the_fix(tmp_path):
     model_dir = tmp_path / "model-without-tokenizer"
     model_dir.mkdir()

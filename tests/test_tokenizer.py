@@ -9,7 +9,7 @@ import dllm_ais
 from dllm_ais.tasks.digits import make_digits_dataset
 
 ASSET_DIR = Path(dllm_ais.__file__).parent / "assets" / "tiny_llada"
-BUILD_SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "build_tokenizer.py"
+BUILD_SCRIPT = Path(__file__).resolve().parent.parent / "tools" / "build_tokenizer.py"
 PRINTABLE_ASCII = "".join(chr(code) for code in range(32, 127))
 LLADA_SPECIAL_TOKENS = [
     "<|startoftext|>", "<|endoftext|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>", "<|mdm_mask|>",

@@ -7,7 +7,7 @@ included), chat-message completions, well-formed answers, and code payloads (:fu
 creates a marker file if anything evaluates it — reasoning-gym's Countdown verifier would, through sympy).
 ``NON_STRING_COMPLETIONS`` are not text at all; a reward must reject them with one TypeError naming itself.
 
-Used by the test suite (a few thousand inputs) and ``scripts/fuzz_rewards.py`` (any number).
+Used by the test suite: a few thousand inputs by default, twenty thousand in the slow tier.
 """
 
 from __future__ import annotations

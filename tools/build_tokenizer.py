@@ -17,7 +17,7 @@ Design:
 Running the script rewrites the files deterministically and prints the vocabulary size and the
 special-token ids::
 
-    python scripts/build_tokenizer.py [--output-dir DIR]
+    python tools/build_tokenizer.py [--output-dir DIR]
 """
 from __future__ import annotations
 

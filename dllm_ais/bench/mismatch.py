@@ -1,8 +1,8 @@
 """How far each rollout precision moves the policy: exact token KL(trainer ‖ engine), per token and per sequence.
 
-    python scripts/bench_mismatch.py                  # both embedded models, every low-precision mode
-    python scripts/bench_mismatch.py --prompts 256 --precisions fp8,int4
-    python scripts/bench_mismatch.py --models recipes/tiny_llada_chain_sum.yaml,recipes/tiny_qwen3_chain_sum.yaml
+    dllm-ais bench mismatch                  # both embedded models, every low-precision mode
+    dllm-ais bench mismatch --prompts 256 --precisions fp8,int4
+    dllm-ais bench mismatch --models recipes/tiny_llada_chain_sum.yaml,recipes/tiny_qwen3_chain_sum.yaml
 
 For each model and precision, completions are sampled (temperature 1) by the rollout engine for validation prompts
 of its task, as in training. Then, on exactly the canvases the likelihood stage scores — causal LM: the prompt +
@@ -22,12 +22,12 @@ trainer's and the engine's full next-token distributions are compared at every c
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
 from pathlib import Path
 
 import torch
 
+from dllm_ais.bench.common import describe_device
 from dllm_ais.config import EMBEDDED_RECIPE, load_config
 from dllm_ais.data import load_task_dataset, tokenize_prompts
 from dllm_ais.engine import RolloutEngine
@@ -37,8 +37,8 @@ from dllm_ais.ops import normalised_effective_sample_size
 from dllm_ais.policy import build_policy, is_diffusion
 from dllm_ais.quantization import PRECISIONS
 
-RECIPES = {"llada": EMBEDDED_RECIPE,
-           "qwen3": Path(__file__).parents[1] / "recipes" / "tiny_qwen3_digits_fp8_ais.yaml"}
+RECIPES = {"llada": EMBEDDED_RECIPE,  # the embedded models' recipes, by name; the Qwen3 one from a source checkout
+           "qwen3": Path(__file__).resolve().parents[2] / "recipes" / "tiny_qwen3_digits_fp8_ais.yaml"}
 
 
 @torch.no_grad()
@@ -62,16 +62,17 @@ def effective_sample_size(log_ratio: torch.Tensor) -> float:
     return normalised_effective_sample_size(weights, torch.ones_like(weights, dtype=torch.bool)).item()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="dllm-ais bench mismatch", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="llada,qwen3",
                         help="comma-separated: llada / qwen3 (the embedded models' recipes) or recipe paths")
     parser.add_argument("--precisions", default=",".join(p for p in PRECISIONS if p != "bf16"))
     parser.add_argument("--prompts", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    print(f"device: cpu ({platform.processor() or platform.machine()}), torch {torch.__version__}, float32 trainer; "
+    print(f"device: {describe_device(torch.device('cpu'))}, torch {torch.__version__}, float32 trainer; "
           f"{args.prompts} validation prompts per model, completions sampled by the engine at temperature 1")
     print("| model | precision | token KL(trainer ‖ engine) | k3 of the engine's tokens | max abs Δ log p | ESS, token "
           "| mean abs log ρ_seq | ESS, sequence | completion tokens |")

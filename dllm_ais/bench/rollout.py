@@ -1,14 +1,14 @@
 """Benchmark of fast diffusion rollouts: block KV cache, parallel decoding and autoregressive order, side by side.
 
-Every variant is the one `MaskedDiffusionSampler`, configured through the trainer's own `build_policy`, greedy
+Every variant is the one `MaskedDiffusionSampler`, configured by its own `DiffusionSamplerConfig`, greedy
 (temperature 0), on the test prompts of a recipe's task and model (`--recipe`; default the embedded tiny LLaDA and
 its digits task):
 
     official            the LLaDA algorithm: one full forward per step, `--tokens-per-step` tokens per step
-    prefix / dual       + block KV cache (rollout_cache)
+    prefix / dual       + block KV cache (the sampler's `cache`)
     dual+refresh/N      + the dual cache also refreshed every N steps inside a block, one row per N of
-                        `--refresh-interval` (rollout_cache_refresh_interval; 1 = every step, the official logits)
-    threshold           + confidence-threshold parallel decoding (rollout_threshold, default 0.9)
+                        `--refresh-interval` (cache_refresh_interval; 1 = every step, the official logits)
+    threshold           + confidence-threshold parallel decoding (threshold, default 0.9)
     prefix+threshold, dual+threshold
     AR-order+prefix     remasking=left_to_right, one token per step, prefix cache refreshed every block
 
@@ -20,12 +20,12 @@ the accuracy, each with its standard error over the prompts and its difference f
 per prompt, with that difference's standard error (`--num-prompts` large enough for a paired SE <= 0.01; the script
 says when it is not).
 
-    python scripts/bench_rollout.py                                  # gen 64 and 256, block 32, 1024 prompts
-    python scripts/bench_rollout.py --gen-lengths 64 --num-prompts 64 --batch 32    # a quick check
-    python scripts/bench_rollout.py --recipe recipes/tiny_llada_chain_sum.yaml --gen-lengths 128 256 --tokens-per-step 2
+    dllm-ais bench rollout                                  # gen 64 and 256, block 32, 1024 prompts
+    dllm-ais bench rollout --gen-lengths 64 --num-prompts 64 --batch 32    # a quick check
+    dllm-ais bench rollout --recipe recipes/tiny_llada_chain_sum.yaml --gen-lengths 128 256 --tokens-per-step 2
                                                                      # the long-completion model, d1's steps = gen/2
-    python scripts/bench_rollout.py ... --variants dual,dual+threshold   # the official algorithm and these only
-    python scripts/bench_rollout.py ... --variants dual+refresh --refresh-interval 5 6   # refreshed every 5, every 6 steps
+    dllm-ais bench rollout ... --variants dual,dual+threshold   # the official algorithm and these only
+    dllm-ais bench rollout ... --variants dual+refresh --refresh-interval 5 6   # refreshed every 5, every 6 steps
 
 The embedded model is trained on 16-token completions; longer canvases are EOS-padded, which is where parallel
 decoding and the cache save most. Timings depend on the machine and its load: compare ratios from one run only.
@@ -35,37 +35,36 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
-import platform
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from dllm_ais.config import EMBEDDED_RECIPE, GRPOConfig, load_config
+from dllm_ais.bench.common import describe_device, synchronize
+from dllm_ais.config import EMBEDDED_RECIPE, load_config
 from dllm_ais.data import load_task_dataset, tokenize_prompts
-from dllm_ais.loading import load_model, load_tokenizer
-from dllm_ais.policy import build_policy
+from dllm_ais.loading import load_model, load_tokenizer, special_tokens
+from dllm_ais.policy import DiffusionPolicy
 from dllm_ais.rewards import resolve_reward_functions, score_rollout_table
+from dllm_ais.sampling.diffusion import DiffusionSamplerConfig
+from dllm_ais.statistics import mean, paired_difference, standard_error
 from dllm_ais.tasks import get_task
 
-
 def variants(threshold: float, steps: int, gen_length: int, refresh_intervals: list[int]) -> dict[str, dict]:
-    """Variant name -> GRPOConfig fields of its sampler; `dual+refresh/N` for each N of `refresh_intervals`."""
+    """Variant name -> `DiffusionSamplerConfig` fields of its sampler; `dual+refresh/N` for each N of
+    `refresh_intervals`."""
     variant_fields = {
         "official": {},
-        "prefix": dict(rollout_cache="prefix"),
-        "dual": dict(rollout_cache="dual"),
-        **{f"dual+refresh/{interval}": dict(rollout_cache="dual", rollout_cache_refresh_interval=interval)
+        "prefix": dict(cache="prefix"),
+        "dual": dict(cache="dual"),
+        **{f"dual+refresh/{interval}": dict(cache="dual", cache_refresh_interval=interval)
            for interval in refresh_intervals},
-        f"threshold {threshold}": dict(rollout_threshold=threshold),
-        "prefix+threshold": dict(rollout_cache="prefix", rollout_threshold=threshold),
-        "dual+threshold": dict(rollout_cache="dual", rollout_threshold=threshold),
-        "AR-order+prefix": dict(diffusion_steps=gen_length, remasking="left_to_right", rollout_cache="prefix"),
+        f"threshold {threshold}": dict(threshold=threshold),
+        "prefix+threshold": dict(cache="prefix", threshold=threshold),
+        "dual+threshold": dict(cache="dual", threshold=threshold),
+        "AR-order+prefix": dict(steps=gen_length, remasking="left_to_right", cache="prefix"),
     }
-    return {name: {"diffusion_steps": steps, **fields} for name, fields in variant_fields.items()}
-
+    return {name: {"steps": steps, **fields} for name, fields in variant_fields.items()}
 
 def family(variant: str) -> str:
     """The name `--variants` selects a variant by: `dual+refresh/4` -> `dual+refresh`."""
@@ -86,11 +85,6 @@ def counted_positions(model):
         yield total
     finally:
         handle.remove()
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def run_variant(policy, model, tokenizer, batches, scorers, device) -> dict:
@@ -119,21 +113,18 @@ def run_variant(policy, model, tokenizer, batches, scorers, device) -> dict:
             "steps": torch.cat(steps).double()}
 
 
-def standard_error(values: torch.Tensor) -> float:
-    return values.std().item() / math.sqrt(len(values)) if len(values) > 1 else math.nan
-
-
 def paired(values: torch.Tensor | None, official: torch.Tensor | None, width: int) -> str:
     """'mean ± SE   Δ ± SE' of `values` and of its per-prompt difference from the official algorithm's."""
     if values is None:
         return "—"
-    difference = values - official
-    return (f"{values.mean().item():>9.4f} ± {standard_error(values):.4f} "
-            f"{difference.mean().item():>+{width}.4f} ± {standard_error(difference):.4f}")
+    difference = paired_difference(official, values)
+    return (f"{mean(values):>9.4f} ± {standard_error(values):.4f} "
+            f"{difference.mean:>+{width}.4f} ± {difference.standard_error:.4f}")
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="dllm-ais bench rollout", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", type=Path, default=EMBEDDED_RECIPE, help="its model, task and task_args")
     parser.add_argument("--gen-lengths", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--block-length", type=int, default=32)
@@ -171,8 +162,8 @@ def main(argv: list[str] | None = None) -> None:
         input_ids, attention_mask = tokenize_prompts(tokenizer, columns["prompt"], None, device)
         batches.append((input_ids, attention_mask, columns))
 
-    where = (f"{torch.cuda.get_device_name(device)} (cuda)" if device.type == "cuda"
-             else f"cpu {platform.processor() or platform.machine()}, {torch.get_num_threads()} thread(s)")
+    where = describe_device(device)
+    tokens = special_tokens(tokenizer, model.config, diffusion=True)
     cfg = model.config
     task = recipe.task + (f" {recipe.task_args}" if recipe.task_args else "")
     print(f"device: {where} | torch {torch.__version__} | float32 | model: {recipe.model_name_or_path} "
@@ -190,9 +181,10 @@ def main(argv: list[str] | None = None) -> None:
         for name, fields in variants(args.threshold, steps, gen_length, args.refresh_interval).items():
             if chosen is not None and family(name) not in chosen:
                 continue
-            config = GRPOConfig(max_completion_length=gen_length, block_length=args.block_length, temperature=0.0,
-                                output_dir=tempfile.gettempdir(), **fields).validate()
-            policy = build_policy(config, model.config, tokenizer)
+            policy = DiffusionPolicy(DiffusionSamplerConfig(
+                gen_length=gen_length, block_length=args.block_length, temperature=0.0,
+                mask_token_id=tokens.mask_token_id, eos_token_ids=tokens.eos_token_ids, pad_token_id=tokens.pad_token_id,
+                **fields))
             results[name] = result = run_variant(policy, model, tokenizer, batches, scorers, device)
             official = results["official"]
             scored = official["masks"]
@@ -201,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{name:<18} {official['seconds'] / result['seconds']:>8.2f}x {per_token:>16.2f} {agreement:>10.4f} "
                   f"{result['steps'].mean().item():>10.1f} {paired(result['rewards'], official['rewards'], 19)} "
                   f"{paired(result['accuracy'], official['accuracy'], 9)}   [{settings}]")
-        errors = [standard_error(r[key] - results["official"][key]) for r in results.values()
+        errors = [paired_difference(results["official"][key], r[key]).standard_error for r in results.values()
                   for key in ("rewards", "accuracy") if r[key] is not None]
         if max(errors) > 0.01:
             print(f"note: a paired standard error is {max(errors):.4f} > 0.01; raise --num-prompts for the target "

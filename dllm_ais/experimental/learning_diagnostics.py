@@ -1,10 +1,10 @@
 """Does RL learn on this recipe, and if not, why? Two measurements, on CPU in minutes.
 
-    python scripts/learning_diagnostics.py                                   # the embedded LLaDA run
-    python scripts/learning_diagnostics.py recipes/tiny_qwen3_digits_fp8_ais.yaml
-    python scripts/learning_diagnostics.py --part gradient --prompts 512 --estimators one_step,trajectory \\
+    python -m dllm_ais.experimental.learning_diagnostics                                   # the embedded LLaDA run
+    python -m dllm_ais.experimental.learning_diagnostics recipes/tiny_qwen3_digits_fp8_ais.yaml
+    python -m dllm_ais.experimental.learning_diagnostics --part gradient --prompts 512 --estimators one_step,trajectory \\
         --p_mask_prompt=0.15                                                 # any recipe field as --field=value
-    python scripts/learning_diagnostics.py --part gradient --estimators all  # every diffusion estimator
+    python -m dllm_ais.experimental.learning_diagnostics --part gradient --estimators all  # every diffusion estimator
 
 `gradient` — on ONE batch (`--prompts` × num_generations completions sampled by the recipe's policy):
   * frac_reward_zero_std: groups whose completions all score the same (they carry no gradient);
@@ -41,7 +41,8 @@ from dllm_ais.choices import ESTIMATORS
 from dllm_ais.components import StepComponents, build_components, make_accelerator
 from dllm_ais.config import EMBEDDED_RECIPE, GRPOConfig, load_config
 from dllm_ais.data import load_task_dataset
-from dllm_ais.evaluation import held_out_line, paired_difference
+from dllm_ais.evaluation import held_out_line
+from dllm_ais.statistics import paired_difference
 from dllm_ais.grpo import grouped_prompts, micro_batches
 from dllm_ais.loading import load_tokenizer
 from dllm_ais.loss import group_advantages
@@ -143,7 +144,8 @@ def gradient_part(config, args) -> None:
     setup.parts.unwrapped_model.register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
     estimators = ESTIMATORS if args.estimators == "all" else args.estimators.split(",")
     for estimator in estimators:
-        policy = build_policy(dataclasses.replace(config, likelihood_estimator=estimator),
+        policy = build_policy(dataclasses.replace(config, likelihood=dataclasses.replace(config.likelihood,
+                                                                                           estimator=estimator)),
                               setup.parts.unwrapped_model.config, tokenizer)
         forwards[0], start = 0, time.perf_counter()
         gradient = flat_gradient(setup, policy, rollout, advantages, seed=config.seed)

@@ -1,7 +1,7 @@
 """Peak memory of ℓ_θ scoring + backward per diffusion estimator and number of denoising steps.
 
-    python scripts/bench_estimator_memory.py                      # embedded LLaDA, gen 64, batch 32, 8/32/64 steps
-    python scripts/bench_estimator_memory.py --compare-all-at-once --steps 8   # and the single-backward pass
+    dllm-ais bench memory                      # embedded LLaDA, gen 64, batch 32, 8/32/64 steps
+    dllm-ais bench memory --compare-all-at-once --steps 8   # and the single-backward pass
 
 Each setting runs in a fresh subprocess on one CPU thread: it loads the embedded LLaDA (`dllm_ais/assets/tiny_llada`),
 samples a batch of completions of random prompts (no grad), computes ℓ_old (no grad), records its resident set size,
@@ -21,9 +21,8 @@ import argparse
 import json
 import os
 import platform
-import resource
-import subprocess
-import sys
+
+from dllm_ais.bench.common import peak_resident_bytes, run_child
 
 SETTINGS = ("one_step", "trajectory", "step_merge")
 
@@ -65,25 +64,25 @@ def measure(args) -> dict:
     before = rss_bytes()
     done = backward_by_pieces(policy.logprob_pieces(model, rollout, seed=1), objective, rollout.completion_mask,
                               lambda loss: loss.backward(), compute_entropy=False, piecewise=not args.all_at_once)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
+    peak = peak_resident_bytes()
     assert bool(done.finite_logprobs) and bool(done.finite_loss)
     return {"peak_growth": peak - before}
 
 
 def run_setting(args, estimator: str, steps: int, remasking: str, all_at_once: bool) -> dict:
-    command = [sys.executable, __file__, "--child", "--estimator", estimator, "--steps", str(steps),
-               "--remasking", remasking, "--gen-length", str(args.gen_length), "--batch", str(args.batch),
-               "--block-length", str(args.block_length), "--segments", str(args.segments),
-               "--prompt-length", str(args.prompt_length)] + (["--all-at-once"] if all_at_once else [])
+    """`measure` of one setting in a fresh process on one thread."""
+    arguments = ["--estimator", estimator, "--steps", str(steps), "--remasking", remasking, "--gen-length",
+                 str(args.gen_length), "--batch", str(args.batch), "--block-length", str(args.block_length),
+                 "--segments", str(args.segments), "--prompt-length", str(args.prompt_length)]
     # A fixed mmap threshold returns every large freed buffer to the OS at once: without it glibc raises the threshold
     # as buffers are freed and keeps them in its heap, so the resident size also counts freed, fragmented memory.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
-    result = subprocess.run(command, check=True, capture_output=True, text=True, env=env)
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_child("dllm_ais.bench.memory", arguments + (["--all-at-once"] if all_at_once else []),
+                     {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"})
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="dllm-ais bench memory", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gen-length", type=int, default=64)
     parser.add_argument("--block-length", type=int, default=32)
     parser.add_argument("--batch", type=int, default=32)
@@ -96,7 +95,7 @@ def main() -> None:
     parser.add_argument("--estimator", default="one_step", help=argparse.SUPPRESS)
     parser.add_argument("--remasking", default="low_confidence", help=argparse.SUPPRESS)
     parser.add_argument("--all-at-once", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.child:
         args.steps = args.steps[0]
         print(json.dumps(measure(args)))

@@ -4,8 +4,8 @@ Section 1 — sampler overhead: wall time of `MaskedDiffusionSampler.sample` aga
 forwards ``model(canvas, attention_mask=...)`` on a canvas of the same shape. Everything the sampler does beyond
 the forwards (Gumbel noise, scores, top-k, bookkeeping) is in the ratio; the target is <= 1.05.
 
-    python scripts/bench_sampler.py                      # tiny LLaDA, runs on a 2-core CPU in well under a minute
-    python scripts/bench_sampler.py --d-model 1024 --n-layers 8 --vocab 126464 --batch 8 --dtype bfloat16
+    dllm-ais bench sampler                      # tiny LLaDA, runs on a 2-core CPU in well under a minute
+    dllm-ais bench sampler --d-model 1024 --n-layers 8 --vocab 126464 --batch 8 --dtype bfloat16
 
 The sampler's own per-step work grows with batch x block x vocabulary (float64 Gumbel noise for the still-masked
 positions), the forward's with batch x canvas x model size. On a CPU float64 noise is costly next to a tiny model's
@@ -19,18 +19,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
-from collections.abc import Callable
 
 import torch
 
+from dllm_ais.bench.common import describe_device, random_llada, resolve_device, wall_and_cpu_seconds
 from dllm_ais.choices import PRECISIONS
 from dllm_ais.models import LLaDAConfig, LLaDAModelLM
 from dllm_ais.sampling.diffusion import DiffusionSamplerConfig, MaskedDiffusionSampler
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="dllm-ais bench sampler", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     model = parser.add_argument_group("tiny LLaDA built from config (random weights)")
     model.add_argument("--d-model", type=int, default=256)
     model.add_argument("--n-layers", type=int, default=4)
@@ -57,30 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit("--device cuda was asked for but torch sees no CUDA device; use --device cpu.")
-    return torch.device(name)
-
-
-def describe_device(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"{torch.cuda.get_device_name(device)} (cuda)"
-    return f"cpu ({torch.get_num_threads()} threads)"
-
-
 def build_tiny_llada(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> LLaDAModelLM:
-    """A randomly initialised LLaDA of the requested size; mask id = vocab − 1, EOS = pad = vocab − 2."""
-    torch.manual_seed(0)
-    config = LLaDAConfig(
-        d_model=args.d_model, n_heads=args.n_heads, n_kv_heads=args.n_heads, n_layers=args.n_layers,
-        mlp_hidden_size=4 * args.d_model, vocab_size=args.vocab, embedding_size=args.vocab,
-        max_sequence_length=args.prompt_len + args.gen_length,
-        mask_token_id=args.vocab - 1, eos_token_id=args.vocab - 2, pad_token_id=args.vocab - 2,
-    )
-    return LLaDAModelLM(config).to(device=device, dtype=dtype).eval()
+    """A randomly initialised LLaDA of the requested size (`random_llada`) on `device` in `dtype`."""
+    return random_llada(args.vocab, args.d_model, args.n_layers, args.n_heads, 4 * args.d_model,
+                        args.prompt_len + args.gen_length).to(device=device, dtype=dtype).eval()
 
 
 def left_padded_prompts(args: argparse.Namespace, config: LLaDAConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,17 +72,6 @@ def left_padded_prompts(args: argparse.Namespace, config: LLaDAConfig, device: t
     input_ids[1::2, :padding] = config.pad_token_id
     attention_mask[1::2, :padding] = 0
     return input_ids.to(device), attention_mask.to(device)
-
-
-def wall_and_cpu_seconds(fn: Callable[[], object], device: torch.device) -> tuple[float, float]:
-    """Wall time and this process's CPU time of fn(), with the device queue drained before and after."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    wall, cpu = time.perf_counter(), time.process_time()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def bench_sampler_vs_forwards(args: argparse.Namespace) -> dict[str, float]:

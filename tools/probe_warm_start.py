@@ -7,9 +7,9 @@ accuracy of every token of the clean worked demonstrations, under two maskings:
 * ``suffix``: that token and every later one are masked, the earlier ones visible — the conditional that decoding
   left to right needs, where nothing later can be copied: the model must compute the token.
 
-    python scripts/probe_warm_start.py --model dllm_ais/assets/tiny_llada_chain_sum --task chain_sum
-    python scripts/probe_warm_start.py --model embedded --task digits
-    python scripts/probe_warm_start.py --model embedded-llada-chain-sum --decode 128   # and how its decoder errs
+    python tools/probe_warm_start.py --model dllm_ais/assets/tiny_llada_chain_sum --task chain_sum
+    python tools/probe_warm_start.py --model embedded --task digits
+    python tools/probe_warm_start.py --model embedded-llada-chain-sum --decode 128   # and how its decoder errs
 
 Prints the accuracy over all demonstration tokens and over digit tokens, with the token counts, for each masking.
 A warm start that decodes its worked answers right has both near 1; a large gap (token >> suffix) means its SFT

@@ -1,7 +1,7 @@
 """Why fast diffusion rollouts teach a trajectory-type estimator something else: the approximation split into parts.
 
-    python scripts/diagnose_fast_rollouts.py                    # the embedded LLaDA, 128 prompts x 4 completions
-    python scripts/diagnose_fast_rollouts.py --model outputs/tiny-digits-fp8-ais/final --prompts 256
+    python -m dllm_ais.experimental.diagnose_fast_rollouts     # the embedded LLaDA, 128 prompts x 4 completions
+    python -m dllm_ais.experimental.diagnose_fast_rollouts --model outputs/tiny-digits-fp8-ais/final --prompts 256
 
 Each decoder samples the same validation prompts (temperature 1, the recipe's schedule) from the full-precision
 model itself, so precision plays no part: what differs is the decoding alone. Per decoder:
@@ -16,7 +16,7 @@ model itself, so precision plays no part: what differs is the decoding alone. Pe
   log-likelihood along each order. Exact rollouts are themselves not their replay (at temperature 1 uncommitted
   positions are redrawn): their row is the baseline for the others.
 - (c) exploration: distinct completions per group of 4, reward and accuracy of the samples, steps per row.
-(d) estimator noise needs gradients: `scripts/learning_diagnostics.py` measures the gradient's SNR.
+(d) estimator noise needs gradients: `python -m dllm_ais.experimental.learning_diagnostics` measures the gradient's SNR.
 """
 
 from __future__ import annotations
@@ -36,9 +36,12 @@ from dllm_ais.policy import build_policy
 from dllm_ais.rewards import resolve_reward_functions, score_rollout_table
 from dllm_ais.tasks import get_task
 
-DECODERS = {"exact": {}, "dual cache": {"rollout_cache": "dual"}, "threshold 0.9": {"rollout_threshold": 0.9},
-            "dual + threshold 0.9": {"rollout_cache": "dual", "rollout_threshold": 0.9},
-            "prefix + threshold 0.9": {"rollout_cache": "prefix", "rollout_threshold": 0.9}}
+DECODERS = {  # each sets both rollout fields: the recipe's own decoder may be a fast one
+    "exact": {"cache": "none", "threshold": None},
+    "dual cache": {"cache": "dual", "threshold": None},
+    "threshold 0.9": {"cache": "none", "threshold": 0.9},
+    "dual + threshold 0.9": {"cache": "dual", "threshold": 0.9},
+    "prefix + threshold 0.9": {"cache": "prefix", "threshold": 0.9}}
 
 
 def kendall_distance(first: torch.Tensor, second: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -58,14 +61,15 @@ def context_size(commit_step: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model or adapter directory (default: the recipe's model)")
     parser.add_argument("--prompts", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    overrides = ["--output_dir=/tmp/unused", "--likelihood_estimator=trajectory", "--likelihood_decoder=exact"]
+    overrides = ["--output_dir=/tmp/unused", "--likelihood.estimator=trajectory",
+                 "--experimental.likelihood_decoder=exact"]
     config = load_config(EMBEDDED_RECIPE, overrides + ([f"--model_name_or_path={args.model}"] if args.model else []))
     tokenizer = load_tokenizer(config.model_name_or_path)
     model = load_model(config.model_name_or_path, torch.float32).eval()
@@ -76,8 +80,9 @@ def main() -> None:
     columns = {name: [value for value in dataset[name] for _ in range(G)] for name in dataset.column_names}
     input_ids, attention_mask = tokenize_prompts(tokenizer, columns["prompt"], config.max_prompt_length)
     reward_funcs = resolve_reward_functions(config.task)
-    exact_order = build_policy(dataclasses.replace(config, likelihood_order="exact"), model.config, tokenizer,
-                               temperature=1.0).exact_order_sampler
+    in_exact_order = dataclasses.replace(config, experimental=dataclasses.replace(config.experimental,
+                                                                                  likelihood_order="exact"))
+    exact_order = build_policy(in_exact_order, model.config, tokenizer, temperature=1.0).exact_order_sampler
     print(f"device: cpu ({platform.processor() or platform.machine()}), torch {torch.__version__}, float32 model "
           f"{config.model_name_or_path}; {args.prompts} validation prompts x {G} completions, temperature 1, "
           f"gen {config.max_completion_length}, block {config.rollout.block_length}, {config.rollout.steps} steps")
@@ -86,7 +91,8 @@ def main() -> None:
           "(c) distinct / group | reward | accuracy |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, fields in DECODERS.items():
-        policy = build_policy(dataclasses.replace(config, **fields), model.config, tokenizer, temperature=1.0)
+        policy = build_policy(dataclasses.replace(config, rollout=dataclasses.replace(config.rollout, **fields)),
+                              model.config, tokenizer, temperature=1.0)
         rollout = policy.sample(model, input_ids, attention_mask, torch.Generator().manual_seed(args.seed))
         mask = rollout.completion_mask
         replayed = trajectory_logprobs(model, rollout, model.config.mask_token_id, temperature=1.0)

@@ -1,12 +1,12 @@
 """Rebuild the embedded tiny models: tokenizer, config and SFT warm start on the digits task, or build the
 long-completion warm starts on reasoning-gym's chain sums.
 
-    python scripts/build_tiny_model.py                  # tiny LLaDA  -> dllm_ais/assets/tiny_llada  (masked-diffusion SFT)
-    python scripts/build_tiny_model.py --family qwen3   # tiny Qwen3  -> dllm_ais/assets/tiny_qwen3  (next-token SFT)
-    python scripts/build_tiny_model.py --task chain_sum --family qwen3
+    python tools/build_tiny_model.py                  # tiny LLaDA  -> dllm_ais/assets/tiny_llada  (masked-diffusion SFT)
+    python tools/build_tiny_model.py --family qwen3   # tiny Qwen3  -> dllm_ais/assets/tiny_qwen3  (next-token SFT)
+    python tools/build_tiny_model.py --task chain_sum --family qwen3
                                                         # -> dllm_ais/assets/tiny_qwen3_chain_sum (embedded-qwen3-chain-sum)
-    python scripts/build_tiny_model.py --task chain_sum # -> dllm_ais/assets/tiny_llada_chain_sum (embedded-llada-chain-sum)
-    python scripts/build_tiny_model.py --task chain_sum --init-from embedded-llada-chain-sum --steps 0 \
+    python tools/build_tiny_model.py --task chain_sum # -> dllm_ais/assets/tiny_llada_chain_sum (embedded-llada-chain-sum)
+    python tools/build_tiny_model.py --task chain_sum --init-from embedded-llada-chain-sum --steps 0 \
         --prefix-steps 2000 --seed 2 --output-dir DIR   # continue a warm start's SFT (here its prefix-mask stage)
 
 digits: about 15 (LLaDA) and 5 (Qwen3) minutes on one CPU thread (OMP_NUM_THREADS=1), deterministic for a given

@@ -2,8 +2,8 @@
 `--rollout-cache` / `--rollout-threshold` the fast rollouts) and in the correction stage (target < 1 %);
 (2) peak memory of the completion log-prob computation against a naive full float32 log-softmax (target ≤ 0.5×).
 
-    python scripts/bench_step.py                 # both parts, CPU defaults finish in about a minute
-    python scripts/bench_step.py --part memory --vocab 126464 --sequences 8 --dtype bfloat16
+    dllm-ais bench step                 # both parts, CPU defaults finish in about a minute
+    dllm-ais bench step --part memory --vocab 126464 --sequences 8 --dtype bfloat16
 
 Every figure is a ratio measured in this run, printed beside the device, dtype and sizes. On CPU, peak memory is
 the peak resident-set growth of a fresh subprocess per variant; on CUDA, `torch.cuda.max_memory_allocated`.
@@ -13,25 +13,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 
 import torch
 
+from dllm_ais.bench.common import describe_device, peak_resident_bytes, random_llada, run_child
 from dllm_ais.choices import CACHE_MODES, PRECISIONS
 
 
 def tiny_llada(vocab: int, d_model: int, layers: int, max_len: int):
-    from dllm_ais.models import LLaDAConfig, LLaDAModelLM
-
-    torch.manual_seed(0)
-    return LLaDAModelLM(LLaDAConfig(d_model=d_model, n_heads=4, n_layers=layers, mlp_hidden_size=2 * d_model,
-                                    vocab_size=vocab, embedding_size=vocab, max_sequence_length=max_len,
-                                    mask_token_id=vocab - 1, eos_token_id=vocab - 2, pad_token_id=vocab - 2))
+    """The benchmark's random LLaDA: 4 heads, an MLP twice the model width."""
+    return random_llada(vocab, d_model, layers, 4, 2 * d_model, max_len)
 
 
 # ------------------------------------------------------------------------------------------ correction share
@@ -39,24 +33,25 @@ def bench_correction_share(args) -> None:
     from transformers import AutoTokenizer
 
     from dllm_ais.components import build_components, make_accelerator
-    from dllm_ais.config import EMBEDDED_MODEL_DIR, GRPOConfig
-    from dllm_ais.correction import CorrectionSettings, RolloutCorrection
+    from dllm_ais.config import EMBEDDED_MODEL_DIR, load_config
+    from dllm_ais.correction import RolloutCorrection
     from dllm_ais.grpo import grouped_prompts, make_generation_batch, optimisation_pass
     from dllm_ais.rewards import resolve_reward_functions
     from dllm_ais.tasks.digits import make_digits_dataset
 
     tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
     tokenizer.padding_side = "left"
-    config = GRPOConfig(task="digits", eval_size=0, num_generations=4, per_device_train_batch_size=args.batch,
-                        max_completion_length=args.gen_length, block_length=args.block_length or args.gen_length,
-                        diffusion_steps=args.gen_length // 2, num_iterations=args.num_iterations,
-                        max_steps=10_000, rollout_precision=args.precision, correction="ais", lora_r=8,
-                        dtype="float32", max_prompt_length=64, output_dir=tempfile.mkdtemp(),
-                        rollout_cache=args.rollout_cache, rollout_threshold=args.rollout_threshold).validate()
+    config = load_config(None, {  # the recipe of the step measured, through the loader that knows every name
+        "task": "digits", "eval_size": 0, "num_generations": 4, "per_device_train_batch_size": args.batch,
+        "max_completion_length": args.gen_length, "num_iterations": args.num_iterations, "max_steps": 10_000,
+        "lora_r": 8, "dtype": "float32", "max_prompt_length": 64, "output_dir": tempfile.mkdtemp(),
+        "correction": {"method": "ais"},
+        "rollout": {"block_length": args.block_length or args.gen_length, "steps": args.gen_length // 2,
+                    "precision": args.precision, "cache": args.rollout_cache, "threshold": args.rollout_threshold}})
     model = tiny_llada(len(tokenizer), args.d_model, args.layers, 512)
     model.config.mask_token_id = tokenizer.mask_token_id
     parts = build_components(config, tokenizer, make_accelerator(config), model)
-    correction = RolloutCorrection(CorrectionSettings.from_config(config))
+    correction = RolloutCorrection(config.correction, config.num_generations)
     reward_funcs = resolve_reward_functions(config.task)
     dataset = make_digits_dataset(256, seed=0)
     prompts_per_batch = config.generation_batch_size // config.num_generations
@@ -67,18 +62,18 @@ def bench_correction_share(args) -> None:
         batch = make_generation_batch(config, parts, tokenizer, reward_funcs,
                                       grouped_prompts(rows, config.num_generations), repeat, correction)
         for iteration in range(config.num_iterations):
-            optimisation_pass(config, parts, batch, iteration)
+            optimisation_pass(config, parts, batch, iteration, correction)
         step = time.perf_counter() - start
         if repeat >= args.warmup:
             corrections.append(batch.metrics["timing/correction_s"])
             steps.append(step)
             shares.append(batch.metrics["timing/correction_s"] / step)
             rollout_shares.append(batch.metrics["timing/sample_s"] / step)
-    print(f"[step shares] device={parts.accelerator.device} torch={torch.__version__} dtype=float32 "
+    print(f"[step shares] device={describe_device(parts.accelerator.device)} torch={torch.__version__} dtype=float32 "
           f"model=LLaDA d_model={args.d_model} layers={args.layers} vocab={len(tokenizer)} "
           f"completions={args.batch} gen_length={args.gen_length} block_length={config.rollout.block_length} "
           f"num_iterations={config.num_iterations} "
-          f"precision={args.precision} rollout_cache={args.rollout_cache} rollout_threshold={args.rollout_threshold} "
+          f"precision={args.precision} rollout.cache={args.rollout_cache} rollout.threshold={args.rollout_threshold} "
           f"repeats={args.repeats}")
     print(f"  rollout (sampling) time / step time: median {statistics.median(rollout_shares):.2%} "
           f"(min {min(rollout_shares):.2%}, max {max(rollout_shares):.2%})")
@@ -89,8 +84,6 @@ def bench_correction_share(args) -> None:
 # ------------------------------------------------------------------------------------------ log-prob memory
 def _logprob_worker(variant: str, args) -> dict:
     """Run one log-prob variant in this (fresh) process and report its peak memory growth in bytes."""
-    import resource
-
     from dllm_ais.likelihood import one_step_logprobs
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -106,7 +99,7 @@ def _logprob_worker(variant: str, args) -> dict:
             torch.cuda.reset_peak_memory_stats()
             baseline = torch.cuda.memory_allocated()
         else:
-            baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            baseline = peak_resident_bytes()
         if variant == "naive":
             noisy = sequences.clone()
             noisy[:, prompt:] = args.vocab - 1
@@ -118,32 +111,36 @@ def _logprob_worker(variant: str, args) -> dict:
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated() - baseline
         else:
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline
-    return {"peak_bytes": peak, "checksum": float(logp.double().sum()), "device": device}
+            peak = peak_resident_bytes() - baseline
+    return {"peak_bytes": peak, "checksum": float(logp.double().sum()),
+            "device": describe_device(torch.device(device))}
 
 
 def bench_logprob_memory(args) -> None:
     results = {}
     for variant in ("naive", "chunked"):
-        command = [sys.executable, __file__, "--worker", variant, "--d-model", str(args.d_model), "--layers",
-                   str(args.layers), "--vocab", str(args.vocab), "--sequences", str(args.sequences), "--prompt-length",
-                   str(args.prompt_length), "--completion-length", str(args.completion_length), "--dtype", args.dtype]
-        output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
-        results[variant] = json.loads(output.strip().splitlines()[-1])
+        results[variant] = run_child("dllm_ais.bench.step", [
+            "--variant", variant, "--d-model", str(args.d_model), "--layers", str(args.layers), "--vocab",
+            str(args.vocab), "--sequences", str(args.sequences), "--prompt-length", str(args.prompt_length),
+            "--completion-length", str(args.completion_length), "--dtype", args.dtype])
     naive, ours = results["naive"], results["chunked"]
     print(f"[log-prob memory] device={naive['device']} torch={torch.__version__} dtype={args.dtype} "
           f"model=LLaDA d_model={args.d_model} layers={args.layers} vocab={args.vocab} sequences={args.sequences} "
           f"prompt={args.prompt_length} completion={args.completion_length}")
     print(f"  naive full float32 log_softmax peak: {naive['peak_bytes'] / 2**20:.0f} MiB | dllm_ais one-step "
           f"(logits_to_keep + chunked logsumexp): {ours['peak_bytes'] / 2**20:.0f} MiB")
-    print(f"  ratio ours/naive: {ours['peak_bytes'] / naive['peak_bytes']:.3f} (target <= 0.5); "
+    ratio = (f"{ours['peak_bytes'] / naive['peak_bytes']:.3f}" if naive["peak_bytes"] > 0
+             else "n/a (no growth measured: raise the sizes)")
+    print(f"  ratio ours/naive: {ratio} (target <= 0.5); "
           f"sum of log-probs naive {naive['checksum']:.3f} vs ours {ours['checksum']:.3f}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="dllm-ais bench step", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", choices=("all", "correction", "memory"), default="all")
-    parser.add_argument("--worker", choices=("naive", "chunked"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--variant", choices=("naive", "chunked"), help=argparse.SUPPRESS)
     parser.add_argument("--d-model", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--batch", type=int, default=16, help="correction part: completions per step")
@@ -160,11 +157,11 @@ def main() -> None:
     parser.add_argument("--prompt-length", type=int, default=128)
     parser.add_argument("--completion-length", type=int, default=256, help="memory part: d1's gen length")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    args, _ = parser.parse_known_args()
-    if args.worker:
-        print(json.dumps(_logprob_worker(args.worker, args)))
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(_logprob_worker(args.variant, args)))
         return
-    print(f"host: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
+    print(f"host: {describe_device(torch.device('cpu'))}")
     if args.part in ("all", "correction"):
         bench_correction_share(args)
     if args.part in ("all", "memory"):

@@ -1,0 +1,7 @@
+"""`dllm-ais bench NAME`: benchmarks that print ratios measured in one run beside the device and settings.
+
+One module per benchmark, each runnable as `python -m dllm_ais.bench.NAME` with the same options:
+`rollout` (fast diffusion decoders against the official algorithm), `sampler` (sampler overhead and engine sync),
+`mismatch` (trainer-engine KL and ESS per precision), `memory` (estimator peak memory), `step` (one GRPO step's
+shares and the log-prob pass's memory). `common` holds what they share.
+"""

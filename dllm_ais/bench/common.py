@@ -1,0 +1,70 @@
+"""What the benchmarks share: the device line printed beside every figure, timing with the device queue drained,
+random tiny LLaDA models, and peak-memory measurements in a fresh child process."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def describe_device(device: torch.device) -> str:
+    """The device line beside every figure: the GPU's name, or the CPU's with torch's thread count."""
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} (cuda)"
+    return f"cpu {platform.processor() or platform.machine()}, {torch.get_num_threads()} thread(s)"
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto` (cuda when torch sees one, else cpu), `cpu` or `cuda`; a cuda request without CUDA is one line."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("--device cuda was asked for but torch sees no CUDA device; use --device cpu.")
+    return torch.device(name)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def wall_and_cpu_seconds(fn: Callable[[], object], device: torch.device) -> tuple[float, float]:
+    """Wall time and this process's CPU time of fn(), with the device queue drained before and after."""
+    synchronize(device)
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def random_llada(vocab: int, d_model: int, n_layers: int, n_heads: int, mlp_hidden_size: int, max_length: int):
+    """A randomly initialised LLaDA (seed 0): mask id = vocab − 1, EOS = pad = vocab − 2."""
+    from dllm_ais.models import LLaDAConfig, LLaDAModelLM
+
+    torch.manual_seed(0)
+    return LLaDAModelLM(LLaDAConfig(d_model=d_model, n_heads=n_heads, n_kv_heads=n_heads, n_layers=n_layers,
+                                    mlp_hidden_size=mlp_hidden_size, vocab_size=vocab, embedding_size=vocab,
+                                    max_sequence_length=max_length, mask_token_id=vocab - 1, eos_token_id=vocab - 2,
+                                    pad_token_id=vocab - 2))
+
+
+def peak_resident_bytes() -> int:
+    """This process's peak resident set size so far (`ru_maxrss`, kilobytes on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def run_child(module: str, arguments: list[str], env: dict[str, str] | None = None) -> dict:
+    """Run `python -m module --child ARGUMENTS` in a fresh process (its peak memory its own) and return the JSON
+    object its last output line holds."""
+    result = subprocess.run([sys.executable, "-m", module, "--child", *arguments], check=True, capture_output=True,
+                            text=True, env={**os.environ, **(env or {})})
+    return json.loads(result.stdout.strip().splitlines()[-1])

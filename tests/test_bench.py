@@ -1,0 +1,85 @@
+"""`dllm-ais bench NAME`: every benchmark at a tiny shape, its figures printed beside the device and settings."""
+
+import pytest
+
+from dllm_ais.cli import main
+from dllm_ais.quantization import PRECISIONS
+
+ROLLOUT = ["bench", "rollout", "--num-prompts", "4", "--batch", "4", "--block-length", "16"]
+
+
+def test_rollout_benchmark_runs_the_chosen_variants_beside_the_official_algorithm(capsys):
+    assert main([*ROLLOUT, "--gen-lengths", "16", "--variants", "dual"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split()[0] for line in out.splitlines() if line.endswith("thread(s)]")]
+    assert rows == ["official", "dual"] and out.startswith("device: cpu")
+    with pytest.raises(SystemExit):
+        main([*ROLLOUT, "--variants", "dual,bogus"])
+    assert "unknown ['bogus']; choose from official, prefix, dual, dual+refresh" in capsys.readouterr().err
+
+
+def test_rollout_benchmark_dual_cache_refreshed_every_step_reproduces_the_official_algorithm(capsys):
+    """dual+refresh at interval 1 recomputes the cache before every step: the official algorithm's greedy tokens,
+    so its paired differences from the official algorithm are exactly zero."""
+    assert main([*ROLLOUT, "--gen-lengths", "32", "--variants", "dual,dual+refresh",
+                 "--refresh-interval", "1", "64"]) == 0
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()
+            if line.endswith("thread(s)]")}
+    assert set(rows) == {"official", "dual", "dual+refresh/1", "dual+refresh/64"}
+    agreement = {name: float(row[3]) for name, row in rows.items()}  # share of the official greedy tokens
+    assert agreement["dual+refresh/1"] == 1.0 and agreement["dual"] < 1.0
+    assert rows["dual+refresh/1"][8:11] == ["+0.0000", "±", "0.0000"]  # reward Δ vs official ± SE, paired
+    # Refreshed every 64 steps, past a 16-token block's 16 steps: only at block starts, the plain dual cache.
+    assert agreement["dual+refresh/64"] == agreement["dual"]
+
+
+def test_sampler_benchmark_prints_the_overhead_and_every_precisions_sync(capsys):
+    assert main(["bench", "sampler", "--d-model", "32", "--n-layers", "1", "--vocab", "64", "--batch", "2",
+                 "--prompt-len", "8", "--gen-length", "16", "--block-length", "8", "--steps", "4", "--repeats", "1",
+                 "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "ratio sampler/forwards = " in out and "batch=2 prompt_len=8 gen_length=16" in out
+    syncs = [line for line in out.splitlines() if line.startswith("precision=")]
+    assert [line.split()[0] for line in syncs] == [f"precision={p}" for p in PRECISIONS]
+    assert all("device cpu" in line and "sync / one forward = " in line for line in syncs)
+
+
+def test_mismatch_benchmark_is_zero_for_bf16_and_positive_for_int4(capsys):
+    assert main(["bench", "mismatch", "--models", "llada", "--precisions", "bf16,int4", "--prompts", "4"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("|")[2].strip(): line.split("|")[3:-1] for line in out.splitlines()
+            if line.startswith("| llada")}
+    assert out.startswith("device: cpu") and set(rows) == {"bf16", "int4"}
+    assert float(rows["int4"][0]) > float(rows["bf16"][0]) and float(rows["int4"][0]) > 0
+
+
+@pytest.mark.slow  # four fresh processes
+def test_memory_benchmark_measures_each_estimator_in_its_own_process(capsys):
+    assert main(["bench", "memory", "--gen-length", "16", "--block-length", "16", "--batch", "2",
+                 "--prompt-length", "8", "--steps", "4", "--segments", "2"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.startswith(("one_step", "trajectory", "step_merge"))]
+    assert [(row[0], row[-4]) for row in rows] == [("one_step", "4"), ("trajectory", "4"), ("step_merge", "4"),
+                                                   ("trajectory", "16")]
+    assert [int(row[-3]) for row in rows] == [1, 4, 2, 16]  # forwards per scoring pass
+    assert float(rows[0][-1]) == 1.0 and all(float(row[-2]) > 0 for row in rows)
+
+
+def test_step_benchmark_prints_the_rollout_and_correction_shares(capsys):
+    assert main(["bench", "step", "--part", "correction", "--batch", "4", "--gen-length", "8", "--repeats", "1",
+                 "--warmup", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "[step shares] device=cpu" in out and "completions=4 gen_length=8" in out
+    shares = [float(line.split("median ")[1].split("%")[0]) for line in out.splitlines() if "median" in line]
+    assert len(shares) == 2 and all(0 < share < 100 for share in shares)  # rollout, correction
+
+
+@pytest.mark.slow  # two fresh processes
+def test_step_benchmark_log_prob_memory_pass_computes_the_naive_log_probs(capsys):
+    assert main(["bench", "step", "--part", "memory", "--vocab", "512", "--sequences", "2", "--prompt-length", "8",
+                 "--completion-length", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "[log-prob memory] device=cpu" in out and "vocab=512 sequences=2 prompt=8 completion=16" in out
+    assert "ratio ours/naive: " in out  # at this size: "n/a", the growth is below the process's earlier peak
+    naive, ours = (float(word) for word in out.split("sum of log-probs naive ")[1].split(" vs ours "))
+    assert ours == pytest.approx(naive, rel=1e-4)  # the chunked one-step pass computes the naive log-probs
