@@ -27,10 +27,11 @@ def tiny_config(**overrides) -> DreamConfig:
 def tiny_model(**overrides) -> DreamModel:
     torch.manual_seed(0)
     model = DreamModel(tiny_config(**overrides)).eval()
-    with torch.no_grad():  # norms and biases away from their initial 1 / 0, so a misplaced one shows
+    with torch.no_grad():  # norms, biases and the padding row away from their initial 1 / 0, so a misplaced one shows
         for name, parameter in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith("bias"):
                 parameter.add_(0.1 * torch.randn_like(parameter))
+        model.model.embed_tokens.weight[PAD].normal_(std=0.1)
     return model
 
 
@@ -121,10 +122,20 @@ def test_official_checkpoint_directory_round_trips_through_auto_classes_without_
             loaded = auto.from_pretrained(tmp_path).eval()
             assert isinstance(loaded, DreamModel)
             assert torch.equal(loaded(ids, attention_mask=mask).logits, expected)
+            for name, tensor in model.state_dict().items():  # nothing re-initialised, the padding row included
+                assert torch.equal(loaded.state_dict()[name], tensor), name
     assert AutoConfig.from_pretrained(tmp_path).model_type == "Dream"
     resaved = tmp_path / "resaved"
     loaded.save_pretrained(resaved)
     assert json.loads((resaved / "config.json").read_text())["auto_map"] == OFFICIAL_AUTO_MAP
+
+
+def test_fresh_weights_follow_the_official_initialisation():
+    model = DreamModel(tiny_config(initializer_range=0.02))
+    embedding = model.model.embed_tokens.weight
+    assert torch.equal(embedding[PAD], torch.zeros(64)) and abs(embedding[:PAD].std().item() - 0.02) < 0.002
+    assert torch.equal(model.model.layers[0].self_attn.q_proj.bias, torch.zeros(64))
+    assert torch.equal(model.model.norm.weight, torch.ones(64))
 
 
 def test_default_config_is_dream_7b():

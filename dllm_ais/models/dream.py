@@ -169,27 +169,16 @@ class DreamDecoderLayer(GradientCheckpointingLayer):
 
 
 class DreamPreTrainedModel(PreTrainedModel):
+    """Weights are initialised by transformers' default `_init_weights`, which is the official Dream one: normal(0,
+    initializer_range) Linear and Embedding weights, zero biases, the padding embedding row zeroed, RMSNorm weights 1
+    (and none of it over weights a checkpoint loaded)."""
+
     config_class = DreamConfig
     config: DreamConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["DreamDecoderLayer"]
     _supports_sdpa = True
-
-    @torch.no_grad()
-    def _init_weights(self, module: nn.Module) -> None:
-        """The official initialisation: normal(0, initializer_range) weights, zero biases and padding embedding."""
-        std = self.config.initializer_range
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-            if module.padding_idx is not None:
-                module.weight[module.padding_idx].zero_()
-        elif isinstance(module, RMSNorm):
-            nn.init.ones_(module.weight)
 
 
 class DreamBaseModel(DreamPreTrainedModel):
