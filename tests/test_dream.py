@@ -209,6 +209,11 @@ def test_unsupported_config_fails_with_a_message_naming_the_field(field, value):
         DreamModel(tiny_config(**{field: value}))
 
 
+def test_sequence_longer_than_max_position_embeddings_is_rejected():
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        tiny_model(max_position_embeddings=8)(torch.zeros(1, 9, dtype=torch.long))
+
+
 def test_cache_requests_are_refused():
     with pytest.raises(TypeError, match="key/value cache"):
         tiny_model()(torch.zeros(1, 4, dtype=torch.long), use_cache=True)

@@ -207,8 +207,8 @@ class DreamBaseModel(DreamPreTrainedModel):
                 position_ids = torch.arange(x.shape[1], device=x.device)[None]
             else:
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-        if int(position_ids.max()) >= self.config.max_position_embeddings:
-            raise ValueError(f"Position {int(position_ids.max())} exceeds max_position_embeddings="
+        if x.shape[1] > self.config.max_position_embeddings:
+            raise ValueError(f"Sequence length {x.shape[1]} exceeds max_position_embeddings="
                              f"{self.config.max_position_embeddings}.")
         cos, sin = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
         cos, sin = cos.to(x.dtype)[:, None], sin.to(x.dtype)[:, None]
