@@ -18,8 +18,8 @@ OFFICIAL_AUTO_MAP = {"AutoConfig": "configuration_dream.DreamConfig", "AutoModel
 
 def tiny_config(**overrides) -> DreamConfig:
     fields = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=128, rope_theta=10000.0, initializer_range=0.1, mask_token_id=255,
-                  pad_token_id=PAD, bos_token_id=PAD, eos_token_id=PAD)
+                  num_key_value_heads=2, max_position_embeddings=128, rope_theta=10000.0, initializer_range=0.1,
+                  mask_token_id=255, pad_token_id=PAD, bos_token_id=PAD, eos_token_id=PAD)
     fields.update(overrides)
     return DreamConfig(**fields)
 

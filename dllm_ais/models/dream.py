@@ -93,7 +93,8 @@ class DreamConfig(PreTrainedConfig):
         problems = []
         if self.use_sliding_window:
             problems.append("use_sliding_window=True (supported: false)")
-        if self.rope_scaling is not None and self.rope_scaling.get("rope_type", self.rope_scaling.get("type")) != "default":
+        scaling = self.rope_scaling or {}
+        if scaling.get("rope_type", scaling.get("type", "default")) != "default":
             problems.append(f"rope_scaling={self.rope_scaling!r} (supported: null)")
         if self.hidden_act not in ACT2FN:
             problems.append(f"hidden_act={self.hidden_act!r} is not a transformers activation")
