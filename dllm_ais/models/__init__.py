@@ -1,6 +1,9 @@
 """Model implementations registered with transformers' Auto classes on `import dllm_ais`."""
-from dllm_ais.models.llada import LLaDAConfig, LLaDAModel, LLaDAModelLM, register_with_auto_classes
+from dllm_ais.models import dream, llada
+from dllm_ais.models.dream import DreamBaseModel, DreamConfig, DreamModel
+from dllm_ais.models.llada import LLaDAConfig, LLaDAModel, LLaDAModelLM
 
-register_with_auto_classes()
+llada.register_with_auto_classes()
+dream.register_with_auto_classes()
 
-__all__ = ["LLaDAConfig", "LLaDAModel", "LLaDAModelLM"]
+__all__ = ["DreamBaseModel", "DreamConfig", "DreamModel", "LLaDAConfig", "LLaDAModel", "LLaDAModelLM"]

@@ -160,10 +160,10 @@ class RMSNorm(nn.Module):
 
 
 def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [n, head_dim] in float32 for absolute `positions` [n]: angle(p, i) = p / theta^(2i/head_dim),
-    halves concatenated."""
+    """cos/sin tables [..., head_dim] in float32 for absolute `positions` of any shape ([n], or [B, n] per sequence):
+    angle(p, i) = p / theta^(2i/head_dim), halves concatenated."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
-    angles = torch.outer(positions.to(torch.float32), inv_freq)
+    angles = positions.to(torch.float32)[..., None] * inv_freq
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos(), angles.sin()
 

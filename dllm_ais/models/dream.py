@@ -1,0 +1,289 @@
+"""Native Dream: the masked-diffusion transformer of Dream-org/Dream-v0-{Base,Instruct}-7B and apple/DiffuCoder-7B,
+registered with transformers' Auto classes under model_type "Dream" (the official checkpoints' own type).
+
+Dream is Qwen2.5 run without a causal mask. The module tree mirrors the official ``modeling_dream.py`` so the Hub
+safetensors load unchanged and what we save loads in the official code::
+
+    model.embed_tokens                               token embedding (padding_idx = pad_token_id)
+    model.layers.{i}.input_layernorm                 RMSNorm
+    model.layers.{i}.self_attn.{q,k,v}_proj          with bias (always, whatever `attention_bias` says)
+    model.layers.{i}.self_attn.o_proj                no bias
+    model.layers.{i}.post_attention_layernorm        RMSNorm
+    model.layers.{i}.mlp.{gate,up,down}_proj         SwiGLU: down(act(gate(x)) * up(x)), no biases
+    model.norm                                       final RMSNorm
+    lm_head                                          LM head (tied to embed_tokens with tie_word_embeddings)
+
+The class names are the official ones: `DreamModel` is the LM (``architectures: ["DreamModel"]``, what the official
+``auto_map`` gives AutoModel), `DreamBaseModel` its transformer under ``model``.
+
+The logits are returned unshifted, as the official forward returns them. Dream was initialised from an autoregressive
+model: the token at position i is predicted by the logits at position i - 1 (`dllm_ais.models.families`
+`shift_logits_right` puts them in place).
+
+Differences from the official forward, none of them on real tokens: a 2-D attention mask hides padded *keys* only
+(the official mask also blanks padded query rows, whose outputs are then undefined), so padded positions get finite
+logits that mean nothing; there is no key/value cache yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
+from transformers.activations import ACT2FN
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from dllm_ais.models.llada import RMSNorm, apply_rotary, rotary_cos_sin
+
+__all__ = ["DreamConfig", "DreamBaseModel", "DreamModel"]
+
+
+@dataclass(repr=False)
+class DreamConfig(PreTrainedConfig):
+    """Configuration of a Dream model, with the field names of the official ``configuration_dream.py``.
+
+    Defaults are the values of Dream-v0-Instruct-7B's config.json (Qwen2.5-7B's shape, mask 151666, pad 151643).
+    `attention_bias`, `mlp_bias`, `max_window_layers` and `sliding_window` are kept so configs round-trip; the official
+    model ignores the first two (q/k/v always carry a bias, o_proj and the MLP never) and so does this one. Sliding
+    windows and RoPE scaling are rejected at model construction with a message naming the field.
+    """
+
+    model_type = "Dream"
+
+    vocab_size: int = 152064
+    hidden_size: int = 3584
+    intermediate_size: int = 18944
+    num_hidden_layers: int = 28
+    num_attention_heads: int = 28
+    num_key_value_heads: int | None = 4
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 131072
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    use_cache: bool = False
+    tie_word_embeddings: bool = False
+    rope_theta: float = 1000000.0
+    rope_scaling: dict | None = None
+    use_sliding_window: bool = False
+    sliding_window: int | None = None
+    max_window_layers: int = 28
+    attention_dropout: float = 0.0
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    mask_token_id: int | None = 151666
+    pad_token_id: int | None = 151643
+    bos_token_id: int | None = 151643
+    eos_token_id: int | None = 151643
+
+    def __post_init__(self, **kwargs):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        super().__post_init__(**kwargs)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def check_supported(self) -> None:
+        """Raise ValueError naming every config value this implementation does not support."""
+        problems = []
+        if self.use_sliding_window:
+            problems.append("use_sliding_window=True (supported: false)")
+        scaling = self.rope_scaling or {}
+        if scaling.get("rope_type", scaling.get("type", "default")) != "default":
+            problems.append(f"rope_scaling={self.rope_scaling!r} (supported: null)")
+        if self.hidden_act not in ACT2FN:
+            problems.append(f"hidden_act={self.hidden_act!r} is not a transformers activation")
+        if self.hidden_size % self.num_attention_heads:
+            problems.append(f"hidden_size={self.hidden_size} is not divisible by "
+                            f"num_attention_heads={self.num_attention_heads}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            problems.append(f"num_attention_heads={self.num_attention_heads} is not divisible by "
+                            f"num_key_value_heads={self.num_key_value_heads}")
+        if problems:
+            raise ValueError("This Dream config uses options dllm_ais does not implement: " + "; ".join(problems)
+                             + ". Edit config.json or use the official remote code (trust_remote_code=True).")
+
+
+class DreamAttention(nn.Module):
+    """Bidirectional grouped-query SDPA attention; RoPE applied in the activations' dtype, as the official code does."""
+
+    def __init__(self, config: DreamConfig):
+        super().__init__()
+        d, self.n_heads, self.n_kv_heads, self.head_dim = (config.hidden_size, config.num_attention_heads,
+                                                            config.num_key_value_heads, config.head_dim)
+        self.attention_dropout = config.attention_dropout
+        self.q_proj = nn.Linear(d, self.n_heads * self.head_dim, bias=True)
+        self.k_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=True)
+        self.v_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=True)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn_mask: torch.Tensor | None) -> torch.Tensor:
+        """x [B, n, d], cos/sin [B, 1, n, head_dim] in x's dtype, attn_mask None or bool [B, 1, 1, n] (True = key
+        attended to) → [B, n, d]."""
+        batch, length, _ = x.shape
+        q = self.q_proj(x).view(batch, length, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        attn = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, is_causal=False,
+            dropout_p=self.attention_dropout if self.training else 0.0,
+            enable_gqa=self.n_kv_heads != self.n_heads,
+        )
+        return self.o_proj(attn.transpose(1, 2).reshape(batch, length, -1))
+
+
+class DreamMLP(nn.Module):
+    """down_proj(act(gate_proj(x)) * up_proj(x)), without biases."""
+
+    def __init__(self, config: DreamConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DreamDecoderLayer(GradientCheckpointingLayer):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: DreamConfig):
+        super().__init__()
+        self.self_attn = DreamAttention(config)
+        self.mlp = DreamMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn_mask: torch.Tensor | None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DreamPreTrainedModel(PreTrainedModel):
+    """Weights are initialised by transformers' default `_init_weights`, which is the official Dream one: normal(0,
+    initializer_range) Linear and Embedding weights, zero biases, the padding embedding row zeroed, RMSNorm weights 1
+    (and none of it over weights a checkpoint loaded)."""
+
+    config_class = DreamConfig
+    config: DreamConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["DreamDecoderLayer"]
+    _supports_sdpa = True
+
+
+class DreamBaseModel(DreamPreTrainedModel):
+    """The Dream transformer (the official `DreamBaseModel`): final-normed hidden states [B, n, d]."""
+
+    def __init__(self, config: DreamConfig):
+        super().__init__(config)
+        config.check_supported()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = nn.ModuleList(DreamDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None,
+                position_ids: torch.Tensor | None) -> torch.Tensor:
+        """Hidden states [B, n, d] of the input embeddings `x` [B, n, d] (see `DreamModel.forward` for the mask and
+        the positions)."""
+        if position_ids is None:
+            if attention_mask is None:
+                position_ids = torch.arange(x.shape[1], device=x.device)[None]
+            else:
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+        if x.shape[1] > self.config.max_position_embeddings:
+            raise ValueError(f"Sequence length {x.shape[1]} exceeds max_position_embeddings="
+                             f"{self.config.max_position_embeddings}.")
+        cos, sin = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
+        cos, sin = cos.to(x.dtype)[:, None], sin.to(x.dtype)[:, None]
+        attn_mask = None
+        if attention_mask is not None and not bool(attention_mask.all()):
+            attn_mask = attention_mask.bool()[:, None, None, :]
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn_mask)
+        return self.norm(x)
+
+
+class DreamModel(DreamPreTrainedModel):
+    """Dream for masked-diffusion language modelling (the official `DreamModel`: transformer + LM head);
+    `forward` returns `CausalLMOutputWithPast` with unshifted logits.
+
+    Registered for `AutoModel` and `AutoModelForCausalLM`, so `AutoModelForCausalLM.from_pretrained(
+    "Dream-org/Dream-v0-Instruct-7B")` needs no trust_remote_code.
+    """
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: DreamConfig):
+        super().__init__(config)
+        self.model = DreamBaseModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        """Logits [B, n', V] of the n input positions, unshifted: all of them (`logits_to_keep` = 0), the last
+        `logits_to_keep` (an int), or those at the indices `logits_to_keep` (a 1-D tensor into the n inputs).
+
+        `attention_mask` [B, n] (1 = real token, 0 = padding) hides padded keys from every query: attention is
+        otherwise full (bidirectional). `position_ids` [B, n] default to the real tokens numbered from 0 in each row
+        (cumsum(attention_mask) - 1, as the official generation passes them for left-padded prompts), or 0..n-1
+        without a mask; so a left-padded row's real tokens get the logits they would get unpadded.
+        """
+        unexpected = {k for k, v in kwargs.items() if v is not None and k != "return_dict" and
+                      not (k == "use_cache" and not v)}
+        if unexpected:
+            raise TypeError(f"DreamModel.forward got unsupported arguments: {sorted(unexpected)} (Dream has no "
+                            "key/value cache in dllm_ais yet)")
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
+        x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        x = self.model(x, attention_mask, position_ids)
+        if isinstance(logits_to_keep, torch.Tensor):
+            x = x[:, logits_to_keep]
+        elif logits_to_keep:
+            x = x[:, -logits_to_keep:]
+        return CausalLMOutputWithPast(logits=self.lm_head(x))
+
+
+def register_with_auto_classes() -> None:
+    """Make `AutoConfig`/`AutoModel`/`AutoModelForCausalLM` resolve model_type "Dream" to this implementation."""
+    AutoConfig.register(DreamConfig.model_type, DreamConfig, exist_ok=True)
+    AutoModel.register(DreamConfig, DreamModel, exist_ok=True)
+    AutoModelForCausalLM.register(DreamConfig, DreamModel, exist_ok=True)
