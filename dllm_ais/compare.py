@@ -7,8 +7,8 @@ baseline arm:
     overrides: {max_steps: 60, eval_size: 256}
     baseline: bf16                          # left out: the first arm
     arms:
-      bf16: {rollout_precision: bf16, correction: none}
-      int4 + AIS: {rollout_precision: int4, correction: ais}
+      bf16: {rollout.precision: bf16, correction: none}
+      int4 + AIS: {rollout.precision: int4, correction: ais}
 
 Every (arm, seed) is one `dllm-ais train` into its own directory of the study folder (the overrides are passed
 through as `--field=value`, never read here). A run whose `held_out.json` exists has finished and is reused; an

@@ -44,15 +44,16 @@ def test_shipped_studies_keep_the_scripts_arms():
                                    "corrections_qwen3_chain_sum", "corrections_qwen3_digits"]
     for study in corrections.values():
         assert list(study.arms) == ["bf16 (reference)", "int4 uncorrected", "int4 + TIS", "int4 + MIS", "int4 + AIS"]
-        assert study.baseline == "bf16 (reference)" and study.overrides["bypass_mode"] is False
+        assert study.baseline == "bf16 (reference)" and study.overrides["correction.bypass_mode"] is False
         assert study.base is None or study.base.is_file()
     rollouts = {path.stem: read_study(path) for path in STUDIES.glob("rollouts_*.yaml")}
     assert {name: len(study.arms) for name, study in rollouts.items()} == {
         "rollouts_estimators": 5, "rollouts_one_step": 21, "rollouts_trajectory": 28}
     assert rollouts["rollouts_trajectory"].arms["trajectory@decoder dual+t0.9 AIS"] == {
-        "likelihood_estimator": "trajectory", "likelihood_order": "rollout", "likelihood_decoder": "rollout",
-        "rollout_cache": "dual", "rollout_threshold": 0.9, "correction": "ais"}
-    assert rollouts["rollouts_one_step"].arms["one_step exact AIS"]["rollout_threshold"] is None
+        "likelihood.estimator": "trajectory", "experimental.likelihood_order": "rollout",
+        "experimental.likelihood_decoder": "rollout", "rollout.cache": "dual", "rollout.threshold": 0.9,
+        "correction": "ais"}
+    assert rollouts["rollouts_one_step"].arms["one_step exact AIS"]["rollout.threshold"] is None
 
 
 def test_a_bad_study_is_one_line(tmp_path):

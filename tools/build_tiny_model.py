@@ -74,7 +74,7 @@ from build_tokenizer import build_hf_tokenizer, build_word_tokenizer  # noqa: E4
 from chain_sum_steps import chain_sum_demonstration  # noqa: E402
 
 from dllm_ais.run_dir import atomic_directory  # noqa: E402
-from dllm_ais.config import EMBEDDED_MODELS, GRPOConfig  # noqa: E402
+from dllm_ais.config import EMBEDDED_MODELS, GRPOConfig, with_d1_protocol  # noqa: E402
 from dllm_ais.data import load_task_dataset  # noqa: E402
 from dllm_ais.evaluation import evaluate_policy  # noqa: E402
 from dllm_ais.loading import load_model, load_tokenizer, resolve_model_path  # noqa: E402
@@ -243,9 +243,8 @@ def main() -> None:
                              seed=args.seed + 1)
         losses += run_sft(model, tokenizer, train, prefix_sft, mask_token_id=tokenizer.mask_token_id,
                           answer_column="completion")
-    config = GRPOConfig(policy="diffusion" if args.family == "llada" else "autoregressive", task=spec.task,
-                        task_args=spec.task_args, max_completion_length=spec.gen_length,
-                        block_length=min(spec.gen_length, 32), diffusion_steps=spec.gen_length // 2)
+    config = with_d1_protocol(GRPOConfig(policy="diffusion" if args.family == "llada" else "autoregressive",
+                                         task=spec.task, task_args=spec.task_args), spec.gen_length, 32)
     policy = build_policy(config, model.config, tokenizer, temperature=0.0)
     held_out = load_task_dataset(spec.task, "validation", size=args.eval_size, seed=args.seed,
                                  task_args=spec.task_args)

@@ -45,13 +45,14 @@ def measure(args) -> dict:
     from dllm_ais.loss import TokenLoss
     from dllm_ais.policy import DiffusionPolicy
     from dllm_ais.sampling.diffusion import DiffusionSamplerConfig
+    from dllm_ais.settings import LikelihoodSettings
 
     model = load_model(EMBEDDED_MODEL, torch.float32)
     config = model.config
     sampler = DiffusionSamplerConfig(gen_length=args.gen_length, block_length=args.block_length, steps=args.steps,
                                      temperature=0.9, remasking=args.remasking, mask_token_id=config.mask_token_id,
                                      eos_token_ids=(config.eos_token_id,), pad_token_id=config.pad_token_id)
-    policy = DiffusionPolicy(sampler, estimator=args.estimator, likelihood_segments=args.segments)
+    policy = DiffusionPolicy(sampler, LikelihoodSettings(args.estimator, segments=args.segments))
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(10, config.vocab_size - 10, (args.batch, args.prompt_length), generator=generator)
     model.eval()
