@@ -31,7 +31,7 @@ def train(output_dir: Path, *overrides: str):
     history = trainer.train().history
     trainer.engine.sync_from(trainer.unwrapped_model)
     expected = RolloutEngine(load_model(str(output_dir / "final"), torch.float32),
-                             precision=trainer.config.rollout_precision).model.state_dict()
+                             precision=trainer.config.rollout.precision).model.state_dict()
     engine = trainer.engine.model.state_dict()
     assert engine.keys() == expected.keys()
     differing = [name for name in engine if not torch.equal(engine[name], expected[name])]

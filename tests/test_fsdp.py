@@ -7,7 +7,7 @@ switches accelerate (which keeps CPU processes unsharded, MULTI_CPU) to FSDP. Th
 stays as shipped: the trainer never autocasts, it computes in its weights' dtype (`dtype: auto` = float32 on CPU).
 
 What these CPU runs do not show: GPU memory savings and speed, NCCL, CPU offload (`fsdp_offload_params`), and native
-FP8 kernels (FP8 rollouts are emulated on CPU). The runs use float32 weights and `rollout_precision=bf16` (the
+FP8 kernels (FP8 rollouts are emulated on CPU). The runs use float32 weights and `rollout.precision=bf16` (the
 trainer's own dtype) so that the rollout engine can be compared with the saved model bit for bit; bfloat16 weights
 and the FP8 engine also run sharded on CPU, but are not compared here.
 """
@@ -29,8 +29,8 @@ pytestmark = pytest.mark.slow  # two-process FSDP trainings
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
           str(ROOT / "recipes" / "accelerate" / "fsdp.yaml"), "--cpu", "--num_processes", "2"]
-RUN = ["--eval_size=0", "--per_device_train_batch_size=4", "--num_iterations=2", "--rollout_precision=bf16",
-       "--ais_alpha_ema=0.5"]  # 1 prompt × 4 completions per process; checkpoints can fall inside a generation batch
+RUN = ["--eval_size=0", "--per_device_train_batch_size=4", "--num_iterations=2", "--rollout.precision=bf16",
+       "--correction.ais_alpha_ema=0.5"]  # 1 prompt × 4 completions per process; checkpoints can fall inside a generation batch
 
 
 @pytest.fixture(scope="module")
