@@ -1,0 +1,91 @@
+"""Each low-precision mode against torchao's own reference quantize/dequantize primitives: the engine's linear layer
+must give F.linear(Q_act(x), Q_w(W)) with Q the reference fake-quantization (quantize then dequantize), to float32
+round-off, and must differ from the high-precision layer."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchao.prototype.mx_formats.config import ScaleCalculationMode
+from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, unpack_uint4
+from torchao.prototype.mx_formats.mx_tensor import to_dtype, to_mx
+from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize, per_tensor_amax_to_scale
+from torchao.quantization.quant_primitives import (
+    MappingType,
+    _choose_scale_float8,
+    _dequantize_affine_float8,
+    _quantize_affine_float8,
+    choose_qparams_affine,
+    dequantize_affine,
+    quantize_affine,
+)
+
+from dllm_ais.quantization import AMAX_FLOOR, kernel_path, quantize_model_
+
+
+def fp8_reference(x: torch.Tensor, per_row: bool) -> torch.Tensor:
+    """e4m3 round trip with scale max|·| / 448 per row (per_row) or over the whole 2-D tensor."""
+    block = [1, x.shape[-1]] if per_row else list(x.shape)
+    scale = _choose_scale_float8(x, block, torch.float8_e4m3fn, hp_value_lb=AMAX_FLOOR)
+    return _dequantize_affine_float8(_quantize_affine_float8(x, scale, torch.float8_e4m3fn), scale)
+
+
+def mx_reference(x: torch.Tensor, element_dtype: torch.dtype) -> torch.Tensor:
+    """MX round trip: blocks of 32 with an E8M0 scale (RCEIL)."""
+    scale, data = to_mx(x, element_dtype, 32, scaling_mode=ScaleCalculationMode.RCEIL)
+    return to_dtype(data, scale, element_dtype, 32, torch.float32)
+
+
+def nvfp4_reference(w: torch.Tensor) -> torch.Tensor:
+    """NVFP4 round trip: e2m1 in blocks of 16, e4m3 block scales under the per-tensor scale max|W| / (448·6)."""
+    tensor_scale = per_tensor_amax_to_scale(w.abs().max())
+    block_scales, data = nvfp4_quantize(w, 16, tensor_scale)
+    values = f4_unpacked_to_f32(unpack_uint4(data.view(torch.uint8))).view(w.shape[0], -1, 16)
+    return (values * (block_scales.float() * tensor_scale).view(w.shape[0], -1, 1)).view(w.shape)
+
+
+def int4_reference(w: torch.Tensor, group: int) -> torch.Tensor:
+    """Symmetric int4 round trip, one scale per group of `group` input features."""
+    block = (1, group)
+    scale, zero = choose_qparams_affine(w, MappingType.SYMMETRIC, block, torch.int8, quant_min=-8, quant_max=7,
+                                       zero_point_dtype=torch.int8, keepdim=True)
+    q = quantize_affine(w, block, scale, zero, torch.int8, quant_min=-8, quant_max=7)
+    return dequantize_affine(q, block, scale, zero, torch.int8, quant_min=-8, quant_max=7)
+
+
+# mode -> (fake-quantization of the activations [N, K], of the weight [out, K])
+REFERENCES = {
+    "fp8": (lambda x: fp8_reference(x, True), lambda w: fp8_reference(w, True)),
+    "fp8_tensor": (lambda x: fp8_reference(x, False), lambda w: fp8_reference(w, False)),
+    "fp8_weight_only": (lambda x: x, lambda w: fp8_reference(w, True)),
+    "mxfp8": (lambda x: mx_reference(x, torch.float8_e4m3fn), lambda w: mx_reference(w, torch.float8_e4m3fn)),
+    "mxfp4": (lambda x: mx_reference(x, torch.float4_e2m1fn_x2), lambda w: mx_reference(w, torch.float4_e2m1fn_x2)),
+    "nvfp4_weight_only": (lambda x: x, nvfp4_reference),
+    "int4": (lambda x: x, lambda w: int4_reference(w, 32)),
+    "int4_g128": (lambda x: x, lambda w: int4_reference(w, 128)),
+}
+
+
+@pytest.mark.parametrize("precision", REFERENCES)
+def test_quantized_linear_matches_torchao_reference_numerics(precision):
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 64, bias=False)
+    weight = linear.weight.detach().clone()
+    x = torch.randn(12, 256) * torch.logspace(-2, 1, 12).unsqueeze(-1)  # rows of different magnitudes
+    assert quantize_model_(nn.Sequential(linear), precision, skip=lambda name, module: False) == ["0"]
+    quantize_activations, quantize_weight = REFERENCES[precision]
+    with torch.no_grad():
+        output = linear(x)
+    expected = F.linear(quantize_activations(x), quantize_weight(weight))
+    error = (output - expected).abs().max().item()
+    print(f"\n[{precision}] max |engine − torchao reference| = {error:.2e}; path: {kernel_path(precision, 'cpu')}")
+    assert error <= 1e-5 * expected.abs().max().item()
+    assert not torch.equal(quantize_weight(weight), weight)  # the mode does change the weights ...
+    assert (output - F.linear(x, weight)).abs().max() > 100 * error  # ... and the layer's output
+
+
+def test_kernel_path_names_the_emulated_path_on_cpu():
+    assert kernel_path("fp8_tensor", "cpu").startswith("emulated")
+    assert kernel_path("mxfp4", "cpu").startswith("emulated")
+    assert kernel_path("int4_g128", "cpu").startswith("weight-only")
