@@ -1,4 +1,4 @@
-"""Each low-precision mode against torchao's own reference quantize/dequantize primitives: the engine's linear layer
+"""Each low-precision mode, and the FP8 block KV cache, against torchao's own reference quantize/dequantize primitives: the engine's linear layer
 must give F.linear(Q_act(x), Q_w(W)) with Q the reference fake-quantization (quantize then dequantize), to float32
 round-off, and must differ from the high-precision layer."""
 from __future__ import annotations
@@ -21,7 +21,10 @@ from torchao.quantization.quant_primitives import (
     quantize_affine,
 )
 
+from dllm_ais.models import LLaDAConfig, LLaDAModelLM
 from dllm_ais.quantization import AMAX_FLOOR, kernel_path, quantize_model_
+from dllm_ais.sampling.diffusion import DiffusionSamplerConfig, MaskedDiffusionSampler
+from dllm_ais.sampling.fp8_cache import dequantize_per_head, quantize_per_head
 
 
 def fp8_reference(x: torch.Tensor, per_row: bool) -> torch.Tensor:
@@ -89,3 +92,36 @@ def test_kernel_path_names_the_emulated_path_on_cpu():
     assert kernel_path("fp8_tensor", "cpu").startswith("emulated")
     assert kernel_path("mxfp4", "cpu").startswith("emulated")
     assert kernel_path("int4_g128", "cpu").startswith("weight-only")
+
+
+def test_fp8_kv_cache_storage_matches_torchao_reference_per_row_and_head():
+    torch.manual_seed(0)
+    keys = torch.randn(2, 4, 24, 16) * torch.logspace(-3, 1, 4).view(1, 4, 1, 1)  # heads of different magnitudes
+    keys[1, 2] = 0  # an all-zero head keeps a finite scale
+    q, scale = quantize_per_head(keys)
+    reference_scale = _choose_scale_float8(keys, [1, 1, 24, 16], torch.float8_e4m3fn, hp_value_lb=AMAX_FLOOR)
+    assert torch.equal(scale, reference_scale.view(2, 4, 1, 1))
+    assert torch.equal(q.view(torch.uint8), _quantize_affine_float8(keys, reference_scale).view(torch.uint8))
+    restored = dequantize_per_head(q, scale, torch.float32)
+    assert torch.equal(restored, _dequantize_affine_float8(q, reference_scale))
+    assert torch.isfinite(restored).all() and not torch.equal(restored, keys)
+    assert ((restored - keys).abs() <= keys.abs().amax(dim=(-2, -1), keepdim=True) / 8).all()  # e4m3: 3 mantissa bits
+
+
+@pytest.mark.parametrize("cache", ["prefix", "dual"])
+def test_fp8_kv_cache_changes_the_cached_sampler_slightly_and_needs_a_cache(cache):
+    model = LLaDAModelLM(LLaDAConfig(d_model=64, n_heads=4, n_kv_heads=4, n_layers=2, mlp_hidden_size=128,
+                                     vocab_size=128, embedding_size=128, max_sequence_length=64, mask_token_id=127,
+                                     eos_token_id=126, pad_token_id=126)).eval()
+    prompts = torch.randint(0, 120, (2, 8), generator=torch.Generator().manual_seed(1))
+
+    def step_logprobs(cache_dtype: str) -> torch.Tensor:
+        sampler = MaskedDiffusionSampler(DiffusionSamplerConfig(gen_length=16, block_length=8, steps=16,
+                                                                cache=cache, cache_dtype=cache_dtype))
+        with torch.no_grad():
+            return sampler.sample(model, prompts, generator=torch.Generator().manual_seed(0)).step_logprobs
+
+    full, fp8 = step_logprobs("none"), step_logprobs("fp8")
+    assert not torch.equal(full, fp8) and (full - fp8).abs().max() < 0.05
+    with pytest.raises(ValueError, match="cache_dtype='fp8' stores the block KV cache"):
+        DiffusionSamplerConfig(gen_length=16, block_length=8, steps=16, cache_dtype="fp8")

@@ -65,8 +65,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dllm_ais.choices import CACHE_MODES
+from dllm_ais.choices import CACHE_DTYPES, CACHE_MODES
 from dllm_ais.rollout import PromptError, Rollout, completion_mask_through_first_eos, token_id_tuple
+from dllm_ais.sampling.fp8_cache import FP8KeyValueCache
 
 __all__ = [
     "CACHE_MODES",
@@ -237,6 +238,8 @@ class DiffusionSamplerConfig:
             ``past_key_values``, ``cache_position`` and ``use_cache`` as dllm_ais' LLaDA does.
         cache_refresh_interval: with a cache, also refresh it every this many steps inside a block (1 = every step,
             which is exactly the uncached algorithm); None = only at each block's first step.
+        cache_dtype: storage of the cached keys/values: "none" (the model's dtype) or "fp8" (e4m3 with one scale per
+            batch row and head, dequantized when read: dllm_ais.sampling.fp8_cache).
         threshold: parallel decoding: each step commits every still-masked block position whose score (the
             candidate's probability under low_confidence) exceeds τ_c, at least one (Fast-dLLM's rule).
         factor: parallel decoding: each step commits the largest n with (n + 1)(1 − c_(n)) < f, at least one.
@@ -257,6 +260,7 @@ class DiffusionSamplerConfig:
     cfg_scale: float = 0.0
     cache: str = "none"
     cache_refresh_interval: int | None = None
+    cache_dtype: str = "none"
     threshold: float | None = None
     factor: float | None = None
 
@@ -273,7 +277,8 @@ class DiffusionSamplerConfig:
 
     def exact(self) -> "DiffusionSamplerConfig":
         """These settings without the approximations: no cache, no parallel commits (the fixed schedule of `steps`)."""
-        return dataclasses.replace(self, cache="none", cache_refresh_interval=None, threshold=None, factor=None)
+        return dataclasses.replace(self, cache="none", cache_refresh_interval=None, cache_dtype="none", threshold=None,
+                                   factor=None)
 
     def __post_init__(self) -> None:
         self.eos_token_ids = token_id_tuple(self.eos_token_ids)
@@ -304,6 +309,10 @@ class DiffusionSamplerConfig:
             or self.cache_refresh_interval < 1
         ):
             problems.append(f"cache_refresh_interval={self.cache_refresh_interval!r} must be a positive int or None")
+        if self.cache_dtype not in CACHE_DTYPES:
+            problems.append(f"cache_dtype={self.cache_dtype!r}: choose one of {', '.join(CACHE_DTYPES)}")
+        elif self.cache_dtype != "none" and self.cache == "none":
+            problems.append(f"cache_dtype={self.cache_dtype!r} stores the block KV cache: set cache to prefix or dual")
         if self.threshold is not None and self.factor is not None:
             problems.append("threshold and factor are two parallel-decoding rules: set one of them")
         if self.threshold is not None and not 0 <= self.threshold <= 1:
@@ -341,10 +350,12 @@ class BlockCache:
     """The block KV cache of one `sample` call: the model's cached keys/values and whether the next forward refreshes
     them (the first step of each block, and every `cache_refresh_interval` steps).
 
-    mode: "prefix" or "dual"; past_key_values: what the last refreshing forward returned.
+    mode: "prefix" or "dual"; dtype: the storage, "none" (as the model returns it) or "fp8" (`FP8KeyValueCache`);
+    past_key_values: what the last refreshing forward returned, so stored.
     """
 
     mode: str
+    dtype: str = "none"
     past_key_values: Any = None
     refresh: bool = True
 
@@ -361,7 +372,8 @@ class BlockCache:
             self.past_key_values = None  # frees the previous block's cache before the new one is built
             positions = torch.arange(block.start, block.stop, device=inputs.device)
             output = model(inputs, attention_mask=attention_mask, use_cache=True, logits_to_keep=positions)
-            self.past_key_values = output.past_key_values
+            self.past_key_values = (FP8KeyValueCache(output.past_key_values) if self.dtype == "fp8"
+                                    else output.past_key_values)
             return output.logits
         stop = inputs.shape[1] if self.mode == "prefix" else block.stop
         positions = torch.arange(block.start, stop, device=inputs.device)
@@ -514,7 +526,7 @@ class MaskedDiffusionSampler:
         step_logprobs = torch.zeros(batch, config.gen_length, dtype=torch.float32, device=device)
         commit_step = torch.full((batch, config.gen_length), -1, dtype=torch.long, device=device)
         num_steps = torch.zeros(batch, dtype=torch.long, device=device)
-        cache = BlockCache(config.cache) if config.cache != "none" else None
+        cache = BlockCache(config.cache, config.cache_dtype) if config.cache != "none" else None
 
         rows = torch.arange(batch, device=device).unsqueeze(1)
         n_blocks = config.gen_length // config.block_length
@@ -594,7 +606,7 @@ class MaskedDiffusionSampler:
             raise ValueError(f"decoder_logits got completions of {gen_length} positions; this sampler decodes "
                              f"gen_length={self.config.gen_length}")
         completion, commit_step = rollout.completion_ids, rollout.commit_step
-        cache = BlockCache(self.config.cache) if self.config.cache != "none" else None
+        cache = BlockCache(self.config.cache, self.config.cache_dtype) if self.config.cache != "none" else None
         for start in range(0, gen_length, self.config.block_length):
             block = slice(start, start + self.config.block_length)
             if positions is not None and not bool(positions[:, block].any()):
