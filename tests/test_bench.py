@@ -53,6 +53,17 @@ def test_mismatch_benchmark_is_zero_for_bf16_and_positive_for_int4(capsys):
     assert float(rows["int4"][0]) > float(rows["bf16"][0]) and float(rows["int4"][0]) > 0
 
 
+def test_mismatch_benchmark_scores_the_ladder_and_the_fp8_kv_cache_on_the_trajectory_canvases(capsys):
+    assert main(["bench", "mismatch", "--models", "llada,qwen3", "--precisions", "bf16,mxfp4", "--prompts", "4"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("|")[3].strip(): [float(cell) for cell in line.split("|")[4:-1]] for line in out.splitlines()
+            if line.startswith("| trajectory |")}
+    assert set(rows) == {"bf16", "mxfp4", "bf16 + fp8 KV cache (dual)"}  # LLaDA only: Qwen3 has no trajectory
+    assert rows["bf16"][:5] == [0.0, 0.0, 1.0, 0.0, 1.0]  # k3, max |Δ|, token ESS, |log ρ_seq|, sequence ESS
+    for notch in ("mxfp4", "bf16 + fp8 KV cache (dual)"):
+        assert rows[notch][0] > 0 and rows[notch][2] < 1 and rows[notch][4] < 1, notch
+
+
 @pytest.mark.slow  # four fresh processes
 def test_memory_benchmark_measures_each_estimator_in_its_own_process(capsys):
     assert main(["bench", "memory", "--gen-length", "16", "--block-length", "16", "--batch", "2",
