@@ -210,23 +210,19 @@ def _precision_of(param: TorchAOBaseTensor) -> str:
 
 def _torchao_config(precision: str):
     """The torchao config of a mode that torchao's own `quantize_` handlers build (every mode but the emulated ones)."""
+    if precision in FP8_GRANULARITIES:
+        return Float8DynamicActivationFloat8WeightConfig(granularity=FP8_GRANULARITIES[precision](),
+                                                         set_inductor_config=False, activation_value_lb=AMAX_FLOOR)
+    if precision in INT4_GROUP_SIZES:
+        return IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(INT4_GROUP_SIZES[precision]))
+    if precision in MX_ELEMENT_DTYPES:
+        element_dtype = MX_ELEMENT_DTYPES[precision]
+        return MXDynamicActivationMXWeightConfig(block_size=MX_BLOCK_SIZE, activation_dtype=element_dtype,
+                                                 weight_dtype=element_dtype, scaling_mode=ScaleCalculationMode.RCEIL)
     return {
-        "fp8": lambda: Float8DynamicActivationFloat8WeightConfig(
-            granularity=PerRow(), set_inductor_config=False, activation_value_lb=AMAX_FLOOR),
-        "fp8_tensor": lambda: Float8DynamicActivationFloat8WeightConfig(
-            granularity=PerTensor(), set_inductor_config=False, activation_value_lb=AMAX_FLOOR),
         "fp8_weight_only": lambda: Float8WeightOnlyConfig(set_inductor_config=False),
         "int8": lambda: Int8DynamicActivationInt8WeightConfig(set_inductor_config=False),
-        "int4": lambda: IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(INT4_GROUP_SIZES["int4"])),
-        "int4_g128": lambda: IntxWeightOnlyConfig(weight_dtype=torch.int4,
-                                                  granularity=PerGroup(INT4_GROUP_SIZES["int4_g128"])),
-        "mxfp8": lambda: MXDynamicActivationMXWeightConfig(
-            block_size=MX_BLOCK_SIZE, activation_dtype=MX_ELEMENT_DTYPES["mxfp8"],
-            weight_dtype=MX_ELEMENT_DTYPES["mxfp8"], scaling_mode=ScaleCalculationMode.RCEIL),
-        "mxfp4": lambda: MXDynamicActivationMXWeightConfig(
-            block_size=MX_BLOCK_SIZE, activation_dtype=MX_ELEMENT_DTYPES["mxfp4"],
-            weight_dtype=MX_ELEMENT_DTYPES["mxfp4"], scaling_mode=ScaleCalculationMode.RCEIL),
-        "nvfp4_weight_only": lambda: NVFP4WeightOnlyConfig(),
+        "nvfp4_weight_only": NVFP4WeightOnlyConfig,
     }[precision]()
 
 

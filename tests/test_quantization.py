@@ -1,5 +1,5 @@
-"""Each low-precision mode, and the FP8 block KV cache, against torchao's own reference quantize/dequantize primitives: the engine's linear layer
-must give F.linear(Q_act(x), Q_w(W)) with Q the reference fake-quantization (quantize then dequantize), to float32
+"""Each low-precision mode, and the FP8 block KV cache, against torchao's own reference quantize/dequantize
+primitives: the engine's linear layer must give F.linear(Q_act(x), Q_w(W)) with Q the reference fake-quantization (quantize then dequantize), to float32
 round-off, and must differ from the high-precision layer."""
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ from torchao.quantization.quant_primitives import (
     dequantize_affine,
     quantize_affine,
 )
+from torchao.quantization.transform_module import _QUANTIZE_CONFIG_HANDLER
 
+import dllm_ais.quantization as quantization
 from dllm_ais.models import LLaDAConfig, LLaDAModelLM
 from dllm_ais.quantization import AMAX_FLOOR, kernel_path, quantize_model_
 from dllm_ais.sampling.diffusion import DiffusionSamplerConfig, MaskedDiffusionSampler
@@ -86,6 +88,21 @@ def test_quantized_linear_matches_torchao_reference_numerics(precision):
     assert error <= 1e-5 * expected.abs().max().item()
     assert not torch.equal(quantize_weight(weight), weight)  # the mode does change the weights ...
     assert (output - F.linear(x, weight)).abs().max() > 100 * error  # ... and the layer's output
+
+
+@pytest.mark.parametrize("precision", ["mxfp8", "mxfp4"])
+def test_native_mx_config_stores_the_emulated_weights_values(precision):
+    """The weight torchao's MXDynamicActivationMXWeightConfig builds for the native kernels (swizzled scales; it runs
+    on sm100 only, but builds anywhere) holds the values of the emulated path's weight, and requantizes as its mode."""
+    weight = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    config = quantization._torchao_config(precision)
+    holder = nn.Linear(256, 64, bias=False, device="meta")
+    holder.weight = nn.Parameter(weight, requires_grad=False)
+    native = _QUANTIZE_CONFIG_HANDLER[type(config)](holder, config).weight.detach()
+    emulated = quantization.quantized_weight(precision, weight)
+    assert native.is_swizzled_scales and not emulated.is_swizzled_scales
+    assert torch.equal(native.dequantize(torch.float32), emulated.dequantize(torch.float32))
+    assert quantization._precision_of(native) == precision
 
 
 def test_kernel_path_names_the_emulated_path_on_cpu():
