@@ -23,7 +23,10 @@ from torchao.quantization.quant_primitives import (
 from torchao.quantization.transform_module import _QUANTIZE_CONFIG_HANDLER
 
 import dllm_ais.quantization as quantization
+from dllm_ais.config import EMBEDDED_RECIPE, load_config
+from dllm_ais.loading import load_model, load_tokenizer
 from dllm_ais.models import LLaDAConfig, LLaDAModelLM
+from dllm_ais.policy import build_policy
 from dllm_ais.quantization import AMAX_FLOOR, kernel_path, quantize_model_
 from dllm_ais.sampling.diffusion import DiffusionSamplerConfig, MaskedDiffusionSampler
 from dllm_ais.sampling.fp8_cache import dequantize_per_head, quantize_per_head
@@ -142,3 +145,11 @@ def test_fp8_kv_cache_changes_the_cached_sampler_slightly_and_needs_a_cache(cach
     assert not torch.equal(full, fp8) and (full - fp8).abs().max() < 0.05
     with pytest.raises(ValueError, match="cache_dtype='fp8' stores the block KV cache"):
         DiffusionSamplerConfig(gen_length=16, block_length=8, steps=16, cache_dtype="fp8")
+
+
+def test_config_rollout_cache_dtype_reaches_the_sampler():
+    config = load_config(EMBEDDED_RECIPE, ["--output_dir=/tmp/unused", "--rollout.cache=dual",
+                                           "--rollout.cache_dtype=fp8"])
+    model = load_model(config.model_name_or_path, torch.float32)
+    policy = build_policy(config, model.config, load_tokenizer(config.model_name_or_path))
+    assert policy.sampler.config.cache_dtype == "fp8" and policy.sampler.config.exact().cache_dtype == "none"
