@@ -21,9 +21,10 @@ trainer's and the engine's full next-token distributions are compared at every c
 A second table scores LLaDA's rollouts on the trajectory estimator's canvases instead (the replay's per-step canvases:
 each token under the canvas of the step that committed it; `likelihood.estimator=trajectory`): the same figures but
 the exact KL, for every precision, and for the FP8 KV cache (`rollout.cache_dtype=fp8`; the recipe's cache, dual if
-it has none): a bf16 engine sampling with the FP8-stored cache against the trainer replaying the same cached decoder
-with its cache in full precision (`experimental.likelihood_decoder=rollout`, the trajectory estimator that scores the
-cache) — the one-step canvas runs without a cache, so the cache's storage changes nothing there.
+it has none): the log-probs a bf16 engine recorded sampling with the FP8-stored cache against the trainer replaying
+the same cached decoder with its cache in full precision (`experimental.likelihood_decoder=rollout`, the trajectory
+estimator that scores the cache) — the one-step canvas runs without a cache, so the cache's storage changes nothing
+there.
 """
 
 from __future__ import annotations
@@ -82,21 +83,19 @@ def log_ratio_cells(token_log_ratio: torch.Tensor, mask: torch.Tensor) -> list[s
             f"{effective_sample_size(sequence_log_ratio):.4f}", f"{mask.sum(-1).double().mean().item():.1f}"]
 
 
-def trajectory_cells(trainer_policy, engine_policy, trainer, engine, rollout) -> list[str]:
-    """`log_ratio_cells` of the trajectory estimator: the trainer scoring `rollout` with `trainer_policy`, the engine
-    with `engine_policy`."""
-    log_ratio = trainer_policy.logprobs(trainer, rollout, seed=0) - engine_policy.logprobs(engine, rollout, seed=0)
+def trajectory_cells(policy, trainer, rollout) -> list[str]:
+    """`log_ratio_cells` of `policy`'s estimator as the trainer meets it: the trainer's log-probs of `rollout` against
+    the rollout side (`rollout_logprobs`: for the trajectory estimator what the engine's sampler recorded)."""
+    log_ratio = policy.logprobs(trainer, rollout, seed=0) - policy.rollout_logprobs(None, rollout, seed=0)
     return log_ratio_cells(log_ratio, rollout.completion_mask)
 
 
-def kv_cache_policies(policy):
-    """(trainer's, engine's) trajectory policies replaying the cached decoder: the recipe's cache (dual if none), in
-    full precision for the trainer and FP8-stored for the engine."""
-    cached = dataclasses.replace(policy.sampler_config, cache="dual" if policy.sampler_config.cache == "none"
-                                 else policy.sampler_config.cache)
-    replaying = dataclasses.replace(policy, likelihood_order="rollout", likelihood_decoder="rollout")
-    return (replaying.with_decoder(cached),
-            replaying.with_decoder(dataclasses.replace(cached, cache_dtype="fp8")))
+def kv_cache_policy(policy):
+    """`policy` sampling with the FP8-stored block KV cache (the recipe's cache, dual if it has none) and replaying
+    that cached decoder (in full precision) to score."""
+    config = policy.sampler_config
+    cached = dataclasses.replace(config, cache="dual" if config.cache == "none" else config.cache, cache_dtype="fp8")
+    return dataclasses.replace(policy, likelihood_order="rollout", likelihood_decoder="rollout").with_decoder(cached)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -142,13 +141,13 @@ def main(argv: list[str] | None = None) -> None:
                   + " | ".join(log_ratio_cells(token_log_ratio, mask)) + " |")
             sys.stdout.flush()
             if diffusion:
-                trajectory_rows.append((precision, trajectory_cells(trajectory, trajectory, model, engine, rollout)))
+                trajectory_rows.append((precision, trajectory_cells(trajectory, model, rollout)))
         if diffusion and args.kv_cache == "fp8":
-            trainer_policy, engine_policy = kv_cache_policies(trajectory)
+            cached = kv_cache_policy(trajectory)
             engine = RolloutEngine(model, precision="bf16").model
-            rollout = engine_policy.sample(engine, input_ids, attention_mask, torch.Generator().manual_seed(args.seed))
-            trajectory_rows.append((f"{KV_CACHE_NOTCH} ({engine_policy.sampler_config.cache})",
-                                    trajectory_cells(trainer_policy, engine_policy, model, engine, rollout)))
+            rollout = cached.sample(engine, input_ids, attention_mask, torch.Generator().manual_seed(args.seed))
+            trajectory_rows.append((f"{KV_CACHE_NOTCH} ({cached.sampler_config.cache})",
+                                    trajectory_cells(cached, model, rollout)))
         trajectory_tables.append((name, config.model_name_or_path, trajectory_rows))
     print_trajectory_table(trajectory_tables)
 

@@ -238,8 +238,9 @@ class DiffusionSamplerConfig:
             ``past_key_values``, ``cache_position`` and ``use_cache`` as dllm_ais' LLaDA does.
         cache_refresh_interval: with a cache, also refresh it every this many steps inside a block (1 = every step,
             which is exactly the uncached algorithm); None = only at each block's first step.
-        cache_dtype: storage of the cached keys/values: "none" (the model's dtype) or "fp8" (e4m3 with one scale per
-            batch row and head, dequantized when read: dllm_ais.sampling.fp8_cache).
+        cache_dtype: storage of the cached keys/values while sampling: "none" (the model's dtype) or "fp8" (e4m3 with
+            one scale per batch row and head, dequantized when read: dllm_ais.sampling.fp8_cache); `decoder_logits`
+            replays with the cache in the model's dtype.
         threshold: parallel decoding: each step commits every still-masked block position whose score (the
             candidate's probability under low_confidence) exceeds τ_c, at least one (Fast-dLLM's rule).
         factor: parallel decoding: each step commits the largest n with (n + 1)(1 − c_(n)) < f, at least one.
@@ -599,6 +600,10 @@ class MaskedDiffusionSampler:
         rollouts sampled in separate calls, whose global step indices differ, replay together. Without a cache this
         is the trajectory replay, one full forward per step. With `positions` [B, L] bool, a block holding none of
         them is skipped (no forward): a block's replay needs its own steps and cache only.
+
+        The replay keeps its cache in the model's dtype whatever `cache_dtype` says: FP8 storage is an approximation
+        of the rollout engine, which the importance ratio (the sampler's recorded log-probs against this replay)
+        sees like the engine's weight precision; the trainer's ℓ_old and ℓ_θ are the same replay.
         """
         token_ids = self.resolve_token_ids(model)
         prompt_length, gen_length = rollout.prompt_length, rollout.gen_length
@@ -606,7 +611,7 @@ class MaskedDiffusionSampler:
             raise ValueError(f"decoder_logits got completions of {gen_length} positions; this sampler decodes "
                              f"gen_length={self.config.gen_length}")
         completion, commit_step = rollout.completion_ids, rollout.commit_step
-        cache = BlockCache(self.config.cache, self.config.cache_dtype) if self.config.cache != "none" else None
+        cache = BlockCache(self.config.cache) if self.config.cache != "none" else None
         for start in range(0, gen_length, self.config.block_length):
             block = slice(start, start + self.config.block_length)
             if positions is not None and not bool(positions[:, block].any()):

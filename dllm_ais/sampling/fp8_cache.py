@@ -8,6 +8,7 @@ head (the numerics of torchao's float8 reference primitives at block size [1, 1,
 and read back as x̂_bhtd = float32(q_bhtd) · s_bh in the model's dtype. Each read dequantizes one layer into a fresh
 tensor: the model writes the current block's fresh keys/values into that copy (`index_copy_`), and since every
 position a cached forward writes is written again by the next one before it attends, nothing written is lost.
+Sampling only: `MaskedDiffusionSampler.decoder_logits` (the trainer's replay) keeps the cache in the model's dtype.
 """
 from __future__ import annotations
 
