@@ -344,8 +344,9 @@ def test_bad_precision_name_lists_the_valid_ones():
     assert all(repr(name) in str(error.value) for name in PRECISIONS)
 
 
-def test_fp8_engine_stays_finite_on_all_zero_activation_rows():
-    """A padding embedding kept at zero by `padding_idx` gives zero rows; their FP8 scale must not be 0 (NaN)."""
+@pytest.mark.parametrize("precision", ["fp8", "fp8_tensor", "mxfp8", "mxfp4"])
+def test_w8a8_engine_stays_finite_on_all_zero_activation_rows(precision):
+    """A padding embedding kept at zero by `padding_idx` gives zero rows; their scale must not be 0 (NaN)."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(Qwen3Config(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -354,5 +355,5 @@ def test_fp8_engine_stays_finite_on_all_zero_activation_rows():
     input_ids = torch.tensor([[0, 0, 5, 6, 7], [3, 4, 5, 6, 7]])
     attention_mask = (input_ids != 0).long()
     with torch.no_grad():
-        logits = RolloutEngine(model, precision="fp8").model(input_ids, attention_mask=attention_mask).logits
+        logits = RolloutEngine(model, precision=precision).model(input_ids, attention_mask=attention_mask).logits
     assert torch.isfinite(logits).all()
