@@ -70,10 +70,11 @@ def test_precision_benchmark_runs_every_chosen_notch_at_the_tiny_shape_without_c
     out = capsys.readouterr().out
     assert out.startswith("no CUDA device") and "model: LLaDA d_model=64" in out
     rollouts = [line for line in out.splitlines() if " rollout " in line]
-    assert [line.split()[:3] for line in rollouts] == [
-        [precision, "cache", cache] for precision in ("bf16", "fp8_tensor", "int4_g128") for cache in ("none", "dual")]
+    assert [line.split()[:3] for line in rollouts] == [  # bf16 also with the FP8-stored cache
+        ["bf16", "cache", cache] for cache in ("none", "dual", "dual+fp8")] + [
+        [precision, "cache", cache] for precision in ("fp8_tensor", "int4_g128") for cache in ("none", "dual")]
     assert all(float(line.split()[4]) > 0 and "| kernels: " in line and "torchao 0.18.0" in line for line in rollouts)
-    assert "kernels: emulated: torchao Float8Tensor" in rollouts[2]
+    assert "kernels: emulated: torchao Float8Tensor" in rollouts[3]
     steps = [line for line in out.splitlines() if line.startswith("train step")]
     assert [line.split()[2] for line in steps] == ["one_step", "trajectory"]
     assert all("peak memory n/a on cpu" in line for line in steps)

@@ -10,9 +10,10 @@ The model is `LLaDAModelLM` with LLaDA-8B's config (d_model 4096, 32 layers, 32 
 kernel path that ran it (`RolloutEngine.kernel_path`):
 
   rollout tokens/s   completion tokens per second of `MaskedDiffusionSampler.sample` (gen --gen-length, block
-                     --block-length, --steps steps) on the engine of each notch, block KV cache off and dual; only the
-                     notches whose kernels are not emulated on this device run (an emulated notch is skipped with a
-                     line saying so: its figure would measure the emulation);
+                     --block-length, --steps steps) on the engine of each notch, block KV cache off and dual (bf16:
+                     also dual with FP8 storage, `cache_dtype=fp8`); only the notches whose kernels are not emulated
+                     on this device run (an emulated notch is skipped with a line saying so: its figure would
+                     measure the emulation);
   sync               seconds of `RolloutEngine.sync_from` (merge LoRA, requantize in place) per optimizer step;
   step peak memory   torch.cuda.max_memory_allocated over one LoRA training step (ℓ_θ scoring, GRPO loss, backward
                      piece by piece, AdamW step) for the one_step and trajectory estimators (CUDA only; on CPU
@@ -33,6 +34,7 @@ from dllm_ais.choices import PRECISIONS
 
 TINY = {"d_model": 64, "n_layers": 2, "n_heads": 4, "mlp_hidden_size": 128, "vocab": 128}
 ESTIMATORS = ("one_step", "trajectory")
+CACHES = (("none", "none"), ("dual", "none"), ("dual", "fp8"))  # (cache, cache_dtype); the FP8 KV cache with bf16 only
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,12 +89,13 @@ def build_trainer(args: argparse.Namespace, device: torch.device):
                                             target_modules=lora_target_modules("llada")))
 
 
-def sampler_config(args: argparse.Namespace, model_config, cache: str):
-    """The benchmark's sampler settings (temperature 1) with block KV cache `cache`."""
+def sampler_config(args: argparse.Namespace, model_config, cache: str, cache_dtype: str = "none"):
+    """The benchmark's sampler settings (temperature 1) with block KV cache `cache` stored in `cache_dtype`."""
     from dllm_ais.sampling.diffusion import DiffusionSamplerConfig
 
     return DiffusionSamplerConfig(gen_length=args.gen_length, block_length=args.block_length, steps=args.steps,
-                                  temperature=1.0, cache=cache, mask_token_id=model_config.mask_token_id,
+                                  temperature=1.0, cache=cache, cache_dtype=cache_dtype,
+                                  mask_token_id=model_config.mask_token_id,
                                   eos_token_ids=(model_config.eos_token_id,), pad_token_id=model_config.pad_token_id)
 
 
@@ -122,11 +125,12 @@ def bench_rollouts(args: argparse.Namespace, trainer, prompts: torch.Tensor, dev
             continue
         engine = RolloutEngine(trainer, precision=precision)
         sync = timed(lambda: engine.sync_from(trainer), device, args.repeats)
-        for cache in ("none", "dual"):
-            sampler = MaskedDiffusionSampler(sampler_config(args, trainer.config, cache))
+        for cache, cache_dtype in CACHES[:3 if precision == "bf16" else 2]:
+            sampler = MaskedDiffusionSampler(sampler_config(args, trainer.config, cache, cache_dtype))
             seconds = timed(lambda: sampler.sample(engine.model, prompts, torch.ones_like(prompts),
                                                    torch.Generator(device=device).manual_seed(0)), device, args.repeats)
-            print(f"{precision:<18} cache {cache:<5} rollout {prompts.shape[0] * args.gen_length / seconds:10.1f} "
+            cache = cache if cache_dtype == "none" else f"{cache}+{cache_dtype}"
+            print(f"{precision:<18} cache {cache:<8} rollout {prompts.shape[0] * args.gen_length / seconds:10.1f} "
                   f"tokens/s | sync {sync:.3f} s/step | kernels: {engine.kernel_path} | {device_line(device)}",
                   flush=True)
         del engine
