@@ -406,6 +406,7 @@ BENCHMARKS = {  # `dllm-ais bench NAME` -> what it measures; the module dllm_ais
     "mismatch": "token and sequence KL / ESS between the trainer and the rollout engine, per precision",
     "memory": "peak memory of likelihood scoring + backward per diffusion estimator and step count",
     "step": "one GRPO step: rollout and correction shares, and the log-prob pass's peak memory",
+    "precision": "the precision ladder on one CUDA GPU at LLaDA-8B's shape: rollout tokens/s, sync, step memory",
 }
 
 

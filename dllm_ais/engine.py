@@ -24,7 +24,7 @@ from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from dllm_ais.quantization import SkipRule, quantize_model_, requantize_
+from dllm_ais.quantization import SkipRule, kernel_path, quantize_model_, requantize_
 
 __all__ = ["RolloutEngine", "adapter_host", "load_merged_weights_", "lm_head_skip_rule", "merged_state_items"]
 
@@ -34,13 +34,15 @@ LM_HEAD_NAMES = ("lm_head", "embed_out", "transformer.ff_out")
 
 
 class RolloutEngine:
-    """An inference copy of the trainer's policy in one of the precision modes "bf16", "fp8", "fp8_weight_only".
+    """An inference copy of the trainer's policy in one of the precision modes (dllm_ais.choices.PRECISIONS).
 
     Attributes:
         model: the engine's own model (plain transformers model, eval mode, no gradients); call it like
             the trainer's model to sample rollouts and compute rollout-side log-probs.
         precision: the precision mode.
-        quantized_modules: names of the linear layers stored in FP8 (empty for "bf16").
+        quantized_modules: names of the linear layers stored in low precision (empty for "bf16").
+        kernel_path: which kernels run them (native or emulated; `dllm_ais.quantization.kernel_path`), also logged
+            once per process and mode when the engine is built.
         holds_trainer_weights: whether the engine is the trainer's policy itself, LoRA merged: "bf16" in the
             trainer's own dtypes, all float32 or wider, so that rounding W + ΔW loses nothing that matters (in
             bfloat16 it can round a small ΔW away).
@@ -66,6 +68,7 @@ class RolloutEngine:
         self.holds_trainer_weights = precision == "bf16" and dtype is None and all(
             param.dtype in (torch.float32, torch.float64) for param in model.parameters() if param.is_floating_point())
         self.quantized_modules = quantize_model_(model, precision, skip=lm_head_skip_rule(model))
+        self.kernel_path = kernel_path(precision, next(model.parameters()).device)
 
     def sync_from(self, trainer_model: nn.Module) -> float:
         """Copy the trainer's current (LoRA-merged) weights into the engine in place; return the seconds it took."""

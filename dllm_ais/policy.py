@@ -238,8 +238,8 @@ def is_diffusion(policy: str, model_type: str | None) -> bool:
 CONFIG_FIELD_OF_SAMPLER_SETTING = {
     "gen_length": "max_completion_length", "block_length": "rollout.block_length", "steps": "rollout.steps",
     "remasking": "rollout.remasking", "cfg_scale": "rollout.cfg_scale", "cache": "rollout.cache",
-    "cache_refresh_interval": "rollout.cache_refresh_interval", "threshold": "rollout.threshold",
-    "factor": "experimental.rollout_factor"}
+    "cache_refresh_interval": "rollout.cache_refresh_interval", "cache_dtype": "rollout.cache_dtype",
+    "threshold": "rollout.threshold", "factor": "experimental.rollout_factor"}
 """The `GRPOConfig` field behind each `DiffusionSamplerConfig` setting the config sets (temperature and the special
 token ids come from elsewhere)."""
 

@@ -15,9 +15,23 @@ Precision modes of the rollout engine (design OVERVIEW, "Precision modes"):
 - ``"int8"``: W8A8 dynamic INT8 (QuRL's INT8 rollouts): torchao's
   ``Int8DynamicActivationInt8WeightConfig`` — symmetric per-row int8 weights, activations quantized
   per token at call time.
-- ``"int4"``: 4-bit weight-only: torchao's ``IntxWeightOnlyConfig(weight_dtype=torch.int4)`` with
-  symmetric scales per group of 32 input features, dequantized for a high-precision matmul (runs on
-  CPU and GPU alike; no speed-up without a packed int4 kernel, but the numerics of 4-bit rollouts).
+- ``"fp8_tensor"``: W8A8 dynamic FP8 with one scale per tensor, s = max|W| / 448 for the weight and
+  s = max|x| / 448 for each activation tensor at call time: torchao's
+  ``Float8DynamicActivationFloat8WeightConfig(granularity=PerTensor())`` on CUDA ≥ 8.9, elsewhere the
+  same ``Float8Tensor`` with plain-torch kernels (as "fp8").
+- ``"int4"`` / ``"int4_g128"``: 4-bit weight-only: torchao's ``IntxWeightOnlyConfig(weight_dtype=torch.int4)``
+  with symmetric scales per group of 32 (resp. 128) input features, dequantized for a high-precision
+  matmul (runs on CPU and GPU alike; no speed-up without a packed int4 kernel, but the numerics of
+  4-bit rollouts).
+- ``"mxfp8"`` / ``"mxfp4"``: OCP microscaling W8A8 / W4A4 (torchao's ``MXDynamicActivationMXWeightConfig``):
+  every block of 32 consecutive input features of a weight row and of an activation row shares one
+  power-of-two scale 2^e (E8M0), e from the block's max|·| with torchao's RCEIL rounding, and the
+  elements are round(x / 2^e) in e4m3 (mxfp8) or e2m1 (mxfp4); the matmul runs on those. On CUDA with
+  compute capability ≥ 10.0 torchao's native MX kernels run; elsewhere torchao's own emulated kernel
+  (``KernelPreference.EMULATED``: dequantize both operands, high-precision matmul), same numerics.
+- ``"nvfp4_weight_only"``: torchao's ``NVFP4WeightOnlyConfig``: e2m1 weights in blocks of 16 input
+  features with an e4m3 block scale under one float32 per-tensor scale (s_tensor = max|W| / (448·6)),
+  dequantized for a high-precision matmul on any device.
 
 The torchao imports below are partly semi-internal (``QuantizeTensorToFloat8Kwargs``,
 ``KernelPreference``, ``Float8MMConfig``, the config handler registry); they are pinned by the
@@ -32,6 +46,10 @@ from typing import Callable
 import torch
 from torch import nn
 from torchao.float8.inference import Float8MMConfig
+from torchao.prototype.mx_formats import MXDynamicActivationMXWeightConfig, NVFP4WeightOnlyConfig
+from torchao.prototype.mx_formats.config import ScaleCalculationMode
+from torchao.prototype.mx_formats.mx_tensor import MXTensor, QuantizeTensorToMXKwargs
+from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor
 from torchao.quantization import (
     Float8DynamicActivationFloat8WeightConfig,
     Float8Tensor,
@@ -40,6 +58,7 @@ from torchao.quantization import (
     IntxWeightOnlyConfig,
     PerGroup,
     PerRow,
+    PerTensor,
 )
 from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
 from torchao.quantization.quantize_.workflows.float8.float8_tensor import QuantizeTensorToFloat8Kwargs
@@ -51,15 +70,22 @@ from torchao.utils import TorchAOBaseTensor
 from dllm_ais.choices import PRECISIONS
 from dllm_ais.ops import check_choice
 
-__all__ = ["PRECISIONS", "SkipRule", "check_precision", "native_fp8_available", "quantize_model_", "quantized_weight",
-           "requantize_"]
+__all__ = ["PRECISIONS", "SkipRule", "check_precision", "kernel_path", "native_fp8_available", "native_mx_available",
+           "quantize_model_", "quantized_weight", "requantize_"]
 
 FP8_DTYPE = torch.float8_e4m3fn
-# FP8 and INT8 matmul kernels need both matrix dimensions of the weight to be multiples of 16 (and int4 groups of 32
-# divide any such input dimension that is a multiple of 32; others keep their weights).
+# FP8 and INT8 matmul kernels need both matrix dimensions of the weight to be multiples of 16; the block formats also
+# need their input dimension to be a multiple of their group (block) size. Other layers keep their weights.
 DIM_MULTIPLE = 16
-INT4_GROUP_SIZE = 32
+INT4_GROUP_SIZES = {"int4": 32, "int4_g128": 128}
+MX_ELEMENT_DTYPES = {"mxfp8": torch.float8_e4m3fn, "mxfp4": torch.float4_e2m1fn_x2}
+MX_BLOCK_SIZE = 32
+NVFP4_BLOCK_SIZE = 16
+INPUT_MULTIPLES = {**INT4_GROUP_SIZES, **dict.fromkeys(MX_ELEMENT_DTYPES, MX_BLOCK_SIZE),
+                   "nvfp4_weight_only": NVFP4_BLOCK_SIZE}
+FP8_GRANULARITIES = {"fp8": PerRow, "fp8_tensor": PerTensor}  # the W8A8 FP8 modes and their scale granularity
 NATIVE_FP8_MIN_CAPABILITY = (8, 9)
+NATIVE_MX_MIN_CAPABILITY = (10, 0)
 # Lower bound on a row's absolute maximum before its FP8 scale is taken: an all-zero activation row (e.g. the
 # embedding of a padding token, which `padding_idx` keeps at zero) would otherwise get scale 0 and turn into NaN.
 AMAX_FLOOR = 1e-12
@@ -76,20 +102,46 @@ def check_precision(precision: str) -> None:
 
 def native_fp8_available(device: torch.device | str | None) -> bool:
     """Whether `device` is a CUDA GPU with compute capability ≥ 8.9 (Ada, Hopper, Blackwell): native FP8 matmuls."""
+    return _cuda_capability_at_least(device, NATIVE_FP8_MIN_CAPABILITY)
+
+
+def native_mx_available(device: torch.device | str | None) -> bool:
+    """Whether `device` is a CUDA GPU with compute capability ≥ 10.0 (Blackwell): torchao's native MX matmuls."""
+    return _cuda_capability_at_least(device, NATIVE_MX_MIN_CAPABILITY)
+
+
+def _cuda_capability_at_least(device: torch.device | str | None, capability: tuple[int, int]) -> bool:
     device = torch.device(device) if device is not None else torch.device("cpu")
     if device.type != "cuda" or not torch.cuda.is_available():
         return False
-    return torch.cuda.get_device_capability(device) >= NATIVE_FP8_MIN_CAPABILITY
+    return torch.cuda.get_device_capability(device) >= capability
+
+
+def kernel_path(precision: str, device: torch.device | str | None) -> str:
+    """One line naming the kernels that run the linear layers of `precision` on `device` (native or emulated)."""
+    check_precision(precision)
+    if precision in FP8_GRANULARITIES:
+        return ("native: torchao FP8 scaled-mm kernels" if native_fp8_available(device) else
+                "emulated: torchao Float8Tensor with plain-torch kernels (native numerics, no speed-up)")
+    if precision in MX_ELEMENT_DTYPES:
+        return ("native: torchao MX scaled-mm kernels" if native_mx_available(device) else
+                "emulated: torchao MXTensor with its emulated kernel (native numerics, no speed-up)")
+    if precision == "int8":
+        return "torchao Int8Tensor: per-token int8 activations, int8 matmul"
+    if precision == "bf16":
+        return "high precision: no quantization"
+    return "weight-only: torchao dequantizes the weight for a high-precision matmul"
 
 
 def quantize_model_(model: nn.Module, precision: str, skip: SkipRule) -> list[str]:
     """Quantize, in place, to `precision` every `nn.Linear` of `model` whose in/out features are multiples
-    of 16 (of 32 inputs for int4) and for which `skip(name, module)` is False; return the names of the
-    quantized modules.
+    of 16 (inputs also a multiple of the mode's block size: INPUT_MULTIPLES) and for which `skip(name, module)`
+    is False; return the names of the quantized modules.
 
-    Other layers (and every layer in "bf16" mode) keep their high-precision weights. "fp8" on a CUDA GPU
-    with native FP8 casts the selected layers to bf16 first (torchao's per-row kernels want bf16 weights;
-    keep the model in bf16 there); elsewhere it uses the emulated W8A8 path and logs a notice once per process.
+    Other layers (and every layer in "bf16" mode) keep their high-precision weights. The W8A8 FP8 and MX modes
+    on a CUDA GPU with their native kernels cast the selected layers to bf16 first (torchao's kernels want bf16
+    weights; keep the model in bf16 there); elsewhere they use the emulated path. The kernel path is logged once
+    per process and mode (a warning when emulated).
     """
     check_precision(precision)
     if precision == "bf16":
@@ -98,15 +150,18 @@ def quantize_model_(model: nn.Module, precision: str, skip: SkipRule) -> list[st
     for name in names:
         linear = model.get_submodule(name)
         linear.weight = nn.Parameter(quantized_weight(precision, linear.weight.detach()), requires_grad=False)
+    if names:
+        _log_kernel_path(precision, kernel_path(precision, model.get_submodule(names[0]).weight.device))
     return names
 
 
 def quantized_weight(precision: str, weight: torch.Tensor) -> TorchAOBaseTensor:
     """`weight` [out, in] quantized as the engine stores it in mode `precision` (any mode but "bf16")."""
-    if precision == "fp8" and not native_fp8_available(weight.device):
-        _log_emulated_fp8_notice()
-        return _emulated_w8a8_weight(weight)
-    if precision == "fp8":
+    if precision in FP8_GRANULARITIES and not native_fp8_available(weight.device):
+        return _emulated_w8a8_weight(weight, FP8_GRANULARITIES[precision]())
+    if precision in MX_ELEMENT_DTYPES and not native_mx_available(weight.device):
+        return _emulated_mx_weight(weight, MX_ELEMENT_DTYPES[precision])
+    if precision in FP8_GRANULARITIES or precision in MX_ELEMENT_DTYPES:
         weight = weight.to(torch.bfloat16)
     config = _torchao_config(precision)
     holder = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
@@ -136,11 +191,17 @@ def requantize_(param: nn.Parameter, high_precision_weight: torch.Tensor) -> Non
 def _precision_of(param: TorchAOBaseTensor) -> str:
     """The precision mode a quantized engine parameter was made in."""
     if isinstance(param, Float8Tensor):
-        return "fp8" if param.act_quant_kwargs is not None else "fp8_weight_only"
+        if param.act_quant_kwargs is None:
+            return "fp8_weight_only"
+        return "fp8_tensor" if isinstance(param.act_quant_kwargs.granularity, PerTensor) else "fp8"
     if isinstance(param, Int8Tensor):
         return "int8"
     if isinstance(param, IntxUnpackedToInt8Tensor):
-        return "int4"
+        return {size: name for name, size in INT4_GROUP_SIZES.items()}[param.block_size[-1]]
+    if isinstance(param, MXTensor):
+        return {dtype: name for name, dtype in MX_ELEMENT_DTYPES.items()}[param.elem_dtype]
+    if isinstance(param, NVFP4Tensor):
+        return "nvfp4_weight_only"
     raise TypeError(
         f"requantize_ supports the weights quantize_model_ makes, got {type(param).__name__}; "
         f"quantize the model with dllm_ais.quantization.quantize_model_."
@@ -148,48 +209,66 @@ def _precision_of(param: TorchAOBaseTensor) -> str:
 
 
 def _torchao_config(precision: str):
-    """The torchao config of a mode that torchao's own `quantize_` handlers build (every mode but emulated fp8)."""
+    """The torchao config of a mode that torchao's own `quantize_` handlers build (every mode but the emulated ones)."""
+    if precision in FP8_GRANULARITIES:
+        return Float8DynamicActivationFloat8WeightConfig(granularity=FP8_GRANULARITIES[precision](),
+                                                         set_inductor_config=False, activation_value_lb=AMAX_FLOOR)
+    if precision in INT4_GROUP_SIZES:
+        return IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(INT4_GROUP_SIZES[precision]))
+    if precision in MX_ELEMENT_DTYPES:
+        element_dtype = MX_ELEMENT_DTYPES[precision]
+        return MXDynamicActivationMXWeightConfig(block_size=MX_BLOCK_SIZE, activation_dtype=element_dtype,
+                                                 weight_dtype=element_dtype, scaling_mode=ScaleCalculationMode.RCEIL)
     return {
-        "fp8": lambda: Float8DynamicActivationFloat8WeightConfig(
-            granularity=PerRow(), set_inductor_config=False, activation_value_lb=AMAX_FLOOR),
         "fp8_weight_only": lambda: Float8WeightOnlyConfig(set_inductor_config=False),
         "int8": lambda: Int8DynamicActivationInt8WeightConfig(set_inductor_config=False),
-        "int4": lambda: IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(INT4_GROUP_SIZE)),
+        "nvfp4_weight_only": NVFP4WeightOnlyConfig,
     }[precision]()
 
 
 def _is_quantizable(name: str, module: nn.Module, skip: SkipRule, precision: str) -> bool:
-    """A linear layer the low-precision kernels accept (dims multiples of 16; int4: inputs a multiple of its
-    group size) that the caller does not skip."""
-    input_multiple = INT4_GROUP_SIZE if precision == "int4" else DIM_MULTIPLE
+    """A linear layer the low-precision kernels accept (dims multiples of 16; inputs a multiple of the mode's
+    block size) that the caller does not skip."""
     return (
         isinstance(module, nn.Linear)
-        and module.in_features % input_multiple == 0
+        and module.in_features % INPUT_MULTIPLES.get(precision, DIM_MULTIPLE) == 0
         and module.out_features % DIM_MULTIPLE == 0
         and not skip(name, module)
     )
 
 
-def _emulated_w8a8_weight(weight: torch.Tensor) -> Float8Tensor:
-    """The W8A8 per-row FP8 weight of the native path, built with the plain-torch kernels that run on any device."""
+def _emulated_w8a8_weight(weight: torch.Tensor, granularity: PerRow | PerTensor) -> Float8Tensor:
+    """The W8A8 FP8 weight of the native path (scales per row or per tensor), built with the plain-torch kernels
+    that run on any device: W_q = round_e4m3(W / s), s = max|W| / 448 over the row (tensor); activations alike."""
     return Float8Tensor.from_hp(
         weight,
         float8_dtype=FP8_DTYPE,
-        granularity=PerRow(),
+        granularity=granularity,
         mm_config=Float8MMConfig(use_fast_accum=True),
         kernel_preference=KernelPreference.TORCH,
         act_quant_kwargs=QuantizeTensorToFloat8Kwargs(
-            float8_dtype=FP8_DTYPE, granularity=PerRow(), kernel_preference=KernelPreference.TORCH,
+            float8_dtype=FP8_DTYPE, granularity=granularity, kernel_preference=KernelPreference.TORCH,
             hp_value_lb=AMAX_FLOOR,
         ),
     )
 
 
-@functools.cache
-def _log_emulated_fp8_notice() -> None:
-    """Tell the user, once per process, that fp8 runs on the emulated path."""
-    logger.warning(
-        "precision='fp8' runs the slow-but-faithful emulated W8A8 FP8 path (torchao Float8Tensor with plain-torch "
-        "kernels) because no CUDA GPU with compute capability >= 8.9 is present; the numerics match the native "
-        "path but rollouts are not faster than bf16."
+def _emulated_mx_weight(weight: torch.Tensor, element_dtype: torch.dtype) -> MXTensor:
+    """The MX weight of torchao's native path with torchao's emulated kernel, on any device: per block b of 32 input
+    features, scale 2^e_b (E8M0, RCEIL from max|W_b|) and elements round(W_b / 2^e_b) in `element_dtype`; activations
+    are quantized alike at call time and the matmul runs on the dequantized operands."""
+    return MXTensor.to_mx(
+        weight, element_dtype, block_size=MX_BLOCK_SIZE, kernel_preference=KernelPreference.EMULATED,
+        is_swizzled_scales=False, scaling_mode=ScaleCalculationMode.RCEIL,
+        act_quant_kwargs=QuantizeTensorToMXKwargs(
+            elem_dtype=element_dtype, block_size=MX_BLOCK_SIZE, kernel_preference=KernelPreference.EMULATED,
+            is_swizzled_scales=False, scaling_mode=ScaleCalculationMode.RCEIL,
+        ),
     )
+
+
+@functools.cache
+def _log_kernel_path(precision: str, path: str) -> None:
+    """Tell the user, once per process and mode, which kernels run the quantized layers (a warning when emulated)."""
+    level = logging.WARNING if path.startswith("emulated") else logging.INFO
+    logger.log(level, "precision=%r runs %s.", precision, path)

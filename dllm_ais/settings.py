@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dllm_ais.choices import (
-    ALPHA_RULES, CACHE_MODES, CORRECTION_METHODS, ESTIMATORS, FIDELITY_MODES, IS_LEVELS, LIKELIHOOD_DECODERS,
+    ALPHA_RULES, CACHE_DTYPES, CACHE_MODES, CORRECTION_METHODS, ESTIMATORS, FIDELITY_MODES, IS_LEVELS, LIKELIHOOD_DECODERS,
     LIKELIHOOD_ORDERS, PRECISIONS, RATIO_TYPES,
 )
 from dllm_ais.validation import field_problems
@@ -80,9 +80,18 @@ class RolloutSettings(SettingsGroup):
     cache_refresh_interval: int | None = field(default=None, metadata={**AT_LEAST_ONE,
         "help": "With a cache: also refresh it every this many steps inside a block (1 = every step, the uncached "
                 "algorithm). null = only at each block's first step."})
+    cache_dtype: str = field(default="none", metadata={**choice(*CACHE_DTYPES),
+        "help": "Storage of the block KV cache: none = the model's dtype; fp8 = e4m3 with one scale per row and head, "
+                "dequantized when read (needs a cache)."})
     threshold: float | None = field(default=None, metadata={"range": "[0, 1]",
         "help": "Parallel decoding: commit every block position with confidence > this (>= 1 per step; Fast-dLLM: "
                 "0.9); steps then no longer applies. null = the fixed step schedule."})
+
+    def rule_problems(self) -> list[str]:
+        if self.cache_dtype != "none" and self.cache == "none":
+            return [f"rollout.cache_dtype={self.cache_dtype} stores the block KV cache, and rollout.cache=none keeps "
+                    "none: set rollout.cache to prefix or dual, or rollout.cache_dtype=none"]
+        return []
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,33 @@ def test_mismatch_benchmark_is_zero_for_bf16_and_positive_for_int4(capsys):
     assert float(rows["int4"][0]) > float(rows["bf16"][0]) and float(rows["int4"][0]) > 0
 
 
+def test_mismatch_benchmark_scores_the_ladder_and_the_fp8_kv_cache_on_the_trajectory_canvases(capsys):
+    assert main(["bench", "mismatch", "--models", "llada,qwen3", "--precisions", "bf16,mxfp4", "--prompts", "4"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("|")[3].strip(): [float(cell) for cell in line.split("|")[4:-1]] for line in out.splitlines()
+            if line.startswith("| trajectory |")}
+    assert set(rows) == {"bf16", "mxfp4", "bf16 + fp8 KV cache (dual)"}  # LLaDA only: Qwen3 has no trajectory
+    assert rows["bf16"][:5] == [0.0, 0.0, 1.0, 0.0, 1.0]  # k3, max |Δ|, token ESS, |log ρ_seq|, sequence ESS
+    for notch in ("mxfp4", "bf16 + fp8 KV cache (dual)"):
+        assert rows[notch][0] > 0 and rows[notch][2] < 1 and rows[notch][4] < 1, notch
+
+
+def test_precision_benchmark_runs_every_chosen_notch_at_the_tiny_shape_without_cuda(capsys):
+    assert main(["bench", "precision", "--device", "cpu", "--precisions", "bf16,fp8_tensor,int4_g128", "--batch", "2",
+                 "--prompt-length", "8", "--gen-length", "16", "--block-length", "8", "--steps", "4"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("no CUDA device") and "model: LLaDA d_model=64" in out
+    rollouts = [line for line in out.splitlines() if " rollout " in line]
+    assert [line.split()[:3] for line in rollouts] == [  # bf16 also with the FP8-stored cache
+        ["bf16", "cache", cache] for cache in ("none", "dual", "dual+fp8")] + [
+        [precision, "cache", cache] for precision in ("fp8_tensor", "int4_g128") for cache in ("none", "dual")]
+    assert all(float(line.split()[4]) > 0 and "| kernels: " in line and "torchao 0.18.0" in line for line in rollouts)
+    assert "kernels: emulated: torchao Float8Tensor" in rollouts[3]
+    steps = [line for line in out.splitlines() if line.startswith("train step")]
+    assert [line.split()[2] for line in steps] == ["one_step", "trajectory"]
+    assert all("peak memory n/a on cpu" in line for line in steps)
+
+
 @pytest.mark.slow  # four fresh processes
 def test_memory_benchmark_measures_each_estimator_in_its_own_process(capsys):
     assert main(["bench", "memory", "--gen-length", "16", "--block-length", "16", "--batch", "2",

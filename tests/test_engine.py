@@ -162,12 +162,12 @@ def test_quantize_model_skips_linears_with_dims_not_multiple_of_16_and_those_the
 @pytest.mark.parametrize("precision", QUANTIZED)
 def test_requantize_writes_a_fresh_quantization_into_the_existing_storage(precision):
     torch.manual_seed(0)
-    model, reference = nn.Sequential(nn.Linear(32, 16)), nn.Sequential(nn.Linear(32, 16))
+    model, reference = nn.Sequential(nn.Linear(128, 16)), nn.Sequential(nn.Linear(128, 16))
     quantize_model_(model, precision, skip=lambda name, module: False)
     weight = model[0].weight
     inner = weight.tensor_data_names  # qdata, scale (and int4's zero_point)
     storage = [getattr(weight, name).data_ptr() for name in inner]
-    new_weight = torch.randn(16, 32)
+    new_weight = torch.randn(16, 128)
     reference[0].weight.data.copy_(new_weight)
     quantize_model_(reference, precision, skip=lambda name, module: False)
 
@@ -264,7 +264,7 @@ def test_sync_after_optimizer_step_matches_a_fresh_engine_in_place(architecture,
         name: param.data_ptr() for name, param in engine.model.named_parameters()
         if not isinstance(param, TorchAOBaseTensor)
     }
-    assert len(quantized_pointers) == 14
+    assert len(quantized_pointers) == (2 if precision == "int4_g128" else 14)  # int4_g128: the 128-input ff_outs
 
     take_optimizer_step(trainer, input_ids)
     seconds = engine.sync_from(trainer)
@@ -327,14 +327,15 @@ def test_sync_from_a_different_architecture_raises_before_copying(input_ids):
     assert torch.equal(logits_of(engine.model, input_ids), logits_before)
 
 
-def test_emulated_fp8_notice_is_logged_once_per_process(caplog):
-    quantization._log_emulated_fp8_notice.cache_clear()
+@pytest.mark.parametrize("precision", ["fp8", "mxfp4"])
+def test_emulated_kernel_path_is_logged_once_per_process_and_mode(precision, caplog):
+    quantization._log_kernel_path.cache_clear()
     caplog.set_level(logging.INFO, logger="dllm_ais")
-    RolloutEngine(tiny_llada(), precision="fp8")
-    RolloutEngine(tiny_qwen3(), precision="fp8")
-    notices = [record for record in caplog.records if "emulated W8A8" in record.getMessage()]
-    assert len(notices) == 1
-    assert notices[0].name == "dllm_ais"
+    engine = RolloutEngine(tiny_llada(), precision=precision)
+    RolloutEngine(tiny_qwen3(), precision=precision)
+    notices = [record for record in caplog.records if "runs emulated: torchao" in record.getMessage()]
+    assert len(notices) == 1 and notices[0].name == "dllm_ais" and notices[0].levelno == logging.WARNING
+    assert engine.kernel_path in notices[0].getMessage()
 
 
 def test_bad_precision_name_lists_the_valid_ones():
@@ -343,8 +344,9 @@ def test_bad_precision_name_lists_the_valid_ones():
     assert all(repr(name) in str(error.value) for name in PRECISIONS)
 
 
-def test_fp8_engine_stays_finite_on_all_zero_activation_rows():
-    """A padding embedding kept at zero by `padding_idx` gives zero rows; their FP8 scale must not be 0 (NaN)."""
+@pytest.mark.parametrize("precision", ["fp8", "fp8_tensor", "mxfp8", "mxfp4"])
+def test_w8a8_engine_stays_finite_on_all_zero_activation_rows(precision):
+    """A padding embedding kept at zero by `padding_idx` gives zero rows; their scale must not be 0 (NaN)."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(Qwen3Config(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -353,5 +355,5 @@ def test_fp8_engine_stays_finite_on_all_zero_activation_rows():
     input_ids = torch.tensor([[0, 0, 5, 6, 7], [3, 4, 5, 6, 7]])
     attention_mask = (input_ids != 0).long()
     with torch.no_grad():
-        logits = RolloutEngine(model, precision="fp8").model(input_ids, attention_mask=attention_mask).logits
+        logits = RolloutEngine(model, precision=precision).model(input_ids, attention_mask=attention_mask).logits
     assert torch.isfinite(logits).all()

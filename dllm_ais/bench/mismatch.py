@@ -1,7 +1,7 @@
 """How far each rollout precision moves the policy: exact token KL(trainer ‖ engine), per token and per sequence.
 
-    dllm-ais bench mismatch                  # both embedded models, every low-precision mode
-    dllm-ais bench mismatch --prompts 256 --precisions fp8,int4
+    dllm-ais bench mismatch                  # the embedded models, every low-precision mode and the FP8 KV cache
+    dllm-ais bench mismatch --prompts 256 --precisions fp8,int4 --kv-cache none
     dllm-ais bench mismatch --models recipes/tiny_llada_chain_sum.yaml,recipes/tiny_qwen3_chain_sum.yaml
 
 For each model and precision, completions are sampled (temperature 1) by the rollout engine for validation prompts
@@ -17,11 +17,20 @@ trainer's and the engine's full next-token distributions are compared at every c
           tokens) and per sequence (ρ_seq = Π_t ρ_t over a completion, N completions) — the sequence ratio is where a
           long completion's small per-token mismatch compounds;
   |log ρ_seq|  the mean over completions of |Σ_t log ρ_t|.
+
+A second table scores LLaDA's rollouts on the trajectory estimator's canvases instead (the replay's per-step canvases:
+each token under the canvas of the step that committed it; `likelihood.estimator=trajectory`): the same figures but
+the exact KL, for every precision, and for the FP8 KV cache (`rollout.cache_dtype=fp8`; the recipe's cache, dual if
+it has none): the log-probs a bf16 engine recorded sampling with the FP8-stored cache against the trainer replaying
+the same cached decoder with its cache in full precision (`experimental.likelihood_decoder=rollout`, the trajectory
+estimator that scores the cache) — the one-step canvas runs without a cache, so the cache's storage changes nothing
+there.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -37,8 +46,10 @@ from dllm_ais.ops import normalised_effective_sample_size
 from dllm_ais.policy import build_policy, is_diffusion
 from dllm_ais.quantization import PRECISIONS
 
-RECIPES = {"llada": EMBEDDED_RECIPE,  # the embedded models' recipes, by name; the Qwen3 one from a source checkout
+RECIPES = {"llada": EMBEDDED_RECIPE,  # the embedded models' recipes, by name; the others from a source checkout
+           "llada-chain-sum": Path(__file__).resolve().parents[2] / "recipes" / "tiny_llada_chain_sum.yaml",
            "qwen3": Path(__file__).resolve().parents[2] / "recipes" / "tiny_qwen3_digits_fp8_ais.yaml"}
+KV_CACHE_NOTCH = "bf16 + fp8 KV cache"
 
 
 @torch.no_grad()
@@ -62,12 +73,40 @@ def effective_sample_size(log_ratio: torch.Tensor) -> float:
     return normalised_effective_sample_size(weights, torch.ones_like(weights, dtype=torch.bool)).item()
 
 
+def log_ratio_cells(token_log_ratio: torch.Tensor, mask: torch.Tensor) -> list[str]:
+    """The table cells of log ρ_t = log π_trainer − log π_engine [B, L] at the completion tokens `mask`: k3 (mean of
+    ρ − log ρ − 1), max |log ρ|, token ESS, mean |Σ_t log ρ_t| over completions, sequence ESS, mean tokens."""
+    token_log_ratio = token_log_ratio * mask
+    log_ratio, sequence_log_ratio = token_log_ratio[mask], token_log_ratio.sum(-1)
+    return [f"{(log_ratio.exp() - log_ratio - 1).mean().item():.2e}", f"{log_ratio.abs().max().item():.3f}",
+            f"{effective_sample_size(log_ratio):.4f}", f"{sequence_log_ratio.abs().mean().item():.3f}",
+            f"{effective_sample_size(sequence_log_ratio):.4f}", f"{mask.sum(-1).double().mean().item():.1f}"]
+
+
+def trajectory_cells(policy, trainer, rollout) -> list[str]:
+    """`log_ratio_cells` of `policy`'s estimator as the trainer meets it: the trainer's log-probs of `rollout` against
+    the rollout side (`rollout_logprobs`: for the trajectory estimator what the engine's sampler recorded)."""
+    log_ratio = policy.logprobs(trainer, rollout, seed=0) - policy.rollout_logprobs(None, rollout, seed=0)
+    return log_ratio_cells(log_ratio, rollout.completion_mask)
+
+
+def kv_cache_policy(policy):
+    """`policy` sampling with the FP8-stored block KV cache (the recipe's cache, dual if it has none) and replaying
+    that cached decoder (in full precision) to score."""
+    config = policy.sampler_config
+    cached = dataclasses.replace(config, cache="dual" if config.cache == "none" else config.cache, cache_dtype="fp8")
+    return dataclasses.replace(policy, likelihood_order="rollout", likelihood_decoder="rollout").with_decoder(cached)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="dllm-ais bench mismatch", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="llada,qwen3",
-                        help="comma-separated: llada / qwen3 (the embedded models' recipes) or recipe paths")
+    parser.add_argument("--models", default="llada,llada-chain-sum,qwen3",
+                        help="comma-separated: llada / llada-chain-sum / qwen3 (the embedded models' recipes) or "
+                             "recipe paths")
     parser.add_argument("--precisions", default=",".join(p for p in PRECISIONS if p != "bf16"))
+    parser.add_argument("--kv-cache", choices=("fp8", "none"), default="fp8",
+                        help="fp8: also the FP8 KV cache notch on the trajectory canvases; none: leave it out")
     parser.add_argument("--prompts", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -77,6 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     print("| model | precision | token KL(trainer ‖ engine) | k3 of the engine's tokens | max abs Δ log p | ESS, token "
           "| mean abs log ρ_seq | ESS, sequence | completion tokens |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    trajectory_tables = []
     for name in args.models.split(","):
         config = load_config(RECIPES.get(name, name), ["--output_dir=/tmp/unused"])
         tokenizer = load_tokenizer(config.model_name_or_path)
@@ -86,6 +126,9 @@ def main(argv: list[str] | None = None) -> None:
                                     task_args=config.task_args)["prompt"]
         input_ids, attention_mask = tokenize_prompts(tokenizer, prompts, config.max_prompt_length)
         policy = build_policy(config, model.config, tokenizer, temperature=1.0)
+        trajectory_rows = []
+        trajectory = dataclasses.replace(
+            policy, likelihood=dataclasses.replace(policy.likelihood, estimator="trajectory")) if diffusion else None
         for precision in args.precisions.split(","):
             engine = RolloutEngine(model, precision=precision).model
             rollout = policy.sample(engine, input_ids, attention_mask, torch.Generator().manual_seed(args.seed))
@@ -93,16 +136,33 @@ def main(argv: list[str] | None = None) -> None:
             reference = completion_log_probs(model, config, rollout, diffusion)
             engine_logp = completion_log_probs(engine, config, rollout, diffusion)
             kl = (reference.exp() * (reference - engine_logp)).sum(-1)[mask].mean().item()
-            token_log_ratio = (reference.gather(-1, tokens) - engine_logp.gather(-1, tokens)).squeeze(-1) * mask
-            log_ratio = token_log_ratio[mask]
-            k3 = (log_ratio.exp() - log_ratio - 1).mean().item()
-            sequence_log_ratio = token_log_ratio.sum(-1)
-            print(f"| {name} ({config.model_name_or_path}) | {precision} | {kl:.2e} | {k3:.2e} | "
-                  f"{log_ratio.abs().max().item():.3f} | {effective_sample_size(log_ratio):.4f} | "
-                  f"{sequence_log_ratio.abs().mean().item():.3f} | {effective_sample_size(sequence_log_ratio):.4f} | "
-                  f"{mask.sum(-1).double().mean().item():.1f} |")
+            token_log_ratio = (reference.gather(-1, tokens) - engine_logp.gather(-1, tokens)).squeeze(-1)
+            print(f"| {name} ({config.model_name_or_path}) | {precision} | {kl:.2e} | "
+                  + " | ".join(log_ratio_cells(token_log_ratio, mask)) + " |")
             sys.stdout.flush()
+            if diffusion:
+                trajectory_rows.append((precision, trajectory_cells(trajectory, model, rollout)))
+        if diffusion and args.kv_cache == "fp8":
+            cached = kv_cache_policy(trajectory)
+            engine = RolloutEngine(model, precision="bf16").model
+            rollout = cached.sample(engine, input_ids, attention_mask, torch.Generator().manual_seed(args.seed))
+            trajectory_rows.append((f"{KV_CACHE_NOTCH} ({cached.sampler_config.cache})",
+                                    trajectory_cells(cached, model, rollout)))
+        trajectory_tables.append((name, config.model_name_or_path, trajectory_rows))
+    print_trajectory_table(trajectory_tables)
 
+
+def print_trajectory_table(tables: list[tuple[str, str, list[tuple[str, list[str]]]]]) -> None:
+    """The trajectory canvases' table: one row per (model, notch) of the diffusion models."""
+    rows = [(name, path, notch, cells) for name, path, notch_rows in tables for notch, cells in notch_rows]
+    if not rows:
+        return
+    print("\ntrajectory estimator's canvases (each token under the canvas of the step that committed it):")
+    print("| canvas | model | notch | k3 of the engine's tokens | max abs Δ log p | ESS, token | mean abs log ρ_seq "
+          "| ESS, sequence | completion tokens |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, path, notch, cells in rows:
+        print(f"| trajectory | {name} ({path}) | {notch} | " + " | ".join(cells) + " |")
 
 if __name__ == "__main__":
     main()

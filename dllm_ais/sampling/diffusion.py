@@ -65,8 +65,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dllm_ais.choices import CACHE_MODES
+from dllm_ais.choices import CACHE_DTYPES, CACHE_MODES
 from dllm_ais.rollout import PromptError, Rollout, completion_mask_through_first_eos, token_id_tuple
+from dllm_ais.sampling.fp8_cache import FP8KeyValueCache
 
 __all__ = [
     "CACHE_MODES",
@@ -237,6 +238,9 @@ class DiffusionSamplerConfig:
             ``past_key_values``, ``cache_position`` and ``use_cache`` as dllm_ais' LLaDA does.
         cache_refresh_interval: with a cache, also refresh it every this many steps inside a block (1 = every step,
             which is exactly the uncached algorithm); None = only at each block's first step.
+        cache_dtype: storage of the cached keys/values while sampling: "none" (the model's dtype) or "fp8" (e4m3 with
+            one scale per batch row and head, dequantized when read: dllm_ais.sampling.fp8_cache); `decoder_logits`
+            replays with the cache in the model's dtype.
         threshold: parallel decoding: each step commits every still-masked block position whose score (the
             candidate's probability under low_confidence) exceeds τ_c, at least one (Fast-dLLM's rule).
         factor: parallel decoding: each step commits the largest n with (n + 1)(1 − c_(n)) < f, at least one.
@@ -257,6 +261,7 @@ class DiffusionSamplerConfig:
     cfg_scale: float = 0.0
     cache: str = "none"
     cache_refresh_interval: int | None = None
+    cache_dtype: str = "none"
     threshold: float | None = None
     factor: float | None = None
 
@@ -273,7 +278,8 @@ class DiffusionSamplerConfig:
 
     def exact(self) -> "DiffusionSamplerConfig":
         """These settings without the approximations: no cache, no parallel commits (the fixed schedule of `steps`)."""
-        return dataclasses.replace(self, cache="none", cache_refresh_interval=None, threshold=None, factor=None)
+        return dataclasses.replace(self, cache="none", cache_refresh_interval=None, cache_dtype="none", threshold=None,
+                                   factor=None)
 
     def __post_init__(self) -> None:
         self.eos_token_ids = token_id_tuple(self.eos_token_ids)
@@ -304,6 +310,10 @@ class DiffusionSamplerConfig:
             or self.cache_refresh_interval < 1
         ):
             problems.append(f"cache_refresh_interval={self.cache_refresh_interval!r} must be a positive int or None")
+        if self.cache_dtype not in CACHE_DTYPES:
+            problems.append(f"cache_dtype={self.cache_dtype!r}: choose one of {', '.join(CACHE_DTYPES)}")
+        elif self.cache_dtype != "none" and self.cache == "none":
+            problems.append(f"cache_dtype={self.cache_dtype!r} stores the block KV cache: set cache to prefix or dual")
         if self.threshold is not None and self.factor is not None:
             problems.append("threshold and factor are two parallel-decoding rules: set one of them")
         if self.threshold is not None and not 0 <= self.threshold <= 1:
@@ -341,10 +351,12 @@ class BlockCache:
     """The block KV cache of one `sample` call: the model's cached keys/values and whether the next forward refreshes
     them (the first step of each block, and every `cache_refresh_interval` steps).
 
-    mode: "prefix" or "dual"; past_key_values: what the last refreshing forward returned.
+    mode: "prefix" or "dual"; dtype: the storage, "none" (as the model returns it) or "fp8" (`FP8KeyValueCache`);
+    past_key_values: what the last refreshing forward returned, so stored.
     """
 
     mode: str
+    dtype: str = "none"
     past_key_values: Any = None
     refresh: bool = True
 
@@ -361,7 +373,8 @@ class BlockCache:
             self.past_key_values = None  # frees the previous block's cache before the new one is built
             positions = torch.arange(block.start, block.stop, device=inputs.device)
             output = model(inputs, attention_mask=attention_mask, use_cache=True, logits_to_keep=positions)
-            self.past_key_values = output.past_key_values
+            self.past_key_values = (FP8KeyValueCache(output.past_key_values) if self.dtype == "fp8"
+                                    else output.past_key_values)
             return output.logits
         stop = inputs.shape[1] if self.mode == "prefix" else block.stop
         positions = torch.arange(block.start, stop, device=inputs.device)
@@ -514,7 +527,7 @@ class MaskedDiffusionSampler:
         step_logprobs = torch.zeros(batch, config.gen_length, dtype=torch.float32, device=device)
         commit_step = torch.full((batch, config.gen_length), -1, dtype=torch.long, device=device)
         num_steps = torch.zeros(batch, dtype=torch.long, device=device)
-        cache = BlockCache(config.cache) if config.cache != "none" else None
+        cache = BlockCache(config.cache, config.cache_dtype) if config.cache != "none" else None
 
         rows = torch.arange(batch, device=device).unsqueeze(1)
         n_blocks = config.gen_length // config.block_length
@@ -587,6 +600,10 @@ class MaskedDiffusionSampler:
         rollouts sampled in separate calls, whose global step indices differ, replay together. Without a cache this
         is the trajectory replay, one full forward per step. With `positions` [B, L] bool, a block holding none of
         them is skipped (no forward): a block's replay needs its own steps and cache only.
+
+        The replay keeps its cache in the model's dtype whatever `cache_dtype` says: FP8 storage is an approximation
+        of the rollout engine, which the importance ratio (the sampler's recorded log-probs against this replay)
+        sees like the engine's weight precision; the trainer's ℓ_old and ℓ_θ are the same replay.
         """
         token_ids = self.resolve_token_ids(model)
         prompt_length, gen_length = rollout.prompt_length, rollout.gen_length
