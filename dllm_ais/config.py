@@ -49,8 +49,8 @@ SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 
 
 # d1's evaluation decoder, whatever the length: LLaDA's own sampler, no block cache, no parallel commits, no guidance
-D1_ROLLOUT = {"remasking": "low_confidence", "cache": "none", "threshold": None, "cache_refresh_interval": None,
-              "cfg_scale": 0.0}
+D1_ROLLOUT = {"remasking": "low_confidence", "cache": "none", "cache_dtype": "none", "threshold": None,
+              "cache_refresh_interval": None, "cfg_scale": 0.0}
 
 
 def with_d1_protocol(config: "GRPOConfig", gen_length: int, block_length: int | None = None) -> "GRPOConfig":
