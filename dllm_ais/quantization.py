@@ -239,8 +239,11 @@ def _is_quantizable(name: str, module: nn.Module, skip: SkipRule, precision: str
 
 def _emulated_w8a8_weight(weight: torch.Tensor, granularity: PerRow | PerTensor) -> Float8Tensor:
     """The W8A8 FP8 weight of the native path (scales per row or per tensor), built with the plain-torch kernels
-    that run on any device: W_q = round_e4m3(W / s), s = max|W| / 448 over the row (tensor); activations alike."""
-    return Float8Tensor.from_hp(
+    that run on any device: W_q = round_e4m3(W / s), s = max|W| / 448 over the row (tensor); activations alike.
+
+    A per-tensor weight records its block as (-1, -1), torchao's other spelling of "the whole tensor": its own
+    (rows, columns) would read as 128 x 128 blockwise scaling for a 128 x 128 weight in torchao 0.18's matmul."""
+    quantized = Float8Tensor.from_hp(
         weight,
         float8_dtype=FP8_DTYPE,
         granularity=granularity,
@@ -251,6 +254,9 @@ def _emulated_w8a8_weight(weight: torch.Tensor, granularity: PerRow | PerTensor)
             hp_value_lb=AMAX_FLOOR,
         ),
     )
+    if isinstance(granularity, PerTensor):
+        quantized.block_size = [-1] * quantized.ndim
+    return quantized
 
 
 def _emulated_mx_weight(weight: torch.Tensor, element_dtype: torch.dtype) -> MXTensor:

@@ -94,6 +94,22 @@ def test_quantized_linear_matches_torchao_reference_numerics(precision):
     assert (output - F.linear(x, weight)).abs().max() > 100 * error  # ... and the layer's output
 
 
+@pytest.mark.parametrize("precision", REFERENCES)
+def test_square_layers_and_batched_inputs_take_the_same_numerics(precision):
+    """A 128 x 128 weight fed [B, L, K] activations, as every attention projection of a d_model-128 model is: a
+    per-tensor FP8 weight must not be read as 128 x 128 blockwise-scaled by torchao's matmul."""
+    torch.manual_seed(1)
+    linear = nn.Linear(128, 128, bias=False)
+    weight = linear.weight.detach().clone()
+    x = torch.randn(2, 5, 128)
+    assert quantize_model_(nn.Sequential(linear), precision, skip=lambda name, module: False) == ["0"]
+    quantize_activations, quantize_weight = REFERENCES[precision]
+    with torch.no_grad():
+        output = linear(x)
+    expected = F.linear(quantize_activations(x.reshape(-1, 128)), quantize_weight(weight)).reshape(2, 5, 128)
+    assert (output - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
 @pytest.mark.parametrize("precision", ["mxfp8", "mxfp4"])
 def test_native_mx_config_stores_the_emulated_weights_values(precision):
     """The weight torchao's MXDynamicActivationMXWeightConfig builds for the native kernels (swizzled scales; it runs
