@@ -93,8 +93,9 @@ def read_study(path: Path) -> Study:
 
 
 def as_argument(field: str, value: Any) -> str:
-    """A config override as the CLI's `--field=value`: strings as they are, other values as YAML (JSON) text."""
-    return f"--{field}={value if isinstance(value, str) else json.dumps(value)}"
+    """A config override as the CLI's `--field=value`: strings as they are, other values as compact JSON (YAML) text
+    — without spaces, which would make the argument parser take it for the recipe's path."""
+    return f"--{field}={value if isinstance(value, str) else json.dumps(value, separators=(',', ':'))}"
 
 
 def slug(arm: str) -> str:

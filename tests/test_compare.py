@@ -9,7 +9,7 @@ import pytest
 
 from dllm_ais import compare
 from dllm_ais.cli import main
-from dllm_ais.compare import StudyError, Run, read_study, train_command, versus_baseline
+from dllm_ais.compare import StudyError, Run, as_argument, read_study, train_command, versus_baseline
 from dllm_ais.statistics import across_seeds, paired_difference, standard_error, t_quantile_975
 
 STUDIES = Path(__file__).resolve().parent.parent / "recipes" / "studies"
@@ -118,3 +118,15 @@ def test_failed_runs_are_named_with_their_logs(tmp_path, capsys):
     assert "left out" not in error
     log = Path(error.strip().split("see ")[-1])
     assert "corection" in log.read_text()
+
+
+def test_a_mapping_override_reaches_train_as_one_argument_that_parses_back():
+    """A settings group given as a mapping in an arm (`correction: {method: tis, level: sequence}`) becomes one argv
+    element without spaces: with a space, the train command's argument parser takes it for the recipe's path."""
+    from dllm_ais.cli import build_parser
+    from dllm_ais.config import parse_overrides
+
+    argument = as_argument("correction", {"method": "tis", "level": "sequence"})
+    assert " " not in argument
+    args, overrides = build_parser().parse_known_args(["train", argument])
+    assert args.recipe is None and parse_overrides(overrides) == {"correction": {"method": "tis", "level": "sequence"}}
