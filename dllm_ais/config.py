@@ -268,8 +268,10 @@ class GRPOConfig:
         """
         invalid = field_problems(self)
         group_problems = [problem for name in SETTINGS_GROUPS for problem in getattr(self, name).problems()]
+        invalid_names = set(invalid) | {f"{name}.{field}" for name in SETTINGS_GROUPS
+                                         for field in field_problems(getattr(self, name))}
         problems = ([problem for found in invalid.values() for problem in found] + group_problems
-                    + _reference_problems(self, set(invalid)))
+                    + _reference_problems(self, invalid_names))
         if invalid or group_problems:  # the rules below assume well-typed fields
             return problems
         rollout, likelihood, experimental = self.rollout, self.likelihood, self.experimental
@@ -396,7 +398,7 @@ def _reference_problems(config: GRPOConfig, invalid: set[str]) -> list[str]:
     """What the config names must exist: a local model directory, the dataset file, the task's settings
     (`task_args`), reward and remasking names.
 
-    Fields in `invalid` (already reported) are skipped.
+    Fields in `invalid` (already reported; a group's as ``group.field``) are skipped.
     """
     from dllm_ais.rewards import resolve_reward_functions
     from dllm_ais.tasks import get_task
@@ -427,10 +429,11 @@ def _reference_problems(config: GRPOConfig, invalid: set[str]) -> list[str]:
                 raise ValueError("write 'package.module:function'")
         except ValueError as error:
             problems.append(f"reward_funcs: {show(name)}: {error}")
-    try:
-        resolve_remasking_rule(config.rollout.remasking)
-    except ValueError as error:
-        problems.append(f"rollout.remasking={show(config.rollout.remasking)}: {error}")
+    if "rollout.remasking" not in invalid:
+        try:
+            resolve_remasking_rule(config.rollout.remasking)
+        except ValueError as error:
+            problems.append(f"rollout.remasking={show(config.rollout.remasking)}: {error}")
     return [problem for problem in problems if problem]
 
 

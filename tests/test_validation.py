@@ -4,6 +4,7 @@ paths, trackers, run-start checks, and a light, quiet CLI."""
 import dataclasses
 import json
 import math
+import operator
 import os
 import re
 import subprocess
@@ -14,13 +15,17 @@ from types import SimpleNamespace
 import pytest
 
 from dllm_ais import trackers
-from dllm_ais.config import EMBEDDED_RECIPE, ConfigError, GRPOConfig, load_config
+from dllm_ais.config import EMBEDDED_RECIPE, SETTINGS_GROUPS, ConfigError, GRPOConfig, load_config
 from dllm_ais.console import LIBRARY_SWITCHES
 from dllm_ais.launch import check_processes, check_prompt_lengths, check_run_environment, process_problems
 from dllm_ais.validation import FOREIGN_KEYS, MAX_PROBLEM_LENGTH, Interval, accepts_float, numeric_fields_without_range
 
-FIELDS = [f.name for f in dataclasses.fields(GRPOConfig)]
-HINTS = typing.get_type_hints(GRPOConfig)
+# Every field a recipe can set: the top level, and each settings group's as `group.field`
+DECLARED = [("", f, typing.get_type_hints(GRPOConfig)[f.name]) for f in dataclasses.fields(GRPOConfig)] + [
+    (f"{name}.", f, typing.get_type_hints(group)[f.name])
+    for name, group in SETTINGS_GROUPS.items() for f in dataclasses.fields(group)]
+FIELDS = [prefix + f.name for prefix, f, _ in DECLARED]
+HINTS = {prefix + f.name: hint for prefix, f, hint in DECLARED}
 FUZZ_VALUES = [None, True, False, 0, 1, -1, 2, 3, 10**18, -(10**18), 10**400, 0.5, -0.5, 1e-300, 1e300, -1e300,
                math.nan, math.inf, -math.inf, "", "   ", "abc", "1e-5", "nan", "x" * 100_000, "./no/such/dir", [], [1],
                [-1.0], ["x"], [math.nan], [""], [0] * 10_000, {"a": 1}]
@@ -33,8 +38,9 @@ def problems_of(overrides) -> str:
 
 
 def test_every_numeric_field_declares_a_range():
-    assert numeric_fields_without_range(GRPOConfig) == []
-    for f in dataclasses.fields(GRPOConfig):
+    for cls in (GRPOConfig, *SETTINGS_GROUPS.values()):
+        assert numeric_fields_without_range(cls) == [], cls.__name__
+    for _, f, _ in DECLARED:
         if "range" in f.metadata:
             Interval.parse(f.metadata["range"])
 
@@ -61,16 +67,16 @@ def test_fuzz_every_field_is_accepted_valid_or_rejected_naming_it(name):
             assert name in message, (value, message)
             assert len(message) < 3 * MAX_PROBLEM_LENGTH
             continue
-        accepted = getattr(config, name)
+        accepted = operator.attrgetter(name)(config)
         items = accepted if isinstance(accepted, list) else [accepted]
         assert config.problems() == []
         assert not any(isinstance(item, float) and not math.isfinite(item) for item in items), (name, value)
         assert not any(isinstance(item, str) and not item.strip() for item in items), (name, value)
 
 
-@pytest.mark.parametrize("name", [f.name for f in dataclasses.fields(GRPOConfig) if "range" in f.metadata])
+@pytest.mark.parametrize("name", [prefix + f.name for prefix, f, _ in DECLARED if "range" in f.metadata])
 def test_values_outside_the_declared_range_are_rejected(name):
-    interval = Interval.parse(next(f for f in dataclasses.fields(GRPOConfig) if f.name == name).metadata["range"])
+    interval = Interval.parse(next(f for prefix, f, _ in DECLARED if prefix + f.name == name).metadata["range"])
     is_float = accepts_float(HINTS[name])
     step = 1e-3 if is_float else 1
     outside = [interval.low - step if interval.low_closed else interval.low]
