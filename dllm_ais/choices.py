@@ -5,6 +5,7 @@ config validation never import torch. Add an option here and implement it in its
 """
 
 CACHE_MODES = ("none", "prefix", "dual")  # dllm_ais.sampling.diffusion: block KV cache
+COMMIT_SCHEDULES = ("even", "time_linear")  # dllm_ais.sampling.diffusion: tokens committed per step (LLaDA, Dream)
 CACHE_DTYPES = ("none", "fp8")  # dllm_ais.sampling.fp8_cache: storage of the block KV cache (none = the model's dtype)
 FIDELITY_MODES = ("fixed", "adaptive")  # dllm_ais.fidelity: which decoder samples each generation batch
 # dllm_ais.quantization: rollout engine precision (low-precision ladder: FP8, MX, NVFP4, int8, int4 groups)

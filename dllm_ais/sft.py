@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 from dllm_ais.choices import SFT_MASKINGS
 from dllm_ais.data import tokenize_prompts
 from dllm_ais.likelihood import causal_position_ids
+from dllm_ais.models.families import position_logits
 
 
 def masked_diffusion_sft_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, answer_mask: torch.Tensor,
@@ -38,7 +39,7 @@ def masked_diffusion_sft_loss(model, input_ids: torch.Tensor, attention_mask: to
     p_mask = (1 - eps) * t + eps
     masked = (torch.rand(input_ids.shape, generator=generator, device=input_ids.device) < p_mask[:, None]) & answer_mask
     noisy = torch.where(masked, torch.full_like(input_ids, mask_token_id), input_ids)
-    logits = model(noisy, attention_mask=attention_mask).logits
+    logits = position_logits(model, noisy, attention_mask)
     token_loss = F.cross_entropy(logits[masked].float(), input_ids[masked], reduction="none")
     rows = masked.nonzero()[:, 0]
     answer_length = answer_mask.sum(1).clamp(min=1)
@@ -61,7 +62,7 @@ def prefix_masked_sft_loss(model, input_ids: torch.Tensor, attention_mask: torch
     masked = position[None, :] >= cut[:, None]
     scored = masked & (position[None, :] < (cut + window)[:, None])
     noisy = torch.where(masked, torch.full_like(input_ids, mask_token_id), input_ids)
-    logits = model(noisy, attention_mask=attention_mask).logits
+    logits = position_logits(model, noisy, attention_mask)
     return F.cross_entropy(logits[scored].float(), input_ids[scored])
 
 

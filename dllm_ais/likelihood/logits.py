@@ -18,6 +18,8 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from transformers import TopKLogitsWarper, TopPLogitsWarper
 
+from dllm_ais.models.families import position_logits
+
 
 DEFAULT_CHUNK_ROWS = 512
 """Rows per float32 chunk in `selective_log_softmax`: 512 × 126,464 (LLaDA's vocabulary) × 4 B ≈ 259 MB."""
@@ -32,8 +34,9 @@ estimator scores the distribution the sampler drew from."""
 
 
 def plain_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: Tensor | int) -> Tensor:
-    """The model's logits at the kept positions: `model(input_ids, attention_mask, logits_to_keep).logits`."""
-    return model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep).logits
+    """The model's logits predicting the kept positions (`dllm_ais.models.families.position_logits`: the forward's own
+    positions, or for a shifted family such as Dream the positions before them)."""
+    return position_logits(model, input_ids, attention_mask, logits_to_keep)
 
 
 def _rows_log_prob(rows: Tensor, targets: Tensor, process_logits: LogitsProcessor | None) -> Tensor:

@@ -1,4 +1,4 @@
-"""What differs between the masked-diffusion model families, for the sampler and the likelihood estimators.
+"""What differs between the masked-diffusion model families, for the sampler, the likelihood estimators and SFT.
 
 =========  ================  =============================================  ==============================
 family     model_type        mask token id                                  logits predicting position i
@@ -8,25 +8,75 @@ Dream      ``Dream``         config.json ``mask_token_id`` (151666)         posi
 =========  ================  =============================================  ==============================
 
 Dream (and DiffuCoder, same architecture) was initialised from an autoregressive Qwen2.5 and keeps its next-token
-head: the logits at position i - 1 predict the token at i. `shift_logits_right` turns such logits into per-position
-ones, as the official generation code does before sampling.
+head: the logits at position i - 1 predict the token at i; position 0, which has no predecessor, keeps its own (the
+official generation code: ``cat([logits[:, :1], logits[:, :-1]], 1)``). Every place that turns a forward into
+per-position logits goes through `position_logits` (or, where it already holds a forward's logits, the same index
+map `logit_source_positions`), so the shift is written once.
+
+A third family is its model module under ``dllm_ais/models/`` plus one row here: its model_type in
+`DIFFUSION_MODEL_TYPES`, and in `SHIFTED_LOGITS_MODEL_TYPES` when it reads position i from i - 1.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+DIFFUSION_MODEL_TYPES = frozenset({"llada", "Dream"})
+"""model_types that are masked-diffusion models (``policy: auto`` trains them with the diffusion policy)."""
 
 SHIFTED_LOGITS_MODEL_TYPES = frozenset({"Dream"})
 """model_types whose logits at position i - 1 predict the token at position i."""
 
+__all__ = ["DIFFUSION_MODEL_TYPES", "SHIFTED_LOGITS_MODEL_TYPES", "logit_source_positions", "logits_are_shifted",
+           "model_type_of", "position_logits", "shift_logits_right"]
 
-def logits_are_shifted(model_type: str | None) -> bool:
-    """Whether a diffusion model of `model_type` predicts position i from the logits at i - 1 (see the table above)."""
+
+def model_type_of(model: Any) -> str | None:
+    """``model.config.model_type`` of a model, or of the model a wrapper (DDP, FSDP, torch.compile) holds; None when
+    there is none."""
+    for candidate in (model, getattr(model, "module", None), getattr(model, "_orig_mod", None)):
+        model_type = getattr(getattr(candidate, "config", None), "model_type", None)
+        if model_type is not None:
+            return model_type
+    return None
+
+
+def logits_are_shifted(model_or_type: Any) -> bool:
+    """Whether a diffusion model (or a model_type string) predicts position i from the logits at i - 1."""
+    model_type = model_or_type if isinstance(model_or_type, str) or model_or_type is None else model_type_of(model_or_type)
     return model_type in SHIFTED_LOGITS_MODEL_TYPES
 
 
 def shift_logits_right(logits: torch.Tensor) -> torch.Tensor:
     """Per-position logits [B, L, V] from a shifted family's logits [B, L, V]: position i gets the logits computed at
-    i - 1; position 0, which has no predecessor, keeps its own (official Dream: ``cat([logits[:, :1],
-    logits[:, :-1]], 1)``)."""
+    i - 1; position 0 keeps its own."""
     return torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+
+
+def logit_source_positions(positions: torch.Tensor, shifted: bool) -> torch.Tensor:
+    """The forward positions whose logits predict `positions` (any integer tensor): max(p − 1, 0) for a shifted
+    family, p itself otherwise."""
+    return (positions - 1).clamp_min(0) if shifted else positions
+
+
+def position_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                    logits_to_keep: torch.Tensor | int = 0, shifted: bool | None = None, **forward_kwargs
+                    ) -> torch.Tensor:
+    """Logits [B, K, V] predicting the kept positions of `input_ids` [B, T]: all of them (`logits_to_keep` = 0), the
+    last `logits_to_keep` (an int), or the canvas positions of a 1-D tensor, whatever the family.
+
+    An unshifted family is asked for those positions (``model(..., logits_to_keep=...)``); a shifted one for
+    `logit_source_positions` of them, so its LM head too runs at K positions only. `shifted` None = from the model's
+    model_type. Extra keyword arguments go to the forward.
+    """
+    shifted = logits_are_shifted(model) if shifted is None else shifted
+    if shifted:
+        length = input_ids.shape[1]
+        if not isinstance(logits_to_keep, torch.Tensor):
+            logits_to_keep = torch.arange(length - logits_to_keep if logits_to_keep else 0, length,
+                                          device=input_ids.device)
+        logits_to_keep = logit_source_positions(logits_to_keep, True)
+    output = model(input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep, **forward_kwargs)
+    return output.logits if hasattr(output, "logits") else output

@@ -65,7 +65,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dllm_ais.choices import CACHE_DTYPES, CACHE_MODES
+from dllm_ais.choices import CACHE_DTYPES, CACHE_MODES, COMMIT_SCHEDULES
+from dllm_ais.models.families import logit_source_positions, logits_are_shifted
 from dllm_ais.rollout import PromptError, Rollout, completion_mask_through_first_eos, token_id_tuple
 from dllm_ais.sampling.fp8_cache import FP8KeyValueCache
 
@@ -116,9 +117,46 @@ def left_to_right_scores(
     return -torch.arange(candidates.shape[1], dtype=torch.float32, device=candidates.device).expand(candidates.shape)
 
 
+def sampled_token_probability_scores(
+    block_logits: torch.Tensor, candidates: torch.Tensor, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """score = softmax(logits / τ)[x̂]: the probability of the candidate under the distribution it was drawn from
+    (Dream's ``maskgit_plus``; the sampler passes this rule the tempered logits, see `scores_sampling_distribution`)."""
+    return F.softmax(block_logits, dim=-1).gather(-1, candidates.unsqueeze(-1)).squeeze(-1)
+
+
+def top_two_margin_scores(
+    block_logits: torch.Tensor, candidates: torch.Tensor, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """score = p_(1) − p_(2), the gap between the two most probable tokens of softmax(logits / τ) (Dream's
+    ``topk_margin``)."""
+    top_two = F.softmax(block_logits, dim=-1).topk(2, dim=-1).values
+    return top_two[..., 0] - top_two[..., 1]
+
+
+def negative_entropy_scores(
+    block_logits: torch.Tensor, candidates: torch.Tensor, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """score = Σ_v p_v log(p_v + 10⁻¹⁰) with p = softmax(logits / τ): the negative entropy, so the most certain
+    position commits first (Dream's ``entropy``, with its 10⁻¹⁰)."""
+    probs = F.softmax(block_logits, dim=-1)
+    return (probs * torch.log(probs + 1e-10)).sum(dim=-1)
+
+
+for _rule in (sampled_token_probability_scores, top_two_margin_scores, negative_entropy_scores):
+    _rule.scores_sampling_distribution = True
+"""A rule with ``scores_sampling_distribution = True`` gets the logits of the distribution the candidates were
+drawn from, logits / τ (τ > 0); the others get the logits themselves (LLaDA scores without temperature)."""
+
 REMASKING_RULES: dict[str, RemaskingRule] = {
     "low_confidence": low_confidence_scores, "random": random_scores, "left_to_right": left_to_right_scores,
+    "maskgit_plus": sampled_token_probability_scores, "topk_margin": top_two_margin_scores,
+    "entropy": negative_entropy_scores, "origin": random_scores,
 }
+"""LLaDA's rules (low_confidence, random), autoregressive order (left_to_right), and Dream's (maskgit_plus,
+topk_margin, entropy, origin). ``origin`` commits each still-masked position with probability 1 − s/t of the
+time-linear schedule (Dream's default): uniformly random positions, in a Binomial number per step
+(`origin_commit_counts`)."""
 
 
 def register_remasking_rule(name: str, rule: RemaskingRule, *, replace: bool = False) -> None:
@@ -151,6 +189,57 @@ def transfer_schedule(masked_counts: torch.Tensor, steps: int) -> torch.LongTens
     counts = masked_counts.long().reshape(-1, 1)
     step_index = torch.arange(steps, device=counts.device)
     return counts // steps + (step_index < counts % steps).long()
+
+
+def time_linear_commit_count(masked_count: int, step: int, steps: int, eps: float) -> int:
+    """Tokens to commit at `step` (0-based) of `steps` when `masked_count` positions are still masked, on Dream's
+    schedule: with t_i = linspace(1, ε, steps + 1)[i], ⌊n (1 − t_{i+1} / t_i)⌋ in float32 as the official code
+    computes it, and every remaining position at the last step."""
+    if step >= steps - 1:
+        return masked_count
+    times = torch.linspace(1, eps, steps + 1)
+    return int(torch.tensor(float(masked_count)) * (1 - times[step + 1] / times[step]))
+
+
+def origin_commit_counts(masked_counts: list[int], step: int, steps: int, eps: float,
+                         generator: torch.Generator | None) -> list[int]:
+    """Per row, how many still-masked positions Dream's ``origin`` rule commits at `step`: each of the n_b positions
+    independently with probability p = 1 − t_{i+1} / t_i (every one at the last step), i.e. a Binomial(n_b, p)
+    count of uniformly random positions, drawn from `generator`."""
+    if step >= steps - 1:
+        return list(masked_counts)
+    times = torch.linspace(1, eps, steps + 1)
+    device = generator.device if generator is not None else torch.device("cpu")
+    counts = torch.tensor(masked_counts, dtype=torch.float32, device=device)
+    probability = torch.full_like(counts, float(1 - times[step + 1] / times[step]))
+    return torch.binomial(counts, probability, generator=generator).long().tolist()
+
+
+def filter_top_p_top_k(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
+    """`logits` [..., V] with −∞ outside the tokens Dream's sampler may draw: the top-p nucleus of softmax(logits / τ)
+    (the most probable tokens until their mass exceeds p; the first always kept), then the top-k of those. The
+    logits themselves are not tempered (`propose_tokens` does that). top_p = 1 and top_k = 0 leave them unchanged."""
+    if top_p >= 1 and top_k <= 0:
+        return logits
+    scaled = logits / temperature if temperature > 0 else logits
+    if top_p < 1:
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        beyond = sorted_logits.softmax(dim=-1).cumsum(dim=-1) > top_p
+        beyond = torch.cat([torch.zeros_like(beyond[..., :1]), beyond[..., :-1]], dim=-1)
+        scaled = scaled.masked_fill(torch.zeros_like(beyond).scatter(-1, order, beyond), -math.inf)
+    if top_k > 0:
+        kth = scaled.topk(min(top_k, scaled.shape[-1]), dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, -math.inf)
+    return logits.masked_fill(scaled == -math.inf, -math.inf)
+
+
+def perturb_scores_for_sampling(row_scores: torch.Tensor, position_temperature: float,
+                                generator: torch.Generator | None) -> torch.Tensor:
+    """row_scores / T + Gumbel noise: taking the top n of these draws n positions without replacement from
+    softmax(row_scores / T) (Dream's ``alg_temp``, which draws them with ``torch.multinomial``); −∞ stays −∞."""
+    uniform = torch.rand(row_scores.shape, generator=generator, device=row_scores.device, dtype=torch.float64)
+    gumbel = -torch.log(-torch.log(uniform.clamp_min(1e-300)))
+    return (row_scores.double() / position_temperature + gumbel).masked_fill(row_scores == -math.inf, -math.inf)
 
 
 def parallel_commit_counts(
@@ -245,6 +334,18 @@ class DiffusionSamplerConfig:
             candidate's probability under low_confidence) exceeds τ_c, at least one (Fast-dLLM's rule).
         factor: parallel decoding: each step commits the largest n with (n + 1)(1 − c_(n)) < f, at least one.
             With either rule a block runs until it is filled and the steps taken vary per row.
+        schedule: tokens committed per step of a block with the fixed schedule: "even" (LLaDA: the block's masked
+            count split evenly over its steps, `transfer_schedule`) or "time_linear" (Dream: ⌊n (1 − t_{i+1}/t_i)⌋
+            of the n still masked, t = linspace(1, `schedule_eps`, steps + 1), `time_linear_commit_count`).
+            Steps at which no row commits a token run no forward.
+        schedule_eps: ε, the last time of the time-linear schedule (Dream's ``eps``, 1e-3).
+        top_p, top_k: the tokens a candidate may be drawn from: the top-p nucleus of softmax(logits / τ), then its
+            top k (Dream's ``top_p`` / ``top_k``; `filter_top_p_top_k`); 1 and 0 = off. Applied in `block_logits`,
+            so every estimator scores the filtered distribution.
+        position_temperature: > 0 draws the committed positions from softmax(score / T) without replacement instead
+            of taking the top scores (Dream's ``alg_temp``); 0 = top scores.
+        logits_shifted: whether the model's logits at position i − 1 predict position i (Dream);
+            None = from ``model.config.model_type`` (`dllm_ais.models.families`).
 
     The cache and parallel decoding change the behaviour policy; the recorded log-probs stay those of the
     distribution each token was drawn from, and the correction treats the change like quantization.
@@ -264,6 +365,12 @@ class DiffusionSamplerConfig:
     cache_dtype: str = "none"
     threshold: float | None = None
     factor: float | None = None
+    schedule: str = "even"
+    schedule_eps: float = 1e-3
+    top_p: float = 1.0
+    top_k: int = 0
+    position_temperature: float = 0.0
+    logits_shifted: bool | None = None
 
     @property
     def parallel_decoding(self) -> bool:
@@ -271,8 +378,8 @@ class DiffusionSamplerConfig:
         return self.threshold is not None or self.factor is not None
 
     def refreshes_cache(self, step_in_block: int) -> bool:
-        """Whether the block cache is rebuilt at this step of a block (0 = its first): at the first step, and every
-        `cache_refresh_interval` steps after it."""
+        """Whether the block cache is rebuilt at this forward of a block (0 = its first): at the first, and every
+        `cache_refresh_interval` forwards after it (a step that commits nothing runs none)."""
         interval = self.cache_refresh_interval
         return step_in_block == 0 or (interval is not None and step_in_block % interval == 0)
 
@@ -320,6 +427,23 @@ class DiffusionSamplerConfig:
             problems.append(f"threshold={self.threshold} must be a confidence in [0, 1] (Fast-dLLM uses 0.9)")
         if self.factor is not None and not (math.isfinite(self.factor) and self.factor > 0):
             problems.append(f"factor={self.factor} must be a finite number > 0 (Fast-dLLM uses 1.0)")
+        if self.schedule not in COMMIT_SCHEDULES:
+            problems.append(f"schedule={self.schedule!r}: choose one of {', '.join(COMMIT_SCHEDULES)}")
+        if not 0 < self.schedule_eps < 1:
+            problems.append(f"schedule_eps={self.schedule_eps} must be in (0, 1) (Dream uses 1e-3)")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"top_p={self.top_p} must be in (0, 1] (1 = off)")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            problems.append(f"top_k={self.top_k!r} must be an integer >= 0 (0 = off)")
+        if not (math.isfinite(self.position_temperature) and self.position_temperature >= 0):
+            problems.append(f"position_temperature={self.position_temperature} must be >= 0 (0 = top scores)")
+        if self.remasking == "origin":
+            if self.parallel_decoding:
+                problems.append("remasking='origin' commits a random number of positions per step: it takes no "
+                                "threshold or factor")
+            if self.cache_refresh_interval is not None:
+                problems.append("remasking='origin' may commit nothing in a row for several steps, which a cache "
+                                "refreshed every cache_refresh_interval steps cannot replay: leave the interval unset")
         pad_problem = _pad_equals_mask_problem(self.pad_token_id, self.mask_token_id)
         if pad_problem:
             problems.append(pad_problem)
@@ -330,10 +454,12 @@ class DiffusionSamplerConfig:
 
 @dataclass(frozen=True)
 class SpecialTokenIds:
-    """The token ids a sampling run uses, resolved from the sampler config with the model config as fallback."""
+    """The token ids a sampling run uses, resolved from the sampler config with the model config as fallback, and
+    whether the model's logits at position i − 1 predict position i (`logits_shifted`, Dream)."""
 
     mask: int
     eos: tuple[int, ...]
+    logits_shifted: bool = False
 
 
 def _checked_scores(scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
@@ -361,38 +487,47 @@ class BlockCache:
     refresh: bool = True
 
     def block_forward(
-        self, model: Any, inputs: torch.Tensor, attention_mask: torch.Tensor | None, block: slice
+        self, model: Any, inputs: torch.Tensor, attention_mask: torch.Tensor | None, block: slice,
+        logits_shifted: bool = False,
     ) -> torch.Tensor:
-        """Logits [B, Lb, V] of the `block` positions of `inputs` [B, T].
+        """Logits [B, Lb, V] predicting the `block` positions of `inputs` [B, T] (for a shifted family, those computed
+        one position earlier: `dllm_ais.models.families`).
 
         A refreshing forward runs the whole canvas and keeps its keys/values (its logits, computed at the block only,
-        are those of the uncached forward). Otherwise the model runs on positions [block.start, T) (prefix) or [block.start, block.stop)
-        (dual) only, at their absolute positions, attending to the cached keys/values elsewhere.
+        are those of the uncached forward). Otherwise the model runs on positions [start, T) (prefix) or
+        [start, block.stop) (dual) only, at their absolute positions, attending to the cached keys/values elsewhere;
+        start is block.start, or block.start − 1 for a shifted family, whose first block position is predicted there.
         """
+        positions = torch.arange(block.start, block.stop, device=inputs.device)
+        sources = logit_source_positions(positions, logits_shifted)
         if self.refresh:
             self.past_key_values = None  # frees the previous block's cache before the new one is built
-            positions = torch.arange(block.start, block.stop, device=inputs.device)
-            output = model(inputs, attention_mask=attention_mask, use_cache=True, logits_to_keep=positions)
+            output = model(inputs, attention_mask=attention_mask, use_cache=True, logits_to_keep=sources)
             self.past_key_values = (FP8KeyValueCache(output.past_key_values) if self.dtype == "fp8"
                                     else output.past_key_values)
             return output.logits
+        start = int(sources[0])
         stop = inputs.shape[1] if self.mode == "prefix" else block.stop
-        positions = torch.arange(block.start, stop, device=inputs.device)
         output = model(
-            inputs[:, block.start:stop], attention_mask=attention_mask, past_key_values=self.past_key_values,
-            cache_position=positions, logits_to_keep=positions[: block.stop - block.start] - block.start,
+            inputs[:, start:stop], attention_mask=attention_mask, past_key_values=self.past_key_values,
+            cache_position=torch.arange(start, stop, device=inputs.device), logits_to_keep=sources - start,
         )
         return output.logits
 
 
 def _forward_logits(
-    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, positions: slice | torch.Tensor
+    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, positions: slice | torch.Tensor,
+    logits_shifted: bool = False,
 ) -> torch.Tensor:
-    """Logits [B, K, V] at `positions`: a slice (sampling) is cut from a full forward; a 1-D position tensor (scoring)
-    is passed to the model as ``logits_to_keep``, so the LM head runs at those positions only."""
+    """Logits [B, K, V] predicting `positions`: a slice (sampling) is cut from a full forward; a 1-D position tensor
+    (scoring) is passed to the model as ``logits_to_keep``, so the LM head runs at those positions only. For a shifted
+    family both are taken one position earlier (`dllm_ais.models.families.logit_source_positions`)."""
     if isinstance(positions, torch.Tensor):
-        output = model(input_ids, attention_mask=attention_mask, logits_to_keep=positions)
+        output = model(input_ids, attention_mask=attention_mask,
+                       logits_to_keep=logit_source_positions(positions, logits_shifted))
         return output.logits if hasattr(output, "logits") else output
+    if logits_shifted:  # a completion block starts after the prompt, so its predecessor exists
+        positions = slice(positions.start - 1, positions.stop - 1)
     output = model(input_ids, attention_mask=attention_mask)
     return (output.logits if hasattr(output, "logits") else output)[:, positions]
 
@@ -438,7 +573,9 @@ class MaskedDiffusionSampler:
         pad_problem = _pad_equals_mask_problem(pad, mask)
         if pad_problem:
             raise ValueError(pad_problem)
-        return SpecialTokenIds(mask=int(mask), eos=eos)
+        shifted = self.config.logits_shifted
+        return SpecialTokenIds(mask=int(mask), eos=eos,
+                               logits_shifted=logits_are_shifted(model) if shifted is None else shifted)
 
     def check_inputs(
         self,
@@ -539,13 +676,19 @@ class MaskedDiffusionSampler:
             completion_block = slice(block.start - prompt_length, block.stop - prompt_length)
             still_masked = canvas[:, block] == token_ids.mask
             masked_left = still_masked.sum(dim=1).tolist()  # per row, its still-masked positions in the block
-            schedule = None
-            if not config.parallel_decoding:
-                schedule = transfer_schedule(torch.tensor(masked_left), steps_per_block).tolist()
-            step_in_block = 0
-            while step_in_block < steps_per_block if schedule is not None else max(masked_left) > 0:
+            even_schedule = transfer_schedule(torch.tensor(masked_left), steps_per_block).tolist()
+            step_in_block = forwards_in_block = 0
+            while step_in_block < steps_per_block if not config.parallel_decoding else max(masked_left) > 0:
+                counts = None
+                if not config.parallel_decoding:
+                    counts = self._scheduled_counts(masked_left, even_schedule, step_in_block, steps_per_block,
+                                                    generator)
+                step_in_block += 1
+                if counts is not None and max(counts) == 0:
+                    continue  # the official loops run a forward here that commits nothing
                 if cache is not None:
-                    cache.refresh = config.refreshes_cache(step_in_block)
+                    cache.refresh = config.refreshes_cache(forwards_in_block)
+                forwards_in_block += 1
                 logits = self.block_logits(model, canvas, canvas_attention, prompt_length, block, token_ids, cache)
                 # Tokens are drawn only for still-masked positions, gathered to the front of a [B, M, V] tensor.
                 active = masked_positions_first(still_masked, max(masked_left))
@@ -555,13 +698,16 @@ class MaskedDiffusionSampler:
                     drawn = forced_completion[:, completion_block].gather(1, active)
                     drawn_logprobs = self.token_logprobs(logits[rows, active], drawn)
                 candidates = canvas[:, block].scatter(1, active, drawn)
-                scores = _checked_scores(self.remasking_rule(logits, candidates, generator), candidates)
-                if schedule is not None:
-                    counts = [row[step_in_block] for row in schedule]
-                else:
+                rule_logits = logits
+                if getattr(self.remasking_rule, "scores_sampling_distribution", False) and config.temperature > 0:
+                    rule_logits = logits / config.temperature
+                scores = _checked_scores(self.remasking_rule(rule_logits, candidates, generator), candidates)
+                if counts is None:
                     counts = parallel_commit_counts(scores, still_masked, config.threshold, config.factor).tolist()
                 row_scores = scores.new_full(canvas.shape, -math.inf)
                 row_scores[:, block] = scores.masked_fill(~still_masked, -math.inf)
+                if config.position_temperature > 0:
+                    row_scores = perturb_scores_for_sampling(row_scores, config.position_temperature, generator)
                 commit = self.choose_positions(row_scores, counts)[:, block] & still_masked
                 canvas[:, block] = torch.where(commit, candidates, canvas[:, block])
                 logprobs = torch.zeros_like(step_logprobs[:, completion_block]).scatter(1, active, drawn_logprobs)
@@ -571,7 +717,6 @@ class MaskedDiffusionSampler:
                 still_masked &= ~commit
                 masked_left = [max(left - count, 0) for left, count in zip(masked_left, counts)]
                 step += 1
-                step_in_block += 1
 
         return Rollout(
             sequences=canvas,
@@ -582,6 +727,18 @@ class MaskedDiffusionSampler:
             prompt_length=prompt_length,
             num_steps=num_steps,
         )
+
+    def _scheduled_counts(self, masked_left: list[int], even_schedule: list[list[int]], step_in_block: int,
+                          steps_per_block: int, generator: torch.Generator | None) -> list[int]:
+        """Per row, the tokens the fixed schedule commits at this step of the block: Binomial for ``origin``
+        (`origin_commit_counts`), else the `config.schedule`'s count."""
+        config = self.config
+        if config.remasking == "origin":
+            return origin_commit_counts(masked_left, step_in_block, steps_per_block, config.schedule_eps, generator)
+        if config.schedule == "time_linear":
+            return [time_linear_commit_count(left, step_in_block, steps_per_block, config.schedule_eps)
+                    for left in masked_left]
+        return [row[step_in_block] for row in even_schedule]
 
     def decoder_logits(self, model: Any, rollout: Rollout, positions: torch.Tensor | None = None
                        ) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
@@ -646,7 +803,9 @@ class MaskedDiffusionSampler:
         `BlockCache.block_forward`); while scoring (`scoring_logits`), a 1-D tensor of canvas positions, no cache.
 
         With cfg_scale s > 0 the canvas and a copy with every prompt position (padding included) set to the mask id
-        run as one [2B] forward (the cache then holds both halves), and ``logits = u + (s + 1)(c − u)``.
+        run as one [2B] forward (the cache then holds both halves), and ``logits = u + (s + 1)(c − u)``. Then the
+        top-p / top-k filter (`filter_top_p_top_k`), when set. For a shifted family (``token_ids.logits_shifted``)
+        the logits predicting position i are the forward's at i − 1.
 
         An override (another guidance, a logit bias, ...) must handle both kinds of `block` (``logits[:, block]``
         and ``canvas[:, block]`` do) and is scored exactly as it samples: the likelihood estimators call it through
@@ -660,13 +819,13 @@ class MaskedDiffusionSampler:
             inputs = torch.cat([canvas, prompt_masked])
             inputs_attention = None if attention_mask is None else attention_mask.repeat(2, 1)
         if cache is None:
-            logits = _forward_logits(model, inputs, inputs_attention, block)
+            logits = _forward_logits(model, inputs, inputs_attention, block, token_ids.logits_shifted)
         else:
-            logits = cache.block_forward(model, inputs, inputs_attention, block)
+            logits = cache.block_forward(model, inputs, inputs_attention, block, token_ids.logits_shifted)
         if scale > 0:
             conditional, unconditional = logits.chunk(2)
             logits = unconditional + (scale + 1) * (conditional - unconditional)
-        return logits
+        return filter_top_p_top_k(logits, self.config.temperature, self.config.top_p, self.config.top_k)
 
     def scoring_logits(
         self,
