@@ -22,7 +22,18 @@ model: the token at position i is predicted by the logits at position i - 1 (`dl
 
 Differences from the official forward, none of them on real tokens: a 2-D attention mask hides padded *keys* only
 (the official mask also blanks padded query rows, whose outputs are then undefined), so padded positions get finite
-logits that mean nothing; there is no key/value cache yet.
+logits that mean nothing.
+
+Key/value cache (for block-cached masked-diffusion sampling), with the interface and semantics of dllm_ais' LLaDA: a
+forward with ``use_cache=True`` returns every layer's keys (RoPE applied) and values at every position,
+``past_key_values`` = one ``(keys, values)`` pair of [B, num_key_value_heads, T, head_dim] tensors per layer (not
+repeated to the query heads). A later forward may run on a subset of the T canvas positions only: ``input_ids``
+[B, n] are the tokens at canvas positions ``cache_position`` [n]; their keys and values are written into the cache at
+those positions (in place; into a copy under grad) and their queries attend to all T cached positions, under the
+canvas's [B, T] attention mask. RoPE positions are those of the uncached forward of the whole canvas (cumsum of the
+[B, T] mask minus one, or 0..T-1 without a mask) read at ``cache_position``. Because every position attends to every
+other, the cached keys/values of the other positions are stale once the canvas changes: reuse is an approximation
+that the caller chooses.
 """
 
 from __future__ import annotations
@@ -40,6 +51,9 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from dllm_ais.models.llada import RMSNorm, apply_rotary, rotary_cos_sin
 
 __all__ = ["DreamConfig", "DreamBaseModel", "DreamModel"]
+
+KeyValueCache = list[tuple[torch.Tensor, torch.Tensor]]
+"""Per layer, (keys, values) of shape [B, num_key_value_heads, T, head_dim]; the keys have RoPE applied."""
 
 
 @dataclass(repr=False)
@@ -122,21 +136,39 @@ class DreamAttention(nn.Module):
         self.v_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=True)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn_mask: torch.Tensor | None) -> torch.Tensor:
-        """x [B, n, d], cos/sin [B, 1, n, head_dim] in x's dtype, attn_mask None or bool [B, 1, 1, n] (True = key
-        attended to) → [B, n, d]."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn_mask: torch.Tensor | None,
+        layer_cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cache_position: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """x [B, n, d], cos/sin [B, 1, n, head_dim] in x's dtype, attn_mask None or bool [B, 1, 1, T] (True = key
+        attended to) → ([B, n, d], (keys, values) [B, n_kv_heads, T, head_dim] attended to).
+
+        Without `layer_cache` T = n. With it, the inputs' keys/values are written into the cached pair at
+        `cache_position` [n] (in place; into a copy under grad, where the cache may be part of the graph) and the
+        queries attend to all T cached positions."""
         batch, length, _ = x.shape
         q = self.q_proj(x).view(batch, length, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if layer_cache is not None:
+            cached_k, cached_v = layer_cache
+            k, v = k.to(cached_k.dtype), v.to(cached_v.dtype)
+            if torch.is_grad_enabled():  # the cache may be in the graph (a cached trajectory replay under grad)
+                k, v = cached_k.index_copy(2, cache_position, k), cached_v.index_copy(2, cache_position, v)
+            else:
+                k, v = cached_k.index_copy_(2, cache_position, k), cached_v.index_copy_(2, cache_position, v)
         attn = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, is_causal=False,
+            q, k.to(q.dtype), v.to(q.dtype), attn_mask=attn_mask, is_causal=False,
             dropout_p=self.attention_dropout if self.training else 0.0,
             enable_gqa=self.n_kv_heads != self.n_heads,
         )
-        return self.o_proj(attn.transpose(1, 2).reshape(batch, length, -1))
+        return self.o_proj(attn.transpose(1, 2).reshape(batch, length, -1)), (k, v)
 
 
 class DreamMLP(nn.Module):
@@ -163,10 +195,19 @@ class DreamDecoderLayer(GradientCheckpointingLayer):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn_mask: torch.Tensor | None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn_mask: torch.Tensor | None,
+        layer_cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cache_position: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """(output [B, n, d], (keys, values) attended to); see `DreamAttention.forward` for the cache."""
+        attn, key_values = self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, layer_cache, cache_position)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), key_values
 
 
 class DreamPreTrainedModel(PreTrainedModel):
@@ -183,7 +224,8 @@ class DreamPreTrainedModel(PreTrainedModel):
 
 
 class DreamBaseModel(DreamPreTrainedModel):
-    """The Dream transformer (the official `DreamBaseModel`): final-normed hidden states [B, n, d]."""
+    """The Dream transformer (the official `DreamBaseModel`): final-normed hidden states [B, n, d] (and, on request,
+    the layers' keys/values)."""
 
     def __init__(self, config: DreamConfig):
         super().__init__(config)
@@ -199,26 +241,76 @@ class DreamBaseModel(DreamPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
 
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None,
-                position_ids: torch.Tensor | None) -> torch.Tensor:
-        """Hidden states [B, n, d] of the input embeddings `x` [B, n, d] (see `DreamModel.forward` for the mask and
-        the positions)."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        past_key_values: KeyValueCache | None = None,
+        cache_position: torch.Tensor | None = None,
+        use_cache: bool = False,
+    ) -> tuple[torch.Tensor, KeyValueCache | None]:
+        """(hidden states [B, n, d] of the input embeddings `x` [B, n, d], the layers' (keys, values) with `use_cache`
+        else None); see `DreamModel.forward` for the mask, the positions and the cache."""
+        length = x.shape[1]
+        first_layer = None
+        if past_key_values is not None:
+            first_layer = past_key_values[0]  # read once: an FP8 cache dequantizes a fresh pair per access
+            cached_keys = first_layer[0]
+            canvas_length = cached_keys.shape[2]
+            problems = []
+            if len(past_key_values) != len(self.layers):
+                problems.append(f"past_key_values holds {len(past_key_values)} layers, the model {len(self.layers)}")
+            if cached_keys.shape[0] != x.shape[0]:
+                problems.append(f"past_key_values holds {cached_keys.shape[0]} rows, the inputs {x.shape[0]}")
+            if cache_position is None or cache_position.shape != (length,):
+                problems.append(f"cache_position must give the cache positions of the {length} inputs (a 1-D "
+                                "tensor of canvas indices)")
+            if attention_mask is not None and tuple(attention_mask.shape) != (x.shape[0], canvas_length):
+                problems.append(f"attention_mask must cover all {canvas_length} cached positions ([B, "
+                                f"{canvas_length}], got {list(attention_mask.shape)})")
+            if position_ids is not None and position_ids.shape[-1] != length:
+                problems.append(f"position_ids must give the positions of the {length} inputs")
+            if problems:
+                raise ValueError("Invalid cached forward: " + "; ".join(problems)
+                                 + ". Pass the cache that a use_cache=True forward of this model over the whole "
+                                 "canvas returned, with cache_position [n] and the canvas's [B, T] attention_mask.")
+        else:
+            canvas_length = length
+            if cache_position is not None:
+                if cache_position.shape != (length,):
+                    raise ValueError(f"cache_position must give the canvas positions of the {length} inputs (a 1-D "
+                                     "tensor).")
+                if attention_mask is not None and position_ids is None:
+                    raise ValueError("Without past_key_values, cache_position sets the positions of unmasked inputs "
+                                     "only: pass attention_mask=None, or position_ids [B, n] explicitly.")
+                canvas_length = int(cache_position.max()) + 1
+        if canvas_length > self.config.max_position_embeddings:
+            raise ValueError(f"Sequence length {canvas_length} exceeds max_position_embeddings="
+                             f"{self.config.max_position_embeddings}.")
+        if cache_position is None:
+            cache_position = torch.arange(length, device=x.device)
         if position_ids is None:
             if attention_mask is None:
-                position_ids = torch.arange(x.shape[1], device=x.device)[None]
-            else:
+                position_ids = cache_position[None]
+            else:  # numbered over the whole canvas, then read at the inputs' positions (all of them when uncached)
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-        if x.shape[1] > self.config.max_position_embeddings:
-            raise ValueError(f"Sequence length {x.shape[1]} exceeds max_position_embeddings="
-                             f"{self.config.max_position_embeddings}.")
+                if past_key_values is not None:
+                    position_ids = position_ids[:, cache_position]
         cos, sin = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
         cos, sin = cos.to(x.dtype)[:, None], sin.to(x.dtype)[:, None]
         attn_mask = None
         if attention_mask is not None and not bool(attention_mask.all()):
             attn_mask = attention_mask.bool()[:, None, None, :]
-        for layer in self.layers:
-            x = layer(x, cos, sin, attn_mask)
-        return self.norm(x)
+        new_cache = [] if use_cache else None
+        for index, layer in enumerate(self.layers):
+            layer_cache = None
+            if past_key_values is not None:
+                layer_cache = first_layer if index == 0 else past_key_values[index]
+            x, key_values = layer(x, cos, sin, attn_mask, layer_cache, cache_position)
+            if use_cache:
+                new_cache.append(key_values)
+        return self.norm(x), new_cache
 
 
 class DreamModel(DreamPreTrainedModel):
@@ -256,30 +348,41 @@ class DreamModel(DreamPreTrainedModel):
         position_ids: torch.LongTensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        past_key_values: KeyValueCache | None = None,
+        cache_position: torch.Tensor | None = None,
+        use_cache: bool = False,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """Logits [B, n', V] of the n input positions, unshifted: all of them (`logits_to_keep` = 0), the last
         `logits_to_keep` (an int), or those at the indices `logits_to_keep` (a 1-D tensor into the n inputs).
 
-        `attention_mask` [B, n] (1 = real token, 0 = padding) hides padded keys from every query: attention is
-        otherwise full (bidirectional). `position_ids` [B, n] default to the real tokens numbered from 0 in each row
-        (cumsum(attention_mask) - 1, as the official generation passes them for left-padded prompts), or 0..n-1
-        without a mask; so a left-padded row's real tokens get the logits they would get unpadded.
+        `attention_mask` (1 = real token, 0 = padding) hides padded keys from every query: attention is otherwise
+        full (bidirectional). It covers the inputs [B, n], or with `past_key_values` every cached position [B, T].
+        `position_ids` [B, n] default to the real tokens numbered from 0 in each row (cumsum(attention_mask) - 1 over
+        the whole canvas, as the official generation passes them for left-padded prompts, read at `cache_position`
+        with a cache), or the inputs' canvas positions `cache_position` (default 0..n-1) without a mask; so a
+        left-padded row's real tokens get the logits they would get unpadded.
+
+        `past_key_values` (from a forward with `use_cache=True` over the whole canvas: per layer (keys, values)
+        [B, num_key_value_heads, T, head_dim], keys with RoPE; or any sequence of such pairs, e.g. an
+        `FP8KeyValueCache`) is written at `cache_position` [n] (the inputs' canvas indices; in place, into a copy
+        under grad) and attended to at every position. `use_cache=True` returns the layers' (keys, values) in the
+        output's `past_key_values` (the updated cache with `past_key_values`, a new one without).
         """
-        unexpected = {k for k, v in kwargs.items() if v is not None and k != "return_dict" and
-                      not (k == "use_cache" and not v)}
+        unexpected = {k for k, v in kwargs.items() if v is not None and k != "return_dict"}
         if unexpected:
-            raise TypeError(f"DreamModel.forward got unsupported arguments: {sorted(unexpected)} (Dream has no "
-                            "key/value cache in dllm_ais yet)")
+            raise TypeError(f"DreamModel.forward got unsupported arguments: {sorted(unexpected)} (supported: "
+                            "input_ids, attention_mask, position_ids, inputs_embeds, logits_to_keep, "
+                            "past_key_values, cache_position, use_cache, return_dict)")
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
         x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        x = self.model(x, attention_mask, position_ids)
+        x, new_cache = self.model(x, attention_mask, position_ids, past_key_values, cache_position, bool(use_cache))
         if isinstance(logits_to_keep, torch.Tensor):
             x = x[:, logits_to_keep]
         elif logits_to_keep:
             x = x[:, -logits_to_keep:]
-        return CausalLMOutputWithPast(logits=self.lm_head(x))
+        return CausalLMOutputWithPast(logits=self.lm_head(x), past_key_values=new_cache)
 
 
 def register_with_auto_classes() -> None:
