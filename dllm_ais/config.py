@@ -77,7 +77,7 @@ class GRPOConfig:
         "help": f"Hub id or local directory of the policy; {', '.join(map(repr, EMBEDDED_MODELS))} = the tiny models "
                 "shipped with the package (LLaDA and Qwen3 on digits and on chain sums)."})
     policy: str = field(default="auto", metadata={**choice(*POLICIES),
-        "help": "diffusion (LLaDA-style masked diffusion) or autoregressive; auto: diffusion iff model_type is llada."})
+        "help": "diffusion (LLaDA-style masked diffusion) or autoregressive; auto: diffusion for llada and Dream."})
     dtype: str = field(default="auto", metadata={**choice(*DTYPES),
         "help": "Trainer weights dtype; auto = bfloat16 on CUDA, float32 on CPU."})
     trust_remote_code: bool = field(default=False, metadata={"help": "Passed to from_pretrained (not needed for LLaDA)."})
@@ -113,8 +113,9 @@ class GRPOConfig:
     max_completion_length: int = field(default=256, metadata={"range": f"[1, {MAX_TOKENS}]",
         "help": "Completion length (diffusion gen_length)."})
     temperature: float = field(default=0.9, metadata=NON_NEGATIVE)
-    top_k: int = field(default=0, metadata={**NON_NEGATIVE, "help": "Autoregressive sampling only; 0 = off."})
-    top_p: float = field(default=1.0, metadata={"range": "(0, 1]", "help": "Autoregressive sampling only; 1 = off."})
+    top_k: int = field(default=0, metadata={**NON_NEGATIVE, "help": "Sample from the k most probable tokens; 0 = off."})
+    top_p: float = field(default=1.0, metadata={"range": "(0, 1]",
+        "help": "Sample from the top-p nucleus (diffusion: Dream's order, top-p then top-k); 1 = off."})
 
     # --- the pipeline's own stages: one group each ---
     rollout: RolloutSettings = field(default_factory=lambda: RolloutSettings(), metadata={GROUP: True})

@@ -22,22 +22,38 @@ from dllm_ais.tasks import get_task
 from dllm_ais.trackers import missing_tracker_problems
 
 
-def recipe_is_diffusion(config: GRPOConfig) -> bool:
-    """The recipe's policy family, without downloading weights (the model type from config.json if reachable, else
-    guessed from the model name)."""
-    if config.policy != "auto":
-        return is_diffusion(config.policy, None)
+NAME_HINTS_OF_MODEL_TYPES = {"llada": "llada", "dream": "Dream", "diffucoder": "Dream"}
+"""Without a reachable config.json, a model name containing one of these (any case) is taken for that model_type."""
+
+
+def recipe_model_type(config: GRPOConfig) -> str | None:
+    """The recipe model's model_type without downloading weights: from its config.json if reachable, else guessed
+    from the model name (`NAME_HINTS_OF_MODEL_TYPES`); None when neither tells."""
     try:
-        model_type = load_model_config(config.model_name_or_path, config.trust_remote_code).model_type
+        return load_model_config(config.model_name_or_path, config.trust_remote_code).model_type
     except (OSError, ValueError):
-        model_type = "llada" if "llada" in config.model_name_or_path.lower() else None
-    return is_diffusion(config.policy, model_type)
+        name = config.model_name_or_path.lower()
+        return next((model_type for hint, model_type in NAME_HINTS_OF_MODEL_TYPES.items() if hint in name), None)
 
 
-def stand_in_model(diffusion: bool, tokenizer) -> torch.nn.Module:
-    """A randomly initialised tiny model of the recipe's family over the embedded tokenizer's vocabulary."""
+def recipe_is_diffusion(config: GRPOConfig) -> bool:
+    """The recipe's policy family, without downloading weights (`recipe_model_type`)."""
+    return is_diffusion(config.policy, recipe_model_type(config) if config.policy == "auto" else None)
+
+
+def stand_in_model(diffusion: bool, tokenizer, model_type: str | None = None) -> torch.nn.Module:
+    """A randomly initialised tiny model of the recipe's family over the embedded tokenizer's vocabulary: a Dream
+    for model_type Dream, else a LLaDA for a diffusion recipe and a Qwen3 for an autoregressive one."""
     torch.manual_seed(0)
     vocab = len(tokenizer)
+    if diffusion and model_type == "Dream":
+        from dllm_ais.models import DreamConfig, DreamModel
+
+        return DreamModel(DreamConfig(
+            vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=4096, mask_token_id=tokenizer.mask_token_id,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.eos_token_id))
     if diffusion:
         from dllm_ais.models import LLaDAConfig, LLaDAModelLM
 
@@ -90,6 +106,7 @@ def run_one_step_on_stand_in(config: GRPOConfig, output_dir: str) -> dict:
         dry_run=False, resume_from_checkpoint=None, overwrite_output_dir=False, lora_target_modules=None,
         output_dir=output_dir)
     tokenizer = load_tokenizer(EMBEDDED_MODEL)
-    trainer = GRPOTrainer(small, model=stand_in_model(diffusion, tokenizer), tokenizer=tokenizer,
+    model = stand_in_model(diffusion, tokenizer, recipe_model_type(config))
+    trainer = GRPOTrainer(small, model=model, tokenizer=tokenizer,
                           train_dataset=dry_run_dataset(config))
     return trainer.train().history[-1]

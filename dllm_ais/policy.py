@@ -22,6 +22,7 @@ from dllm_ais.likelihood import (
     scored_positions, whole_piece,
 )
 from dllm_ais.loading import SpecialTokens, special_tokens
+from dllm_ais.models.families import DIFFUSION_MODEL_TYPES
 from dllm_ais.sampling.autoregressive import AutoregressiveSampler, AutoregressiveSamplerConfig
 from dllm_ais.sampling.diffusion import DiffusionSamplerConfig, MaskedDiffusionSampler, resolve_remasking_rule
 from dllm_ais.rollout import Rollout
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 LORA_TARGET_PRESETS: dict[str, str | list[str]] = {
     # `ff_out` names both each block's down-projection and LLaDA's LM head: the regex pins it to blocks.N.
     "llada": r".*\.blocks\.\d+\.(q_proj|k_proj|v_proj|attn_out|ff_proj|up_proj|ff_out)",
+    "Dream": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
     "qwen3": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
     "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
     "qwen2": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
@@ -229,9 +231,10 @@ def overrides(sampler: MaskedDiffusionSampler, stage: str) -> bool:
 
 def is_diffusion(policy: str, model_type: str | None) -> bool:
     """Whether the `policy` setting (auto, diffusion or autoregressive) names a masked-diffusion policy for a model
-    of `model_type`: with auto, whether the model is LLaDA."""
+    of `model_type`: with auto, whether the model is of a masked-diffusion family (LLaDA, Dream:
+    `dllm_ais.models.families`)."""
     if policy == "auto":
-        return model_type == "llada"
+        return model_type in DIFFUSION_MODEL_TYPES
     return policy == "diffusion"
 
 
@@ -239,7 +242,8 @@ CONFIG_FIELD_OF_SAMPLER_SETTING = {
     "gen_length": "max_completion_length", "block_length": "rollout.block_length", "steps": "rollout.steps",
     "remasking": "rollout.remasking", "cfg_scale": "rollout.cfg_scale", "cache": "rollout.cache",
     "cache_refresh_interval": "rollout.cache_refresh_interval", "cache_dtype": "rollout.cache_dtype",
-    "threshold": "rollout.threshold", "factor": "experimental.rollout_factor"}
+    "threshold": "rollout.threshold", "factor": "experimental.rollout_factor", "schedule": "rollout.schedule",
+    "position_temperature": "rollout.position_temperature", "top_p": "top_p", "top_k": "top_k"}
 """The `GRPOConfig` field behind each `DiffusionSamplerConfig` setting the config sets (temperature and the special
 token ids come from elsewhere)."""
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dllm_ais.choices import (
-    ALPHA_RULES, CACHE_DTYPES, CACHE_MODES, CORRECTION_METHODS, ESTIMATORS, FIDELITY_MODES, IS_LEVELS, LIKELIHOOD_DECODERS,
+    ALPHA_RULES, CACHE_DTYPES, CACHE_MODES, COMMIT_SCHEDULES, CORRECTION_METHODS, ESTIMATORS, FIDELITY_MODES, IS_LEVELS, LIKELIHOOD_DECODERS,
     LIKELIHOOD_ORDERS, PRECISIONS, RATIO_TYPES,
 )
 from dllm_ais.validation import field_problems
@@ -70,7 +70,8 @@ class RolloutSettings(SettingsGroup):
     steps: int = field(default=128, metadata={**AT_LEAST_ONE, "help": "Denoising steps over the whole completion."})
     block_length: int = field(default=32, metadata={**AT_LEAST_ONE, "help": "Semi-autoregressive block length."})
     remasking: str = field(default="low_confidence", metadata={
-        "help": "Remasking rule name (low_confidence, random, or one registered with register_remasking_rule)."})
+        "help": "Which masked positions commit first: low_confidence, random, left_to_right (LLaDA); maskgit_plus, "
+                "topk_margin, entropy, origin (Dream); or a rule registered with register_remasking_rule."})
     cfg_scale: float = field(default=0.0, metadata={**NON_NEGATIVE,
         "help": "Classifier-free guidance s: logits = u + (s + 1)(c - u), u with the prompt masked (two forwards per "
                 "step); every likelihood estimator scores the guided logits, as sampled (as d1)."})
@@ -86,6 +87,12 @@ class RolloutSettings(SettingsGroup):
     threshold: float | None = field(default=None, metadata={"range": "[0, 1]",
         "help": "Parallel decoding: commit every block position with confidence > this (>= 1 per step; Fast-dLLM: "
                 "0.9); steps then no longer applies. null = the fixed step schedule."})
+    schedule: str = field(default="even", metadata={**choice(*COMMIT_SCHEDULES),
+        "help": "Tokens committed per step: even = LLaDA's split of each block over its steps; time_linear = "
+                "Dream's floor(n (1 - s/t)) of the n still masked, t = linspace(1, 1e-3, steps + 1)."})
+    position_temperature: float = field(default=0.0, metadata={**NON_NEGATIVE,
+        "help": "Dream's alg_temp: > 0 draws the committed positions from softmax(score / T) instead of taking the "
+                "top scores; 0 = top scores."})
 
     def rule_problems(self) -> list[str]:
         if self.cache_dtype != "none" and self.cache == "none":

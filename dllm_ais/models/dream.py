@@ -48,7 +48,7 @@ from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from dllm_ais.models.llada import RMSNorm, apply_rotary, rotary_cos_sin
+from .llada import RMSNorm, apply_rotary, rotary_cos_sin  # relative: an export ships both files as remote code
 
 __all__ = ["DreamConfig", "DreamBaseModel", "DreamModel"]
 

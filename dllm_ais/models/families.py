@@ -68,15 +68,20 @@ def position_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.T
     last `logits_to_keep` (an int), or the canvas positions of a 1-D tensor, whatever the family.
 
     An unshifted family is asked for those positions (``model(..., logits_to_keep=...)``); a shifted one for
-    `logit_source_positions` of them, so its LM head too runs at K positions only. `shifted` None = from the model's
+    `logit_source_positions` of them, so its LM head too runs at K positions only. All positions are one plain
+    forward (``shift_logits_right`` of it for a shifted family). `shifted` None = from the model's
     model_type. Extra keyword arguments go to the forward.
     """
     shifted = logits_are_shifted(model) if shifted is None else shifted
-    if shifted:
-        length = input_ids.shape[1]
-        if not isinstance(logits_to_keep, torch.Tensor):
-            logits_to_keep = torch.arange(length - logits_to_keep if logits_to_keep else 0, length,
-                                          device=input_ids.device)
-        logits_to_keep = logit_source_positions(logits_to_keep, True)
-    output = model(input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep, **forward_kwargs)
-    return output.logits if hasattr(output, "logits") else output
+    keep_all = not isinstance(logits_to_keep, torch.Tensor) and not logits_to_keep
+    if keep_all:  # one full forward, whatever the model's forward makes of logits_to_keep
+        output = model(input_ids, attention_mask=attention_mask, **forward_kwargs)
+    else:
+        if shifted:
+            length = input_ids.shape[1]
+            if not isinstance(logits_to_keep, torch.Tensor):
+                logits_to_keep = torch.arange(length - logits_to_keep, length, device=input_ids.device)
+            logits_to_keep = logit_source_positions(logits_to_keep, True)
+        output = model(input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep, **forward_kwargs)
+    logits = output.logits if hasattr(output, "logits") else output
+    return shift_logits_right(logits) if keep_all and shifted else logits
