@@ -5,8 +5,9 @@ The card (`huggingface_hub.ModelCard` / `ModelCardData`) names the base model by
 path), the training recipe (`dllm_ais_config.yaml` beside the source: rollout precision, correction, likelihood
 estimator, ...) and, when a `dllm-ais eval` report of this model is found or given, its results table.
 
-An exported LLaDA carries our modeling file (`modeling_llada.py`, which imports only torch and transformers) and an
-`auto_map` in config.json, so `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)` loads it without
+An exported masked-diffusion model carries our modeling files (LLaDA: `modeling_llada.py`; Dream: `modeling_dream.py`
+with the `llada.py` it shares norms and RoPE with; they import only torch and transformers) and an `auto_map` in
+config.json (`REMOTE_CODE`), so `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)` loads it without
 dllm-ais installed. With `import dllm_ais` the registered native class is used instead, remote code or not:
 transformers (5.x) prefers a model type registered outside `transformers.*` over a checkpoint's `auto_map`.
 """
@@ -21,6 +22,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dataclasses import dataclass
+import importlib
+
 import torch
 from transformers import AutoTokenizer
 
@@ -28,9 +32,30 @@ from dllm_ais.config import EMBEDDED_MODELS, ConfigError, GRPOConfig, canonical_
 from dllm_ais.run_dir import MARKER, atomic_directory, check_destination
 from dllm_ais.loading import load_model, resolve_model_path
 
-REMOTE_CODE_FILE = "modeling_llada.py"
-LLADA_AUTO_MAP = {"AutoConfig": "modeling_llada.LLaDAConfig", "AutoModel": "modeling_llada.LLaDAModelLM",
-                  "AutoModelForCausalLM": "modeling_llada.LLaDAModelLM"}
+@dataclass(frozen=True)
+class RemoteCode:
+    """What an export of a model_type outside transformers ships so that transformers alone loads it: `files`
+    (exported name → our module under dllm_ais/models) and the config's `auto_map`."""
+
+    family: str
+    files: dict[str, str]
+    auto_map: dict[str, str]
+
+    @property
+    def main_file(self) -> str:
+        return next(iter(self.files))
+
+
+REMOTE_CODE = {
+    "llada": RemoteCode("LLaDA", {"modeling_llada.py": "llada"}, {
+        "AutoConfig": "modeling_llada.LLaDAConfig", "AutoModel": "modeling_llada.LLaDAModelLM",
+        "AutoModelForCausalLM": "modeling_llada.LLaDAModelLM"}),
+    "Dream": RemoteCode("Dream", {"modeling_dream.py": "dream", "llada.py": "llada"}, {
+        "AutoConfig": "modeling_dream.DreamConfig", "AutoModel": "modeling_dream.DreamModel",
+        "AutoModelForCausalLM": "modeling_dream.DreamModel"}),
+}
+REMOTE_CODE_FILE = REMOTE_CODE["llada"].main_file
+LLADA_AUTO_MAP = REMOTE_CODE["llada"].auto_map
 TRAINING_CONFIG = "dllm_ais_config.yaml"
 EVAL_REPORT_DIRECTORY = "eval_results"  # where `dllm-ais eval` writes its reports by default
 MAX_REPORT_BYTES = 64 * 2**20
@@ -123,25 +148,25 @@ def find_eval_report(source: Path) -> Path | None:
     return max(found)[1] if found else None
 
 
-def loading_instructions(name: str, llada: bool) -> str:
-    """The card's "How to load" section for the model published as `name`."""
-    if not llada:
+def loading_instructions(name: str, remote: RemoteCode | None) -> str:
+    """The card's "How to load" section for the model published as `name` (`remote`: the remote code it ships)."""
+    if remote is None:
         return ("```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
                 f'model = AutoModelForCausalLM.from_pretrained("{name}", dtype="auto")\n'
                 f'tokenizer = AutoTokenizer.from_pretrained("{name}")\n```\n')
     return (
-        "With dllm-ais installed, its registered native implementation loads the model (no remote code):\n\n```python\nimport torch, dllm_ais  # registers LLaDA with the transformers Auto classes\n"
+        "With dllm-ais installed, its registered native implementation loads the model (no remote code):\n\n```python\nimport torch, dllm_ais  # registers {remote.family} with the transformers Auto classes\n"
         "from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
         f'model = AutoModelForCausalLM.from_pretrained("{name}", dtype=torch.bfloat16)\n'
         f'tokenizer = AutoTokenizer.from_pretrained("{name}")\n```\n\n'
-        f"With transformers alone, the same implementation ships here as `{REMOTE_CODE_FILE}` (it imports only torch "
-        "and transformers):\n\n```python\n"
+        f"With transformers alone, the same implementation ships here as `{'` and `'.join(remote.files)}` (it imports "
+        "only torch and transformers):\n\n```python\n"
         f'model = AutoModelForCausalLM.from_pretrained("{name}", dtype=torch.bfloat16, trust_remote_code=True)\n```\n\n'
-        "LLaDA is a masked-diffusion model: sample with dllm-ais' `MaskedDiffusionSampler` (or "
+        f"{remote.family} is a masked-diffusion model: sample with dllm-ais' `MaskedDiffusionSampler` (or "
         f"`dllm-ais generate --model {name}`), not with `model.generate`.\n")
 
 
-def model_card(name: str, base_model: str | None, llada: bool, recipe: dict[str, Any] | None,
+def model_card(name: str, base_model: str | None, remote: RemoteCode | None, recipe: dict[str, Any] | None,
                report: dict[str, Any] | None, report_name: str | None, source_name: str):
     """The export's `huggingface_hub.ModelCard`: metadata (base model, library, tags) and a body with the training
     recipe, the evaluation table and how to load the model. Nothing in it is a local absolute path."""
@@ -155,9 +180,9 @@ def model_card(name: str, base_model: str | None, llada: bool, recipe: dict[str,
     tags = ["dllm-ais", "grpo", "reinforcement-learning"]
     tags += [f"rollout-{settings['rollout.precision']}"] if "rollout.precision" in settings else []
     tags += [f"correction-{settings['correction.method']}"] if "correction.method" in settings else []
-    tags += ["llada", "masked-diffusion", "custom_code"] if llada else []
+    tags += [remote.family.lower(), "masked-diffusion", "custom_code"] if remote else []
     data = ModelCardData(base_model=base_model if base_model and is_hub_id(base_model) else None,
-                         library_name="transformers", tags=tags, pipeline_tag=None if llada else "text-generation")
+                         library_name="transformers", tags=tags, pipeline_tag=None if remote else "text-generation")
     origin = f"`{base_model}`" if base_model else "a local model"
     lines = [f"# {name.rsplit('/', 1)[-1]}", "",
              f"Fine-tuned from {origin} with dllm-ais {__version__}: GRPO with "
@@ -176,7 +201,7 @@ def model_card(name: str, base_model: str | None, llada: bool, recipe: dict[str,
         lines += ["## Evaluation", "", markdown_table(shown).rstrip(), "",
                   f"From the `dllm-ais eval` report `{report_name}`, which also records the seed, the library "
                   "versions, the command and every prompt's values.", ""]
-    lines += ["## How to load", "", loading_instructions(name, llada)]
+    lines += ["## How to load", "", loading_instructions(name, remote)]
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines))
 
 
@@ -190,7 +215,8 @@ def export_merged_model(adapter_or_model_dir: str | Path, output_dir: str | Path
                         push_to_hub: str | None = None, overwrite: bool = False, *, private: bool = False,
                         eval_report: str | Path | None = None) -> Path:
     """Merge a LoRA adapter into its base model and write a Hub-layout model directory: safetensors, tokenizer,
-    config, the model card (`model_card`) and, for LLaDA, `modeling_llada.py` with an `auto_map`.
+    config, the model card (`model_card`) and, for a masked-diffusion family, its modeling files with an `auto_map`
+    (`REMOTE_CODE`).
 
     `output_dir` must be absent or empty, or — with `overwrite` — an earlier export (checked before anything loads).
     `eval_report` is a `dllm-ais eval` JSON report whose table goes into the card (default: the newest report of
@@ -214,17 +240,15 @@ def export_merged_model(adapter_or_model_dir: str | Path, output_dir: str | Path
         base = recipe.get("model_name_or_path") if recipe else None
     tokenizer_source = source if (source / "tokenizer_config.json").is_file() else resolve_model_path(base)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
-    llada = model.config.model_type == "llada"
-    if llada:
-        model.config.auto_map = dict(LLADA_AUTO_MAP)
+    remote = REMOTE_CODE.get(model.config.model_type)
+    if remote:
+        model.config.auto_map = dict(remote.auto_map)
     with atomic_directory(output_dir, overwrite) as staging:
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
-        if llada:
-            from dllm_ais.models import llada as llada_module
-
-            shutil.copyfile(llada_module.__file__, staging / REMOTE_CODE_FILE)
-        card = model_card(push_to_hub or output_dir.name, portable_name(base), llada, recipe, report,
+        for exported_name, module in (remote.files.items() if remote else ()):
+            shutil.copyfile(importlib.import_module(f"dllm_ais.models.{module}").__file__, staging / exported_name)
+        card = model_card(push_to_hub or output_dir.name, portable_name(base), remote, recipe, report,
                           report_path.name if report_path is not None else None, source.name)
         card.save(staging / "README.md")
     if push_to_hub:

@@ -127,7 +127,7 @@ def test_a_local_base_model_is_named_without_its_path(tmp_path):
     assert portable_name(str(local)) == "<local>/my-llada"
     assert portable_name("GSAI-ML/LLaDA-8B-Instruct") == "GSAI-ML/LLaDA-8B-Instruct"
     assert portable_name(str(EMBEDDED_MODELS["embedded"])) == "<local>/tiny_llada"
-    card = str(model_card("me/model", portable_name(str(local)), llada=False, recipe=None, report=None,
+    card = str(model_card("me/model", portable_name(str(local)), remote=None, recipe=None, report=None,
                           report_name=None, source_name="final"))
     assert "base_model" not in card.split("---")[1] and str(tmp_path) not in card and "<local>/my-llada" in card
 
@@ -175,3 +175,29 @@ def test_push_to_hub_uploads_once_and_offline_says_the_copy_is_complete_and_how_
     assert args == ("me/model",) and kwargs["private"] is True
     assert upload["folder_path"] == output and upload["repo_id"] == "me/model" and MARKER in upload["ignore_patterns"]
     assert 'from_pretrained("me/model"' in (output / "README.md").read_text()
+
+
+@pytest.mark.slow  # a fresh Python process loads the export
+def test_an_exported_dream_loads_with_transformers_alone(tmp_path):
+    from transformers import AutoTokenizer
+
+    from dllm_ais.models import DreamConfig, DreamModel
+
+    tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_MODELS["embedded"])
+    torch.manual_seed(0)
+    model = DreamModel(DreamConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   mask_token_id=tokenizer.mask_token_id, pad_token_id=tokenizer.pad_token_id,
+                                   eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id))
+    model.save_pretrained(tmp_path / "dream")
+    tokenizer.save_pretrained(tmp_path / "dream")
+    merged = export_merged_model(tmp_path / "dream", tmp_path / "merged", torch.float32)
+    config = json.loads((merged / "config.json").read_text())
+    assert config["model_type"] == "Dream" and config["auto_map"]["AutoModelForCausalLM"] == "modeling_dream.DreamModel"
+    assert "masked-diffusion" in (merged / "README.md").read_text() and (merged / "llada.py").is_file()
+    remote = fresh_python(BLOCK_DLLM_AIS + LOAD, merged, tmp_path / "remote", tmp_path=tmp_path)
+    assert "custom code" in remote["False"]["error"]
+    assert remote["True"]["module"].endswith("modeling_dream")
+    with torch.no_grad():
+        expected = model(torch.tensor(PROMPT_IDS)).logits
+    torch.testing.assert_close(torch.load(tmp_path / "remote-True.pt", weights_only=True), expected)
