@@ -1,5 +1,6 @@
 """Config validation, recipes, overrides and the `dllm-ais` CLI end to end on the embedded model."""
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -128,6 +129,7 @@ def test_cli_train_eval_generate_export_on_the_embedded_model(tmp_path, capsys):
 
 @pytest.mark.parametrize("recipe, family", [("llada8b_gsm8k_lora_fp8_ais.yaml", "diffusion"),
                                             ("llada8b_gsm8k_ar_order.yaml", "diffusion"),
+                                            ("dream7b_gsm8k_lora_fp8_ais.yaml", "diffusion"),
                                             ("qwen3_8b_gsm8k_lora_fp8_ais.yaml", "autoregressive")])
 def test_dry_run_of_the_gpu_recipes_runs_one_step_on_cpu(capsys, monkeypatch, tmp_path, recipe, family):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
@@ -135,6 +137,16 @@ def test_dry_run_of_the_gpu_recipes_runs_one_step_on_cpu(capsys, monkeypatch, tm
     out = capsys.readouterr().out
     assert "dry run OK" in out and f"policy={family}" in out
     assert list(tmp_path.iterdir()) == []  # the stand-in's scratch run is removed
+
+
+def test_a_dream_recipe_gets_a_dream_stand_in():
+    from dllm_ais.dry_run import recipe_model_type, stand_in_model
+    from dllm_ais.loading import load_tokenizer
+
+    config = load_config(ROOT / "recipes" / "dream7b_gsm8k_lora_fp8_ais.yaml")
+    assert recipe_model_type(dataclasses.replace(config, model_name_or_path="/nonexistent/Dream-v0-Instruct-7B")) == "Dream"
+    stand_in = stand_in_model(True, load_tokenizer("embedded"), "Dream")
+    assert stand_in.config.model_type == "Dream" and stand_in.config.mask_token_id is not None
 
 
 def test_cli_trains_the_tiny_qwen3_through_the_shared_loop(tmp_path, capsys):

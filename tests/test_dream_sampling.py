@@ -3,6 +3,7 @@
 recorded log-probs against every scorer (the logit shift applied once, in `dllm_ais.models.families`), and the block
 cache."""
 
+import dataclasses
 import math
 
 import pytest
@@ -217,11 +218,18 @@ def test_a_different_rule_is_told_apart_by_the_distribution_test():
     dict(block_length=8, steps=8, schedule="time_linear", remasking="origin"),
 ])
 def test_trajectory_replay_equals_the_recorded_log_probs(settings):
+    """The replay scores the unfiltered logits: equal to the recorded log-probs without top-p / top-k, and below them
+    with a filter (the draw renormalised over fewer tokens), which is what the trajectory ratio sees of it."""
     model = tiny_dream()
     ids, mask = prompts()
     sampler = MaskedDiffusionSampler(DiffusionSamplerConfig(gen_length=8, temperature=0.8, **settings))
     rollout = sampler.sample(model, ids, mask, generator=torch.Generator().manual_seed(0))
     replayed = trajectory_logprobs(model, rollout, MASK, 0.8, logits_fn=sampler.scoring_logits)
+    if "top_p" in settings or "top_k" in settings:
+        assert (replayed <= rollout.step_logprobs + 1e-5).all() and (replayed < rollout.step_logprobs - 1e-3).any()
+        unfiltered = dataclasses.replace(sampler.config, top_p=1.0, top_k=0)
+        rollout = sampler.with_config(unfiltered).sample(model, ids, mask, generator=torch.Generator().manual_seed(0))
+        replayed = trajectory_logprobs(model, rollout, MASK, 0.8, logits_fn=sampler.scoring_logits)
     torch.testing.assert_close(replayed, rollout.step_logprobs, rtol=1e-5, atol=1e-5)
 
 

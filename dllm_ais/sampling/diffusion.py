@@ -340,8 +340,10 @@ class DiffusionSamplerConfig:
             Steps at which no row commits a token run no forward.
         schedule_eps: ε, the last time of the time-linear schedule (Dream's ``eps``, 1e-3).
         top_p, top_k: the tokens a candidate may be drawn from: the top-p nucleus of softmax(logits / τ), then its
-            top k (Dream's ``top_p`` / ``top_k``; `filter_top_p_top_k`); 1 and 0 = off. Applied in `block_logits`,
-            so every estimator scores the filtered distribution.
+            top k (Dream's ``top_p`` / ``top_k``; `filter_top_p_top_k`); 1 and 0 = off. The remasking rule and the
+            recorded log-probs see the filtered distribution (what was drawn from); the estimators score the
+            unfiltered logits (`scoring_logits`, `decoder_logits`), so the trajectory ratio sees the filter as an
+            approximation of the rollout, as TRL and verl score theirs.
         position_temperature: > 0 draws the committed positions from softmax(score / T) without replacement instead
             of taking the top scores (Dream's ``alg_temp``); 0 = top scores.
         logits_shifted: whether the model's logits at position i − 1 predict position i (Dream);
@@ -690,6 +692,7 @@ class MaskedDiffusionSampler:
                     cache.refresh = config.refreshes_cache(forwards_in_block)
                 forwards_in_block += 1
                 logits = self.block_logits(model, canvas, canvas_attention, prompt_length, block, token_ids, cache)
+                logits = filter_top_p_top_k(logits, config.temperature, config.top_p, config.top_k)
                 # Tokens are drawn only for still-masked positions, gathered to the front of a [B, M, V] tensor.
                 active = masked_positions_first(still_masked, max(masked_left))
                 if forced_completion is None:
@@ -803,9 +806,8 @@ class MaskedDiffusionSampler:
         `BlockCache.block_forward`); while scoring (`scoring_logits`), a 1-D tensor of canvas positions, no cache.
 
         With cfg_scale s > 0 the canvas and a copy with every prompt position (padding included) set to the mask id
-        run as one [2B] forward (the cache then holds both halves), and ``logits = u + (s + 1)(c − u)``. Then the
-        top-p / top-k filter (`filter_top_p_top_k`), when set. For a shifted family (``token_ids.logits_shifted``)
-        the logits predicting position i are the forward's at i − 1.
+        run as one [2B] forward (the cache then holds both halves), and ``logits = u + (s + 1)(c − u)``. For a
+        shifted family (``token_ids.logits_shifted``) the logits predicting position i are the forward's at i − 1.
 
         An override (another guidance, a logit bias, ...) must handle both kinds of `block` (``logits[:, block]``
         and ``canvas[:, block]`` do) and is scored exactly as it samples: the likelihood estimators call it through
@@ -825,7 +827,7 @@ class MaskedDiffusionSampler:
         if scale > 0:
             conditional, unconditional = logits.chunk(2)
             logits = unconditional + (scale + 1) * (conditional - unconditional)
-        return filter_top_p_top_k(logits, self.config.temperature, self.config.top_p, self.config.top_k)
+        return logits
 
     def scoring_logits(
         self,
