@@ -224,11 +224,11 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     config = inference_config(args, overrides)
     task = get_task(config.task)
     output = eval_output_path(args, config.task)
-    protocol = EvalProtocol.for_task(task, args.gen_lengths, args.block_length, args.temperature)
+    protocol = EvalProtocol.for_task(task, args.gen_lengths, args.block_length, args.temperature, args.protocol)
     reward_funcs = resolve_reward_functions(config.reward_funcs or list(task.reward_funcs))
     model, tokenizer = _load_for_inference(args, config)
     odd = [length for length in protocol.gen_lengths if length % 2]
-    if odd and is_diffusion(config.policy, model.config.model_type):
+    if odd and protocol.name == "d1" and is_diffusion(config.policy, model.config.model_type):
         raise ConfigError(f"--gen_lengths {','.join(map(str, odd))}: the protocol denoises in gen_length / 2 steps, "
                           "so every gen length must be even (e.g. 16,32).")
     try:  # every gen length's sampler is checked before the first one runs
@@ -251,7 +251,8 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     report = {
         "task": config.task, "split": args.split, "full_split": args.limit is None,
         "dataset": dataset_provenance(task, args.split, config.dataset_path, dataset, config.task_args),
-        "protocol": {"name": "d1" if protocol == EvalProtocol.for_task(task) else "custom", **protocol.to_dict(),
+        "protocol": {**protocol.to_dict(),
+                     "name": protocol.name if protocol == EvalProtocol.for_task(task, name=protocol.name) else "custom",
                      "batch_size": batch_size},
         "seed": config.seed, "model": model_provenance(config.model_name_or_path, model),
         "dtype": str(resolve_dtype(config.dtype)).removeprefix("torch."), "rollout_precision": args.precision,
@@ -455,6 +456,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "trust_remote_code or imports 'module:function' rewards: pass --trust_remote_code=true or "
                     "--reward_funcs=[...] yourself.")
     evaluate.add_argument("--split", default="test", choices=("test", "validation", "train"))
+    evaluate.add_argument("--protocol", default="d1", choices=("d1", "dream"),
+                          help="d1 (any diffusion model; the default) or dream: Dream's own greedy decoding (one block, "
+                               "a step per token, entropy rule, time-linear schedule)")
     evaluate.add_argument("--gen_lengths", type=comma_separated_ints,
                           help="comma-separated completion lengths (default: the task's, 128,256,512)")
     evaluate.add_argument("--block_length", type=int, help="diffusion block length (default: the task's, 32)")

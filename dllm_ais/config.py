@@ -49,18 +49,33 @@ SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 
 
 # d1's evaluation decoder, whatever the length: LLaDA's own sampler, no block cache, no parallel commits, no guidance
-D1_ROLLOUT = {"remasking": "low_confidence", "cache": "none", "cache_dtype": "none", "threshold": None,
-              "cache_refresh_interval": None, "cfg_scale": 0.0}
+D1_ROLLOUT = {"remasking": "low_confidence", "schedule": "even", "position_temperature": 0.0, "cache": "none",
+              "cache_dtype": "none", "threshold": None, "cache_refresh_interval": None, "cfg_scale": 0.0}
+DREAM_ROLLOUT = {**D1_ROLLOUT, "remasking": "entropy", "schedule": "time_linear"}
+
+
+def _exact_decoding(config: "GRPOConfig", gen_length: int, rollout: dict) -> "GRPOConfig":
+    """`config` decoding ``gen_length`` tokens with the rollout settings `rollout`, no top-p / top-k, no factor rule
+    and the rollout's own commit order."""
+    experimental = dataclasses.replace(config.experimental, rollout_factor=None, likelihood_order="rollout")
+    return dataclasses.replace(config, max_completion_length=gen_length, top_p=1.0, top_k=0, experimental=experimental,
+                               rollout=dataclasses.replace(config.rollout, **rollout))
 
 
 def with_d1_protocol(config: "GRPOConfig", gen_length: int, block_length: int | None = None) -> "GRPOConfig":
     """`config` decoding with d1's evaluation protocol at ``gen_length``: `D1_ROLLOUT`, blocks of
-    min(block_length, gen_length) (default: the config's), gen_length / 2 steps (two tokens per step), no factor rule
-    and the rollout's own commit order. Held-out validation and `dllm-ais eval` both decode with it."""
+    min(block_length, gen_length) (default: the config's), gen_length / 2 steps (two tokens per step). Held-out
+    validation and `dllm-ais eval` both decode with it, for every diffusion family."""
     block_length = min(block_length or config.rollout.block_length, gen_length)
-    rollout = dataclasses.replace(config.rollout, block_length=block_length, steps=max(gen_length // 2, 1), **D1_ROLLOUT)
-    experimental = dataclasses.replace(config.experimental, rollout_factor=None, likelihood_order="rollout")
-    return dataclasses.replace(config, max_completion_length=gen_length, rollout=rollout, experimental=experimental)
+    return _exact_decoding(config, gen_length, {**D1_ROLLOUT, "block_length": block_length,
+                                                "steps": max(gen_length // 2, 1)})
+
+
+def with_dream_protocol(config: "GRPOConfig", gen_length: int) -> "GRPOConfig":
+    """`config` decoding as Dream's own evaluation does (``diffusion_generate``), greedy: the whole completion as one
+    block, one step per token, Dream's entropy rule on its time-linear schedule (`DREAM_ROLLOUT`); `dllm-ais eval
+    --protocol dream`. Dream's published runs sample at temperature 0.1 with top-p 0.9; this protocol is greedy."""
+    return _exact_decoding(config, gen_length, {**DREAM_ROLLOUT, "block_length": gen_length, "steps": gen_length})
 
 
 

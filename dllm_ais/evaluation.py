@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from dllm_ais.config import D1_ROLLOUT, GRPOConfig, with_d1_protocol
+from dllm_ais.config import D1_ROLLOUT, DREAM_ROLLOUT, GRPOConfig, with_d1_protocol, with_dream_protocol
 from dllm_ais.loading import resolve_model_path
 from dllm_ais.policy import sample_prompts
 from dllm_ais.rewards import RewardTable, score_rollout_table
@@ -163,18 +163,26 @@ class EvalProtocol:
     gen_lengths: tuple[int, ...]
     block_length: int
     temperature: float = 0.0
+    name: str = "d1"
 
     @classmethod
     def for_task(cls, task: Task, gen_lengths: tuple[int, ...] | None = None, block_length: int | None = None,
-                 temperature: float = 0.0) -> "EvalProtocol":
-        """The task's protocol (d1's for the real tasks), with any of its settings replaced."""
-        return cls(tuple(gen_lengths or task.eval_gen_lengths), block_length or task.eval_block_length, temperature)
+                 temperature: float = 0.0, name: str = "d1") -> "EvalProtocol":
+        """The task's protocol (d1's for the real tasks, or with `name` "dream" Dream's decoding: `with_dream_protocol`),
+        with any of its settings replaced."""
+        return cls(tuple(gen_lengths or task.eval_gen_lengths), block_length or task.eval_block_length, temperature,
+                   name)
 
     def decoding(self, config: GRPOConfig, gen_length: int) -> GRPOConfig:
-        """`config` decoding with this protocol at ``gen_length`` (`with_d1_protocol`)."""
+        """`config` decoding with this protocol at ``gen_length`` (`with_d1_protocol` or `with_dream_protocol`)."""
+        if self.name == "dream":
+            return with_dream_protocol(config, gen_length)
         return with_d1_protocol(config, gen_length, self.block_length)
 
     def to_dict(self) -> dict[str, Any]:
+        if self.name == "dream":
+            return {**asdict(self), **DREAM_ROLLOUT, "block_length": "gen_length", "steps": "gen_length",
+                    "gen_lengths": list(self.gen_lengths)}
         return {**asdict(self), **D1_ROLLOUT, "steps": "gen_length / 2", "gen_lengths": list(self.gen_lengths)}
 
 

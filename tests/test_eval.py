@@ -11,7 +11,7 @@ import torch
 from transformers import AutoConfig
 
 from dllm_ais.cli import main
-from dllm_ais.config import EMBEDDED_MODELS, GRPOConfig
+from dllm_ais.config import EMBEDDED_MODELS, GRPOConfig, load_config
 from dllm_ais.data import load_task_dataset
 from dllm_ais.evaluation import EvalProtocol, evaluate_policy
 from dllm_ais.statistics import standard_error
@@ -20,6 +20,8 @@ from dllm_ais.policy import build_policy
 from dllm_ais.sampling.rollout import Rollout
 from dllm_ais.tasks import get_task
 from dllm_ais.trainer import GRPOTrainer
+
+ROOT = Path(__file__).parents[1]
 
 DATA = Path(__file__).parent / "data"
 HUB_SCHEMA_FILES = {task: task for task in ("gsm8k", "math500", "countdown", "sudoku")}  # directories: test.<ext>
@@ -66,12 +68,13 @@ def test_evaluate_policy_keeps_every_prompts_values_in_dataset_order():
 def test_the_protocol_is_d1s_for_real_tasks_and_the_embedded_recipes_for_digits():
     gsm8k, digits = EvalProtocol.for_task(get_task("gsm8k")), EvalProtocol.for_task(get_task("digits"))
     assert gsm8k == EvalProtocol((128, 256, 512), 32, 0.0)
-    d1_sampler = {"remasking": "low_confidence", "cache": "none", "cache_dtype": "none", "threshold": None,
-                  "cache_refresh_interval": None, "cfg_scale": 0.0}
-    # a model trained with fast rollouts (AR order, cache, threshold, factor) is still scored by LLaDA's own sampler
-    trained_fast = GRPOConfig(max_completion_length=32, experimental={"rollout_factor": 1.0},
+    d1_sampler = {"remasking": "low_confidence", "schedule": "even", "position_temperature": 0.0, "cache": "none",
+                  "cache_dtype": "none", "threshold": None, "cache_refresh_interval": None, "cfg_scale": 0.0}
+    # a model trained with fast rollouts (AR order, cache, threshold, factor) or Dream's decoding is still scored by
+    # LLaDA's own sampler
+    trained_fast = GRPOConfig(max_completion_length=32, experimental={"rollout_factor": 1.0}, top_p=0.9,
                               rollout={"remasking": "left_to_right", "cache": "prefix", "cache_dtype": "fp8",
-                                       "cfg_scale": 1.0})
+                                       "cfg_scale": 1.0, "schedule": "time_linear", "position_temperature": 0.5})
     for protocol, config, gen_length, block_length in ((gsm8k, GRPOConfig(), 256, 32), (digits, trained_fast, 16, 16)):
         decoding = protocol.decoding(config, gen_length)
         assert decoding.max_completion_length == gen_length and decoding.experimental.rollout_factor is None
@@ -98,7 +101,8 @@ def test_eval_on_the_embedded_digits_task_writes_the_report_and_table(tmp_path, 
     report = json.loads(output.read_text())
     assert report["task"] == "digits" and report["split"] == "test" and report["full_split"] is True
     assert report["protocol"] == {"name": "d1", "gen_lengths": [16], "block_length": 16, "temperature": 0.0,
-                                  "remasking": "low_confidence", "cache": "none", "cache_dtype": "none",
+                                  "remasking": "low_confidence", "schedule": "even", "position_temperature": 0.0,
+                                  "cache": "none", "cache_dtype": "none",
                                   "threshold": None, "cache_refresh_interval": None, "cfg_scale": 0.0,
                                   "steps": "gen_length / 2", "batch_size": 128}
     (entry,) = report["results"]
@@ -178,3 +182,15 @@ def test_the_trainer_scores_the_validation_split(tmp_path):
     assert trainer.eval_dataset["prompt"] == expected["prompt"]
     result = trainer.evaluate()
     assert result.per_prompt_reward.shape == (4,) and result.per_prompt_accuracy.shape == (4,)
+
+
+def test_the_dream_protocol_decodes_the_whole_completion_with_dreams_rule():
+    from dllm_ais.config import with_dream_protocol
+
+    config = load_config(ROOT / "recipes" / "dream7b_gsm8k_lora_fp8_ais.yaml")
+    decoding = EvalProtocol.for_task(get_task("gsm8k"), (256,), name="dream").decoding(config, 256)
+    assert decoding == with_dream_protocol(config, 256)
+    rollout = decoding.rollout
+    assert (rollout.block_length, rollout.steps, rollout.remasking, rollout.schedule, rollout.cache,
+            decoding.top_p, decoding.max_completion_length) == (256, 256, "entropy", "time_linear", "none", 1.0, 256)
+    assert EvalProtocol.for_task(get_task("gsm8k"), name="dream").to_dict()["steps"] == "gen_length"
