@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
 
 from dllm_ais.config import EMBEDDED_MODEL_DIR, GRPOConfig, set_override
-from dllm_ais.models import LLaDAConfig, LLaDAModelLM
+from dllm_ais.models import DreamConfig, DreamModel, LLaDAConfig, LLaDAModelLM
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -41,6 +41,14 @@ def bare_tiny_llada(mask_token_id: int, eos_token_id: int, seed: int = 0) -> LLa
         d_model=64, n_heads=4, n_kv_heads=4, n_layers=2, mlp_hidden_size=128, vocab_size=128, embedding_size=128,
         max_sequence_length=256, mask_token_id=mask_token_id, eos_token_id=eos_token_id,
         pad_token_id=eos_token_id)).eval()
+
+
+def tiny_dream(tokenizer, seed: int = 0) -> DreamModel:
+    torch.manual_seed(seed)
+    return DreamModel(DreamConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, mask_token_id=tokenizer.mask_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.eos_token_id))
 
 
 def tiny_qwen3(tokenizer, seed: int = 0):

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from conftest import tiny_llada, tiny_qwen3
+from conftest import tiny_dream, tiny_llada, tiny_qwen3
 from dllm_ais import grpo
 from conftest import config_of
 from dllm_ais.config import GRPOConfig
@@ -41,7 +41,7 @@ def lora_parameters(trainer):
     return {n: p.detach().clone() for n, p in trainer.unwrapped_model.named_parameters() if "lora_" in n}
 
 
-@pytest.mark.parametrize("model_fn", [tiny_llada, tiny_qwen3], ids=["llada", "qwen3"])
+@pytest.mark.parametrize("model_fn", [tiny_llada, tiny_dream, tiny_qwen3], ids=["llada", "dream", "qwen3"])
 def test_bf16_engine_is_on_policy_and_ais_reduces_to_plain_grpo(tokenizer, tmp_path, model_fn):
     trainer = make_trainer(tokenizer, tmp_path, model_fn, rollout={"precision": "bf16"}, correction={"method": "ais"})
     batch = trainer.make_generation_batch()
@@ -318,6 +318,36 @@ def test_lora_preset_wraps_every_llada_block_linear_and_never_the_head(tokenizer
     expected = {f"model.transformer.blocks.{i}.{leaf}" for i in range(2)
                 for leaf in ("q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj", "ff_out")}
     assert wrapped == expected
+
+
+@pytest.mark.parametrize("estimator", ["one_step", "trajectory", "step_merge", "elbo", "spg"])
+def test_every_estimator_scores_a_dream_on_policy_with_its_shift(tokenizer, tmp_path, estimator):
+    """A bf16 engine is the trainer: every estimator's rollout side (the engine's, or for the trajectory estimator the
+    sampler's recorded log-probs) equals the trainer's ℓ_old, which holds only if both read position i from the
+    logits at i − 1."""
+    trainer = make_trainer(tokenizer, tmp_path, tiny_dream, rollout={"precision": "bf16"},
+                           likelihood={"estimator": estimator, "segments": 2}, correction={"method": "tis"})
+    batch = trainer.make_generation_batch()
+    for diagnostics in batch.diagnostics:
+        assert diagnostics["rollout_corr/rollout_is_min"] == pytest.approx(1.0, abs=1e-4)
+        assert diagnostics["rollout_corr/rollout_is_max"] == pytest.approx(1.0, abs=1e-4)
+
+
+def test_a_dream_trains_with_fp8_rollouts_a_cache_and_dreams_decoding(tokenizer, tmp_path):
+    trainer = make_trainer(tokenizer, tmp_path, tiny_dream, max_steps=1, top_p=0.95,
+                           rollout={"precision": "fp8", "cache": "dual", "schedule": "time_linear",
+                                    "remasking": "entropy"},
+                           likelihood={"estimator": "trajectory"}, correction={"method": "ais"})
+    before = lora_parameters(trainer)
+    record = trainer.train().history[-1]
+    assert math.isfinite(record["loss"]) and record["rollout_corr/k3_kl"] > 0 and 0 <= record["ais/alpha"] <= 1
+    assert any(not torch.equal(before[name], value) for name, value in lora_parameters(trainer).items())
+
+
+def test_lora_preset_for_dream(tokenizer, tmp_path):
+    trainer = make_trainer(tokenizer, tmp_path, tiny_dream)
+    leaves = {n.rsplit(".", 1)[-1] for n, m in trainer.unwrapped_model.named_modules() if hasattr(m, "lora_A")}
+    assert leaves == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 
 
 def test_lora_preset_for_qwen3(tokenizer, tmp_path):
