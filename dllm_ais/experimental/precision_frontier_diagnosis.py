@@ -146,19 +146,28 @@ def reward_test(batches, ratios, engine_side: str, estimators: list[str], group_
         return values.view(-1, group_size).mean(1)
     reference = torch.stack([per_prompt(r) for _, r, _ in batches["bf16"]]).mean(0)
     estimates = {"raw": torch.stack([per_prompt(r) for _, r, _ in batches[engine_side]]).mean(0)}
+    means = {}
     for canvas in estimators:
-        values = []
+        values, plain, weights = [], [], []
         for (rollout, rewards, _), ratio in zip(batches[engine_side], ratios):
-            seq = (ratio[canvas] * rollout.completion_mask).sum(1).view(-1, group_size)
+            seq = (ratio[canvas] * rollout.completion_mask).sum(1)
+            weights.append(per_prompt(seq.exp()))
+            plain.append(per_prompt(seq.exp() * rewards))
+            seq = seq.view(-1, group_size)
             w = (seq - seq.max(1, keepdim=True).values).exp()
             values.append((w * rewards.view(-1, group_size)).sum(1) / w.sum(1))
         estimates[f"sequence IS ({canvas} ratio)"] = torch.stack(values).mean(0)
+        estimates[f"unnormalised IS ({canvas} ratio)"] = torch.stack(plain).mean(0)
+        means[canvas] = torch.stack(weights).mean(0)
     print(f"  reward test ({len(reference)} prompts, {len(batches['bf16'])} batches per side): bf16 rollouts' "
           f"mean reward {reference.mean():.4f}")
     for label, estimate in estimates.items():
         change = paired_difference(reference.tolist(), estimate.tolist())
         print(f"    {engine_side} {label:32s} {estimate.mean():.4f}, Δ vs bf16 {change.mean:+.4f} ± "
               f"{change.standard_error:.4f} (paired over prompts)")
+    for canvas, values in means.items():  # E_engine[ρ_seq] = 1 when ρ_seq is the whole ratio of the two samplers
+        print(f"    E_{engine_side}[ρ_seq] on the {canvas} canvas {values.mean():.4f} ± "
+              f"{values.std() / math.sqrt(len(values)):.4f} (1 for a complete ratio; SE over prompts)")
 
 
 @torch.no_grad()
