@@ -2,12 +2,14 @@
 (`recipes/tiny_dream_digits.yaml`): it loads through the Auto classes as a Dream, greedy rollouts with the recipe's
 decoder settings answer the digits task, and the recipe's GRPO steps run."""
 
+import importlib.util
 import math
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import dllm_ais  # noqa: F401  (registers "Dream")
 from dllm_ais.config import EMBEDDED_MODELS, load_config
@@ -20,6 +22,34 @@ from dllm_ais.tasks.digits import digits_reward, make_digits_dataset
 from dllm_ais.trainer import GRPOTrainer
 
 RECIPE = Path(__file__).parents[1] / "recipes" / "tiny_dream_digits.yaml"
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+
+
+def builder():
+    """tools/build_tiny_model.py as a module (registered before it runs: it defines dataclasses)."""
+    if "build_tiny_model" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("build_tiny_model", TOOLS / "build_tiny_model.py")
+        sys.modules["build_tiny_model"] = module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return sys.modules["build_tiny_model"]
+
+
+def test_qwen3_to_dream_map_keeps_every_weight_but_the_query_key_norms(tokenizer):
+    """With Qwen3's q_norm/k_norm taken out, the last position (which a causal mask lets see everything) gets the
+    same logits from the Qwen3 and from the Dream it maps to: embeddings, projections, norms, RoPE and heads copied."""
+    torch.manual_seed(0)
+    qwen3 = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)).eval()
+    dream = builder().dream_from_qwen3(qwen3, tokenizer).eval()
+    assert dream.config.model_type == "Dream" and dream.config.mask_token_id == tokenizer.mask_token_id
+    assert all(not bias.any() for name, bias in dream.named_parameters() if name.endswith("_proj.bias"))
+    for layer in qwen3.model.layers:
+        layer.self_attn.q_norm, layer.self_attn.k_norm = torch.nn.Identity(), torch.nn.Identity()
+    ids = torch.randint(7, len(tokenizer), (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(dream(ids).logits[:, -1], qwen3(ids).logits[:, -1], atol=1e-5, rtol=1e-5)
 
 
 def test_embedded_dream_loads_as_dream_and_a_greedy_rollout_with_the_recipes_settings_answers():
