@@ -35,16 +35,27 @@ def builder():
 
 
 def test_qwen3_to_dream_map_keeps_every_weight_but_the_query_key_norms(tokenizer):
-    """With Qwen3's q_norm/k_norm taken out, the last position (which a causal mask lets see everything) gets the
-    same logits from the Qwen3 and from the Dream it maps to: embeddings, projections, norms, RoPE and heads copied."""
-    torch.manual_seed(0)
-    qwen3 = Qwen3ForCausalLM(Qwen3Config(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=False,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)).eval()
-    dream = builder().dream_from_qwen3(qwen3, tokenizer).eval()
+    """Every Dream weight is the Qwen3 one of the same name (the q/k/v biases zero), and with Qwen3's q_norm/k_norm
+    taken out a one-layer pair gives the same logits at the last position, the one a causal mask lets see everything
+    (with more layers the earlier positions' keys differ: Dream's see the later tokens)."""
+    def qwen3_model(layers):
+        torch.manual_seed(0)
+        return Qwen3ForCausalLM(Qwen3Config(
+            vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+            tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)).eval()
+
+    qwen3 = qwen3_model(2)
+    source = qwen3.state_dict()
+    dream = builder().dream_from_qwen3(qwen3, tokenizer)
     assert dream.config.model_type == "Dream" and dream.config.mask_token_id == tokenizer.mask_token_id
-    assert all(not bias.any() for name, bias in dream.named_parameters() if name.endswith("_proj.bias"))
+    for name, tensor in dream.state_dict().items():
+        assert not tensor.any() if name.endswith("_proj.bias") else torch.equal(tensor, source[name]), name
+    assert {name for name in source if name not in dream.state_dict()} == {
+        f"model.layers.{i}.self_attn.{norm}.weight" for i in range(2) for norm in ("q_norm", "k_norm")}
+
+    qwen3 = qwen3_model(1)
+    dream = builder().dream_from_qwen3(qwen3, tokenizer).eval()
     for layer in qwen3.model.layers:
         layer.self_attn.q_norm, layer.self_attn.k_norm = torch.nn.Identity(), torch.nn.Identity()
     ids = torch.randint(7, len(tokenizer), (2, 12), generator=torch.Generator().manual_seed(1))
