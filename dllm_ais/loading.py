@@ -22,7 +22,7 @@ HOST_MEMORY_KEPT = 1 << 30
 
 
 def resolve_model_path(name_or_path: str) -> str:
-    """The directory or hub id to load: `embedded`, `embedded-qwen3`, `embedded-llada-chain-sum` and
+    """The directory or hub id to load: `embedded`, `embedded-qwen3`, `embedded-dream`, `embedded-llada-chain-sum` and
     `embedded-qwen3-chain-sum` name the tiny models shipped in the package."""
     if name_or_path in EMBEDDED_MODELS:
         directory = EMBEDDED_MODELS[name_or_path]

@@ -14,7 +14,8 @@ from dllm_ais.rewards import permuted_reward, resolve_reward_functions
 from dllm_ais.tasks.digits import make_digits_dataset
 from dllm_ais.trainer import GRPOTrainer
 
-RECIPES = {"llada": EMBEDDED_RECIPE, "qwen3": Path(__file__).parents[1] / "recipes" / "tiny_qwen3_digits_fp8_ais.yaml"}
+RECIPES = {"llada": EMBEDDED_RECIPE, "qwen3": Path(__file__).parents[1] / "recipes" / "tiny_qwen3_digits_fp8_ais.yaml",
+           "dream": Path(__file__).parents[1] / "recipes" / "tiny_dream_digits.yaml"}
 
 
 def digit_fraction_reward(prompts, completions, **kwargs):
@@ -55,7 +56,7 @@ def test_one_update_raises_positive_advantage_completions_and_lowers_negative_on
 
 
 @pytest.mark.slow  # study length: the shipped recipe trained twice (real and random rewards)
-@pytest.mark.parametrize("family", ["llada", "qwen3"])
+@pytest.mark.parametrize("family", ["llada", "qwen3", "dream"])
 def test_shipped_run_improves_held_out_reward_and_beats_the_random_reward_control(tmp_path, family):
     """A shorter run of the shipped recipe (same seed, fewer steps, fewer held-out prompts): the greedy held-out
     reward rises, and by more than with the same rewards permuted across each batch (no learning signal)."""
