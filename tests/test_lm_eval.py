@@ -255,7 +255,7 @@ def task_dir(tmp_path_factory):
     return directory
 
 
-@pytest.mark.parametrize("pretrained", ["embedded", "embedded-qwen3"])
+@pytest.mark.parametrize("pretrained", ["embedded", "embedded-dream", "embedded-qwen3"])
 def test_harness_end_to_end_on_local_tasks(task_dir, pretrained):
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
