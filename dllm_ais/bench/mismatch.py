@@ -16,7 +16,9 @@ trainer's and the engine's full next-token distributions are compared at every c
   ESS     the normalised effective sample size (Σ ρ)² / (N Σ ρ²) of the importance ratios: per token (N sampled
           tokens) and per sequence (ρ_seq = Π_t ρ_t over a completion, N completions) — the sequence ratio is where a
           long completion's small per-token mismatch compounds;
-  |log ρ_seq|  the mean over completions of |Σ_t log ρ_t|.
+  |log ρ_seq|  the mean over completions of |Σ_t log ρ_t|;
+  sampling s  wall seconds of the engine's sampling of those completions, on one CPU thread: what the notch costs
+          emulated here (include bf16 in --precisions for its baseline), not a GPU speed (`dllm-ais bench precision`).
 
 A second table scores LLaDA's rollouts on the trajectory estimator's canvases instead (the replay's per-step canvases:
 each token under the canvas of the step that committed it; `likelihood.estimator=trajectory`): the same figures but
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -42,13 +45,15 @@ from dllm_ais.data import load_task_dataset, tokenize_prompts
 from dllm_ais.engine import RolloutEngine
 from dllm_ais.likelihood import one_step_masked_input
 from dllm_ais.loading import load_model, load_tokenizer
+from dllm_ais.models.families import position_logits
 from dllm_ais.ops import normalised_effective_sample_size
 from dllm_ais.policy import build_policy, is_diffusion
 from dllm_ais.quantization import PRECISIONS
 
 RECIPES = {"llada": EMBEDDED_RECIPE,  # the embedded models' recipes, by name; the others from a source checkout
            "llada-chain-sum": Path(__file__).resolve().parents[2] / "recipes" / "tiny_llada_chain_sum.yaml",
-           "qwen3": Path(__file__).resolve().parents[2] / "recipes" / "tiny_qwen3_digits_fp8_ais.yaml"}
+           "qwen3": Path(__file__).resolve().parents[2] / "recipes" / "tiny_qwen3_digits_fp8_ais.yaml",
+           "dream": Path(__file__).resolve().parents[2] / "recipes" / "tiny_dream_digits.yaml"}
 KV_CACHE_NOTCH = "bf16 + fp8 KV cache"
 
 
@@ -59,7 +64,7 @@ def completion_log_probs(model, config, rollout, diffusion: bool) -> torch.Tenso
     if diffusion:
         canvas = one_step_masked_input(rollout.sequences, rollout.attention_mask, rollout.prompt_length,
                                        model.config.mask_token_id, seed=0, p_mask_prompt=config.likelihood.p_mask_prompt)
-        logits = model(input_ids=canvas, attention_mask=rollout.attention_mask, logits_to_keep=length).logits
+        logits = position_logits(model, canvas, rollout.attention_mask, length)
     else:
         positions = (rollout.attention_mask.cumsum(-1) - 1).clamp(min=0)
         logits = model(input_ids=rollout.sequences, attention_mask=rollout.attention_mask, position_ids=positions,
@@ -102,8 +107,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="dllm-ais bench mismatch", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="llada,llada-chain-sum,qwen3",
-                        help="comma-separated: llada / llada-chain-sum / qwen3 (the embedded models' recipes) or "
-                             "recipe paths")
+                        help="comma-separated: llada / llada-chain-sum / qwen3 / dream (the embedded models' recipes) "
+                             "or recipe paths")
     parser.add_argument("--precisions", default=",".join(p for p in PRECISIONS if p != "bf16"))
     parser.add_argument("--kv-cache", choices=("fp8", "none"), default="fp8",
                         help="fp8: also the FP8 KV cache notch on the trajectory canvases; none: leave it out")
@@ -114,8 +119,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"device: {describe_device(torch.device('cpu'))}, torch {torch.__version__}, float32 trainer; "
           f"{args.prompts} validation prompts per model, completions sampled by the engine at temperature 1")
     print("| model | precision | token KL(trainer ‖ engine) | k3 of the engine's tokens | max abs Δ log p | ESS, token "
-          "| mean abs log ρ_seq | ESS, sequence | completion tokens |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| mean abs log ρ_seq | ESS, sequence | completion tokens | sampling s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     trajectory_tables = []
     for name in args.models.split(","):
         config = load_config(RECIPES.get(name, name), ["--output_dir=/tmp/unused"])
@@ -131,14 +136,16 @@ def main(argv: list[str] | None = None) -> None:
             policy, likelihood=dataclasses.replace(policy.likelihood, estimator="trajectory")) if diffusion else None
         for precision in args.precisions.split(","):
             engine = RolloutEngine(model, precision=precision).model
+            start = time.perf_counter()
             rollout = policy.sample(engine, input_ids, attention_mask, torch.Generator().manual_seed(args.seed))
+            seconds = time.perf_counter() - start
             mask, tokens = rollout.completion_mask, rollout.completion_ids.unsqueeze(-1)
             reference = completion_log_probs(model, config, rollout, diffusion)
             engine_logp = completion_log_probs(engine, config, rollout, diffusion)
             kl = (reference.exp() * (reference - engine_logp)).sum(-1)[mask].mean().item()
             token_log_ratio = (reference.gather(-1, tokens) - engine_logp.gather(-1, tokens)).squeeze(-1)
             print(f"| {name} ({config.model_name_or_path}) | {precision} | {kl:.2e} | "
-                  + " | ".join(log_ratio_cells(token_log_ratio, mask)) + " |")
+                  + " | ".join(log_ratio_cells(token_log_ratio, mask)) + f" | {seconds:.2f} |")
             sys.stdout.flush()
             if diffusion:
                 trajectory_rows.append((precision, trajectory_cells(trajectory, model, rollout)))
