@@ -48,7 +48,7 @@ from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .llada import RMSNorm, apply_rotary, rotary_cos_sin  # relative: an export ships both files as remote code
+from .llada import RMSNorm, apply_rotary, rotary_cos_sin, write_into_layer_cache  # relative: an export ships both files as remote code
 
 __all__ = ["DreamConfig", "DreamBaseModel", "DreamModel"]
 
@@ -157,12 +157,7 @@ class DreamAttention(nn.Module):
         v = self.v_proj(x).view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if layer_cache is not None:
-            cached_k, cached_v = layer_cache
-            k, v = k.to(cached_k.dtype), v.to(cached_v.dtype)
-            if torch.is_grad_enabled():  # the cache may be in the graph (a cached trajectory replay under grad)
-                k, v = cached_k.index_copy(2, cache_position, k), cached_v.index_copy(2, cache_position, v)
-            else:
-                k, v = cached_k.index_copy_(2, cache_position, k), cached_v.index_copy_(2, cache_position, v)
+            k, v = write_into_layer_cache(layer_cache, cache_position, k, v)
         attn = F.scaled_dot_product_attention(
             q, k.to(q.dtype), v.to(q.dtype), attn_mask=attn_mask, is_causal=False,
             dropout_p=self.attention_dropout if self.training else 0.0,

@@ -174,6 +174,18 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + torch.cat((-b, a), dim=-1) * sin
 
 
+def write_into_layer_cache(layer_cache: tuple[torch.Tensor, torch.Tensor], cache_position: torch.Tensor,
+                           keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's cached (keys, values) [B, H_kv, T, D] with `keys`/`values` [B, H_kv, n, D] written at the positions
+    `cache_position` [n]: in place, or into a copy under grad (the cache may then be part of the graph, as in a
+    cached trajectory replay)."""
+    cached_keys, cached_values = layer_cache
+    keys, values = keys.to(cached_keys.dtype), values.to(cached_values.dtype)
+    if torch.is_grad_enabled():
+        return cached_keys.index_copy(2, cache_position, keys), cached_values.index_copy(2, cache_position, values)
+    return cached_keys.index_copy_(2, cache_position, keys), cached_values.index_copy_(2, cache_position, values)
+
+
 class LLaDABlock(GradientCheckpointingLayer):
     """Pre-norm transformer block with bidirectional SDPA attention and a SwiGLU MLP."""
 
@@ -217,11 +229,7 @@ class LLaDABlock(GradientCheckpointingLayer):
         else:
             q, k = apply_rotary(q, cos.to(q.dtype), sin.to(q.dtype)), apply_rotary(k, cos.to(k.dtype), sin.to(k.dtype))
         if layer_cache is not None:
-            cached_k, cached_v = layer_cache
-            if torch.is_grad_enabled():  # the cache may be in the graph (a cached trajectory replay under grad)
-                k, v = cached_k.index_copy(2, cache_position, k), cached_v.index_copy(2, cache_position, v)
-            else:
-                k, v = cached_k.index_copy_(2, cache_position, k), cached_v.index_copy_(2, cache_position, v)
+            k, v = write_into_layer_cache(layer_cache, cache_position, k, v)
         attn = F.scaled_dot_product_attention(
             q, k, v, attn_mask=attn_mask, is_causal=False,
             dropout_p=self.attention_dropout if self.training else 0.0,
