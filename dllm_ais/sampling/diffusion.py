@@ -9,6 +9,13 @@ temperature τ, plain argmax at τ = 0), scores those positions with a remasking
 With τ = 0, ``remasking="low_confidence"`` and the defaults below, the committed tokens are those of the official
 LLaDA ``generate``.
 
+Dream's decoding (its official ``diffusion_generate``) is options of the same sampler: ``schedule="time_linear"``
+(⌊n (1 − s/t)⌋ commits per step), the position rules ``maskgit_plus``, ``topk_margin``, ``entropy`` and ``origin``,
+``position_temperature`` (``alg_temp``) and ``top_p`` / ``top_k``; with one block over the whole completion and
+τ = 0 the committed tokens are the official ones (tests/test_dream_sampling.py). Dream's logits at position i − 1
+predict position i: `block_logits` reads them so (`dllm_ais.models.families`), for the sampler and for every
+estimator that scores through it.
+
 Faster rollouts (Fast-dLLM style) are options of the same sampler:
 
 - ``cache="prefix" | "dual"``: a block KV cache. The first step of each block runs the whole canvas and keeps every
@@ -78,15 +85,23 @@ __all__ = [
     "REMASKING_RULES",
     "RemaskingRule",
     "SpecialTokenIds",
+    "filter_top_p_top_k",
     "gumbel_argmax",
     "left_to_right_scores",
     "low_confidence_scores",
     "masked_positions_first",
+    "negative_entropy_scores",
+    "origin_commit_counts",
     "parallel_commit_counts",
+    "perturb_scores_for_sampling",
     "random_scores",
     "register_remasking_rule",
     "resolve_remasking_rule",
+    "sampled_token_probability_scores",
     "sampling_logprobs",
+    "scores_sampling_distribution",
+    "time_linear_commit_count",
+    "top_two_margin_scores",
     "transfer_schedule",
 ]
 
@@ -117,14 +132,24 @@ def left_to_right_scores(
     return -torch.arange(candidates.shape[1], dtype=torch.float32, device=candidates.device).expand(candidates.shape)
 
 
+def scores_sampling_distribution(rule: RemaskingRule) -> RemaskingRule:
+    """Mark a remasking rule as scoring the distribution the candidates were drawn from: the sampler passes it
+    logits / τ (τ > 0) instead of the logits themselves, which unmarked rules get (LLaDA scores without
+    temperature). Dream's rules are marked; so can a registered rule be."""
+    rule.scores_sampling_distribution = True
+    return rule
+
+
+@scores_sampling_distribution
 def sampled_token_probability_scores(
     block_logits: torch.Tensor, candidates: torch.Tensor, generator: torch.Generator | None = None
 ) -> torch.Tensor:
     """score = softmax(logits / τ)[x̂]: the probability of the candidate under the distribution it was drawn from
-    (Dream's ``maskgit_plus``; the sampler passes this rule the tempered logits, see `scores_sampling_distribution`)."""
+    (Dream's ``maskgit_plus``; the sampler passes this rule the tempered logits: `scores_sampling_distribution`)."""
     return F.softmax(block_logits, dim=-1).gather(-1, candidates.unsqueeze(-1)).squeeze(-1)
 
 
+@scores_sampling_distribution
 def top_two_margin_scores(
     block_logits: torch.Tensor, candidates: torch.Tensor, generator: torch.Generator | None = None
 ) -> torch.Tensor:
@@ -134,6 +159,7 @@ def top_two_margin_scores(
     return top_two[..., 0] - top_two[..., 1]
 
 
+@scores_sampling_distribution
 def negative_entropy_scores(
     block_logits: torch.Tensor, candidates: torch.Tensor, generator: torch.Generator | None = None
 ) -> torch.Tensor:
@@ -142,11 +168,6 @@ def negative_entropy_scores(
     probs = F.softmax(block_logits, dim=-1)
     return (probs * torch.log(probs + 1e-10)).sum(dim=-1)
 
-
-for _rule in (sampled_token_probability_scores, top_two_margin_scores, negative_entropy_scores):
-    _rule.scores_sampling_distribution = True
-"""A rule with ``scores_sampling_distribution = True`` gets the logits of the distribution the candidates were
-drawn from, logits / τ (τ > 0); the others get the logits themselves (LLaDA scores without temperature)."""
 
 REMASKING_RULES: dict[str, RemaskingRule] = {
     "low_confidence": low_confidence_scores, "random": random_scores, "left_to_right": left_to_right_scores,
