@@ -132,6 +132,14 @@ def test_cli_train_eval_generate_export_on_the_embedded_model(tmp_path, capsys):
                                             ("dream7b_gsm8k_lora_fp8_ais.yaml", "diffusion"),
                                             ("qwen3_8b_gsm8k_lora_fp8_ais.yaml", "autoregressive")])
 def test_dry_run_of_the_gpu_recipes_runs_one_step_on_cpu(capsys, monkeypatch, tmp_path, recipe, family):
+    """Offline, as CI runs (the Hub is not reached: without this each run waited ~20 s on it before falling back to
+    the model's name)."""
+    import dllm_ais.dry_run
+
+    def offline(*args, **kwargs):
+        raise OSError("offline: the Hub is not reachable")
+
+    monkeypatch.setattr(dllm_ais.dry_run, "load_model_config", offline)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     assert main(["train", str(ROOT / "recipes" / recipe), "--dry_run=true"]) == 0
     out = capsys.readouterr().out
