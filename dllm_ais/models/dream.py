@@ -48,7 +48,7 @@ from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .llada import RMSNorm, apply_rotary, rotary_cos_sin, write_into_layer_cache  # relative: an export ships both files as remote code
+from .llada import RMSNorm, apply_rotary, check_cached_forward, rotary_cos_sin, write_into_layer_cache  # relative: an export ships both files as remote code
 
 __all__ = ["DreamConfig", "DreamBaseModel", "DreamModel"]
 
@@ -253,23 +253,8 @@ class DreamBaseModel(DreamPreTrainedModel):
             first_layer = past_key_values[0]  # read once: an FP8 cache dequantizes a fresh pair per access
             cached_keys = first_layer[0]
             canvas_length = cached_keys.shape[2]
-            problems = []
-            if len(past_key_values) != len(self.layers):
-                problems.append(f"past_key_values holds {len(past_key_values)} layers, the model {len(self.layers)}")
-            if cached_keys.shape[0] != x.shape[0]:
-                problems.append(f"past_key_values holds {cached_keys.shape[0]} rows, the inputs {x.shape[0]}")
-            if cache_position is None or cache_position.shape != (length,):
-                problems.append(f"cache_position must give the cache positions of the {length} inputs (a 1-D "
-                                "tensor of canvas indices)")
-            if attention_mask is not None and tuple(attention_mask.shape) != (x.shape[0], canvas_length):
-                problems.append(f"attention_mask must cover all {canvas_length} cached positions ([B, "
-                                f"{canvas_length}], got {list(attention_mask.shape)})")
-            if position_ids is not None and position_ids.shape[-1] != length:
-                problems.append(f"position_ids must give the positions of the {length} inputs")
-            if problems:
-                raise ValueError("Invalid cached forward: " + "; ".join(problems)
-                                 + ". Pass the cache that a use_cache=True forward of this model over the whole "
-                                 "canvas returned, with cache_position [n] and the canvas's [B, T] attention_mask.")
+            check_cached_forward(cached_keys, len(past_key_values), len(self.layers), x, cache_position,
+                                 attention_mask, position_ids)
         else:
             canvas_length = length
             if cache_position is not None:

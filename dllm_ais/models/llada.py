@@ -186,6 +186,34 @@ def write_into_layer_cache(layer_cache: tuple[torch.Tensor, torch.Tensor], cache
     return cached_keys.index_copy_(2, cache_position, keys), cached_values.index_copy_(2, cache_position, values)
 
 
+def check_cached_forward(cached_keys: torch.Tensor, num_cached_layers: int, num_layers: int, inputs: torch.Tensor,
+                         cache_position: torch.Tensor | None, attention_mask: torch.Tensor | None,
+                         position_ids: torch.Tensor | None = None) -> None:
+    """Raise ValueError, naming every problem, unless a forward of `inputs` [B, n, ...] against a cache whose first
+    layer's keys are `cached_keys` [B, H, T, D] (of `num_cached_layers` layers, for a model of `num_layers`) has the
+    inputs' canvas positions `cache_position` [n], an `attention_mask` covering the canvas [B, T] (or none) and
+    `position_ids` for the n inputs (or none)."""
+    batch, length = inputs.shape[:2]
+    canvas_length = cached_keys.shape[2]
+    problems = []
+    if num_cached_layers != num_layers:
+        problems.append(f"past_key_values holds {num_cached_layers} layers, the model {num_layers}")
+    if cached_keys.shape[0] != batch:
+        problems.append(f"past_key_values holds {cached_keys.shape[0]} rows, the inputs {batch}")
+    if cache_position is None or cache_position.shape != (length,):
+        problems.append(f"cache_position must give the cache positions of the {length} inputs (a 1-D tensor of "
+                        "canvas indices)")
+    if attention_mask is not None and tuple(attention_mask.shape) != (batch, canvas_length):
+        problems.append(f"attention_mask must cover all {canvas_length} cached positions ([B, {canvas_length}], got "
+                        f"{list(attention_mask.shape)})")
+    if position_ids is not None and position_ids.shape[-1] != length:
+        problems.append(f"position_ids must give the positions of the {length} inputs")
+    if problems:
+        raise ValueError("Invalid cached forward: " + "; ".join(problems) + ". Pass the cache that a use_cache=True "
+                         "forward of this model over the whole canvas returned, with cache_position [n] and the "
+                         "canvas's [B, T] attention_mask.")
+
+
 class LLaDABlock(GradientCheckpointingLayer):
     """Pre-norm transformer block with bidirectional SDPA attention and a SwiGLU MLP."""
 
@@ -318,17 +346,8 @@ class LLaDAModel(LLaDAPreTrainedModel):
         canvas_length = length
         if past_key_values is not None:
             canvas_length = past_key_values[0][0].shape[2]
-            problems = []
-            if len(past_key_values) != len(self.transformer.blocks):
-                problems.append(f"past_key_values holds {len(past_key_values)} layers, the model "
-                                f"{len(self.transformer.blocks)}")
-            if cache_position is None or cache_position.shape != (length,):
-                problems.append(f"cache_position must give the cache positions of the {length} inputs")
-            if attention_mask is not None and attention_mask.shape[1] != canvas_length:
-                problems.append(f"attention_mask must cover all {canvas_length} cached positions")
-            if problems:
-                raise ValueError("Invalid cached forward: " + "; ".join(problems)
-                                 + ". Pass the cache that a use_cache=True forward of this model returned.")
+            check_cached_forward(past_key_values[0][0], len(past_key_values), len(self.transformer.blocks), x,
+                                 cache_position, attention_mask)
         elif cache_position is not None:
             canvas_length = int(cache_position.max()) + 1
         if cache_position is None:
