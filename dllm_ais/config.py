@@ -51,15 +51,16 @@ SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 
 
 # d1's evaluation decoder, whatever the length: LLaDA's own sampler, no block cache, no parallel commits, no guidance
-D1_ROLLOUT = {"remasking": "low_confidence", "schedule": "even", "position_temperature": 0.0, "cache": "none",
-              "cache_dtype": "none", "threshold": None, "cache_refresh_interval": None, "cfg_scale": 0.0}
+D1_ROLLOUT = {"remasking": "low_confidence", "schedule": "even", "cache": "none", "cache_dtype": "none",
+              "threshold": None, "cache_refresh_interval": None, "cfg_scale": 0.0}
 DREAM_ROLLOUT = {**D1_ROLLOUT, "remasking": "entropy", "schedule": "time_linear"}
 
 
 def _exact_decoding(config: "GRPOConfig", gen_length: int, rollout: dict) -> "GRPOConfig":
-    """`config` decoding ``gen_length`` tokens with the rollout settings `rollout`, no top-p / top-k, no factor rule
-    and the rollout's own commit order."""
-    experimental = dataclasses.replace(config.experimental, rollout_factor=None, likelihood_order="rollout")
+    """`config` decoding ``gen_length`` tokens with the rollout settings `rollout`, no top-p / top-k, no factor rule,
+    the top-scored positions and the rollout's own commit order."""
+    experimental = dataclasses.replace(config.experimental, rollout_factor=None, rollout_position_temperature=0.0,
+                                       likelihood_order="rollout")
     return dataclasses.replace(config, max_completion_length=gen_length, top_p=1.0, top_k=0, experimental=experimental,
                                rollout=dataclasses.replace(config.rollout, **rollout))
 

@@ -90,9 +90,6 @@ class RolloutSettings(SettingsGroup):
     schedule: str = field(default="even", metadata={**choice(*COMMIT_SCHEDULES),
         "help": "Tokens committed per step: even = LLaDA's split of each block over its steps; time_linear = "
                 "Dream's floor(n (1 - s/t)) of the n still masked, t = linspace(1, 1e-3, steps + 1)."})
-    position_temperature: float = field(default=0.0, metadata={**NON_NEGATIVE,
-        "help": "Dream's alg_temp: > 0 draws the committed positions from softmax(score / T) instead of taking the "
-                "top scores; 0 = top scores."})
 
     def rule_problems(self) -> list[str]:
         if self.cache_dtype != "none" and self.cache == "none":
@@ -195,6 +192,9 @@ class ExperimentalSettings(SettingsGroup):
     rollout_factor: float | None = field(default=None, metadata={**POSITIVE,
         "help": "Parallel decoding, Fast-dLLM's factor rule: each step commits the largest n with (n + 1)(1 - c_(n)) "
                 "< this (>= 1 per step; Fast-dLLM: 1.0); instead of rollout.threshold. null = off."})
+    rollout_position_temperature: float = field(default=0.0, metadata={**NON_NEGATIVE,
+        "help": "Dream's alg_temp: > 0 draws the committed positions from softmax(score / T) instead of taking the "
+                "top scores; 0 = top scores."})
     rollout_fidelity: str = field(default="fixed", metadata={**choice(*FIDELITY_MODES),
         "help": "Fast rollouts: fixed = always the configured decoder; adaptive = a ladder from it to the exact "
                 "decoder, one rung toward exact after a batch whose importance ratio shows a large mismatch, one back "

@@ -68,13 +68,14 @@ def test_evaluate_policy_keeps_every_prompts_values_in_dataset_order():
 def test_the_protocol_is_d1s_for_real_tasks_and_the_embedded_recipes_for_digits():
     gsm8k, digits = EvalProtocol.for_task(get_task("gsm8k")), EvalProtocol.for_task(get_task("digits"))
     assert gsm8k == EvalProtocol((128, 256, 512), 32, 0.0)
-    d1_sampler = {"remasking": "low_confidence", "schedule": "even", "position_temperature": 0.0, "cache": "none",
-                  "cache_dtype": "none", "threshold": None, "cache_refresh_interval": None, "cfg_scale": 0.0}
+    d1_sampler = {"remasking": "low_confidence", "schedule": "even", "cache": "none", "cache_dtype": "none",
+                  "threshold": None, "cache_refresh_interval": None, "cfg_scale": 0.0}
     # a model trained with fast rollouts (AR order, cache, threshold, factor) or Dream's decoding is still scored by
     # LLaDA's own sampler
-    trained_fast = GRPOConfig(max_completion_length=32, experimental={"rollout_factor": 1.0}, top_p=0.9,
+    trained_fast = GRPOConfig(max_completion_length=32, top_p=0.9,
+                              experimental={"rollout_factor": 1.0, "rollout_position_temperature": 0.5},
                               rollout={"remasking": "left_to_right", "cache": "prefix", "cache_dtype": "fp8",
-                                       "cfg_scale": 1.0, "schedule": "time_linear", "position_temperature": 0.5})
+                                       "cfg_scale": 1.0, "schedule": "time_linear"})
     for protocol, config, gen_length, block_length in ((gsm8k, GRPOConfig(), 256, 32), (digits, trained_fast, 16, 16)):
         decoding = protocol.decoding(config, gen_length)
         assert decoding.max_completion_length == gen_length and decoding.experimental.rollout_factor is None
@@ -85,6 +86,7 @@ def test_the_protocol_is_d1s_for_real_tasks_and_the_embedded_recipes_for_digits(
                            load_tokenizer("embedded"), temperature=0.0).sampler.config
     assert (sampler.remasking, sampler.cache, sampler.threshold, sampler.cfg_scale, sampler.steps) == (
         "low_confidence", "none", None, 0.0, 8)
+    assert (sampler.schedule, sampler.position_temperature, sampler.top_p, sampler.top_k) == ("even", 0.0, 1.0, 0)
     custom = EvalProtocol.for_task(get_task("gsm8k"), gen_lengths=(64,), block_length=16)
     assert custom.gen_lengths == (64,) and custom.block_length == 16
     # for an autoregressive model the gen length is the number of new tokens
@@ -101,8 +103,7 @@ def test_eval_on_the_embedded_digits_task_writes_the_report_and_table(tmp_path, 
     report = json.loads(output.read_text())
     assert report["task"] == "digits" and report["split"] == "test" and report["full_split"] is True
     assert report["protocol"] == {"name": "d1", "gen_lengths": [16], "block_length": 16, "temperature": 0.0,
-                                  "remasking": "low_confidence", "schedule": "even", "position_temperature": 0.0,
-                                  "cache": "none", "cache_dtype": "none",
+                                  "remasking": "low_confidence", "schedule": "even", "cache": "none", "cache_dtype": "none",
                                   "threshold": None, "cache_refresh_interval": None, "cfg_scale": 0.0,
                                   "steps": "gen_length / 2", "batch_size": 128}
     (entry,) = report["results"]
