@@ -323,8 +323,8 @@ def test_lora_preset_wraps_every_llada_block_linear_and_never_the_head(tokenizer
 @pytest.mark.parametrize("estimator", ["one_step", "trajectory", "step_merge", "elbo", "spg"])
 def test_every_estimator_scores_a_dream_on_policy_with_its_shift(tokenizer, tmp_path, estimator):
     """A bf16 engine is the trainer: every estimator's rollout side (the engine's, or for the trajectory estimator the
-    sampler's recorded log-probs) equals the trainer's ℓ_old, which holds only if both read position i from the
-    logits at i − 1."""
+    sampler's recorded log-probs) equals the trainer's ℓ_old on a Dream, so the sampler and every estimator read its
+    logits alike (that they read position i at i − 1 is checked in tests/test_dream_sampling.py)."""
     trainer = make_trainer(tokenizer, tmp_path, tiny_dream, rollout={"precision": "bf16"},
                            likelihood={"estimator": estimator, "segments": 2}, correction={"method": "tis"})
     batch = trainer.make_generation_batch()
