@@ -9,8 +9,8 @@ COMMIT_SCHEDULES = ("even", "time_linear")  # dllm_ais.sampling.diffusion: token
 CACHE_DTYPES = ("none", "fp8")  # dllm_ais.sampling.fp8_cache: storage of the block KV cache (none = the model's dtype)
 FIDELITY_MODES = ("fixed", "adaptive")  # dllm_ais.fidelity: which decoder samples each generation batch
 # dllm_ais.quantization: rollout engine precision (low-precision ladder: FP8, MX, NVFP4, int8, int4 groups)
-PRECISIONS = ("bf16", "fp8", "fp8_tensor", "fp8_weight_only", "mxfp8", "int8", "mxfp4", "nvfp4_weight_only", "int4",
-              "int4_g128")
+PRECISIONS = ("bf16", "fp8", "fp8_tensor", "fp8_weight_only", "mxfp8", "int8", "mxfp4", "nvfp4", "nvfp4_weight_only",
+              "int4", "int4_g128")
 # dllm_ais.likelihood.DIFFUSION_ESTIMATORS: diffusion log-prob estimators
 ESTIMATORS = ("one_step", "trajectory", "step_merge", "elbo", "spg")
 # The estimators that replay the recorded denoising trajectory (one forward per step or per segment of steps): they

@@ -32,6 +32,13 @@ Precision modes of the rollout engine (design OVERVIEW, "Precision modes"):
 - ``"nvfp4_weight_only"``: torchao's ``NVFP4WeightOnlyConfig``: e2m1 weights in blocks of 16 input
   features with an e4m3 block scale under one float32 per-tensor scale (s_tensor = max|W| / (448·6)),
   dequantized for a high-precision matmul on any device.
+- ``"nvfp4"``: NVFP4 W4A4 (QeRL's rollouts; torchao's ``NVFP4DynamicActivationNVFP4WeightConfig`` with a
+  dynamic per-tensor scale): the weights as in ``"nvfp4_weight_only"``, and every activation tensor quantized
+  the same way at call time (its per-tensor scale from the max|x| of the whole input, e4m3 scales per block of
+  16 features). On CUDA with compute capability ≥ 10.0 torchao's native kernels run; elsewhere the weight is
+  the weight-only NVFP4 tensor and a forward pre-hook replaces the layer's input by its NVFP4 round trip
+  (torchao's ``NVFP4Tensor.to_nvfp4`` then ``dequantize``) before the high-precision matmul: the same numerics
+  up to float32 accumulation order (torchao has no emulated NVFP4 matmul).
 
 The torchao imports below are partly semi-internal (``QuantizeTensorToFloat8Kwargs``,
 ``KernelPreference``, ``Float8MMConfig``, the config handler registry); they are pinned by the
@@ -46,10 +53,14 @@ from typing import Callable
 import torch
 from torch import nn
 from torchao.float8.inference import Float8MMConfig
-from torchao.prototype.mx_formats import MXDynamicActivationMXWeightConfig, NVFP4WeightOnlyConfig
+from torchao.prototype.mx_formats import (
+    MXDynamicActivationMXWeightConfig,
+    NVFP4DynamicActivationNVFP4WeightConfig,
+    NVFP4WeightOnlyConfig,
+)
 from torchao.prototype.mx_formats.config import ScaleCalculationMode
 from torchao.prototype.mx_formats.mx_tensor import MXTensor, QuantizeTensorToMXKwargs
-from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor
+from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
 from torchao.quantization import (
     Float8DynamicActivationFloat8WeightConfig,
     Float8Tensor,
@@ -81,8 +92,9 @@ INT4_GROUP_SIZES = {"int4": 32, "int4_g128": 128}
 MX_ELEMENT_DTYPES = {"mxfp8": torch.float8_e4m3fn, "mxfp4": torch.float4_e2m1fn_x2}
 MX_BLOCK_SIZE = 32
 NVFP4_BLOCK_SIZE = 16
+NVFP4_MODES = ("nvfp4", "nvfp4_weight_only")
 INPUT_MULTIPLES = {**INT4_GROUP_SIZES, **dict.fromkeys(MX_ELEMENT_DTYPES, MX_BLOCK_SIZE),
-                   "nvfp4_weight_only": NVFP4_BLOCK_SIZE}
+                   **dict.fromkeys(NVFP4_MODES, NVFP4_BLOCK_SIZE)}
 FP8_GRANULARITIES = {"fp8": PerRow, "fp8_tensor": PerTensor}  # the W8A8 FP8 modes and their scale granularity
 NATIVE_FP8_MIN_CAPABILITY = (8, 9)
 NATIVE_MX_MIN_CAPABILITY = (10, 0)
@@ -126,6 +138,10 @@ def kernel_path(precision: str, device: torch.device | str | None) -> str:
     if precision in MX_ELEMENT_DTYPES:
         return ("native: torchao MX scaled-mm kernels" if native_mx_available(device) else
                 "emulated: torchao MXTensor with its emulated kernel (native numerics, no speed-up)")
+    if precision == "nvfp4":
+        return ("native: torchao NVFP4 scaled-mm kernels" if native_mx_available(device) else
+                "emulated: torchao NVFP4Tensor weights, activations NVFP4 round-tripped before a high-precision "
+                "matmul (native numerics, no speed-up)")
     if precision == "int8":
         return "torchao Int8Tensor: per-token int8 activations, int8 matmul"
     if precision == "bf16":
@@ -147,9 +163,13 @@ def quantize_model_(model: nn.Module, precision: str, skip: SkipRule) -> list[st
     if precision == "bf16":
         return []
     names = [name for name, module in model.named_modules() if _is_quantizable(name, module, skip, precision)]
+    emulated_nvfp4 = precision == "nvfp4" and names and not native_mx_available(
+        model.get_submodule(names[0]).weight.device)
     for name in names:
         linear = model.get_submodule(name)
         linear.weight = nn.Parameter(quantized_weight(precision, linear.weight.detach()), requires_grad=False)
+        if emulated_nvfp4:
+            linear.register_forward_pre_hook(_nvfp4_round_trip_input)
     if names:
         _log_kernel_path(precision, kernel_path(precision, model.get_submodule(names[0]).weight.device))
     return names
@@ -161,7 +181,9 @@ def quantized_weight(precision: str, weight: torch.Tensor) -> TorchAOBaseTensor:
         return _emulated_w8a8_weight(weight, FP8_GRANULARITIES[precision]())
     if precision in MX_ELEMENT_DTYPES and not native_mx_available(weight.device):
         return _emulated_mx_weight(weight, MX_ELEMENT_DTYPES[precision])
-    if precision in FP8_GRANULARITIES or precision in MX_ELEMENT_DTYPES:
+    if precision == "nvfp4" and not native_mx_available(weight.device):
+        precision = "nvfp4_weight_only"  # the same weight; quantize_model_ hooks the activations' round trip
+    if precision in FP8_GRANULARITIES or precision in MX_ELEMENT_DTYPES or precision == "nvfp4":
         weight = weight.to(torch.bfloat16)
     config = _torchao_config(precision)
     holder = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
@@ -200,8 +222,8 @@ def _precision_of(param: TorchAOBaseTensor) -> str:
         return {size: name for name, size in INT4_GROUP_SIZES.items()}[param.block_size[-1]]
     if isinstance(param, MXTensor):
         return {dtype: name for name, dtype in MX_ELEMENT_DTYPES.items()}[param.elem_dtype]
-    if isinstance(param, NVFP4Tensor):
-        return "nvfp4_weight_only"
+    if isinstance(param, NVFP4Tensor):  # the emulated "nvfp4" stores the weight-only tensor: the same weight
+        return "nvfp4_weight_only" if param.act_quant_kwargs is None else "nvfp4"
     raise TypeError(
         f"requantize_ supports the weights quantize_model_ makes, got {type(param).__name__}; "
         f"quantize the model with dllm_ais.quantization.quantize_model_."
@@ -223,6 +245,7 @@ def _torchao_config(precision: str):
         "fp8_weight_only": lambda: Float8WeightOnlyConfig(set_inductor_config=False),
         "int8": lambda: Int8DynamicActivationInt8WeightConfig(set_inductor_config=False),
         "nvfp4_weight_only": NVFP4WeightOnlyConfig,
+        "nvfp4": lambda: NVFP4DynamicActivationNVFP4WeightConfig(use_triton_kernel=False),
     }[precision]()
 
 
@@ -271,6 +294,17 @@ def _emulated_mx_weight(weight: torch.Tensor, element_dtype: torch.dtype) -> MXT
             is_swizzled_scales=False, scaling_mode=ScaleCalculationMode.RCEIL,
         ),
     )
+
+
+def _nvfp4_round_trip_input(module: nn.Module, args: tuple) -> tuple:
+    """Forward pre-hook of an emulated "nvfp4" layer: its input x replaced by dequantize(NVFP4(x)), torchao's
+    dynamic activation recipe — one float32 scale max|x| / (448·6) over the whole input (floored at AMAX_FLOOR so
+    that an all-zero input stays finite), e4m3 scales per block of 16 features, e2m1 elements."""
+    x, *rest = args
+    rows = x.reshape(-1, x.shape[-1])
+    tensor_scale = per_tensor_amax_to_scale(rows.abs().max().clamp(min=AMAX_FLOOR))
+    quantized = NVFP4Tensor.to_nvfp4(rows, block_size=NVFP4_BLOCK_SIZE, per_tensor_scale=tensor_scale)
+    return (quantized.dequantize(x.dtype).reshape(x.shape), *rest)
 
 
 @functools.cache

@@ -47,7 +47,8 @@ def mx_reference(x: torch.Tensor, element_dtype: torch.dtype) -> torch.Tensor:
 
 
 def nvfp4_reference(w: torch.Tensor) -> torch.Tensor:
-    """NVFP4 round trip: e2m1 in blocks of 16, e4m3 block scales under the per-tensor scale max|W| / (448·6)."""
+    """NVFP4 round trip of a 2-D tensor (a weight, or a layer's whole input): e2m1 in blocks of 16, e4m3 block
+    scales under the per-tensor scale max|W| / (448·6)."""
     tensor_scale = per_tensor_amax_to_scale(w.abs().max())
     block_scales, data = nvfp4_quantize(w, 16, tensor_scale)
     values = f4_unpacked_to_f32(unpack_uint4(data.view(torch.uint8))).view(w.shape[0], -1, 16)
@@ -70,6 +71,7 @@ REFERENCES = {
     "fp8_weight_only": (lambda x: x, lambda w: fp8_reference(w, True)),
     "mxfp8": (lambda x: mx_reference(x, torch.float8_e4m3fn), lambda w: mx_reference(w, torch.float8_e4m3fn)),
     "mxfp4": (lambda x: mx_reference(x, torch.float4_e2m1fn_x2), lambda w: mx_reference(w, torch.float4_e2m1fn_x2)),
+    "nvfp4": (nvfp4_reference, nvfp4_reference),
     "nvfp4_weight_only": (lambda x: x, nvfp4_reference),
     "int4": (lambda x: x, lambda w: int4_reference(w, 32)),
     "int4_g128": (lambda x: x, lambda w: int4_reference(w, 128)),
@@ -125,9 +127,40 @@ def test_native_mx_config_stores_the_emulated_weights_values(precision):
     assert quantization._precision_of(native) == precision
 
 
+def test_native_nvfp4_config_stores_the_emulated_weights_values(monkeypatch):
+    """torchao's NVFP4DynamicActivationNVFP4WeightConfig (the native W4A4 path; its handler asserts an sm100 GPU, told
+    here that it has one) stores the weight values the emulated "nvfp4" keeps as a weight-only tensor, and
+    requantizes as "nvfp4"."""
+    import torchao.prototype.mx_formats.inference_workflow as workflow
+
+    monkeypatch.setattr(workflow, "is_sm_at_least_100", lambda: True)
+    weight = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    config = quantization._torchao_config("nvfp4")
+    holder = nn.Linear(256, 64, bias=False, device="meta")
+    holder.weight = nn.Parameter(weight, requires_grad=False)
+    native = _QUANTIZE_CONFIG_HANDLER[type(config)](holder, config).weight.detach()
+    emulated = quantization.quantized_weight("nvfp4", weight)
+    assert native.act_quant_kwargs is not None and emulated.act_quant_kwargs is None
+    assert torch.equal(native.dequantize(torch.float32), emulated.dequantize(torch.float32))
+    assert quantization._precision_of(native) == "nvfp4"
+
+
+def test_emulated_nvfp4_quantizes_the_whole_input_under_one_tensor_scale():
+    """The W4A4 round trip takes its per-tensor scale over every row of the input, as torchao's dynamic recipe: a
+    row's output depends on the other rows' magnitude (unlike the per-row FP8 modes)."""
+    torch.manual_seed(2)
+    linear = nn.Linear(64, 32, bias=False)
+    quantize_model_(nn.Sequential(linear), "nvfp4", skip=lambda name, module: False)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        alone, beside_a_large_row = linear(x[:1]), linear(torch.cat([x[:1], 100 * x[1:]]))[:1]
+    assert not torch.allclose(alone, beside_a_large_row)
+
+
 def test_kernel_path_names_the_emulated_path_on_cpu():
     assert kernel_path("fp8_tensor", "cpu").startswith("emulated")
     assert kernel_path("mxfp4", "cpu").startswith("emulated")
+    assert kernel_path("nvfp4", "cpu").startswith("emulated")
     assert kernel_path("int4_g128", "cpu").startswith("weight-only")
 
 
