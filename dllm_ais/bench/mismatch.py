@@ -78,21 +78,72 @@ def effective_sample_size(log_ratio: torch.Tensor) -> float:
     return normalised_effective_sample_size(weights, torch.ones_like(weights, dtype=torch.bool)).item()
 
 
-def log_ratio_cells(token_log_ratio: torch.Tensor, mask: torch.Tensor) -> list[str]:
-    """The table cells of log ρ_t = log π_trainer − log π_engine [B, L] at the completion tokens `mask`: k3 (mean of
+def ratio_statistics(token_log_ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """The figures of log ρ_t = log π_trainer − log π_engine [B, L] at the completion tokens `mask`: k3 (mean of
     ρ − log ρ − 1), max |log ρ|, token ESS, mean |Σ_t log ρ_t| over completions, sequence ESS, mean tokens."""
     token_log_ratio = token_log_ratio * mask
     log_ratio, sequence_log_ratio = token_log_ratio[mask], token_log_ratio.sum(-1)
-    return [f"{(log_ratio.exp() - log_ratio - 1).mean().item():.2e}", f"{log_ratio.abs().max().item():.3f}",
-            f"{effective_sample_size(log_ratio):.4f}", f"{sequence_log_ratio.abs().mean().item():.3f}",
-            f"{effective_sample_size(sequence_log_ratio):.4f}", f"{mask.sum(-1).double().mean().item():.1f}"]
+    return {"k3": (log_ratio.exp() - log_ratio - 1).mean().item(), "max_abs_log_ratio": log_ratio.abs().max().item(),
+            "token_ess": effective_sample_size(log_ratio),
+            "mean_abs_sequence_log_ratio": sequence_log_ratio.abs().mean().item(),
+            "sequence_ess": effective_sample_size(sequence_log_ratio),
+            "completion_tokens": mask.sum(-1).double().mean().item()}
 
 
-def trajectory_cells(policy, trainer, rollout) -> list[str]:
-    """`log_ratio_cells` of `policy`'s estimator as the trainer meets it: the trainer's log-probs of `rollout` against
+def log_ratio_cells(statistics: dict[str, float]) -> list[str]:
+    """`ratio_statistics` as the tables' cells."""
+    return [f"{statistics['k3']:.2e}", f"{statistics['max_abs_log_ratio']:.3f}", f"{statistics['token_ess']:.4f}",
+            f"{statistics['mean_abs_sequence_log_ratio']:.3f}", f"{statistics['sequence_ess']:.4f}",
+            f"{statistics['completion_tokens']:.1f}"]
+
+
+def trajectory_statistics(policy, trainer, rollout) -> dict[str, float]:
+    """`ratio_statistics` of `policy`'s estimator as the trainer meets it: the trainer's log-probs of `rollout` against
     the rollout side (`rollout_logprobs`: for the trajectory estimator what the engine's sampler recorded)."""
     log_ratio = policy.logprobs(trainer, rollout, seed=0) - policy.rollout_logprobs(None, rollout, seed=0)
-    return log_ratio_cells(log_ratio, rollout.completion_mask)
+    return ratio_statistics(log_ratio, rollout.completion_mask)
+
+
+@dataclasses.dataclass(frozen=True)
+class NotchMismatch:
+    """One precision's mismatch on one model: the exact token KL and `ratio_statistics` on the canvas the one-step
+    estimator (causal LM: teacher forcing) scores, on the trajectory replay's canvases (diffusion only), and the
+    engine's sampling seconds."""
+
+    kl: float
+    scored_canvas: dict[str, float]
+    trajectory: dict[str, float] | None
+    sampling_seconds: float
+
+
+def measure_notch(config, model, policy, precision: str, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                  seed: int) -> NotchMismatch:
+    """Sample completions of the prompts with `model`'s rollout engine at `precision` (temperature 1, the recipe's
+    decoder) and measure the trainer's (`model`) mismatch to it on them."""
+    diffusion = is_diffusion(config.policy, model.config.model_type)
+    engine = RolloutEngine(model, precision=precision).model
+    start = time.perf_counter()
+    rollout = policy.sample(engine, input_ids, attention_mask, torch.Generator().manual_seed(seed))
+    seconds = time.perf_counter() - start
+    mask, tokens = rollout.completion_mask, rollout.completion_ids.unsqueeze(-1)
+    reference = completion_log_probs(model, config, rollout, diffusion)
+    engine_logp = completion_log_probs(engine, config, rollout, diffusion)
+    kl = (reference.exp() * (reference - engine_logp)).sum(-1)[mask].mean().item()
+    token_log_ratio = (reference.gather(-1, tokens) - engine_logp.gather(-1, tokens)).squeeze(-1)
+    return NotchMismatch(kl, ratio_statistics(token_log_ratio, mask),
+                         trajectory_statistics(with_trajectory_estimator(policy), model, rollout) if diffusion else None,
+                         seconds)
+
+
+def with_trajectory_estimator(policy):
+    """The diffusion `policy` scoring with the trajectory estimator (the replay of its recorded denoising steps)."""
+    return dataclasses.replace(policy, likelihood=dataclasses.replace(policy.likelihood, estimator="trajectory"))
+
+
+def validation_prompts(config, tokenizer, size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`size` validation prompts of the recipe's task, tokenized as training does: (input_ids, attention_mask)."""
+    prompts = load_task_dataset(config.task, "validation", size=size, seed=seed, task_args=config.task_args)["prompt"]
+    return tokenize_prompts(tokenizer, prompts, config.max_prompt_length)
 
 
 def kv_cache_policy(policy):
@@ -127,34 +178,22 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer = load_tokenizer(config.model_name_or_path)
         model = load_model(config.model_name_or_path, torch.float32).eval()
         diffusion = is_diffusion(config.policy, model.config.model_type)
-        prompts = load_task_dataset(config.task, "validation", size=args.prompts, seed=args.seed,
-                                    task_args=config.task_args)["prompt"]
-        input_ids, attention_mask = tokenize_prompts(tokenizer, prompts, config.max_prompt_length)
+        input_ids, attention_mask = validation_prompts(config, tokenizer, args.prompts, args.seed)
         policy = build_policy(config, model.config, tokenizer, temperature=1.0)
         trajectory_rows = []
-        trajectory = dataclasses.replace(
-            policy, likelihood=dataclasses.replace(policy.likelihood, estimator="trajectory")) if diffusion else None
         for precision in args.precisions.split(","):
-            engine = RolloutEngine(model, precision=precision).model
-            start = time.perf_counter()
-            rollout = policy.sample(engine, input_ids, attention_mask, torch.Generator().manual_seed(args.seed))
-            seconds = time.perf_counter() - start
-            mask, tokens = rollout.completion_mask, rollout.completion_ids.unsqueeze(-1)
-            reference = completion_log_probs(model, config, rollout, diffusion)
-            engine_logp = completion_log_probs(engine, config, rollout, diffusion)
-            kl = (reference.exp() * (reference - engine_logp)).sum(-1)[mask].mean().item()
-            token_log_ratio = (reference.gather(-1, tokens) - engine_logp.gather(-1, tokens)).squeeze(-1)
-            print(f"| {name} ({config.model_name_or_path}) | {precision} | {kl:.2e} | "
-                  + " | ".join(log_ratio_cells(token_log_ratio, mask)) + f" | {seconds:.2f} |")
+            notch = measure_notch(config, model, policy, precision, input_ids, attention_mask, args.seed)
+            print(f"| {name} ({config.model_name_or_path}) | {precision} | {notch.kl:.2e} | "
+                  + " | ".join(log_ratio_cells(notch.scored_canvas)) + f" | {notch.sampling_seconds:.2f} |")
             sys.stdout.flush()
-            if diffusion:
-                trajectory_rows.append((precision, trajectory_cells(trajectory, model, rollout)))
+            if notch.trajectory is not None:
+                trajectory_rows.append((precision, log_ratio_cells(notch.trajectory)))
         if diffusion and args.kv_cache == "fp8":
-            cached = kv_cache_policy(trajectory)
+            cached = kv_cache_policy(with_trajectory_estimator(policy))
             engine = RolloutEngine(model, precision="bf16").model
             rollout = cached.sample(engine, input_ids, attention_mask, torch.Generator().manual_seed(args.seed))
             trajectory_rows.append((f"{KV_CACHE_NOTCH} ({cached.sampler_config.cache})",
-                                    trajectory_cells(cached, model, rollout)))
+                                    log_ratio_cells(trajectory_statistics(cached, model, rollout))))
         trajectory_tables.append((name, config.model_name_or_path, trajectory_rows))
     print_trajectory_table(trajectory_tables)
 
