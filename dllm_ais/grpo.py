@@ -211,7 +211,8 @@ def make_generation_batch(config: GRPOConfig, parts: StepComponents, tokenizer, 
     accelerator, gather, rank = parts.accelerator, parts.accelerator.gather, parts.accelerator.process_index
     micro_batch_size = config.per_device_train_batch_size
     timings = {"timing/sync_s": parts.engine.sync_from(parts.unwrapped_model)}
-    generator = torch.Generator(accelerator.device).manual_seed(config.seed + 7919 * generation_index + 104_729 * rank)
+    generator = torch.Generator(accelerator.device).manual_seed(
+        config.seed + 7919 * generation_index + 104_729 * rank + 1_000_003 * config.experimental.rollout_seed_offset)
     fidelity = fidelity or RolloutFidelity.from_config(config, parts.policy)
     fidelity_metrics = fidelity.metrics()
     seeds = estimator_seeds(config, parts.policy.num_estimator_seeds(config.num_iterations), generation_index, rank)

@@ -195,6 +195,10 @@ class ExperimentalSettings(SettingsGroup):
     rollout_position_temperature: float = field(default=0.0, metadata={**NON_NEGATIVE,
         "help": "Dream's alg_temp: > 0 draws the committed positions from softmax(score / T) instead of taking the "
                 "top scores; 0 = top scores."})
+    rollout_seed_offset: int = field(default=0, metadata={"range": "[0, 1000000]",
+        "help": "Shifts the rollout sampler's random stream only (data order, initialisation and estimator masks "
+                "keep the seed's): a run with another offset is another sampling draw of the same run, the null arm "
+                "of a study that pairs arms by seed. 0 = the seed's own stream."})
     rollout_fidelity: str = field(default="fixed", metadata={**choice(*FIDELITY_MODES),
         "help": "Fast rollouts: fixed = always the configured decoder; adaptive = a ladder from it to the exact "
                 "decoder, one rung toward exact after a batch whose importance ratio shows a large mismatch, one back "

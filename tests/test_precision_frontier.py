@@ -18,6 +18,8 @@ def test_the_shipped_study_trains_every_notch_with_every_correction():
     study = read_study(DEFAULT_STUDY)
     grid = arm_grid(study.arms, study.baseline)
     assert study.arms[study.baseline] == {"rollout.precision": "bf16", "correction": "none"}
+    assert grid.pop("bf16") == {"another draw": "bf16 another draw"}
+    assert study.arms["bf16 another draw"] == {**study.arms[study.baseline], "experimental.rollout_seed_offset": 1}
     assert sorted(grid) == sorted(p for p in PRECISIONS if p != "bf16")
     assert all(list(names) == CORRECTIONS for names in grid.values())
     assert study.arms["nvfp4 + sequence IS"] == {"rollout.precision": "nvfp4",
@@ -46,12 +48,12 @@ def synthetic_study(tmp_path: Path, ais_recovers: bool) -> tuple[dict, dict]:
     """Notch "a" (small mismatch) loses nothing; notch "b" loses 4 of 20 prompts per seed uncorrected, and AIS wins
     them back (or not). Returns (summary, grid)."""
     ones, four_lost = [1.0] * 20, [0.0] * 4 + [1.0] * 16
-    accuracy = {"bf16": [ones] * 3, "a uncorrected": [ones] * 3, "a + AIS": [ones] * 3,
+    accuracy = {"bf16": [ones] * 3, "bf16 another draw": [[0.0] + ones[1:], ones, ones],
+                "a uncorrected": [ones] * 3, "a + AIS": [ones] * 3,
                 "b uncorrected": [four_lost, [0.0] * 5 + [1.0] * 15, four_lost],
                 "b + AIS": [ones] * 3 if ais_recovers else [four_lost] * 3}
     runs = held_out_runs(tmp_path, accuracy)
-    arms = {"bf16": {"rollout.precision": "bf16"}, **{name: {"rollout.precision": name[0]} for name in accuracy
-                                                       if name != "bf16"}}
+    arms = {name: {"rollout.precision": name.split()[0] if name.startswith("bf16") else name[0]} for name in accuracy}
     summary = summarise(Study("synthetic", None, {}, arms, "bf16"), runs)
     return json.loads(json.dumps(summary)), arm_grid(arms, "bf16")
 
@@ -71,6 +73,7 @@ def test_the_verdict_names_the_first_losing_notch_and_whether_ais_rescues_it(tmp
     assert verdict["ais_minus_uncorrected"]["mean"] == pytest.approx(13 / 60 if ais_recovers else 1 / 60)
     table = markdown(result, ["uncorrected", "+ AIS"], "header")
     assert "| b | 1.0e-02 · 2.0e-02 | 0.7000 · 0.8000 | -21.7 ± 1.7 |" in table
+    assert "Null arm (bf16 rollouts, another draw: the baseline with another sampling draw): Δ -1.7 ± 1.7" in table
     assert ("AIS rescues this notch" if ais_recovers else "AIS does not rescue this notch") in table
     plot(result, ["uncorrected", "+ AIS"], tmp_path / "frontier.png")
     assert (tmp_path / "frontier.png").stat().st_size > 0

@@ -129,6 +129,28 @@ def test_same_seed_gives_the_same_metrics_and_writes_outputs(tokenizer, tmp_path
     assert all(math.isfinite(r["loss"]) for r in histories[0])
 
 
+def test_a_rollout_seed_offset_draws_other_rollouts_of_the_same_prompts(tokenizer, tmp_path, monkeypatch):
+    """experimental.rollout_seed_offset moves the sampler's random stream only: the same prompts in the same order,
+    other completions (the null arm of a study paired by seed)."""
+    calls = []
+
+    def recording_sample_prompts(policies, model, tokenizer, prompts, *args):
+        calls.append((list(prompts), args[-2].initial_seed()))
+        return sample_prompts(policies, model, tokenizer, prompts, *args)
+
+    sample_prompts = grpo.sample_prompts
+    monkeypatch.setattr(grpo, "sample_prompts", recording_sample_prompts)
+    completions = []
+    for offset in (0, 1):
+        trainer = make_trainer(tokenizer, tmp_path / str(offset), max_steps=1, rollout={"precision": "bf16"},
+                               experimental={"rollout_seed_offset": offset})
+        trainer.train()
+        completions.append(json.loads((tmp_path / str(offset) / "metrics.jsonl").read_text())["reward"])
+    (prompts_0, seed_0), (prompts_1, seed_1) = calls
+    assert prompts_0 == prompts_1 and seed_1 - seed_0 == 1_000_003
+    assert completions[0] != completions[1]
+
+
 def test_cached_parallel_rollouts_show_their_approximation_in_the_trajectory_ratio(tokenizer, tmp_path):
     """rollout_cache=dual with rollout_threshold=0.9 and the trajectory estimator: a run with AIS completes, and its
     logged k3 KL (FP8 and cache/parallel approximation; the trainer replays without the cache) is above that of the

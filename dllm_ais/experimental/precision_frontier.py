@@ -17,7 +17,9 @@ whether AIS lands within 2 points of bf16 and above uncorrected by more than 2 S
 seed over the same prompts, then over seeds).
 
 A study's arms are `<precision> <correction>` with overrides `rollout.precision` and `correction`; the baseline arm
-rolls out in bf16 (`recipes/studies/frontier_llada_digits.yaml`).
+rolls out in bf16 (`recipes/studies/frontier_llada_digits.yaml`). Other bf16 arms are null arms — the baseline
+again with another sampling draw (`experimental.rollout_seed_offset`) — whose Δ shows how far two arms part by
+sampling noise alone; the table states it beside the verdict and the plot draws it as a band.
 """
 
 from __future__ import annotations
@@ -86,8 +88,9 @@ def frontier(summary: dict[str, Any], grid: dict[str, dict[str, str]], mismatch:
              ) -> dict[str, Any]:
     """The frontier's rows (notches in order of one-step k3) and the verdict (module docstring)."""
     arms = summary["arms"]
+    null = {label: arms[name]["versus_baseline"]["across_seeds"] for label, name in grid.get("bf16", {}).items()}
     rows = []
-    for precision in sorted(grid, key=lambda p: mismatch[p]["scored_canvas"]["k3"]):
+    for precision in sorted(set(grid) - {"bf16"}, key=lambda p: mismatch[p]["scored_canvas"]["k3"]):
         corrections = {label: arms[name]["versus_baseline"]["across_seeds"] for label, name in grid[precision].items()
                        if name in arms}
         rows.append({"precision": precision, "mismatch": mismatch[precision], "corrections": corrections})
@@ -106,7 +109,7 @@ def frontier(summary: dict[str, Any], grid: dict[str, dict[str, str]], mismatch:
                                ais_within_2_points=ais["mean"] >= -RESCUE_POINTS,
                                ais_above_uncorrected=paired["mean"] > LOSS_STANDARD_ERRORS * paired["standard_error"])
             break
-    return {"rows": rows, "verdict": verdict}
+    return {"rows": rows, "null": null, "verdict": verdict}
 
 
 def points(total: dict[str, Any] | None) -> str:
@@ -126,6 +129,9 @@ def markdown(result: dict[str, Any], labels: list[str], header: str) -> str:
         lines.append(f"| {row['precision']} | {scored['k3']:.1e} · {trajectory.get('k3', math.nan):.1e} | "
                      f"{scored['sequence_ess']:.4f} · {trajectory.get('sequence_ess', math.nan):.4f} | "
                      + " | ".join(points(row["corrections"].get(label)) for label in labels) + " |")
+    for label, total in result["null"].items():
+        lines.append(f"\nNull arm (bf16 rollouts, {label}: the baseline with another sampling draw): Δ {points(total)} "
+                     "points. Differences of that size between arms are sampling noise.")
     verdict = result["verdict"]
     notch = verdict["first_losing_notch"]
     if notch is None:
@@ -161,6 +167,9 @@ def plot(result: dict[str, Any], labels: list[str], path: Path) -> None:
         jitter = 1 + 0.04 * (index - (len(labels) - 1) / 2)  # side by side at a shared k3
         axis.errorbar([k3 * jitter for k3, _ in cells], [100 * total["mean"] for _, total in cells],
                       yerr=[100 * total["standard_error"] for _, total in cells], marker="o", capsize=3, label=label)
+    for label, total in result["null"].items():
+        low, high = 100 * (total["mean"] - total["standard_error"]), 100 * (total["mean"] + total["standard_error"])
+        axis.axhspan(low, high, color="gray", alpha=0.2, label=f"bf16, {label} (null, ±1 SE)")
     for row in result["rows"]:
         axis.annotate(row["precision"], (row["mismatch"]["scored_canvas"]["k3"], 0), textcoords="offset points",
                       xytext=(0, 6), rotation=60, fontsize=7, color="gray")
@@ -197,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     grid = {precision: names for precision, names in grid.items() if names}
     mismatch = measure_mismatch(study, sorted(grid), args.prompts, seed=0)
     result = frontier(summary, grid, mismatch)
-    labels = list(dict.fromkeys(label for names in grid.values() for label in names))
+    labels = list(dict.fromkeys(label for precision, names in grid.items() if precision != "bf16" for label in names))
     header = (f"precision frontier of {study.name} ({args.study.name}): {summary['seeds']} seeds, "
               f"{summary['num_prompts']} held-out prompts, Δ held-out {summary['metric']} vs {summary['baseline']} "
               f"in points (mean over seeds ± seed SE); mismatch from {args.prompts} validation prompts; command: "
