@@ -10,7 +10,8 @@ canvas the recipe's estimator scores, and on the trajectory replay's canvases), 
   frontier.md / frontier.json   one row per notch (in order of mismatch): k3, sequence ESS, and per correction the
                                 held-out Δ against the bf16 arm (mean over seeds ± seed SE, each seed paired over
                                 the same prompts); then the verdict below;
-  frontier.png                  Δ (points) against k3, one line per correction, ±1 seed SE bars.
+  frontier.png                  Δ (points) against k3, one line per correction, ±1 seed SE bars
+                                (`--report NAME` names the three files).
 
 The verdict: the first notch, in order of mismatch, where uncorrected rollouts lose by more than 2 seed SE; there,
 whether AIS lands within 2 points of bf16 and above uncorrected by more than 2 SE of their paired difference (per
@@ -193,6 +194,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--arms", help="comma-separated arms to run (the baseline always runs); default: all")
     parser.add_argument("--output_dir", type=Path, help="the study folder (default: outputs/studies/<study name>)")
     parser.add_argument("--prompts", type=int, default=128, help="validation prompts for the mismatch")
+    parser.add_argument("--report", default="frontier",
+                        help="the report's file name (.md, .json, .png) in the study folder")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     command = "python -m dllm_ais.experimental.precision_frontier " + shlex.join(argv if argv is not None
@@ -212,10 +215,11 @@ def main(argv: list[str] | None = None) -> None:
               f"in points (mean over seeds ± seed SE); mismatch from {args.prompts} validation prompts; command: "
               f"{command}")
     table = markdown(result, labels, header)
-    (study_dir / "frontier.md").write_text(table)
-    (study_dir / "frontier.json").write_text(json.dumps({**result, "command": command}, indent=2) + "\n")
-    plot(result, labels, study_dir / "frontier.png")
-    print(table + f"\nwritten: {study_dir / 'frontier.md'}, frontier.json, frontier.png")
+    report = study_dir / args.report
+    report.with_suffix(".md").write_text(table)
+    report.with_suffix(".json").write_text(json.dumps({**result, "command": command}, indent=2) + "\n")
+    plot(result, labels, report.with_suffix(".png"))
+    print(table + f"\nwritten: {report}.md, .json, .png")
 
 
 if __name__ == "__main__":
