@@ -72,11 +72,18 @@ def test_the_verdict_names_the_first_losing_notch_and_whether_ais_rescues_it(tmp
     assert verdict["ais_within_2_points"] is ais_recovers and verdict["ais_above_uncorrected"] is ais_recovers
     assert verdict["ais_minus_uncorrected"]["mean"] == pytest.approx(13 / 60 if ais_recovers else 1 / 60)
     table = markdown(result, ["uncorrected", "+ AIS"], "header")
-    assert "| b | 1.0e-02 · 2.0e-02 | 0.7000 · 0.8000 | -21.7 ± 1.7 |" in table
+    assert "| b | 1.0e-02 · 2.0e-02 | 0.7000 · 0.8000 | -20.8 ± 2.2 |" in table  # vs the two bf16 draws' mean
     assert "Null arm (bf16 rollouts, another draw: the baseline with another sampling draw): Δ -1.7 ± 1.7" in table
     assert ("AIS rescues this notch" if ais_recovers else "AIS does not rescue this notch") in table
     plot(result, ["uncorrected", "+ AIS"], tmp_path / "frontier.png")
     assert (tmp_path / "frontier.png").stat().st_size > 0
+
+
+def test_without_a_null_arm_the_rows_are_against_the_baseline_arm(tmp_path):
+    summary, grid = synthetic_study(tmp_path, ais_recovers=True)
+    del grid["bf16"]
+    row = frontier(summary, grid, MISMATCH)["rows"][1]
+    assert row["corrections"]["uncorrected"] == summary["arms"]["b uncorrected"]["versus_baseline"]["across_seeds"]
 
 
 def test_no_losing_notch_is_said(tmp_path):

@@ -8,8 +8,9 @@ mismatch on the study's base recipe as `dllm-ais bench mismatch` does (exact tok
 canvas the recipe's estimator scores, and on the trajectory replay's canvases), then writes into the study folder:
 
   frontier.md / frontier.json   one row per notch (in order of mismatch): k3, sequence ESS, and per correction the
-                                held-out Δ against the bf16 arm (mean over seeds ± seed SE, each seed paired over
-                                the same prompts); then the verdict below;
+                                held-out Δ against bf16 rollouts (mean over seeds ± seed SE, each seed paired over
+                                the same prompts; the bf16 arm pooled with the null arms' draws, see `frontier`);
+                                then the verdict below;
   frontier.png                  Δ (points) against k3, one line per correction, ±1 seed SE bars
                                 (`--report NAME` names the three files).
 
@@ -87,13 +88,23 @@ def per_prompt_values(runs: list[str], metric: str) -> list[list[float]]:
 
 def frontier(summary: dict[str, Any], grid: dict[str, dict[str, str]], mismatch: dict[str, dict[str, Any]]
              ) -> dict[str, Any]:
-    """The frontier's rows (notches in order of one-step k3) and the verdict (module docstring)."""
-    arms = summary["arms"]
-    null = {label: arms[name]["versus_baseline"]["across_seeds"] for label, name in grid.get("bf16", {}).items()}
+    """The frontier's rows (notches in order of one-step k3), the null arms and the verdict (module docstring).
+
+    A row's Δ is against bf16 rollouts: per seed and prompt, the mean of the baseline arm and the null arms (the
+    baseline's other sampling draws), so that one lucky or unlucky bf16 draw does not move every Δ alike. A null
+    arm's own Δ is against the baseline arm alone: how far two bf16 draws part."""
+    arms, metric = summary["arms"], summary["metric"]
+    null_names = grid.get("bf16", {})
+    draws = [per_prompt_values(arms[name]["runs"], metric) for name in [summary["baseline"], *null_names.values()]]
+    pooled = [[sum(values) / len(draws) for values in zip(*seed_values)] for seed_values in zip(*draws)]
+
+    def versus_bf16(name: str) -> dict[str, Any]:
+        return versus_baseline(pooled, per_prompt_values(arms[name]["runs"], metric))["across_seeds"]
+
+    null = {label: arms[name]["versus_baseline"]["across_seeds"] for label, name in null_names.items()}
     rows = []
     for precision in sorted(set(grid) - {"bf16"}, key=lambda p: mismatch[p]["scored_canvas"]["k3"]):
-        corrections = {label: arms[name]["versus_baseline"]["across_seeds"] for label, name in grid[precision].items()
-                       if name in arms}
+        corrections = {label: versus_bf16(name) for label, name in grid[precision].items() if name in arms}
         rows.append({"precision": precision, "mismatch": mismatch[precision], "corrections": corrections})
     verdict: dict[str, Any] = {"first_losing_notch": None}
     for row in rows:
@@ -102,7 +113,6 @@ def frontier(summary: dict[str, Any], grid: dict[str, dict[str, str]], mismatch:
             verdict["first_losing_notch"] = row["precision"]
             names = grid[row["precision"]]
             if AIS in row["corrections"]:
-                metric = summary["metric"]
                 paired = versus_baseline(per_prompt_values(arms[names[UNCORRECTED]]["runs"], metric),
                                          per_prompt_values(arms[names[AIS]]["runs"], metric))["across_seeds"]
                 ais = row["corrections"][AIS]
@@ -110,7 +120,7 @@ def frontier(summary: dict[str, Any], grid: dict[str, dict[str, str]], mismatch:
                                ais_within_2_points=ais["mean"] >= -RESCUE_POINTS,
                                ais_above_uncorrected=paired["mean"] > LOSS_STANDARD_ERRORS * paired["standard_error"])
             break
-    return {"rows": rows, "null": null, "verdict": verdict}
+    return {"rows": rows, "null": null, "bf16_draws": len(draws), "verdict": verdict}
 
 
 def points(total: dict[str, Any] | None) -> str:
@@ -132,7 +142,8 @@ def markdown(result: dict[str, Any], labels: list[str], header: str) -> str:
                      + " | ".join(points(row["corrections"].get(label)) for label in labels) + " |")
     for label, total in result["null"].items():
         lines.append(f"\nNull arm (bf16 rollouts, {label}: the baseline with another sampling draw): Δ {points(total)} "
-                     "points. Differences of that size between arms are sampling noise.")
+                     "points against the baseline arm. Two bf16 draws part by that much; the rows' Δ are against their "
+                     "per-prompt mean.")
     verdict = result["verdict"]
     notch = verdict["first_losing_notch"]
     if notch is None:
@@ -210,10 +221,11 @@ def main(argv: list[str] | None = None) -> None:
     mismatch = measure_mismatch(study, sorted(grid), args.prompts, seed=0)
     result = frontier(summary, grid, mismatch)
     labels = list(dict.fromkeys(label for precision, names in grid.items() if precision != "bf16" for label in names))
+    draws = f"{summary['baseline']} pooled with {len(result['null'])} null draw(s)" if result["null"] else summary[
+        "baseline"]
     header = (f"precision frontier of {study.name} ({args.study.name}): {summary['seeds']} seeds, "
-              f"{summary['num_prompts']} held-out prompts, Δ held-out {summary['metric']} vs {summary['baseline']} "
-              f"in points (mean over seeds ± seed SE); mismatch from {args.prompts} validation prompts; command: "
-              f"{command}")
+              f"{summary['num_prompts']} held-out prompts, Δ held-out {summary['metric']} vs {draws} in points (mean "
+              f"over seeds ± seed SE); mismatch from {args.prompts} validation prompts; command: {command}")
     table = markdown(result, labels, header)
     report = study_dir / args.report
     report.with_suffix(".md").write_text(table)
