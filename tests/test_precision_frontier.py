@@ -71,6 +71,7 @@ def test_the_verdict_names_the_first_losing_notch_and_whether_ais_rescues_it(tmp
     assert verdict["first_losing_notch"] == "b"
     assert verdict["ais_within_2_points"] is ais_recovers and verdict["ais_above_uncorrected"] is ais_recovers
     assert verdict["ais_minus_uncorrected"]["mean"] == pytest.approx(13 / 60 if ais_recovers else 1 / 60)
+    assert result["bf16_draws_vs_pooled"] == pytest.approx([1 / 120, -1 / 120])  # seed 0's prompt 0 parts them
     table = markdown(result, ["uncorrected", "+ AIS"], "header")
     assert "| b | 1.0e-02 · 2.0e-02 | 0.7000 · 0.8000 | -20.8 ± 2.2 |" in table  # vs the two bf16 draws' mean
     assert "Null arm (bf16 rollouts, another draw: the baseline with another sampling draw): Δ -1.7 ± 1.7" in table

@@ -102,6 +102,7 @@ def frontier(summary: dict[str, Any], grid: dict[str, dict[str, str]], mismatch:
         return versus_baseline(pooled, per_prompt_values(arms[name]["runs"], metric))["across_seeds"]
 
     null = {label: arms[name]["versus_baseline"]["across_seeds"] for label, name in null_names.items()}
+    bf16_draws = [versus_baseline(pooled, draw)["across_seeds"]["mean"] for draw in draws]
     rows = []
     for precision in sorted(set(grid) - {"bf16"}, key=lambda p: mismatch[p]["scored_canvas"]["k3"]):
         corrections = {label: versus_bf16(name) for label, name in grid[precision].items() if name in arms}
@@ -120,7 +121,7 @@ def frontier(summary: dict[str, Any], grid: dict[str, dict[str, str]], mismatch:
                                ais_within_2_points=ais["mean"] >= -RESCUE_POINTS,
                                ais_above_uncorrected=paired["mean"] > LOSS_STANDARD_ERRORS * paired["standard_error"])
             break
-    return {"rows": rows, "null": null, "bf16_draws": len(draws), "verdict": verdict}
+    return {"rows": rows, "null": null, "bf16_draws_vs_pooled": bf16_draws, "verdict": verdict}
 
 
 def points(total: dict[str, Any] | None) -> str:
@@ -179,9 +180,10 @@ def plot(result: dict[str, Any], labels: list[str], path: Path) -> None:
         jitter = 1 + 0.04 * (index - (len(labels) - 1) / 2)  # side by side at a shared k3
         axis.errorbar([k3 * jitter for k3, _ in cells], [100 * total["mean"] for _, total in cells],
                       yerr=[100 * total["standard_error"] for _, total in cells], marker="o", capsize=3, label=label)
-    for label, total in result["null"].items():
-        low, high = 100 * (total["mean"] - total["standard_error"]), 100 * (total["mean"] + total["standard_error"])
-        axis.axhspan(low, high, color="gray", alpha=0.2, label=f"bf16, {label} (null, ±1 SE)")
+    if result["null"]:
+        draws = [100 * delta for delta in result["bf16_draws_vs_pooled"]]
+        axis.axhspan(min(draws), max(draws), color="gray", alpha=0.2,
+                     label=f"the {len(draws)} bf16 draws against their mean (the null's spread)")
     for row in result["rows"]:
         axis.annotate(row["precision"], (row["mismatch"]["scored_canvas"]["k3"], 0), textcoords="offset points",
                       xytext=(0, 6), rotation=60, fontsize=7, color="gray")
@@ -220,7 +222,10 @@ def main(argv: list[str] | None = None) -> None:
     grid = {precision: names for precision, names in grid.items() if names}
     mismatch = measure_mismatch(study, sorted(grid), args.prompts, seed=0)
     result = frontier(summary, grid, mismatch)
-    labels = list(dict.fromkeys(label for precision, names in grid.items() if precision != "bf16" for label in names))
+    trained = {label for precision, names in grid.items() if precision != "bf16" for label in names}
+    in_study_order = dict.fromkeys(label for precision, names in arm_grid(study.arms, study.baseline).items()
+                                   if precision != "bf16" for label in names)
+    labels = [label for label in in_study_order if label in trained]
     draws = f"{summary['baseline']} pooled with {len(result['null'])} null draw(s)" if result["null"] else summary[
         "baseline"]
     header = (f"precision frontier of {study.name} ({args.study.name}): {summary['seeds']} seeds, "
