@@ -140,15 +140,15 @@ def test_a_rollout_seed_offset_draws_other_rollouts_of_the_same_prompts(tokenize
 
     sample_prompts = grpo.sample_prompts
     monkeypatch.setattr(grpo, "sample_prompts", recording_sample_prompts)
-    completions = []
+    rewards = []
     for offset in (0, 1):
         trainer = make_trainer(tokenizer, tmp_path / str(offset), max_steps=1, rollout={"precision": "bf16"},
                                experimental={"rollout_seed_offset": offset})
         trainer.train()
-        completions.append(json.loads((tmp_path / str(offset) / "metrics.jsonl").read_text())["reward"])
+        rewards.append(json.loads((tmp_path / str(offset) / "metrics.jsonl").read_text())["reward"])
     (prompts_0, seed_0), (prompts_1, seed_1) = calls
     assert prompts_0 == prompts_1 and seed_1 - seed_0 == 1_000_003
-    assert completions[0] != completions[1]
+    assert rewards[0] != rewards[1]  # other completions
 
 
 def test_cached_parallel_rollouts_show_their_approximation_in_the_trajectory_ratio(tokenizer, tmp_path):

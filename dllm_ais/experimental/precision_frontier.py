@@ -95,11 +95,14 @@ def frontier(summary: dict[str, Any], grid: dict[str, dict[str, str]], mismatch:
     arm's own Δ is against the baseline arm alone: how far two bf16 draws part."""
     arms, metric = summary["arms"], summary["metric"]
     null_names = grid.get("bf16", {})
-    draws = [per_prompt_values(arms[name]["runs"], metric) for name in [summary["baseline"], *null_names.values()]]
-    pooled = [[sum(values) / len(draws) for values in zip(*seed_values)] for seed_values in zip(*draws)]
+    values = {name: per_prompt_values(arms[name]["runs"], metric)
+              for name in [summary["baseline"], *(name for names in grid.values() for name in names.values())]
+              if name in arms}
+    draws = [values[name] for name in [summary["baseline"], *null_names.values()]]
+    pooled = [[sum(prompt) / len(draws) for prompt in zip(*seed_values)] for seed_values in zip(*draws)]
 
     def versus_bf16(name: str) -> dict[str, Any]:
-        return versus_baseline(pooled, per_prompt_values(arms[name]["runs"], metric))["across_seeds"]
+        return versus_baseline(pooled, values[name])["across_seeds"]
 
     null = {label: arms[name]["versus_baseline"]["across_seeds"] for label, name in null_names.items()}
     bf16_draws = [versus_baseline(pooled, draw)["across_seeds"]["mean"] for draw in draws]
@@ -114,8 +117,7 @@ def frontier(summary: dict[str, Any], grid: dict[str, dict[str, str]], mismatch:
             verdict["first_losing_notch"] = row["precision"]
             names = grid[row["precision"]]
             if AIS in row["corrections"]:
-                paired = versus_baseline(per_prompt_values(arms[names[UNCORRECTED]]["runs"], metric),
-                                         per_prompt_values(arms[names[AIS]]["runs"], metric))["across_seeds"]
+                paired = versus_baseline(values[names[UNCORRECTED]], values[names[AIS]])["across_seeds"]
                 ais = row["corrections"][AIS]
                 verdict.update(ais_minus_uncorrected=paired,
                                ais_within_2_points=ais["mean"] >= -RESCUE_POINTS,
@@ -217,15 +219,15 @@ def main(argv: list[str] | None = None) -> None:
     _, study_dir = run_study(args.study, args.seeds, [], args.output_dir, args.jobs, arms, command)
     study = read_study(args.study)
     summary = json.loads((study_dir / "comparison.json").read_text())
-    grid = {precision: {label: name for label, name in names.items() if name in summary["arms"]}
-            for precision, names in arm_grid(study.arms, study.baseline).items()}
-    grid = {precision: names for precision, names in grid.items() if names}
+    study_grid = arm_grid(study.arms, study.baseline)
+    trained = {precision: {label: name for label, name in names.items() if name in summary["arms"]}
+               for precision, names in study_grid.items()}
+    grid = {precision: names for precision, names in trained.items() if names}
     mismatch = measure_mismatch(study, sorted(grid), args.prompts, seed=0)
     result = frontier(summary, grid, mismatch)
-    trained = {label for precision, names in grid.items() if precision != "bf16" for label in names}
-    in_study_order = dict.fromkeys(label for precision, names in arm_grid(study.arms, study.baseline).items()
-                                   if precision != "bf16" for label in names)
-    labels = [label for label in in_study_order if label in trained]
+    trained_labels = {label for precision, names in grid.items() if precision != "bf16" for label in names}
+    labels = [label for label in dict.fromkeys(label for precision, names in study_grid.items() if precision != "bf16"
+                                                for label in names) if label in trained_labels]
     draws = f"{summary['baseline']} pooled with {len(result['null'])} null draw(s)" if result["null"] else summary[
         "baseline"]
     header = (f"precision frontier of {study.name} ({args.study.name}): {summary['seeds']} seeds, "
