@@ -53,8 +53,10 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from dllm_ais.trainer import GRPOTrainer, NonFiniteError
 
     check_tokenizer_files(config.model_name_or_path)
+    finished = False
     try:
         GRPOTrainer(config).train()
+        finished = True
     except TrainingInterrupted as stop:
         from accelerate import PartialState
 
@@ -74,7 +76,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     except Exception as error:
         return _train_failed(args, overrides, config, error)
     finally:
-        end_process_group()
+        end_process_group(finished)
     return 0
 
 

@@ -203,13 +203,24 @@ def relaunch_as_cpu_processes(args: argparse.Namespace) -> int:
     return launcher.returncode
 
 
-def end_process_group() -> None:
-    """Leave torch.distributed's process group, if this process is in one. Left to the interpreter's exit, gloo's
-    teardown sometimes aborted the CPU process that finished first ("terminate called without an active exception")
-    and with it the run."""
+def end_process_group(finished: bool = True) -> None:
+    """Leave torch.distributed's process group, if this process is in one.
+
+    After a finished run every process first waits for the others (a barrier: no process tears its connections down
+    while a peer still writes), then a garbage collection frees the run's objects that still hold the group through
+    reference cycles (DDP's reducer), so that the gloo backend and its worker threads end here, while the interpreter
+    is whole. Left to the interpreter's exit, that teardown sometimes aborted a CPU process after its run had finished
+    ("terminate called without an active exception") and with it the launch. After a failed run there is no barrier:
+    a peer may be gone.
+    """
+    import gc
+
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        if finished:
+            dist.barrier()
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -79,4 +79,5 @@ if __name__ == "__main__":
     if trainer.accelerator.is_main_process:
         assert len(uninterrupted) == 2 and comparable(resumed) == comparable(uninterrupted), (resumed, uninterrupted)
         print("full fine-tuning resumed exactly", flush=True)
+    del trainer
     end_process_group()

@@ -1,11 +1,13 @@
 """Config validation, recipes, overrides and the `dllm-ais` CLI end to end on the embedded model."""
 
 import dataclasses
+import gc
 import json
 import re
 import subprocess
 import sys
 import tempfile
+import weakref
 from pathlib import Path
 
 import pytest
@@ -164,6 +166,32 @@ def test_cli_trains_the_tiny_qwen3_through_the_shared_loop(tmp_path, capsys):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert records[0]["rollout_corr/k3_kl"] > 0 and 0 <= records[0]["ais/alpha"] <= 1
     assert "held-out reward: before" in capsys.readouterr().out
+
+
+def test_ending_the_process_group_frees_the_ddp_model_a_reference_cycle_holds():
+    """After a finished run the group's end frees the DDP wrapper that reference cycles keep alive (a trainer and its
+    parts make them), so gloo's backend is torn down there and not during the interpreter's exit."""
+    import torch
+    import torch.distributed as dist
+
+    from dllm_ais.launch import end_process_group
+
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs a fresh torch.distributed")
+    gc.disable()  # no collection but the one under test
+    try:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        run = {"model": torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))}
+        run["run"] = run
+        model = weakref.ref(run["model"])
+        del run
+        assert model() is not None
+        end_process_group(finished=True)
+        assert model() is None and not dist.is_initialized()
+    finally:
+        gc.enable()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 @pytest.mark.slow  # two processes per run
