@@ -392,14 +392,13 @@ def _compare(args: argparse.Namespace, overrides: list[str]) -> int:
     from dllm_ais.compare import StudyError, run_study
 
     try:
-        table, folder = run_study(Path(args.study), args.seeds, overrides, args.output_dir and Path(args.output_dir),
+        table, report = run_study(Path(args.study), args.seeds, overrides, args.output_dir and Path(args.output_dir),
                                   args.jobs, args.arms and [arm.strip() for arm in args.arms.split(",")],
-                                  shlex.join(["dllm-ais", *args.argv]))
+                                  shlex.join(["dllm-ais", *args.argv]), args.baseline)
     except StudyError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    print(table + f"\ntable: {folder / 'comparison.md'} | numbers: {folder / 'comparison.json'} | plot: "
-                  f"{folder / 'comparison.png'}")
+    print(table + f"\ntable: {report}.md | numbers: {report}.json | plot: {report}.png")
     return 0
 
 
@@ -536,6 +535,8 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("study", help="study YAML: base, overrides, baseline, arms")
     compare.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per arm")
     compare.add_argument("--arms", help="comma-separated arms to run (the baseline always runs); default: all")
+    compare.add_argument("--baseline", help="the arm to pair every other arm against (default: the study's "
+                         "baseline); its report is comparison-vs-<arm>.md/.json/.png")
     compare.add_argument("--jobs", type=int, default=1, help="runs at a time (CPU threads are shared among them)")
     compare.add_argument("--output_dir", help="the study folder (default: outputs/studies/<study name>)")
     compare.set_defaults(handler=_compare)

@@ -1,7 +1,7 @@
 """`dllm-ais compare STUDY.yaml --seeds N`: arms × seeds of one base recipe, paired against a baseline arm.
 
 A study file names a base recipe, the overrides every arm shares, the arms (a name and its overrides) and the
-baseline arm:
+baseline arm (`--baseline ARM` pairs against another arm instead, reusing the same runs):
 
     base: ../tiny_llada_chain_sum.yaml      # relative to the study file; left out: the embedded recipe
     overrides: {max_steps: 60, eval_size: 256}
@@ -15,7 +15,7 @@ through as `--field=value`, never read here). A run whose `held_out.json` exists
 unfinished one is resumed from its newest checkpoint, or rerun (train itself refuses to replace anything it did not
 write). The table pairs each arm with the baseline seed by seed over the same held-out prompts (Δ ± SE), then
 aggregates the seeds' Δ (mean, seed-to-seed SE, 95 % t interval): `comparison.md`, `comparison.json` and
-`comparison.png` in the study folder.
+`comparison.png` in the study folder (`comparison-vs-<arm>.*` with `--baseline`).
 """
 
 from __future__ import annotations
@@ -273,16 +273,21 @@ def plot(summary: dict[str, Any], path: Path) -> None:
 
 
 def run_study(study_file: Path, seeds: int, extra: list[str], output_dir: Path | None, jobs: int,
-              arms: list[str] | None, command: str) -> tuple[str, Path]:
-    """Train what the study still needs, then write comparison.md/.json/.png; returns the table and the folder."""
+              arms: list[str] | None, command: str, baseline: str | None = None) -> tuple[str, Path]:
+    """Train what the study still needs, then write the report: comparison.md/.json/.png against the study's
+    baseline, or comparison-vs-<arm>.md/.json/.png against another arm (`baseline`), whose runs are the same.
+    Returns the table and the report's path without its suffix."""
     study = read_study(study_file)
+    if baseline is not None and baseline not in study.arms:
+        raise StudyError(f"--baseline: unknown {baseline!r}; the study's arms: {', '.join(study.arms)}")
+    report = "comparison" if baseline in (None, study.baseline) else f"comparison-vs-{slug(baseline)}"
+    baseline = baseline or study.baseline
     if arms is not None:
         unknown = sorted(set(arms) - set(study.arms))
         if unknown:
             raise StudyError(f"--arms: unknown {unknown}; the study's arms: {', '.join(study.arms)}")
-        study = Study(study.name, study.base, study.overrides,
-                      {name: o for name, o in study.arms.items() if name in arms or name == study.baseline},
-                      study.baseline)
+    kept = {name: o for name, o in study.arms.items() if arms is None or name in arms or name == baseline}
+    study = Study(study.name, study.base, study.overrides, kept, baseline)
     study_dir = output_dir or Path("outputs") / "studies" / study.name
     runs = plan_runs(study, seeds, extra, study_dir)
     reused = run_all(runs, jobs)
@@ -292,7 +297,7 @@ def run_study(study_file: Path, seeds: int, extra: list[str], output_dir: Path |
               f"{summary['num_prompts']} held-out prompts per run; command: {command}")
     table = markdown(summary, header)
     study_dir.mkdir(parents=True, exist_ok=True)
-    (study_dir / "comparison.md").write_text(table)
-    (study_dir / "comparison.json").write_text(json.dumps({**summary, "command": command}, indent=2) + "\n")
-    plot(summary, study_dir / "comparison.png")
-    return table, study_dir
+    (study_dir / f"{report}.md").write_text(table)
+    (study_dir / f"{report}.json").write_text(json.dumps({**summary, "command": command}, indent=2) + "\n")
+    plot(summary, study_dir / f"{report}.png")
+    return table, study_dir / report

@@ -108,6 +108,17 @@ def test_compare_runs_arms_by_seeds_then_reuses_them(tmp_path, monkeypatch, caps
     assert "4 runs (4 reused)" in capsys.readouterr().out
     assert {run: (Path(run) / "metrics.jsonl").stat().st_mtime_ns for run in finished} == finished
 
+    table = (folder / "comparison.md").read_text()
+    assert main(["compare", str(study), "--seeds", "2", "--baseline", "ais", f"--output_dir={folder}"]) == 0
+    assert "comparison-vs-ais.md" in capsys.readouterr().out and (folder / "comparison-vs-ais.png").is_file()
+    versus_ais = json.loads((folder / "comparison-vs-ais.json").read_text())
+    assert versus_ais["baseline"] == "ais" and versus_ais["arms"]["ais"]["versus_baseline"] is None
+    assert [d["mean"] for d in versus_ais["arms"]["none"]["versus_baseline"]["per_seed"]] == pytest.approx(
+        [-d for d in per_seed])
+    assert (folder / "comparison.md").read_text() == table
+    assert main(["compare", str(study), "--baseline", "bf16", f"--output_dir={folder}"]) == 1
+    assert capsys.readouterr().err == "error: --baseline: unknown 'bf16'; the study's arms: none, ais\n"
+
 
 def test_failed_runs_are_named_with_their_logs(tmp_path, capsys):
     study = write_study(tmp_path / "bad.yaml", {"none": {"corection": "none"}, "typo": {"corection": "ais"},

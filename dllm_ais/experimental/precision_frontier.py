@@ -216,9 +216,9 @@ def main(argv: list[str] | None = None) -> None:
     command = "python -m dllm_ais.experimental.precision_frontier " + shlex.join(argv if argv is not None
                                                                                  else sys.argv[1:])
     arms = args.arms and [arm.strip() for arm in args.arms.split(",")]
-    _, study_dir = run_study(args.study, args.seeds, [], args.output_dir, args.jobs, arms, command)
-    study = read_study(args.study)
-    summary = json.loads((study_dir / "comparison.json").read_text())
+    _, comparison = run_study(args.study, args.seeds, [], args.output_dir, args.jobs, arms, command)
+    study, study_dir = read_study(args.study), comparison.parent
+    summary = json.loads(comparison.with_suffix(".json").read_text())
     study_grid = arm_grid(study.arms, study.baseline)
     trained = {precision: {label: name for label, name in names.items() if name in summary["arms"]}
                for precision, names in study_grid.items()}
