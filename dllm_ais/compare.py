@@ -264,7 +264,7 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     curves.legend(fontsize=7)
     deltas.axhline(0.0, color="grey", linewidth=0.8)
     deltas.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=7)
-    deltas.set(title=f"Δ {summary['metric']} vs {summary['baseline']}: seeds and mean with 95 % CI")
+    deltas.set_title(f"Δ {summary['metric']} vs {summary['baseline']}:\nseeds and mean with 95 % CI", fontsize=10)
     for axis in (curves, deltas):
         axis.grid(alpha=0.3)
     figure.tight_layout()
