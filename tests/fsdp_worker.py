@@ -74,10 +74,10 @@ if __name__ == "__main__":
     root = Path(sys.argv[1])
     check_a_nan_gradient_on_one_process_skips_the_batch_on_all(train(root / "lora")[0])
     trainer, uninterrupted = train(root / "full", "--use_peft=false", "--max_steps=2", "--save_steps=1")
-    _, resumed = train(root / "full-resumed", "--use_peft=false", "--max_steps=2",
-                       f"--resume_from_checkpoint={root / 'full' / 'checkpoint-1'}")
+    resumed = train(root / "full-resumed", "--use_peft=false", "--max_steps=2",
+                    f"--resume_from_checkpoint={root / 'full' / 'checkpoint-1'}")[1]
     if trainer.accelerator.is_main_process:
         assert len(uninterrupted) == 2 and comparable(resumed) == comparable(uninterrupted), (resumed, uninterrupted)
         print("full fine-tuning resumed exactly", flush=True)
-    del trainer
+    del trainer  # the trainers' DDP/FSDP wrappers go with the process group (end_process_group's collection)
     end_process_group()
