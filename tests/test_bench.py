@@ -80,6 +80,24 @@ def test_precision_benchmark_runs_every_chosen_notch_at_the_tiny_shape_without_c
     assert all("peak memory n/a on cpu" in line for line in steps)
 
 
+def test_precision_benchmark_reports_a_failing_notch_in_one_line_and_runs_the_others(capsys, monkeypatch):
+    import dllm_ais.engine
+
+    real_engine = dllm_ais.engine.RolloutEngine
+
+    def engine(trainer, precision):
+        if precision == "int8":
+            raise RuntimeError("no int8 kernel here\nsecond line")
+        return real_engine(trainer, precision=precision)
+
+    monkeypatch.setattr(dllm_ais.engine, "RolloutEngine", engine)
+    assert main(["bench", "precision", "--device", "cpu", "--precisions", "int8,int4", "--batch", "2",
+                 "--prompt-length", "8", "--gen-length", "16", "--block-length", "8", "--steps", "4"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("int8", "int4"))]
+    assert lines[0].startswith("int8") and "failed: RuntimeError: no int8 kernel here |" in lines[0]
+    assert [line.split()[:3] for line in lines[1:]] == [["int4", "cache", "none"], ["int4", "cache", "dual"]]
+
+
 @pytest.mark.slow  # four fresh processes
 def test_memory_benchmark_measures_each_estimator_in_its_own_process(capsys):
     assert main(["bench", "memory", "--gen-length", "16", "--block-length", "16", "--batch", "2",

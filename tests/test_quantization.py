@@ -211,3 +211,28 @@ def test_config_rollout_cache_dtype_reaches_the_sampler():
     model = load_model(config.model_name_or_path, torch.float32)
     policy = build_policy(config, model.config, load_tokenizer(config.model_name_or_path))
     assert policy.sampler.config.cache_dtype == "fp8" and policy.sampler.config.exact().cache_dtype == "none"
+
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device: the path GPU users' rollouts take"))])
+@pytest.mark.parametrize("precision", REFERENCES)
+def test_bfloat16_layers_match_torchao_reference_numerics_on_each_device(precision, device):
+    """A bfloat16 layer fed bfloat16 activations, as the engine runs on a GPU, gives the reference numerics of its
+    bfloat16 operands (scales computed in their dtype) up to the bfloat16 rounding of its output and the
+    accumulation order, through the kernels kernel_path names: on CUDA, native FP8 scaled-mm on compute capability
+    >= 8.9, native MX / NVFP4 on >= 10.0, the emulated or weight-only kernels otherwise."""
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 64, bias=False, device=device, dtype=torch.bfloat16)
+    weight = linear.weight.detach().clone()
+    x = (torch.randn(12, 256, device=device) * torch.logspace(-2, 1, 12, device=device).unsqueeze(-1)).bfloat16()
+    assert quantize_model_(nn.Sequential(linear), precision, skip=lambda name, module: False) == ["0"]
+    quantize_activations, quantize_weight = REFERENCES[precision]
+    with torch.no_grad():
+        output = linear(x).float()
+    expected = F.linear(quantize_activations(x).float(), quantize_weight(weight).float())
+    error = (output - expected).abs().max().item()
+    print(f"\n[{precision}] {device}: max |engine − torchao reference| = {error:.2e} (max |reference| "
+          f"{expected.abs().max().item():.2e}); path: {kernel_path(precision, device)}")
+    assert error <= 2e-2 * expected.abs().max().item()  # CUDA's FP8 matmul accumulates fast, at lower precision
+    assert (output - F.linear(x.float(), weight.float())).abs().max() > error

@@ -13,7 +13,8 @@ kernel path that ran it (`RolloutEngine.kernel_path`):
                      --block-length, --steps steps) on the engine of each notch, block KV cache off and dual (bf16:
                      also dual with FP8 storage, `cache_dtype=fp8`); only the notches whose kernels are not emulated
                      on this device run (an emulated notch is skipped with a line saying so: its figure would
-                     measure the emulation);
+                     measure the emulation; a notch that fails here, a kernel missing or memory short, prints
+                     one "failed" line and the others still run);
   sync               seconds of `RolloutEngine.sync_from` (merge LoRA, requantize in place) per optimizer step;
   step peak memory   torch.cuda.max_memory_allocated over one LoRA training step (ℓ_θ scoring, GRPO loss, backward
                      piece by piece, AdamW step) for the one_step and trajectory estimators (CUDA only; on CPU
@@ -123,16 +124,22 @@ def bench_rollouts(args: argparse.Namespace, trainer, prompts: torch.Tensor, dev
         if device.type == "cuda" and path.startswith("emulated"):
             print(f"{precision:<18} skipped: {path} on {device_line(device)}")
             continue
-        engine = RolloutEngine(trainer, precision=precision)
-        sync = timed(lambda: engine.sync_from(trainer), device, args.repeats)
-        for cache, cache_dtype in CACHES[:3 if precision == "bf16" else 2]:
-            sampler = MaskedDiffusionSampler(sampler_config(args, trainer.config, cache, cache_dtype))
-            seconds = timed(lambda: sampler.sample(engine.model, prompts, torch.ones_like(prompts),
-                                                   torch.Generator(device=device).manual_seed(0)), device, args.repeats)
-            cache = cache if cache_dtype == "none" else f"{cache}+{cache_dtype}"
-            print(f"{precision:<18} cache {cache:<8} rollout {prompts.shape[0] * args.gen_length / seconds:10.1f} "
-                  f"tokens/s | sync {sync:.3f} s/step | kernels: {engine.kernel_path} | {device_line(device)}",
-                  flush=True)
+        engine = None
+        try:
+            engine = RolloutEngine(trainer, precision=precision)
+            sync = timed(lambda: engine.sync_from(trainer), device, args.repeats)
+            for cache, cache_dtype in CACHES[:3 if precision == "bf16" else 2]:
+                sampler = MaskedDiffusionSampler(sampler_config(args, trainer.config, cache, cache_dtype))
+                seconds = timed(lambda: sampler.sample(engine.model, prompts, torch.ones_like(prompts),
+                                                       torch.Generator(device=device).manual_seed(0)),
+                                device, args.repeats)
+                cache = cache if cache_dtype == "none" else f"{cache}+{cache_dtype}"
+                print(f"{precision:<18} cache {cache:<8} rollout {prompts.shape[0] * args.gen_length / seconds:10.1f} "
+                      f"tokens/s | sync {sync:.3f} s/step | kernels: {engine.kernel_path} | {device_line(device)}",
+                      flush=True)
+        except Exception as error:  # one notch's missing kernel or memory must not hide the others' figures
+            print(f"{precision:<18} failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+                  f" | {device_line(device)}", flush=True)
         del engine
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -183,8 +190,8 @@ def main(argv: list[str] | None = None) -> None:
                             generator=generator).to(device)
     print(f"batch {args.batch}, prompt {args.prompt_length}, gen {args.gen_length}, block {args.block_length}, "
           f"steps {args.steps}, temperature 1; median of {args.repeats} after one warm-up")
-    bench_rollouts(args, trainer, prompts, device)
     bench_step_memory(args, trainer, prompts, device)
+    bench_rollouts(args, trainer, prompts, device)
 
 
 if __name__ == "__main__":
