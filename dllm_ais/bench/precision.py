@@ -90,19 +90,24 @@ def build_trainer(args: argparse.Namespace, device: torch.device):
                                             target_modules=lora_target_modules("llada")))
 
 
-def sampler_config(args: argparse.Namespace, model_config, cache: str, cache_dtype: str = "none"):
-    """The benchmark's sampler settings (temperature 1) with block KV cache `cache` stored in `cache_dtype`."""
+def sampler_config(args: argparse.Namespace, model_config, cache: str, cache_dtype: str = "none",
+                   gen_length: int | None = None):
+    """The benchmark's sampler settings (temperature 1) with block KV cache `cache` stored in `cache_dtype`;
+    `gen_length` shorter than --gen-length keeps the steps per block."""
     from dllm_ais.sampling.diffusion import DiffusionSamplerConfig
 
-    return DiffusionSamplerConfig(gen_length=args.gen_length, block_length=args.block_length, steps=args.steps,
+    gen_length = gen_length or args.gen_length
+    return DiffusionSamplerConfig(gen_length=gen_length, block_length=args.block_length,
+                                  steps=max(1, args.steps * gen_length // args.gen_length),
                                   temperature=1.0, cache=cache, cache_dtype=cache_dtype,
                                   mask_token_id=model_config.mask_token_id,
                                   eos_token_ids=(model_config.eos_token_id,), pad_token_id=model_config.pad_token_id)
 
 
-def timed(fn, device: torch.device, repeats: int) -> float:
-    """Median wall seconds of fn() over `repeats` runs after one warm-up, the device queue drained around each."""
-    fn()
+def timed(fn, device: torch.device, repeats: int, warm_up=None) -> float:
+    """Median wall seconds of fn() over `repeats` runs after one warm-up call of `warm_up` (default: fn), the device
+    queue drained around each."""
+    (warm_up or fn)()
     seconds = []
     for _ in range(repeats):
         synchronize(device)
@@ -130,9 +135,14 @@ def bench_rollouts(args: argparse.Namespace, trainer, prompts: torch.Tensor, dev
             sync = timed(lambda: engine.sync_from(trainer), device, args.repeats)
             for cache, cache_dtype in CACHES[:3 if precision == "bf16" else 2]:
                 sampler = MaskedDiffusionSampler(sampler_config(args, trainer.config, cache, cache_dtype))
-                seconds = timed(lambda: sampler.sample(engine.model, prompts, torch.ones_like(prompts),
-                                                       torch.Generator(device=device).manual_seed(0)),
-                                device, args.repeats)
+                one_block = MaskedDiffusionSampler(sampler_config(args, trainer.config, cache, cache_dtype,
+                                                                  gen_length=args.block_length))
+
+                def rollout(sampler=sampler):
+                    return sampler.sample(engine.model, prompts, torch.ones_like(prompts),
+                                          torch.Generator(device=device).manual_seed(0))
+
+                seconds = timed(rollout, device, args.repeats, warm_up=lambda: rollout(one_block))
                 cache = cache if cache_dtype == "none" else f"{cache}+{cache_dtype}"
                 print(f"{precision:<18} cache {cache:<8} rollout {prompts.shape[0] * args.gen_length / seconds:10.1f} "
                       f"tokens/s | sync {sync:.3f} s/step | kernels: {engine.kernel_path} | {device_line(device)}",
@@ -189,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     prompts = torch.randint(0, trainer.config.vocab_size - 2, (args.batch, args.prompt_length),
                             generator=generator).to(device)
     print(f"batch {args.batch}, prompt {args.prompt_length}, gen {args.gen_length}, block {args.block_length}, "
-          f"steps {args.steps}, temperature 1; median of {args.repeats} after one warm-up")
+          f"steps {args.steps}, temperature 1; median of {args.repeats} after one warm-up (rollouts: of one block)")
     bench_step_memory(args, trainer, prompts, device)
     bench_rollouts(args, trainer, prompts, device)
 
