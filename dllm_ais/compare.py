@@ -26,6 +26,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,7 +64,8 @@ class Run:
 
     @property
     def log(self) -> Path:
-        """The run's console output, beside its output directory (never inside: train owns that)."""
+        """The run's console output, beside its output directory (never inside: train owns that); each attempt is
+        appended under a header line naming its command."""
         return self.output_dir.with_suffix(".log")
 
 
@@ -138,8 +140,11 @@ def execute(run: Run, threads: int) -> str | None:
     run.log.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads)),
            "PYTHONUNBUFFERED": "1"}
-    with run.log.open("w") as log:
-        code = subprocess.call(train_command(run), stdout=log, stderr=subprocess.STDOUT, env=env)
+    command = train_command(run)
+    with run.log.open("a") as log:  # appended: an earlier attempt's output (or another writer's) is never lost
+        log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} dllm-ais compare runs: {' '.join(command)}\n")
+        log.flush()
+        code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     if code != 0:
         return f"{run.arm} / seed {run.seed} failed (exit {code}); see {run.log}"
     if read_held_out(run.output_dir) is None:

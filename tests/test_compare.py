@@ -129,6 +129,9 @@ def test_failed_runs_are_named_with_their_logs(tmp_path, capsys):
     assert "left out" not in error
     log = Path(error.strip().split("see ")[-1])
     assert "corection" in log.read_text()
+    assert main(["compare", str(study), "--seeds", "1", "--arms", "typo", f"--output_dir={tmp_path / 'study'}"]) == 1
+    attempts = log.read_text().split("=== ")[1:]  # the second attempt appended its output: the first's is kept
+    assert len(attempts) == 2 and all(" dllm-ais compare runs: " in a and "corection" in a for a in attempts)
 
 
 def test_a_mapping_override_reaches_train_as_one_argument_that_parses_back():
