@@ -71,9 +71,9 @@ def test_two_trains_started_together_one_refuses_and_the_metrics_are_one_runs(tm
     results = [(process.wait(timeout=600), process.stderr.read()) for process in runs]
     assert sorted(code for code, _ in results) == [0, 2], results
     refused = next(err for code, err in results if code == 2)
-    assert "in use by a live dllm-ais run" in refused and len(refused.strip().splitlines()) <= ERROR_LINES
+    assert "in use by a live dllm-ais run" in refused and len(refused.strip().splitlines()) <= ERROR_LINES, refused
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records if "loss" in r] == [1, 2]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2], records
 
 
 def checkpoint(output_dir, step, files):
