@@ -80,11 +80,8 @@ SPLIT_OFFSETS = {"test": 0, "validation": 1}
 RUN_SETTINGS = ("seed", "size")
 
 UNEXPOSED_DATASETS = {
-    "polynomial_multiplication": "its verifier runs sympy's parse_expr (Python evaluation) on free-form symbolic "
-                                 "answers",
-    "simple_integration": "its verifier runs sympy's parse_expr (Python evaluation) on free-form symbolic answers",
-    "intermediate_integration": "its verifier runs sympy's parse_expr (Python evaluation) on free-form symbolic "
-                                "answers",
+    **dict.fromkeys(("polynomial_multiplication", "simple_integration", "intermediate_integration"),
+                    "its verifier evaluates free-form symbolic answers as Python code (sympy's expression parser)"),
     "composite": "it mixes datasets under one verifier; choose one dataset",
 }
 
