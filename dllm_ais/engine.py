@@ -12,6 +12,7 @@ fully fine-tuned, bare or wrapped by DDP / DataParallel / DeepSpeed / torch.comp
 from __future__ import annotations
 
 import copy
+import logging
 import time
 from typing import Iterator, NamedTuple
 
@@ -25,12 +26,15 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from dllm_ais.quantization import SkipRule, kernel_path, quantize_model_, requantize_
+from dllm_ais.sampling.static_forwards import StaticForwards, compile_blocks
 
 __all__ = ["RolloutEngine", "adapter_host", "load_merged_weights_", "lm_head_skip_rule", "merged_state_items"]
 
 # Module names (a full name or its dotted suffix) of LM heads that `get_output_embeddings` may not report:
 # LLaDA's untied head is the top-level `transformer.ff_out` (the per-block `blocks.N.ff_out` is an MLP layer).
 LM_HEAD_NAMES = ("lm_head", "embed_out", "transformer.ff_out")
+
+logger = logging.getLogger("dllm_ais")
 
 
 class RolloutEngine:
@@ -46,12 +50,19 @@ class RolloutEngine:
         holds_trainer_weights: whether the engine is the trainer's policy itself, LoRA merged: "bf16" in the
             trainer's own dtypes, all float32 or wider, so that rounding W + ΔW loses nothing that matters (in
             bfloat16 it can round a small ΔW away).
+        execution_path: how the engine's forwards run ("eager", or compiled: blocks compiled, sampling forwards
+            replayed as CUDA graphs on a GPU), logged once when the engine is built, beside the kernel path.
     """
 
-    def __init__(self, trainer_model: nn.Module, precision: str = "fp8", dtype: torch.dtype | None = None):
+    def __init__(self, trainer_model: nn.Module, precision: str = "fp8", dtype: torch.dtype | None = None,
+                 compile: bool | None = False):
         """Copy `trainer_model` (LoRA adapters merged in, the trainer's model left untouched), cast it to
         `dtype` (None keeps the trainer's parameter dtypes, so "bf16" reproduces the trainer bit for bit)
         and quantize its linear layers to `precision` (`quantize_model_` checks it is one of PRECISIONS).
+
+        `compile` (None = on CUDA only): compile the engine's transformer blocks and give its model static
+        forwards (`dllm_ais.sampling.static_forwards`), replayed as CUDA graphs on a GPU. Syncs write the weights
+        in place, so compiled blocks and captured graphs stay valid across them.
         """
         # The copy drops the LoRA layers without merging them: the merged weights are loaded below by the
         # code `sync_from` uses, so a fresh engine and a synced one agree bit for bit.
@@ -68,7 +79,16 @@ class RolloutEngine:
         self.holds_trainer_weights = precision == "bf16" and dtype is None and all(
             param.dtype in (torch.float32, torch.float64) for param in model.parameters() if param.is_floating_point())
         self.quantized_modules = quantize_model_(model, precision, skip=lm_head_skip_rule(model))
-        self.kernel_path = kernel_path(precision, next(model.parameters()).device)
+        device = next(model.parameters()).device
+        self.kernel_path = kernel_path(precision, device)
+        self.execution_path = "eager"
+        if compile or (compile is None and device.type == "cuda"):
+            blocks = compile_blocks(model)
+            model.static_forwards = StaticForwards(model, cuda_graphs=device.type == "cuda")
+            self.execution_path = (f"compiled: {blocks} transformer blocks by torch.compile (one graph reused), "
+                                   + ("sampling forwards replayed as CUDA graphs" if device.type == "cuda" else
+                                      "sampling forwards at static shapes (CUDA graphs need a GPU)"))
+        logger.info("rollout engine (%s): %s; kernels: %s", precision, self.execution_path, self.kernel_path)
 
     def sync_from(self, trainer_model: nn.Module) -> float:
         """Copy the trainer's current (LoRA-merged) weights into the engine in place; return the seconds it took."""

@@ -99,3 +99,10 @@ def token_id_tuple(ids: int | list[int] | tuple[int, ...] | None) -> tuple[int, 
     if any(isinstance(i, bool) or not hasattr(i, "__index__") for i in ids):
         raise ValueError(f"token ids must be ints; got {ids!r}")
     return tuple(operator.index(i) for i in ids)
+
+
+def padding_or_none(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """`attention_mask` when it marks padding (a 0 anywhere), None when it is absent or all ones: the models apply a
+    mask they are given without reading its values, so an unpadded batch passes None and runs the unmasked attention
+    kernels. One host read of the mask, once per sampling or replay call."""
+    return None if attention_mask is None or bool(attention_mask.all()) else attention_mask

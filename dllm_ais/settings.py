@@ -90,6 +90,12 @@ class RolloutSettings(SettingsGroup):
     schedule: str = field(default="even", metadata={**choice(*COMMIT_SCHEDULES),
         "help": "Tokens committed per step: even = LLaDA's split of each block over its steps; time_linear = "
                 "Dream's floor(n (1 - s/t)) of the n still masked, t = linspace(1, 1e-3, steps + 1)."})
+    compile: bool | None = field(default=None, metadata={
+        "help": "Compiled engine: each transformer block compiled once (torch.compile) and the sampling forwards "
+                "replayed as CUDA graphs, the KV cache in static buffers. null = on with CUDA, off on CPU."})
+    batch_size: int | None = field(default=None, metadata={"range": "[1, 65536]",
+        "help": "Completions decoded per rollout call; null = all of a process's generations for the step at once "
+                "(throughput grows with the batch), a number caps it (memory)."})
 
     def rule_problems(self) -> list[str]:
         if self.cache_dtype != "none" and self.cache == "none":

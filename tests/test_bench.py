@@ -66,18 +66,26 @@ def test_mismatch_benchmark_scores_the_ladder_and_the_fp8_kv_cache_on_the_trajec
 
 def test_precision_benchmark_runs_every_chosen_notch_at_the_tiny_shape_without_cuda(capsys):
     assert main(["bench", "precision", "--device", "cpu", "--precisions", "bf16,fp8_tensor,int4_g128", "--batch", "2",
-                 "--prompt-length", "8", "--gen-length", "16", "--block-length", "8", "--steps", "4"]) == 0
+                 "--prompt-length", "8", "--gen-length", "16", "--block-length", "8", "--steps", "4",
+                 "--step-batch", "4", "--micro-batch", "2"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("no CUDA device") and "model: LLaDA d_model=64" in out
-    rollouts = [line for line in out.splitlines() if " rollout " in line]
-    assert [line.split()[:3] for line in rollouts] == [  # bf16 also with the FP8-stored cache
-        ["bf16", "cache", cache] for cache in ("none", "dual", "dual+fp8")] + [
-        [precision, "cache", cache] for precision in ("fp8_tensor", "int4_g128") for cache in ("none", "dual")]
-    assert all(float(line.split()[4]) > 0 and "| kernels: " in line and "torchao 0.18.0" in line for line in rollouts)
+    rollouts = [line for line in out.splitlines() if " tokens/s " in line]
+    assert [line.split()[:6] for line in rollouts] == [  # the eager bf16 engine also with the FP8-stored cache
+        ["bf16", "eager", "batch", "2", "cache", cache] for cache in ("none", "dual", "dual+fp8")] + [
+        [precision, "eager", "batch", "2", "cache", cache] for precision in ("fp8_tensor", "int4_g128")
+        for cache in ("none", "dual")]
+    assert all(float(line.split()[7]) > 0 and "eager, kernels: " in line and "torchao 0.18.0" in line
+               for line in rollouts)
+    assert "(reference)" in rollouts[0] and "(× bf16 " in rollouts[3]
     assert "kernels: emulated: torchao Float8Tensor" in rollouts[3]
     steps = [line for line in out.splitlines() if line.startswith("train step")]
     assert [line.split()[2] for line in steps] == ["one_step", "trajectory"]
     assert all("peak memory n/a on cpu" in line for line in steps)
+    whole = [line.split(" | ") for line in out.splitlines() if line.startswith("step ")]
+    assert [line[0].split()[1:3] for line in whole] == [["bf16", "eager"], ["fp8", "eager"]]
+    assert all([part.split()[0] for part in line[1:7]] == ["sync", "rollout", "logp_rollout", "logp_old", "train",
+                                                            "total"] for line in whole)
 
 
 def test_precision_benchmark_reports_a_failing_notch_in_one_line_and_runs_the_others(capsys, monkeypatch):
@@ -85,17 +93,19 @@ def test_precision_benchmark_reports_a_failing_notch_in_one_line_and_runs_the_ot
 
     real_engine = dllm_ais.engine.RolloutEngine
 
-    def engine(trainer, precision):
+    def engine(trainer, precision, **settings):
         if precision == "int8":
             raise RuntimeError("no int8 kernel here\nsecond line")
-        return real_engine(trainer, precision=precision)
+        return real_engine(trainer, precision=precision, **settings)
 
     monkeypatch.setattr(dllm_ais.engine, "RolloutEngine", engine)
     assert main(["bench", "precision", "--device", "cpu", "--precisions", "int8,int4", "--batch", "2",
-                 "--prompt-length", "8", "--gen-length", "16", "--block-length", "8", "--steps", "4"]) == 0
+                 "--prompt-length", "8", "--gen-length", "16", "--block-length", "8", "--steps", "4",
+                 "--parts", "rollouts"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("int8", "int4"))]
-    assert lines[0].startswith("int8") and "failed: RuntimeError: no int8 kernel here |" in lines[0]
-    assert [line.split()[:3] for line in lines[1:]] == [["int4", "cache", "none"], ["int4", "cache", "dual"]]
+    assert lines[0].startswith("int8") and "eager    failed: RuntimeError: no int8 kernel here |" in lines[0]
+    assert [line.split()[:6] for line in lines[1:]] == [["int4", "eager", "batch", "2", "cache", cache]
+                                                        for cache in ("none", "dual")]
 
 
 @pytest.mark.slow  # four fresh processes

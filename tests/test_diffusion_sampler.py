@@ -48,9 +48,9 @@ class RecordingModel(torch.nn.Module):
         self.logit_bias = logit_bias
         self.canvases: list[torch.Tensor] = []
 
-    def forward(self, input_ids, attention_mask=None):
+    def forward(self, input_ids, attention_mask=None, logits_to_keep=0):
         self.canvases.append(input_ids.clone())
-        output = self.inner(input_ids, attention_mask=attention_mask)
+        output = self.inner(input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep)
         if self.logit_bias is not None:
             output.logits = output.logits + self.logit_bias
         return output

@@ -48,7 +48,7 @@ from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .llada import RMSNorm, apply_rotary, check_cached_forward, rotary_cos_sin, write_into_layer_cache  # relative: an export ships both files as remote code
+from .llada import RMSNorm, apply_rotary, check_cached_forward, padding_mask, rotary_cos_sin, write_into_layer_cache  # relative: an export ships both files as remote code
 
 __all__ = ["DreamConfig", "DreamBaseModel", "DreamModel"]
 
@@ -279,9 +279,7 @@ class DreamBaseModel(DreamPreTrainedModel):
                     position_ids = position_ids[:, cache_position]
         cos, sin = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
         cos, sin = cos.to(x.dtype)[:, None], sin.to(x.dtype)[:, None]
-        attn_mask = None
-        if attention_mask is not None and not bool(attention_mask.all()):
-            attn_mask = attention_mask.bool()[:, None, None, :]
+        attn_mask = padding_mask(attention_mask)
         new_cache = [] if use_cache else None
         for index, layer in enumerate(self.layers):
             layer_cache = None

@@ -174,11 +174,23 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + torch.cat((-b, a), dim=-1) * sin
 
 
+def padding_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The [B, 1, 1, T] boolean mask that hides padded keys (0 in `attention_mask` [B, T]) from every query, or None
+    without a mask. Built without reading the mask's values on the host (no synchronisation inside a forward): a
+    caller whose batch has no padding passes None and gets the unmasked attention kernels."""
+    return None if attention_mask is None else attention_mask.bool()[:, None, None, :]
+
+
+@torch.compiler.disable
 def write_into_layer_cache(layer_cache: tuple[torch.Tensor, torch.Tensor], cache_position: torch.Tensor,
                            keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's cached (keys, values) [B, H_kv, T, D] with `keys`/`values` [B, H_kv, n, D] written at the positions
     `cache_position` [n]: in place, or into a copy under grad (the cache may then be part of the graph, as in a
-    cached trajectory replay)."""
+    cached trajectory replay).
+
+    Never compiled: a compiled block writes its input buffers out of place and copies each whole buffer back (the
+    compiled engine's profile in BENCHMARKS.md); run eagerly between the block's compiled halves, the write touches
+    only the n positions."""
     cached_keys, cached_values = layer_cache
     keys, values = keys.to(cached_keys.dtype), values.to(cached_values.dtype)
     if torch.is_grad_enabled():
@@ -357,9 +369,7 @@ class LLaDAModel(LLaDAPreTrainedModel):
                 f"Sequence length {canvas_length} exceeds max_sequence_length={self.config.max_sequence_length}."
             )
         cos, sin = rotary_cos_sin(cache_position, self.config.d_model // self.config.n_heads, self.config.rope_theta)
-        attn_mask = None
-        if attention_mask is not None and not bool(attention_mask.all()):
-            attn_mask = attention_mask.bool()[:, None, None, :]
+        attn_mask = padding_mask(attention_mask)
         new_cache = []
         for index, block in enumerate(self.transformer.blocks):
             layer_cache = None if past_key_values is None else past_key_values[index]

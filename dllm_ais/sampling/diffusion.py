@@ -56,8 +56,11 @@ settings (greedy for its held-out score, no cache for an exact-order replay).
 
 Speed: apart from the forward, every per-step operation touches only the current block's logits
 ``[B, block_length, V]``, and the float64 Gumbel noise and float32 log-probs only its still-masked positions; the
-only host synchronisation is one per block (the commit counts that ``torch.topk`` needs as Python ints), plus one
-per step with parallel decoding (its data-dependent counts, which also tell when a block is filled).
+LM head runs at the block's positions only. The fixed schedules need no host synchronisation in the step loop;
+parallel decoding one per step (its data-dependent counts, which also tell when a block is filled), ``origin`` one
+per step (its random counts). The rollout engine's model may carry static forwards (``rollout.compile``:
+`dllm_ais.sampling.static_forwards`), through which the sampling forwards run as CUDA graphs with the key/value
+cache in buffers written in place; the step itself, and so every rule and subclass, is unchanged by them.
 """
 
 from __future__ import annotations
@@ -74,8 +77,9 @@ import torch.nn.functional as F
 
 from dllm_ais.choices import CACHE_DTYPES, CACHE_MODES, COMMIT_SCHEDULES
 from dllm_ais.models.families import logit_source_positions, logits_are_shifted
-from dllm_ais.rollout import PromptError, Rollout, completion_mask_through_first_eos, token_id_tuple
+from dllm_ais.rollout import PromptError, Rollout, completion_mask_through_first_eos, padding_or_none, token_id_tuple
 from dllm_ais.sampling.fp8_cache import FP8KeyValueCache
+from dllm_ais.sampling.static_forwards import bucketed_prompt_length, static_forwards_of
 
 __all__ = [
     "CACHE_MODES",
@@ -523,36 +527,52 @@ class BlockCache:
         """
         positions = torch.arange(block.start, block.stop, device=inputs.device)
         sources = logit_source_positions(positions, logits_shifted)
+        forwards = static_forwards_of(model) if self.dtype == "none" else None
         if self.refresh:
             self.past_key_values = None  # frees the previous block's cache before the new one is built
+            if forwards is not None:
+                self.past_key_values, logits = forwards.key_value_buffers(inputs, attention_mask, sources)
+                return logits
             output = model(inputs, attention_mask=attention_mask, use_cache=True, logits_to_keep=sources)
             self.past_key_values = (FP8KeyValueCache(output.past_key_values) if self.dtype == "fp8"
                                     else output.past_key_values)
             return output.logits
-        start = int(sources[0])
+        start = block.start - 1 if logits_shifted else block.start
         stop = inputs.shape[1] if self.mode == "prefix" else block.stop
-        output = model(
-            inputs[:, start:stop], attention_mask=attention_mask, past_key_values=self.past_key_values,
-            cache_position=torch.arange(start, stop, device=inputs.device), logits_to_keep=sources - start,
-        )
-        return output.logits
+        cached = {"attention_mask": attention_mask, "logits_to_keep": sources - start,
+                  "past_key_values": self.past_key_values,
+                  "cache_position": torch.arange(start, stop, device=inputs.device)}
+        if forwards is not None:
+            return forwards.logits(inputs[:, start:stop], **cached)
+        return model(inputs[:, start:stop], **cached).logits
+
+
+def _max_canvas_length(model: Any) -> float:
+    """The longest canvas the model takes (its config's max_sequence_length or max_position_embeddings; inf when it
+    names neither)."""
+    model_config = getattr(model, "config", None)
+    return (getattr(model_config, "max_sequence_length", None) or getattr(model_config, "max_position_embeddings", None)
+            or math.inf)
 
 
 def _forward_logits(
     model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, positions: slice | torch.Tensor,
     logits_shifted: bool = False,
 ) -> torch.Tensor:
-    """Logits [B, K, V] predicting `positions`: a slice (sampling) is cut from a full forward; a 1-D position tensor
-    (scoring) is passed to the model as ``logits_to_keep``, so the LM head runs at those positions only. For a shifted
-    family both are taken one position earlier (`dllm_ais.models.families.logit_source_positions`)."""
-    if isinstance(positions, torch.Tensor):
-        output = model(input_ids, attention_mask=attention_mask,
-                       logits_to_keep=logit_source_positions(positions, logits_shifted))
-        return output.logits if hasattr(output, "logits") else output
-    if logits_shifted:  # a completion block starts after the prompt, so its predecessor exists
-        positions = slice(positions.start - 1, positions.stop - 1)
-    output = model(input_ids, attention_mask=attention_mask)
-    return (output.logits if hasattr(output, "logits") else output)[:, positions]
+    """Logits [B, K, V] predicting `positions`, a slice (sampling: the current block) or a 1-D position tensor
+    (scoring), passed to the model as ``logits_to_keep`` so that the LM head runs at those positions only; for a
+    shifted family one position earlier (`dllm_ais.models.families.logit_source_positions`; a completion block
+    starts after the prompt, so its predecessor exists). A sampling forward of the rollout engine's model runs
+    through its static forwards when it has them (`dllm_ais.sampling.static_forwards`)."""
+    forwards = None
+    if isinstance(positions, slice):
+        positions = torch.arange(positions.start, positions.stop, device=input_ids.device)
+        forwards = static_forwards_of(model)
+    sources = logit_source_positions(positions, logits_shifted)
+    if forwards is not None:
+        return forwards.logits(input_ids, attention_mask, sources)
+    output = model(input_ids, attention_mask=attention_mask, logits_to_keep=sources)
+    return output.logits if hasattr(output, "logits") else output
 
 
 class MaskedDiffusionSampler:
@@ -616,10 +636,9 @@ class MaskedDiffusionSampler:
                 f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has {tuple(input_ids.shape)}: "
                 "pass the mask the tokenizer returned with the left-padded prompts."
             )
-        model_config = getattr(model, "config", None)
-        max_length = getattr(model_config, "max_sequence_length", None) or getattr(model_config, "max_position_embeddings", None)
+        max_length = _max_canvas_length(model)
         canvas_length = input_ids.shape[1] + self.config.gen_length
-        if max_length is not None and canvas_length > max_length:
+        if canvas_length > max_length:
             raise PromptError(
                 f"prompt length {input_ids.shape[1]} + gen_length {self.config.gen_length} = {canvas_length} exceeds the "
                 f"model's max_sequence_length={max_length}: truncate the prompts or lower gen_length."
@@ -678,11 +697,42 @@ class MaskedDiffusionSampler:
         config = self.config
         token_ids = self.resolve_token_ids(model)
         self.check_inputs(model, input_ids, attention_mask, generator, token_ids)
+        bucket_padding = 0
+        if static_forwards_of(model) is not None:  # static shapes: prompts left-padded to a length bucket
+            bucket_padding = bucketed_prompt_length(input_ids.shape[1]) - input_ids.shape[1]
+            if input_ids.shape[1] + bucket_padding + self.config.gen_length > _max_canvas_length(model):
+                bucket_padding = 0
+            if bucket_padding:
+                real = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+                attention_mask = F.pad(real, (bucket_padding, 0), value=0)
+                input_ids = F.pad(input_ids, (bucket_padding, 0), value=token_ids.eos[0])
+        rollout = self._denoise_canvas(model, input_ids, attention_mask, generator, token_ids, forced_completion)
+        if not bucket_padding:
+            return rollout
+        return dataclasses.replace(
+            rollout, sequences=rollout.sequences[:, bucket_padding:],
+            attention_mask=rollout.attention_mask[:, bucket_padding:], prompt_length=rollout.prompt_length - bucket_padding)
+
+    def _denoise_canvas(
+        self,
+        model: Any,
+        input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None,
+        generator: torch.Generator | None,
+        token_ids: SpecialTokenIds,
+        forced_completion: torch.LongTensor | None,
+    ) -> Rollout:
+        """The denoising loop over the canvas ``[input_ids | MASK x gen_length]``.
+
+        Host synchronisation: none per step with the fixed schedules (every row of a fresh block holds
+        `block_length` masked positions, so the counts are known on the host), except ``origin``'s random counts;
+        one per step with parallel decoding (its data-dependent counts, which also tell when a block is filled)."""
+        config = self.config
         batch, prompt_length = input_ids.shape
         device = input_ids.device
         canvas = torch.cat([input_ids, input_ids.new_full((batch, config.gen_length), token_ids.mask)], dim=1)
-        canvas_attention = None
-        if attention_mask is not None:
+        canvas_attention = padding_or_none(attention_mask)
+        if canvas_attention is not None:
             canvas_attention = torch.cat([attention_mask, attention_mask.new_ones((batch, config.gen_length))], dim=1)
         step_logprobs = torch.zeros(batch, config.gen_length, dtype=torch.float32, device=device)
         commit_step = torch.full((batch, config.gen_length), -1, dtype=torch.long, device=device)
@@ -698,7 +748,7 @@ class MaskedDiffusionSampler:
             block = slice(block_start, block_start + config.block_length)
             completion_block = slice(block.start - prompt_length, block.stop - prompt_length)
             still_masked = canvas[:, block] == token_ids.mask
-            masked_left = still_masked.sum(dim=1).tolist()  # per row, its still-masked positions in the block
+            masked_left = [config.block_length] * batch  # per row, its still-masked positions in the block
             even_schedule = transfer_schedule(torch.tensor(masked_left), steps_per_block).tolist()
             step_in_block = forwards_in_block = 0
             while step_in_block < steps_per_block if not config.parallel_decoding else max(masked_left) > 0:
@@ -792,6 +842,7 @@ class MaskedDiffusionSampler:
             raise ValueError(f"decoder_logits got completions of {gen_length} positions; this sampler decodes "
                              f"gen_length={self.config.gen_length}")
         completion, commit_step = rollout.completion_ids, rollout.commit_step
+        attention_mask = padding_or_none(rollout.attention_mask)
         cache = BlockCache(self.config.cache) if self.config.cache != "none" else None
         for start in range(0, gen_length, self.config.block_length):
             block = slice(start, start + self.config.block_length)
@@ -809,8 +860,8 @@ class MaskedDiffusionSampler:
                 hidden = step_in_block >= step
                 canvas = torch.cat([rollout.prompt_ids, torch.where(hidden, token_ids.mask, completion)], dim=1)
                 canvas_block = slice(prompt_length + block.start, prompt_length + block.stop)
-                yield block, committed, self.block_logits(model, canvas, rollout.attention_mask, prompt_length,
-                                                          canvas_block, token_ids, cache)
+                yield block, committed, self.block_logits(model, canvas, attention_mask, prompt_length, canvas_block,
+                                                          token_ids, cache)
 
     def block_logits(
         self,

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The GPU checks of the compiled rollout engine, as one script for one CUDA machine (about 8 minutes on an H200):
+# the CUDA-only tests, then `dllm-ais bench precision` (bf16 and fp8, eager and compiled, batch 8 and 64, a whole
+# GRPO step). Run from the repository root with the package importable (PYTHONPATH=$PWD, or installed); wheels
+# under .whl/ are installed into /tmp/site first (a machine without a registry). Logs go to $OUT (default
+# outputs/gpu-checks).
+set -uo pipefail
+OUT=${OUT:-outputs/gpu-checks}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
+if compgen -G ".whl/*.whl" > /dev/null; then
+  rm -rf /tmp/site; python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} || exit 1
+fi
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import torch, triton, torchao, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'torchao', torchao.__version__, 'transformers', transformers.__version__)"
+} 2>&1 | tee "$OUT/device.log"
+timeout "${TESTS_TIMEOUT:-150}" python3 -m pytest -q -s -p no:cacheprovider tests/test_static_forwards.py -k cuda 2>&1 \
+  | tee "$OUT/tests.log"
+timeout "${BENCH_TIMEOUT:-420}" python3 -m dllm_ais.cli bench precision --precisions "${PRECISIONS:-bf16,fp8}" \
+  --batch "${BATCHES:-8,64}" --parts "${PARTS:-rollouts,step}" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
