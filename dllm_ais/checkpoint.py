@@ -34,11 +34,11 @@ from dllm_ais.components import StepComponents
 from dllm_ais.config import ConfigError, GRPOConfig, canonical_values, flat_settings, save_config
 from dllm_ais.evaluation import EvalResult, per_prompt_values
 from dllm_ais.grpo import GenerationBatch, any_process
-from dllm_ais.run_dir import (BOOKKEEPING, CHECKPOINT_NAME, MARKER, DamagedCheckpoint, atomic_directory,
-                              atomic_write_text, carries_marker, checkpoint_manifest, clean_leftovers,
-                              describe_contents, directory_kind, discard_directory, dllm_ais_record, fsync_directory,
-                              fsync_tree, is_leftover, link_refusal, provenance, prune_checkpoints, read_verified,
-                              run_checkpoints, staged_directory, verify_checkpoint)
+from dllm_ais.run_dir import (BOOKKEEPING, CHECKPOINT_NAME, MARKER, RUN_OUTPUTS, DamagedCheckpoint,
+                              atomic_directory, atomic_write_text, carries_marker, checkpoint_manifest,
+                              clean_leftovers, describe_contents, directory_kind, discard_directory, dllm_ais_record,
+                              fsync_directory, fsync_tree, is_leftover, link_refusal, provenance, prune_checkpoints,
+                              read_verified, run_checkpoints, staged_directory, verify_checkpoint)
 from dllm_ais.run_lock import give_up_run_lock, hold_run_lock, holds_run_lock
 from dllm_ais.validation import read_recipe, show
 
@@ -46,7 +46,6 @@ RESUMABLE_CHANGES = frozenset({  # fields a resumed run may change: they do not 
     "max_steps", "logging_steps", "save_steps", "save_total_limit", "output_dir", "overwrite_output_dir",
     "resume_from_checkpoint", "report_to", "run_name", "dry_run", "max_consecutive_skipped_batches", "eval_steps",
     "log_completions", "num_completions_to_print"})  # not eval_size: the held-out baseline is paired with the end
-RUN_OUTPUTS = ("final",)  # directories a run writes besides its checkpoint-N
 HELD_OUT_FILE = "held_out.json"  # the per-prompt held-out values of a finished run (`write_held_out`)
 RUN_FILES = ("config.yaml", "metrics.jsonl", "metrics.png", "completions.jsonl", "best_checkpoint.json", HELD_OUT_FILE)
 BEST_CHECKPOINT_FILE = "best_checkpoint.json"

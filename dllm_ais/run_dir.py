@@ -25,6 +25,7 @@ from dllm_ais.safe_json import loads_bounded
 # ------------------------------------------------------------------------------------------ safe directory writes
 MARKER = ".dllm-ais.json"  # provenance file inside every directory dllm-ais writes; its proof of ownership
 LEFTOVER_PREFIXES = (".tmp-", ".old-", ".trash-")
+RUN_OUTPUTS = ("final",)  # directories a run writes besides its checkpoint-N
 BOOKKEEPING = (MARKER, LOCK_FILE)  # files of dllm-ais' own in a directory, never counted as its contents
 MIB = 1024 * 1024
 MAX_MARKER_BYTES, MAX_MARKER_DEPTH = 16 * MIB, 8  # a marker lists a checkpoint's files: a few KB, 4 levels deep
@@ -96,7 +97,7 @@ KINDS = {"run directory": "the output_dir of a training run (its checkpoints and
 def directory_kind(directory: Path) -> str | None:
     """What dllm-ais wrote `directory` as (a `KINDS` key), or None when it did not write it (no readable marker).
     A marker written before kinds were recorded: a run directory says so, a checkpoint names its run, a run's final
-    model lies in a run directory, anything else is a model directory."""
+    model is its `final/`, anything else is a model directory."""
     marker = provenance(directory)
     if marker is None:
         return None
@@ -106,7 +107,8 @@ def directory_kind(directory: Path) -> str | None:
         return "run directory"
     if "run" in marker:
         return "checkpoint"
-    return "final" if (provenance(directory.parent) or {}).get("run_directory") else "model"
+    in_a_run = (provenance(directory.parent) or {}).get("run_directory")
+    return "final" if directory.name in RUN_OUTPUTS and in_a_run else "model"
 
 
 def link_refusal(path: Path) -> str:

@@ -6,19 +6,21 @@ resumed run goes on through its step."""
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 
 from dllm_ais.cli import main
-from dllm_ais.run_dir import (MARKER, OutputExistsError, atomic_directory, clean_leftovers, discard_directory,
-                              remove_directory, run_checkpoints)
+from dllm_ais.config import ConfigError
+from dllm_ais.run_dir import (MARKER, OutputExistsError, atomic_directory, check_destination, clean_leftovers,
+                              discard_directory, remove_directory, run_checkpoints)
 from dllm_ais.run_lock import release_run_lock
 from test_trainer import make_trainer
 
 
 def snapshot(root):
     """Every file under `root` (links not followed) with its bytes: what must stay untouched."""
-    return {os.path.relpath(os.path.join(directory, name), root): open(os.path.join(directory, name), "rb").read()
+    return {os.path.relpath(os.path.join(directory, name), root): Path(directory, name).read_bytes()
             for directory, _, names in os.walk(root) for name in names}
 
 
@@ -45,12 +47,11 @@ def refused_in_one_line(argv, capsys, *expected):
     assert main(argv) == 2, argv
     error = capsys.readouterr().err.strip()
     assert len(error.splitlines()) == 1 and all(text in error for text in expected), error
-    return error
 
 
-def finished_run(tokenizer, run, **overrides):
+def finished_run(tokenizer, run):
     """A real tiny run in `run`: 2 steps, a checkpoint after each, then final/."""
-    make_trainer(tokenizer, run, max_steps=2, save_steps=1, **overrides).train()
+    make_trainer(tokenizer, run, max_steps=2, save_steps=1).train()
     return run
 
 
@@ -64,7 +65,7 @@ def test_a_linked_run_output_is_refused_and_its_target_untouched(tokenizer, tmp_
     link(run / name, pub)
     refused_in_one_line(["train", f"--output_dir={run}", "--overwrite_output_dir=true"], capsys,
                         f"{run / name} is a symbolic link")
-    with pytest.raises(Exception, match="is a symbolic link"):
+    with pytest.raises(ConfigError, match="is a symbolic link"):
         make_trainer(tokenizer, run, max_steps=3, save_steps=1, resume_from_checkpoint=True)
     assert snapshot(pub) == before
 
@@ -158,8 +159,7 @@ def test_no_removal_follows_a_link(tokenizer, tmp_path, capsys):
     an export's or an SFT model's destination, anywhere inside a checkpoint that `save_total_limit` prunes or that
     `--overwrite_output_dir` replaces, and the directories handed to the one removal helper — leaves its target
     untouched: a link at the top is refused or left alone, a link inside is unlinked, never followed."""
-    run = tmp_path / "R"
-    make_trainer(tokenizer, run, max_steps=1, save_steps=1).train()
+    run = finished_run(tokenizer, tmp_path / "R")
     pub = published(tmp_path, run / "final")  # carries dllm-ais' marker: it looks like ours through a link
     before = snapshot(pub)
     leftovers = [link(run / name, pub) for name in (".tmp-final-0123abcd", ".old-final", ".trash-final-0123abcd")]
@@ -181,9 +181,31 @@ def test_no_removal_follows_a_link(tokenizer, tmp_path, capsys):
     (run / "checkpoint-1" / "deep").mkdir()
     for inside in (run / "checkpoint-1" / "pub", run / "checkpoint-1" / "deep" / "pub", run / "final" / "pub"):
         link(inside, pub)
-    make_trainer(tokenizer, run, max_steps=3, save_steps=1, save_total_limit=1, resume_from_checkpoint=True).train()
-    assert [path.name for _, path in run_checkpoints(run)] == ["checkpoint-3"]  # checkpoint-1 pruned, final replaced
-    assert not (run / "final" / "pub").exists()
-    (run / "checkpoint-3" / "pub").symlink_to(pub)
-    make_trainer(tokenizer, run, max_steps=1, overwrite_output_dir=True).train()  # replaces checkpoint-3
+    resumed = make_trainer(tokenizer, run, max_steps=4, save_steps=1, save_total_limit=1, resume_from_checkpoint=True)
+    link(run / "checkpoint-2", pub)  # swapped for a link once resumed from: the pruning passes it by
+    resumed.train()
+    assert [path.name for _, path in run_checkpoints(run)] == ["checkpoint-4"]  # checkpoint-1 and -3 pruned
+    assert (run / "checkpoint-2").is_symlink() and not (run / "final" / "pub").exists()  # final/ replaced
+    (run / "checkpoint-2").unlink()
+    (run / "checkpoint-4" / "pub").symlink_to(pub)
+    make_trainer(tokenizer, run, max_steps=1, overwrite_output_dir=True).train()  # replaces checkpoint-4 and final/
     assert snapshot(pub) == before
+
+
+def test_directories_written_before_kinds_were_recorded_keep_their_kind(tmp_path):
+    """Markers of older versions carry no `kind`: a run's final/ or checkpoint is still never replaced by an export
+    or an SFT model (a resumed run still replaces its own), and an older export still is."""
+    def older(directory, **fields):
+        directory.mkdir()
+        (directory / MARKER).write_text(json.dumps({"written_by": "dllm-ais", **fields}))
+        (directory / "model.safetensors").write_bytes(b"weights")
+        return directory
+
+    run = older(tmp_path / "R", run_directory=True)
+    final, checkpoint = older(run / "final", pid=1), older(run / "checkpoint-3", run="abc", step=3)
+    for directory, kind in ((final, "final model"), (checkpoint, "checkpoint-N"), (run, "output_dir of a training")):
+        with pytest.raises(OutputExistsError, match=kind):
+            check_destination(directory, overwrite=True)
+    check_destination(final, overwrite=True, kind="final")
+    check_destination(checkpoint, overwrite=True, kind="checkpoint")
+    check_destination(older(tmp_path / "export", pid=1), overwrite=True)
