@@ -1,6 +1,7 @@
-"""The run folder on disk: directories written atomically (staged, then renamed) and marked as dllm-ais', the
-leftovers of interrupted writes, each checkpoint's manifest (every file's size and sha256) and its verification,
-free space, and the listing and pruning of `checkpoint-N` directories. What a checkpoint holds is
+"""The run folder on disk: directories written atomically (staged, then renamed) and marked as dllm-ais' with
+their kind (a run's checkpoint or final model, an export), the one removal (`remove_directory`, never through a
+symbolic link), the leftovers of interrupted writes, each checkpoint's manifest (every file's size and sha256) and
+its verification, free space, and the listing and pruning of `checkpoint-N` directories. What a checkpoint holds is
 `dllm_ais.checkpoint`; who may write into a run folder, `dllm_ais.run_lock`."""
 
 from __future__ import annotations
