@@ -14,9 +14,13 @@ import dataclasses
 import io
 import json
 import pickle
+import os
 import random
 import re
+import secrets
+import shutil
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,11 +34,11 @@ from dllm_ais.components import StepComponents
 from dllm_ais.config import ConfigError, GRPOConfig, canonical_values, flat_settings, save_config
 from dllm_ais.evaluation import EvalResult, per_prompt_values
 from dllm_ais.grpo import GenerationBatch, any_process
-from dllm_ais.run_dir import (BOOKKEEPING, CHECKPOINT_NAME, MARKER, DamagedCheckpoint, atomic_directory,
-                              atomic_write_text, carries_marker, checkpoint_manifest, clean_leftovers,
-                              describe_contents, discard_directory, dllm_ais_record, fsync_directory, is_leftover,
-                              provenance, prune_checkpoints, read_verified, run_checkpoints, staged_directory,
-                              verify_checkpoint)
+from dllm_ais.run_dir import (BOOKKEEPING, CHECKPOINT_NAME, MARKER, RUN_OUTPUTS, DamagedCheckpoint,
+                              atomic_directory, atomic_write_text, carries_marker, checkpoint_manifest,
+                              clean_leftovers, describe_contents, directory_kind, discard_directory, dllm_ais_record,
+                              fsync_directory, fsync_tree, is_leftover, link_refusal, provenance, prune_checkpoints,
+                              read_verified, run_checkpoints, staged_directory, verify_checkpoint)
 from dllm_ais.run_lock import give_up_run_lock, hold_run_lock, holds_run_lock
 from dllm_ais.validation import read_recipe, show
 
@@ -42,7 +46,6 @@ RESUMABLE_CHANGES = frozenset({  # fields a resumed run may change: they do not 
     "max_steps", "logging_steps", "save_steps", "save_total_limit", "output_dir", "overwrite_output_dir",
     "resume_from_checkpoint", "report_to", "run_name", "dry_run", "max_consecutive_skipped_batches", "eval_steps",
     "log_completions", "num_completions_to_print"})  # not eval_size: the held-out baseline is paired with the end
-RUN_OUTPUTS = ("final",)  # directories a run writes besides its checkpoint-N
 HELD_OUT_FILE = "held_out.json"  # the per-prompt held-out values of a finished run (`write_held_out`)
 RUN_FILES = ("config.yaml", "metrics.jsonl", "metrics.png", "completions.jsonl", "best_checkpoint.json", HELD_OUT_FILE)
 BEST_CHECKPOINT_FILE = "best_checkpoint.json"
@@ -259,7 +262,8 @@ def prepare_output_dir(config: GRPOConfig, is_main_process: bool = True) -> Path
     a second run, a resume or an export into a directory a live run holds is refused with the holder's pid and host.
     A refused run gives the lock up and leaves nothing it created behind.
 
-    A resumed run continues in its own directory. A fresh run needs an empty `output_dir`, or
+    A resumed run continues in its own directory; the later steps of a branch of its history that it leaves are set
+    aside, kept (`set_abandoned_steps_aside`). A fresh run needs an empty `output_dir`, or
     `overwrite_output_dir=true`: then the `checkpoint-N/` and `final/` that dllm-ais wrote there are discarded (so a
     later `resume_from_checkpoint=true` can never pick up a stale one) and the run's files (`RUN_FILES`) are
     rewritten — only when the directory itself carries the marker of an earlier run; nothing else in the directory
@@ -296,8 +300,12 @@ def _check_output_dir(config: GRPOConfig, is_main_process: bool) -> Path | None:
         raise ConfigError(f"output_dir {output_dir} is not empty (holds {describe_contents(output_dir)}). Pass {ways}, "
                           "or choose another --output_dir.")
     ours = {path for _, path in run_checkpoints(output_dir)} | {output_dir / n for n in RUN_OUTPUTS}
-    foreign = [e.name for e in present if (CHECKPOINT_NAME.fullmatch(e.name) and not carries_marker(e))
-               or (e.name in RUN_OUTPUTS and provenance(e) is None)]
+    linked = [e for e in present if e.is_symlink() and (CHECKPOINT_NAME.fullmatch(e.name) or e.name in RUN_OUTPUTS)]
+    if linked:
+        raise ConfigError(link_refusal(linked[0]))
+    foreign = [e.name for e in present if (CHECKPOINT_NAME.fullmatch(e.name) and (
+                   not carries_marker(e) or directory_kind(e) not in (None, "checkpoint")))
+               or (e.name in RUN_OUTPUTS and directory_kind(e) != "final")]
     if provenance(output_dir) is None:
         foreign += [e.name for e in present if e.name in RUN_FILES]
     odd = [e.name for e in present if e.name in RUN_FILES and (e.is_symlink() or not e.is_file())]
@@ -313,12 +321,54 @@ def _check_output_dir(config: GRPOConfig, is_main_process: bool) -> Path | None:
             for path in sorted(p for p in ours if p.is_dir()):
                 discard_directory(path)
             (output_dir / HELD_OUT_FILE).unlink(missing_ok=True)  # the replaced run's mark of having finished
+        else:
+            set_abandoned_steps_aside(output_dir, checkpoint)
         output_dir.mkdir(parents=True, exist_ok=True)
         if provenance(output_dir) is None:
             (output_dir / MARKER).write_text(json.dumps({"written_by": "dllm-ais", "run_directory": True}))
             fsync_directory(output_dir)
     return checkpoint
 
+
+def checkpoint_step(checkpoint: Path) -> int | None:
+    """The step of a checkpoint directory: N of its `checkpoint-N` name, else the step its marker records."""
+    match = CHECKPOINT_NAME.fullmatch(checkpoint.name)
+    step = int(match.group(1)) if match else (provenance(checkpoint) or {}).get("step")
+    return step if isinstance(step, int) else None
+
+
+def set_abandoned_steps_aside(output_dir: Path, checkpoint: Path) -> Path | None:
+    """Before a run continues in `output_dir` from `checkpoint` (step N): when checkpoints of later steps are there
+    (resumed from an earlier checkpoint, or newer ones skipped as damaged), those steps are a branch of the run's
+    history that this resume leaves: it is kept, never deleted and never resumed from here. Its checkpoint-M
+    (M > N), its final/ (when written after step N) and held_out.json are moved, and the run's other files
+    (metrics.jsonl, completions.jsonl, ...) copied as they are, into `abandoned-after-step-N-<time>/`, named in one
+    line on stderr; the run's logs then continue from step N. Returns that directory (None when nothing is later:
+    a resume from the newest checkpoint only redoes the steps after it that no checkpoint saved)."""
+    step = checkpoint_step(checkpoint)
+    moved = [path for number, path in run_checkpoints(output_dir) if step is not None and number > step]
+    if not moved:
+        return None
+    for name in RUN_OUTPUTS:
+        written_at = (provenance(output_dir / name) or {}).get("step")  # none recorded: written by an older version
+        if (output_dir / name).is_dir() and (not isinstance(written_at, int) or written_at > step):
+            moved.append(output_dir / name)
+    if (output_dir / HELD_OUT_FILE).is_file():
+        moved.append(output_dir / HELD_OUT_FILE)  # the mark of the finished branch
+    aside = output_dir / f"abandoned-after-step-{step}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+    aside.mkdir()
+    for name in RUN_FILES:
+        path = output_dir / name
+        if name != HELD_OUT_FILE and path.is_file() and not path.is_symlink():
+            shutil.copy2(path, aside / name)
+    for path in moved:
+        os.rename(path, aside / path.name)
+    fsync_tree(aside)
+    fsync_directory(output_dir)
+    print(f"warning: resuming from {checkpoint} leaves the later steps of this run behind: "
+          f"{', '.join(path.name for path in moved)} and the run's logs are kept in {aside} (never resumed from "
+          "here; resume from one of them into another --output_dir to go on with that branch)", file=sys.stderr)
+    return aside
 
 
 # ------------------------------------------------------------------------------------------ saving and resuming a run
@@ -395,7 +445,7 @@ class Checkpointer:
         """Write the model directory (see `write_model`) of `step` atomically into `directory`."""
         state_dict = self.checked_state_dict(step)
         if self.parts.accelerator.is_main_process:
-            with atomic_directory(directory, overwrite=True) as staging:
+            with atomic_directory(directory, overwrite=True, kind="final", step=step) as staging:
                 self.write_model(staging, state_dict)
 
     def save_checkpoint(self, state: RunState, validation: dict[str, float] | None = None) -> Path:
@@ -412,7 +462,7 @@ class Checkpointer:
         if accelerator.num_processes > 1:
             batches = gather_object(batches)
         with staged_directory(directory, state.run_id[:8], accelerator.is_main_process, overwrite=True,
-                              run=state.run_id, step=step, validation=validation) as staging:
+                              kind="checkpoint", run=state.run_id, step=step, validation=validation) as staging:
             if accelerator.is_main_process:
                 self.write_model(staging, state_dict)
             accelerator.wait_for_everyone()

@@ -29,7 +29,7 @@ import torch
 from transformers import AutoTokenizer
 
 from dllm_ais.config import EMBEDDED_MODELS, ConfigError, GRPOConfig, canonical_values, recipe_setting
-from dllm_ais.run_dir import MARKER, atomic_directory, check_destination
+from dllm_ais.run_dir import MARKER, OutputExistsError, atomic_directory, check_destination
 from dllm_ais.loading import load_model, resolve_model_path
 
 @dataclass(frozen=True)
@@ -218,7 +218,8 @@ def export_merged_model(adapter_or_model_dir: str | Path, output_dir: str | Path
     config, the model card (`model_card`) and, for a masked-diffusion family, its modeling files with an `auto_map`
     (`REMOTE_CODE`).
 
-    `output_dir` must be absent or empty, or — with `overwrite` — an earlier export (checked before anything loads).
+    `output_dir` must be absent or empty, or — with `overwrite` — an earlier export (checked before anything loads);
+    it is never the source, nor a directory holding it, nor a run's checkpoint-N or final/ (`check_destination`).
     `eval_report` is a `dllm-ais eval` JSON report whose table goes into the card (default: the newest report of
     this source found by `find_eval_report`). With `push_to_hub`, the finished directory is uploaded in one commit
     (`HfApi.upload_folder`, the repository created `private` if new); when that fails, PushToHubError says that the
@@ -226,9 +227,11 @@ def export_merged_model(adapter_or_model_dir: str | Path, output_dir: str | Path
     """
     from peft import PeftConfig
 
-    output_dir = Path(output_dir)
+    output_dir, source = Path(output_dir), Path(adapter_or_model_dir)
+    if output_dir.resolve() == source.resolve() or output_dir.resolve() in source.resolve().parents:
+        raise OutputExistsError(f"{output_dir} is, or holds, the export's source {source}; the export never replaces "
+                                "its source. Choose a new output directory.")
     check_destination(output_dir, overwrite)
-    source = Path(adapter_or_model_dir)
     report_path = Path(eval_report) if eval_report is not None else find_eval_report(source)
     report = read_eval_report(report_path) if report_path is not None else None
     recipe = training_recipe(source)

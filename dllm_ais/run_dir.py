@@ -1,6 +1,7 @@
-"""The run folder on disk: directories written atomically (staged, then renamed) and marked as dllm-ais', the
-leftovers of interrupted writes, each checkpoint's manifest (every file's size and sha256) and its verification,
-free space, and the listing and pruning of `checkpoint-N` directories. What a checkpoint holds is
+"""The run folder on disk: directories written atomically (staged, then renamed) and marked as dllm-ais' with
+their kind (a run's checkpoint or final model, an export), the one removal (`remove_directory`, never through a
+symbolic link), the leftovers of interrupted writes, each checkpoint's manifest (every file's size and sha256) and
+its verification, free space, and the listing and pruning of `checkpoint-N` directories. What a checkpoint holds is
 `dllm_ais.checkpoint`; who may write into a run folder, `dllm_ais.run_lock`."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import secrets
 import shutil
 import socket
 import stat
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -25,6 +26,7 @@ from dllm_ais.safe_json import loads_bounded
 # ------------------------------------------------------------------------------------------ safe directory writes
 MARKER = ".dllm-ais.json"  # provenance file inside every directory dllm-ais writes; its proof of ownership
 LEFTOVER_PREFIXES = (".tmp-", ".old-", ".trash-")
+RUN_OUTPUTS = ("final",)  # directories a run writes besides its checkpoint-N
 BOOKKEEPING = (MARKER, LOCK_FILE)  # files of dllm-ais' own in a directory, never counted as its contents
 MIB = 1024 * 1024
 MAX_MARKER_BYTES, MAX_MARKER_DEPTH = 16 * MIB, 8  # a marker lists a checkpoint's files: a few KB, 4 levels deep
@@ -87,11 +89,44 @@ def describe_contents(directory: Path, limit: int = 4) -> str:
     return ", ".join(names[:limit]) + (f", … ({len(names)} entries)" if len(names) > limit else "")
 
 
-def check_destination(final: Path, overwrite: bool, flag: str = "--overwrite") -> None:
-    """Raise OutputExistsError unless `final` may be written: absent, empty, or — with `overwrite` — a directory
-    that dllm-ais wrote. Nothing else is ever replaced, so no command can delete what it did not create. A directory
-    that is, lies in or contains a live run's directory is refused whatever `overwrite` says."""
+# What dllm-ais wrote a directory as (its marker's `kind`), and how a refusal names it.
+KINDS = {"run directory": "the output_dir of a training run (its checkpoints and metrics)",
+         "checkpoint": "a training run's checkpoint-N", "final": "a training run's final model (its final/)",
+         "model": "a model directory that `dllm-ais export` or `dllm-ais sft` wrote"}
+
+
+def directory_kind(directory: Path) -> str | None:
+    """What dllm-ais wrote `directory` as (a `KINDS` key), or None when it did not write it (no readable marker).
+    A marker written before kinds were recorded: a run directory says so, a checkpoint names its run, a run's final
+    model is its `final/`, anything else is a model directory."""
+    marker = provenance(directory)
+    if marker is None:
+        return None
+    if marker.get("kind") in KINDS:
+        return marker["kind"]
+    if marker.get("run_directory"):
+        return "run directory"
+    if "run" in marker:
+        return "checkpoint"
+    in_a_run = (provenance(directory.parent) or {}).get("run_directory")
+    return "final" if directory.name in RUN_OUTPUTS and in_a_run else "model"
+
+
+def link_refusal(path: Path) -> str:
+    """The one line refusing to write, replace or remove `path` because it is a symbolic link."""
+    return (f"{path} is a symbolic link (to {os.readlink(path)}); dllm-ais never writes, replaces or deletes "
+            "through a link. Remove the link (its target is kept) or choose another path.")
+
+
+def check_destination(final: Path, overwrite: bool, flag: str = "--overwrite", kind: str = "model") -> None:
+    """Raise OutputExistsError unless `final` may be written as a directory of `kind` (see `KINDS`): absent, empty,
+    or — with `overwrite` — a directory that dllm-ais wrote as the same kind. Nothing else is ever replaced, so no
+    command can delete what it did not create: an export or an SFT model never replaces a run's checkpoint or
+    final model, and a symbolic link is never written or replaced through. A directory that is, lies in or contains
+    a live run's directory is refused whatever `overwrite` says."""
     check_not_in_use(final)
+    if final.is_symlink():
+        raise OutputExistsError(link_refusal(final))
     if not final.exists() or (final.is_dir() and not any(final.iterdir())):
         return
     if not final.is_dir():
@@ -99,13 +134,13 @@ def check_destination(final: Path, overwrite: bool, flag: str = "--overwrite") -
     if not overwrite:
         raise OutputExistsError(f"{final} is not empty (holds {describe_contents(final)}); choose a new directory "
                                 f"(e.g. {final / 'NAME'}) or pass {flag} to replace a directory that dllm-ais wrote.")
-    marker = provenance(final)
-    if marker is None:
+    found = directory_kind(final)
+    if found is None:
         raise OutputExistsError(f"{final} holds files dllm-ais did not write ({describe_contents(final)}); {flag} only "
                                 "replaces directories dllm-ais wrote. Choose a new directory or move this one away.")
-    if marker.get("run_directory"):
-        raise OutputExistsError(f"{final} is the output_dir of a training run (its checkpoints and metrics); {flag} "
-                                "never replaces one. Choose a new directory.")
+    if found != kind:
+        raise OutputExistsError(f"{final} is {KINDS[found]}; {flag} only replaces {KINDS[kind]}, never this. "
+                                "Choose a new directory.")
 
 
 def fsync_directory(path: str | Path) -> None:
@@ -129,21 +164,36 @@ def fsync_tree(root: Path) -> None:
 
 
 def remove_directory(path: Path) -> None:
-    """Delete a directory dllm-ais wrote, its marker last: a crash midway leaves a leftover still provably ours."""
-    for child in path.iterdir():
-        if child.name == MARKER:
-            continue
-        if child.is_dir() and not child.is_symlink():
-            shutil.rmtree(child)
-        else:
-            child.unlink()
-    (path / MARKER).unlink(missing_ok=True)
-    path.rmdir()
+    """Delete a directory dllm-ais wrote, its marker last (a crash midway leaves a leftover still provably ours) —
+    the one way anything is removed. Never through a symbolic link: `path` itself being one is refused
+    (OutputExistsError, nothing removed), and a link anywhere inside is unlinked, its target untouched (the
+    directory is opened without following a link, and its subdirectories are removed relative to it)."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        if path.is_symlink():
+            raise OutputExistsError(link_refusal(path)) from None
+        raise
+    try:
+        for name in os.listdir(descriptor):
+            if name == MARKER:
+                continue
+            if stat.S_ISDIR(os.stat(name, dir_fd=descriptor, follow_symlinks=False).st_mode):
+                shutil.rmtree(name, dir_fd=descriptor)  # fd-based: a link inside is unlinked, never followed
+            else:
+                os.unlink(name, dir_fd=descriptor)
+        with suppress(FileNotFoundError):
+            os.unlink(MARKER, dir_fd=descriptor)
+    finally:
+        os.close(descriptor)
+    os.rmdir(path)  # a link swapped in meanwhile fails here (ENOTDIR), never followed
 
 
 def discard_directory(path: Path, name: str | None = None) -> None:
-    """Delete a directory dllm-ais wrote: first renamed to `.trash-<name>-*`, so it never stays half-deleted under
-    a name that a resume or a leftover recovery would trust."""
+    """Delete a directory dllm-ais wrote (`remove_directory`): first renamed to `.trash-<name>-*`, so it never stays
+    half-deleted under a name that a resume or a leftover recovery would trust. A symbolic link is refused."""
+    if path.is_symlink():
+        raise OutputExistsError(link_refusal(path))
     trash = path.with_name(f".trash-{name or path.name}-{secrets.token_hex(4)}")
     os.rename(path, trash)
     fsync_directory(path.parent)
@@ -213,16 +263,17 @@ def commit_staging(staging: Path, final: Path, overwrite: bool = False) -> None:
     """Make the finished `staging` directory `final` by renames only, after recording every file's size and hash in
     its marker (`verify_checkpoint` checks them) and flushing it — and the run's open JSONL logs — to disk.
 
-    `final` may be absent or empty, or (with `overwrite`) a directory dllm-ais wrote: that one is first renamed to
-    `.old-<name>` and deleted once the new copy is in place, so a complete copy always exists under one of the names.
-    Nothing beside `final` is touched. On failure the staging directory is removed.
+    `final` may be absent or empty, or (with `overwrite`) a directory dllm-ais wrote as the same kind as `staging`
+    (`check_destination`): that one is first renamed to `.old-<name>` and deleted once the new copy is in place, so
+    a complete copy always exists under one of the names. Nothing beside `final` is touched. On failure the staging
+    directory is removed.
     """
     try:
         record_manifest(staging)
         fsync_tree(staging)
         sync_logs_in(final.parent)
         check_still_held(final.parent)
-        check_destination(final, overwrite)
+        check_destination(final, overwrite, kind=directory_kind(staging))
         displaced = None
         if final.is_dir() and any(final.iterdir()):
             displaced = final.with_name(f".old-{final.name}")
@@ -240,19 +291,22 @@ def commit_staging(staging: Path, final: Path, overwrite: bool = False) -> None:
 
 
 @contextmanager
-def atomic_directory(final: str | Path, overwrite: bool = False, flag: str = "--overwrite") -> Iterator[Path]:
-    """Yield a staging directory beside `final`; once the block has written everything, it becomes `final`.
+def atomic_directory(final: str | Path, overwrite: bool = False, flag: str = "--overwrite", kind: str = "model",
+                     **fields: Any) -> Iterator[Path]:
+    """Yield a staging directory beside `final`, marked as a directory of `kind` (see `KINDS`; `fields` also go
+    into its marker); once the block has written everything, it becomes `final`.
 
-    `final` must be absent or empty unless `overwrite` allows replacing a directory dllm-ais wrote (checked before
-    the block runs, so a refused destination costs nothing); `flag` is how the user says "overwrite" in the error.
+    `final` must be absent or empty unless `overwrite` allows replacing a directory dllm-ais wrote as the same kind
+    (checked before the block runs, so a refused destination costs nothing); `flag` is how the user says
+    "overwrite" in the error.
     A crash leaves `final` as it was plus a leftover that the next write to `final` cleans up; an exception removes
     the staging directory (a full disk is reported as `NoSpaceLeft`).
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     clean_leftovers(final.parent, final.name)
-    check_destination(final, overwrite, flag)
-    with staged_directory(final, overwrite=overwrite) as staging:
+    check_destination(final, overwrite, flag, kind)
+    with staged_directory(final, overwrite=overwrite, kind=kind, **fields) as staging:
         yield staging
 
 

@@ -299,21 +299,25 @@ def test_a_planted_lock_symlink_is_replaced_not_followed(tmp_path):
 
 
 def test_a_damaged_marker_is_damage_of_its_checkpoint_only(tmp_path, capsys):
-    """One flipped byte in the newest checkpoint's marker: that checkpoint is skipped and named; the earlier one
-    resumes, by `true` or named explicitly (the output_dir is not mistaken for someone else's)."""
+    """One flipped byte in the newest checkpoint's marker: that checkpoint is refused when named, skipped and named
+    by `true`, then set aside (kept) so that the resumed run can write its step; the earlier one resumes, by `true`
+    or named explicitly (the output_dir is not mistaken for someone else's)."""
     intact = checkpoint(tmp_path, 2, {"optimizer.bin": b"x" * 100})
     flipped = checkpoint(tmp_path, 4, {"optimizer.bin": b"y" * 100})
     marker = bytearray((flipped / ".dllm-ais.json").read_bytes())
     marker[1] ^= 0x20  # the attack (or a disk error): one byte
     (flipped / ".dllm-ais.json").write_bytes(bytes(marker))
     config = GRPOConfig(output_dir=str(tmp_path), resume_from_checkpoint=True)
-    assert prepare_output_dir(config) == intact
-    warning = capsys.readouterr().err
-    assert f"skipped {flipped}: its marker {flipped / '.dllm-ais.json'} is missing or damaged" in warning
-    assert prepare_output_dir(dataclasses.replace(config, resume_from_checkpoint=str(intact))) == intact
     with pytest.raises(ConfigError) as refused:
         resume_checkpoint(dataclasses.replace(config, resume_from_checkpoint=str(flipped)))
     assert "\n" not in str(refused.value) and f"--resume_from_checkpoint={intact}" in str(refused.value)
+    assert prepare_output_dir(config) == intact
+    warning = capsys.readouterr().err
+    assert f"skipped {flipped}: its marker {flipped / '.dllm-ais.json'} is missing or damaged" in warning
+    [aside] = tmp_path.glob("abandoned-after-step-2-*")
+    assert (aside / "checkpoint-4" / ".dllm-ais.json").read_bytes() == bytes(marker) and not flipped.exists()
+    assert f"checkpoint-4 and the run's logs are kept in {aside}" in warning
+    assert prepare_output_dir(dataclasses.replace(config, resume_from_checkpoint=str(intact))) == intact
     release_run_lock(tmp_path)
 
 
