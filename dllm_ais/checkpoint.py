@@ -32,7 +32,7 @@ from peft import PeftModel
 
 from dllm_ais.components import StepComponents
 from dllm_ais.config import ConfigError, GRPOConfig, canonical_values, flat_settings, save_config
-from dllm_ais.evaluation import EvalResult, per_prompt_values
+from dllm_ais.evaluation import EvalResult, held_out_record, result_identity
 from dllm_ais.grpo import GenerationBatch, any_process
 from dllm_ais.run_dir import (BOOKKEEPING, CHECKPOINT_NAME, MARKER, RUN_OUTPUTS, DamagedCheckpoint,
                               atomic_directory, atomic_write_text, carries_marker, checkpoint_manifest,
@@ -372,14 +372,13 @@ def set_abandoned_steps_aside(output_dir: Path, checkpoint: Path) -> Path | None
 
 
 # ------------------------------------------------------------------------------------------ saving and resuming a run
-def write_held_out(output_dir: str | Path, before: EvalResult | None, after: EvalResult) -> Path:
-    """Write `held_out.json` into a finished run's `output_dir`: the per-prompt values (`per_prompt_values`) of its
-    final held-out evaluation (`after`) and of its baseline (`before`; null for a resumed run that turned evaluation
-    on). Written last, in one rename: its presence marks a finished run, and `dllm-ais compare` pairs runs prompt by
-    prompt through it."""
-    path = Path(output_dir) / HELD_OUT_FILE
-    atomic_write_text(path, json.dumps({"after": per_prompt_values(after),
-                                        "before": None if before is None else per_prompt_values(before)}) + "\n")
+def write_held_out(config: GRPOConfig, held_out, before: EvalResult | None, after: EvalResult) -> Path:
+    """Write `held_out.json` into a finished run's `output_dir`: `held_out_record` — what made the result (`config`
+    and the `held_out` prompts, `result_identity`) and the per-prompt values of its final held-out evaluation
+    (`after`) and baseline (`before`). Written last, in one rename: its presence marks a finished run, and `dllm-ais
+    compare` reuses the run when its identity is the planned one, pairing runs prompt by prompt through it."""
+    path = Path(config.output_dir) / HELD_OUT_FILE
+    atomic_write_text(path, json.dumps(held_out_record(result_identity(config, held_out), before, after)) + "\n")
     return path
 
 

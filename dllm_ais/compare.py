@@ -11,16 +11,24 @@ baseline arm (`--baseline ARM` pairs against another arm instead, reusing the sa
       int4 + AIS: {rollout.precision: int4, correction: ais}
 
 Every (arm, seed) is one `dllm-ais train` into its own directory of the study folder (the overrides are passed
-through as `--field=value`, never read here). A run whose `held_out.json` exists has finished and is reused; an
-unfinished one is resumed from its newest checkpoint, or rerun (train itself refuses to replace anything it did not
-write). The table pairs each arm with the baseline seed by seed over the same held-out prompts (Δ ± SE), then
-aggregates the seeds' Δ (mean, seed-to-seed SE, 95 % t interval): `comparison.md`, `comparison.json` and
-`comparison.png` in the study folder (`comparison-vs-<arm>.*` with `--baseline`).
+through as `--field=value`). Before anything trains, each run's config is resolved as train resolves it and its
+held-out prompts are loaded: arms evaluated on different prompts (another eval_size, task or dataset) are refused,
+as is eval_size 0. A finished run's `held_out.json` records what made it (`evaluation.result_identity`: the
+resolved config's hash, the held-out prompts' hash, the dllm-ais version); the run is reused only when that record
+is the planned one, and rerun afresh otherwise. A damaged or foreign `held_out.json` (not JSON, not a record
+dllm-ais wrote, no identity, values that do not match its prompts) is moved aside, beside the run's directory, and
+the run trained again; an unfinished run is resumed from its newest checkpoint when its config allows, else rerun
+(train itself refuses to replace anything it did not write). One line per run says which and why.
+
+The table pairs each arm with the baseline seed by seed over the same held-out prompts (Δ ± SE), then aggregates the
+seeds' Δ (mean, seed-to-seed SE, 95 % t interval): `comparison.md`, `comparison.json` and `comparison.png` in the
+study folder (`comparison-vs-<arm>.*` with `--baseline`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -30,11 +38,16 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dllm_ais.statistics import across_seeds, mean, paired_difference
 
+if TYPE_CHECKING:
+    from dllm_ais.config import GRPOConfig
+
 STUDY_KEYS = ("base", "overrides", "baseline", "arms")
+MAX_RESULT_BYTES = 1 << 30  # a held_out.json holds a few numbers per held-out prompt
+MAX_RESULT_DEPTH = 4
 
 
 class StudyError(Exception):
@@ -55,18 +68,55 @@ class Study:
 
 @dataclass(frozen=True)
 class Run:
-    """One (arm, seed) of a study: its `dllm-ais train` arguments and its output directory."""
+    """One (arm, seed) of a study: its config overrides (`--field=value`), its output directory and its recipe
+    (None: the embedded one)."""
 
     arm: str
     seed: int
-    arguments: tuple[str, ...]
+    overrides: tuple[str, ...]
     output_dir: Path
+    recipe: Path | None = None
+
+    @property
+    def arguments(self) -> tuple[str, ...]:
+        """The run's `dllm-ais train` arguments: its recipe, then its overrides."""
+        return ((str(self.recipe),) if self.recipe else ()) + self.overrides
 
     @property
     def log(self) -> Path:
         """The run's console output, beside its output directory (never inside: train owns that); each attempt is
         appended under a header line naming its command."""
         return self.output_dir.with_suffix(".log")
+
+    @property
+    def result(self) -> Path:
+        """The run's `held_out.json`: present once it has finished."""
+        from dllm_ais.checkpoint import HELD_OUT_FILE
+
+        return self.output_dir / HELD_OUT_FILE
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What compare does with one run: reuse its result, or train it — afresh over its outputs when `restart`, else
+    as `train_command` chooses (fresh, resumed) — and why (`reason`). `identity` is the `result_identity` its
+    held-out result must record; None when its config does not resolve (its train then names the problem)."""
+
+    run: Run
+    reuse: bool
+    restart: bool
+    reason: str
+    identity: dict[str, Any] | None
+
+    @property
+    def line(self) -> str:
+        """`seed S arm A: reused|run|resume|rerun — why`."""
+        if self.reuse:
+            action = "reused"
+        else:
+            actions = {"--resume_from_checkpoint=true": "resume", "--overwrite_output_dir=true": "rerun"}
+            action = actions.get(train_command(self.run, self.restart)[-1], "run")
+        return f"seed {self.run.seed} arm {self.run.arm}: {action} — {self.reason}"
 
 
 def read_study(path: Path) -> Study:
@@ -106,67 +156,226 @@ def slug(arm: str) -> str:
 
 
 def plan_runs(study: Study, seeds: int, extra: list[str], study_dir: Path) -> list[Run]:
-    """Every (arm, seed) of the study, baseline first. A run's directory is named by its arm and a hash of everything
-    it trains with (base, shared, arm and extra overrides), so a changed arm never reuses an old run."""
+    """Every (arm, seed) of the study, baseline first. A run's directory is named by its arm and a hash of the
+    arguments it trains with (base recipe's path, shared, arm and extra overrides); what those arguments resolve to
+    (the recipe's content included) is checked against a finished run's result by `examine`."""
     runs = []
     for arm in [study.baseline, *(name for name in study.arms if name != study.baseline)]:
-        arguments = ([str(study.base)] if study.base else []) + [
-            *(as_argument(k, v) for k, v in {**study.overrides, **study.arms[arm]}.items()), *extra]
+        overrides = [*(as_argument(k, v) for k, v in {**study.overrides, **study.arms[arm]}.items()), *extra]
+        arguments = ([str(study.base)] if study.base else []) + overrides
         key = hashlib.sha1("\0".join(arguments).encode()).hexdigest()[:8]
-        runs += [Run(arm, seed, (*arguments, f"--seed={seed}"), study_dir / f"{slug(arm)}-{key}" / f"seed{seed}")
-                 for seed in range(seeds)]
+        runs += [Run(arm, seed, (*overrides, f"--seed={seed}"), study_dir / f"{slug(arm)}-{key}" / f"seed{seed}",
+                     study.base) for seed in range(seeds)]
     return runs
 
 
-def train_command(run: Run) -> list[str]:
-    """The run's `dllm-ais train`: fresh into an empty directory, resumed from its newest checkpoint when it has one,
-    else rerun over what an earlier try of it wrote."""
+def resolved_config(run: Run) -> GRPOConfig | None:
+    """The `GRPOConfig` `dllm-ais train` resolves for `run` (its recipe, then its overrides); None when it does not
+    resolve (the run's train then names the problem in its log)."""
+    from dllm_ais.config import EMBEDDED_RECIPE, ConfigError, load_config
+
+    try:
+        return load_config(run.recipe or EMBEDDED_RECIPE, [*run.overrides, f"--output_dir={run.output_dir}"])
+    except ConfigError:
+        return None
+
+
+def planned_identities(runs: list[Run], configs: dict[Run, GRPOConfig | None]) -> dict[Run, dict[str, Any] | None]:
+    """Each run's `result_identity`: its config's hash and its held-out prompts' (loaded as train loads them).
+    StudyError, before anything trains, when an arm evaluates no held-out prompts (eval_size 0) or when the arms of
+    one seed are evaluated on different prompts — the table pairs them prompt by prompt."""
+    from dllm_ais.data import load_task_dataset
+    from dllm_ais.evaluation import result_identity
+
+    resolved = [run for run in runs if configs[run] is not None]
+    without = sorted({run.arm for run in resolved if configs[run].eval_size == 0})
+    if without:
+        raise StudyError(f"arms {', '.join(without)}: eval_size 0 evaluates no held-out prompts, and compare pairs "
+                         f"runs on them; set eval_size > 0 in the study's shared overrides")
+    prompts: dict[str, Any] = {}
+    identities: dict[Run, dict[str, Any] | None] = dict.fromkeys(runs)
+    for run in resolved:
+        config = configs[run]
+        source = (config.task, config.dataset_path, config.eval_size, config.seed, config.task_args)
+        key = json.dumps(source, sort_keys=True, default=str)
+        if key not in prompts:
+            try:
+                prompts[key] = load_task_dataset(config.task, split="validation", path=config.dataset_path,
+                                                 size=config.eval_size, seed=config.seed, task_args=config.task_args)
+            except Exception as error:  # noqa: BLE001 - its train would fail alike: named here, before any run
+                raise StudyError(f"arm {run.arm}: its held-out prompts do not load "
+                                 f"({str(error).splitlines()[0] if str(error) else type(error).__name__})") from None
+        identities[run] = result_identity(config, prompts[key])
+    for seed in sorted({run.seed for run in resolved}):
+        groups: dict[str, list[str]] = {}
+        for run in resolved:
+            if run.seed == seed:
+                groups.setdefault(identities[run]["prompts_sha256"], []).append(
+                    f"{run.arm} (eval_size {configs[run].eval_size})")
+        if len(groups) > 1:
+            raise StudyError(f"arms {' vs '.join(', '.join(arms) for arms in groups.values())} are evaluated on "
+                             f"different held-out prompts (seed {seed}); a paired comparison needs the same: set "
+                             "eval_size, task and dataset in the study's shared overrides, not per arm")
+    return identities
+
+
+def read_result(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """(the record, None) of a run's `held_out.json` that dllm-ais wrote whole (`evaluation.held_out_problem`), or
+    (None, why it is damaged or foreign)."""
+    from dllm_ais.evaluation import held_out_problem
+    from dllm_ais.run_dir import FileTooLarge, read_regular_file
+    from dllm_ais.safe_json import loads_bounded
+
+    try:
+        record = loads_bounded(read_regular_file(path, MAX_RESULT_BYTES), MAX_RESULT_BYTES, MAX_RESULT_DEPTH)
+    except FileTooLarge as error:
+        return None, f"{error.size} bytes, more than a result holds"
+    except OSError:
+        return None, "not a regular file"
+    except ValueError:
+        return None, "not JSON: truncated, or not written by dllm-ais"
+    problem = held_out_problem(record)
+    return (None, problem) if problem else (record, None)
+
+
+def set_aside(path: Path) -> Path:
+    """Move a damaged or foreign `held_out.json` out of its run directory, to `<run dir>.held_out.damaged[-N].json`
+    beside it — never over another file — so that rerunning the run deletes nothing the user may want; returns
+    where it went."""
+    run_dir = path.parent
+    names = (f"{run_dir.name}.held_out.damaged{'' if number == 1 else f'-{number}'}.json"
+             for number in itertools.count(1))
+    aside = next(run_dir.with_name(name) for name in names if not os.path.lexists(run_dir.with_name(name)))
+    os.rename(path, aside)
+    return aside
+
+
+def changed_fields(output_dir: Path, config: GRPOConfig, unchanging: frozenset[str]) -> list[str] | None:
+    """`field: old -> new` for every field outside `unchanging` whose value in the run's `config.yaml` (what it
+    trained with) differs from `config`'s; None when that file does not read as a recipe."""
+    from dllm_ais.config import ConfigError, GRPOConfig, canonical_values, flat_settings
+    from dllm_ais.validation import read_recipe, show
+
+    try:
+        saved = flat_settings(canonical_values(read_recipe(output_dir / "config.yaml"), str(output_dir)))
+    except ConfigError:
+        return None
+    defaults = flat_settings(GRPOConfig().to_dict())
+    return [f"{name}: {show(saved.get(name, defaults[name]))} -> {show(value)}"
+            for name, value in flat_settings(config.to_dict()).items()
+            if name not in unchanging and saved.get(name, defaults[name]) != value]
+
+
+def identity_changes(recorded: dict[str, Any], planned: dict[str, Any], fields: list[str] | None = None) -> list[str]:
+    """How the `result_identity` a result records differs from the planned one, one phrase per part (dllm-ais
+    version, config with its changed `fields` when known, held-out prompts); [] when they are the same."""
+    from dllm_ais.validation import show
+
+    changes = []
+    if recorded.get("dllm_ais_version") != planned["dllm_ais_version"]:
+        changes.append(f"made by dllm-ais {show(recorded.get('dllm_ais_version'))}, this is "
+                       f"{planned['dllm_ais_version']!r}")
+    if recorded["config_sha256"] != planned["config_sha256"]:
+        what = f" ({'; '.join(fields[:4])}{'; …' if len(fields) > 4 else ''})" if fields else ""
+        changes.append(f"config changed since it ran{what} (config hash {recorded['config_sha256'][:12]} → "
+                       f"{planned['config_sha256'][:12]})")
+    if (recorded["prompts_sha256"], recorded["num_prompts"]) != (planned["prompts_sha256"], planned["num_prompts"]):
+        changes.append(f"held-out prompts changed ({recorded['num_prompts']} → {planned['num_prompts']} prompts, "
+                       f"prompts hash {recorded['prompts_sha256'][:12]} → {planned['prompts_sha256'][:12]})")
+    return changes
+
+
+def examine(run: Run, config: GRPOConfig | None, identity: dict[str, Any] | None) -> Plan:
+    """What to do with `run` and why: reuse its result when it records `identity`; rerun it afresh when it records
+    another (a changed recipe, prompts or dllm-ais version); when its result is damaged or foreign, move the file
+    aside (`set_aside`) and train it like an unfinished run: resumed from its newest checkpoint unless its
+    `config.yaml` shows a change a resume refuses, else afresh."""
+    from dllm_ais.checkpoint import RESUMABLE_CHANGES, run_checkpoints
+    from dllm_ais.evaluation import UNHASHED_FIELDS
+
+    reasons = []
+    if os.path.lexists(run.result):
+        record, problem = read_result(run.result)
+        if problem is not None:
+            reasons.append(f"{run.result} is damaged or foreign ({problem}); kept as {set_aside(run.result)}")
+        elif identity is None:
+            return Plan(run, False, False, "its config does not resolve; its train names the problem", None)
+        else:
+            recorded = record["identity"]
+            fields = (changed_fields(run.output_dir, config, UNHASHED_FIELDS)
+                      if recorded["config_sha256"] != identity["config_sha256"] else None)
+            changes = identity_changes(recorded, identity, fields)
+            if not changes:
+                return Plan(run, True, False, f"its result records the same config (hash "
+                            f"{identity['config_sha256'][:12]}), held-out prompts ({identity['prompts_sha256'][:12]}) "
+                            f"and dllm-ais {identity['dllm_ais_version']}", identity)
+            return Plan(run, False, True, "; ".join(changes), identity)
+    if not (run.output_dir.is_dir() and any(run.output_dir.iterdir())):
+        return Plan(run, False, False, "; ".join(reasons) or "not run yet", identity)
+    if run_checkpoints(run.output_dir):
+        changes = None if config is None else changed_fields(run.output_dir, config, RESUMABLE_CHANGES)
+        if changes:
+            reasons.append(f"unfinished, and its config changed since it started ({'; '.join(changes[:4])}): a "
+                           "resume would be refused")
+            return Plan(run, False, True, "; ".join(reasons), identity)
+        return Plan(run, False, False, "; ".join(reasons) or "unfinished: continues from its newest checkpoint",
+                    identity)
+    return Plan(run, False, False, "; ".join(reasons) or "unfinished, with no checkpoint to resume from", identity)
+
+
+def train_command(run: Run, restart: bool = False) -> list[str]:
+    """The run's `dllm-ais train`: fresh into an empty directory, resumed from its newest checkpoint when it has one
+    (unless `restart`), else rerun over what an earlier try of it wrote."""
     from dllm_ais.checkpoint import run_checkpoints
 
     command = [sys.executable, "-m", "dllm_ais.cli", "train", *run.arguments, f"--output_dir={run.output_dir}"]
-    if run_checkpoints(run.output_dir):
+    if run_checkpoints(run.output_dir) and not restart:
         return [*command, "--resume_from_checkpoint=true"]
     if run.output_dir.is_dir() and any(run.output_dir.iterdir()):
         return [*command, "--overwrite_output_dir=true"]
     return command
 
 
-def execute(run: Run, threads: int) -> str | None:
-    """Train `run` unless it has finished; returns None, or one line saying how it failed."""
-    from dllm_ais.checkpoint import read_held_out
-
-    if read_held_out(run.output_dir) is not None:
+def execute(plan: Plan, threads: int) -> str | None:
+    """Train the plan's run unless it is reused; returns None, or one line saying how it failed — also when it
+    finished without a result that records the planned identity."""
+    run = plan.run
+    if plan.reuse:
         return None
     run.log.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads)),
            "PYTHONUNBUFFERED": "1"}
-    command = train_command(run)
+    command = train_command(run, plan.restart)
     with run.log.open("a") as log:  # appended: an earlier attempt's output (or another writer's) is never lost
         log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} dllm-ais compare runs: {' '.join(command)}\n")
         log.flush()
         code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     if code != 0:
         return f"{run.arm} / seed {run.seed} failed (exit {code}); see {run.log}"
-    if read_held_out(run.output_dir) is None:
-        return f"{run.arm} / seed {run.seed} finished without a held-out evaluation (eval_size: 0?); see {run.log}"
+    if not os.path.lexists(run.result):
+        return f"{run.arm} / seed {run.seed} finished without writing {run.result.name}; see {run.log}"
+    record, problem = read_result(run.result)
+    if problem is not None:
+        changes = [problem]
+    else:
+        changes = [] if plan.identity is None else identity_changes(record["identity"], plan.identity)
+    if changes:
+        return f"{run.arm} / seed {run.seed} finished, but {run.result} is not the planned one ({'; '.join(changes)})"
     return None
 
 
-def run_all(runs: list[Run], jobs: int) -> int:
-    """Train the unfinished runs, `jobs` at a time, with a progress bar; returns how many were reused. Raises
+def run_all(plans: list[Plan], jobs: int) -> int:
+    """Train the runs not reused, `jobs` at a time, with a progress bar; returns how many were reused. Raises
     StudyError naming every run that failed, after the others have finished."""
     from tqdm.auto import tqdm
 
-    from dllm_ais.checkpoint import read_held_out
-
-    reused = sum(read_held_out(run.output_dir) is not None for run in runs)
     threads = max(1, (os.cpu_count() or 1) // jobs)
     with ThreadPoolExecutor(jobs) as pool:
-        failures = [failure for failure in tqdm(pool.map(lambda run: execute(run, threads), runs), total=len(runs),
-                                                desc="runs", dynamic_ncols=True) if failure]
+        failures = [failure for failure in tqdm(pool.map(lambda plan: execute(plan, threads), plans),
+                                                total=len(plans), desc="runs", dynamic_ncols=True) if failure]
     if failures:
         raise StudyError("; ".join(failures))
-    return reused
+    return sum(plan.reuse for plan in plans)
 
 
 def versus_baseline(baseline: list[list[float]], arm: list[list[float]]) -> dict[str, Any]:
@@ -282,6 +491,10 @@ def run_study(study_file: Path, seeds: int, extra: list[str], output_dir: Path |
     """Train what the study still needs, then write the report: comparison.md/.json/.png against the study's
     baseline, or comparison-vs-<arm>.md/.json/.png against another arm (`baseline`), whose runs are the same.
     Returns the table and the report's path without its suffix."""
+    for flag, value in (("--seeds", seeds), ("--jobs", jobs)):
+        if value < 1:
+            raise StudyError(f"{flag} {value}: must be 1 or more ({flag} N: "
+                             f"{'seeds 0..N-1 per arm' if flag == '--seeds' else 'N runs at a time'})")
     study = read_study(study_file)
     if baseline is not None and baseline not in study.arms:
         raise StudyError(f"--baseline: unknown {baseline!r}; the study's arms: {', '.join(study.arms)}")
@@ -295,7 +508,11 @@ def run_study(study_file: Path, seeds: int, extra: list[str], output_dir: Path |
     study = Study(study.name, study.base, study.overrides, kept, baseline)
     study_dir = output_dir or Path("outputs") / "studies" / study.name
     runs = plan_runs(study, seeds, extra, study_dir)
-    reused = run_all(runs, jobs)
+    configs = {run: resolved_config(run) for run in runs}
+    identities = planned_identities(runs, configs)
+    plans = [examine(run, configs[run], identities[run]) for run in runs]
+    print("\n".join(plan.line for plan in plans), flush=True)
+    reused = run_all(plans, jobs)
     summary = summarise(study, runs)
     header = (f"study {study.name} ({study_file}): base {summary['base']}, overrides {study.overrides or 'none'}"
               f"{', extra ' + ' '.join(extra) if extra else ''}; {seeds} seeds, {len(runs)} runs ({reused} reused), "

@@ -243,10 +243,15 @@ def dataset_provenance(task: Task, split: str, path: str | None, dataset,
         hub = {"test": task.hub_test, "validation": task.hub_validation}.get(split) or task.hub_train
         source = {"id": hub.dataset, "config": hub.config, "split": hub.split, "carved": hub.split != split,
                   "revision": hub_commit(hub.dataset, repo_type="dataset")}
+    return {**source, "num_rows": len(dataset), "rows_sha256": rows_sha256(dataset)}
+
+
+def rows_sha256(dataset) -> str:
+    """SHA-256 over a dataset's rows in order, each as JSON with sorted keys."""
     rows = hashlib.sha256()
     for row in dataset:
         rows.update(json.dumps(row, sort_keys=True, default=str).encode() + b"\n")
-    return {**source, "num_rows": len(dataset), "rows_sha256": rows.hexdigest()}
+    return rows.hexdigest()
 
 
 def device_name(device: torch.device) -> str:
@@ -263,6 +268,80 @@ def library_versions() -> dict[str, str | None]:
         except importlib.metadata.PackageNotFoundError:
             versions[name] = None
     return versions
+
+
+# --------------------------------------------------------------------------------------------- a run's result
+
+
+# Fields left out of a run's config hash: they change where a run writes and what it logs, never its numbers —
+# output_dir and run_name (the same run written elsewhere), overwrite_output_dir and resume_from_checkpoint (how
+# the run takes its directory; a resume continues the same trajectory), save_steps and save_total_limit (checkpoints
+# are written beside the run, and a resume from them is exact), logging_steps, log_completions,
+# num_completions_to_print and report_to (logging), dry_run (a dry run writes no result).
+UNHASHED_FIELDS = frozenset({"output_dir", "run_name", "overwrite_output_dir", "resume_from_checkpoint", "save_steps",
+                             "save_total_limit", "logging_steps", "log_completions", "num_completions_to_print",
+                             "report_to", "dry_run"})
+HELD_OUT_WRITER = "dllm-ais"
+
+
+def config_sha256(config: GRPOConfig) -> str:
+    """SHA-256 of the resolved config (recipe, then overrides) as canonical JSON — sorted keys, settings groups
+    nested — without `UNHASHED_FIELDS`."""
+    values = {name: value for name, value in config.to_dict().items() if name not in UNHASHED_FIELDS}
+    return hashlib.sha256(json.dumps(values, sort_keys=True, separators=(",", ":"), default=str).encode()).hexdigest()
+
+
+def package_version() -> str | None:
+    """The installed dllm-ais' version (None when it is run from a source tree that is not installed)."""
+    try:
+        return importlib.metadata.version("dllm-ais")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def result_identity(config: GRPOConfig, held_out) -> dict[str, Any]:
+    """What a run's held-out result was made by: the config's hash (`config_sha256`), the held-out prompts' hash
+    (`rows_sha256`; None without held-out prompts) and number, and the dllm-ais version."""
+    return {"config_sha256": config_sha256(config),
+            "prompts_sha256": None if held_out is None else rows_sha256(held_out),
+            "num_prompts": 0 if held_out is None else len(held_out), "dllm_ais_version": package_version()}
+
+
+def held_out_record(identity: dict[str, Any], before: EvalResult | None, after: EvalResult) -> dict[str, Any]:
+    """The content of a finished run's `held_out.json`: who wrote it, its `result_identity`, and the per-prompt
+    values (`per_prompt_values`) of the final held-out evaluation (`after`) and of the baseline (`before`; None for
+    a resumed run that turned evaluation on)."""
+    return {"written_by": HELD_OUT_WRITER, "identity": identity, "after": per_prompt_values(after),
+            "before": None if before is None else per_prompt_values(before)}
+
+
+def held_out_problem(record: Any) -> str | None:
+    """Why `record` (a parsed `held_out.json`) is not a whole `held_out_record`, or None: another writer, no
+    identity, or per-prompt values that are not numbers, one per prompt its identity counts."""
+    identity = record.get("identity") if isinstance(record, dict) else None
+    if isinstance(record, dict) and "after" in record and "written_by" not in record:
+        return "no record of the config, prompts and version that made it (earlier releases wrote none)"
+    if not isinstance(record, dict) or record.get("written_by") != HELD_OUT_WRITER:
+        return "not a result record written by dllm-ais"
+    if not (isinstance(identity, dict) and type(identity.get("num_prompts")) is int
+            and all(isinstance(identity.get(key), str) for key in ("config_sha256", "prompts_sha256"))):
+        return "no record of the config, prompts and version that made it"
+    count = identity["num_prompts"]
+    for name in ("before", "after"):
+        values = record.get(name)
+        if name == "before" and values is None:
+            continue
+        if not isinstance(values, dict):
+            return f"no {name!r} values"
+        for metric in ("reward", "accuracy"):
+            numbers = values.get(metric)
+            if metric == "accuracy" and numbers is None:
+                continue
+            if not isinstance(numbers, list) or not all(type(v) in (int, float) for v in numbers):
+                return f"its {name} {metric} values are not a list of numbers"
+            if len(numbers) != count:
+                return f"{len(numbers)} {name} {metric} values for the {count} prompts it records"
+    return None
 
 
 # --------------------------------------------------------------------------------------------- the report

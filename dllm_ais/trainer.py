@@ -323,7 +323,7 @@ class GRPOTrainer:
                 self.reporter.finish(held_out, eval_after and held_out_line(self.eval_before, eval_after, rollout_sampler),
                                      final)
                 if eval_after:
-                    write_held_out(cfg.output_dir, self.eval_before, eval_after)
+                    write_held_out(cfg, self.eval_dataset, self.eval_before, eval_after)
         except TrainingInterrupted:
             if is_main:
                 self.reporter.plot()
