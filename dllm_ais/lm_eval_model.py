@@ -211,7 +211,8 @@ def tokenizer_source(pretrained: str) -> str:
     return adapter_base(pretrained) or pretrained
 
 
-BOOLEAN_WORDS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
+BOOLEAN_WORDS = {"true": True, "yes": True, "on": True, "1": True,
+                 "false": False, "no": False, "off": False, "0": False}
 
 
 def harness_value(annotation: Any, value: Any) -> Any:
