@@ -174,7 +174,7 @@ def _load_for_inference(args: argparse.Namespace, config):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     keep_freed_host_memory(device)
     check_tokenizer_files(config.model_name_or_path)
-    tokenizer = load_tokenizer(config.model_name_or_path)
+    tokenizer = load_tokenizer(config.model_name_or_path, config.trust_remote_code)
     model = load_model(config.model_name_or_path, resolve_dtype(config.dtype), config.trust_remote_code)
     model = model.to(device).eval()
     if args.precision != "bf16":

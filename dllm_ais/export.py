@@ -26,11 +26,9 @@ from dataclasses import dataclass
 import importlib
 
 import torch
-from transformers import AutoTokenizer
-
 from dllm_ais.config import EMBEDDED_MODELS, ConfigError, GRPOConfig, canonical_values, recipe_setting
 from dllm_ais.run_dir import MARKER, OutputExistsError, atomic_directory, check_destination
-from dllm_ais.loading import load_model, resolve_model_path
+from dllm_ais.loading import adapter_base, load_model, load_tokenizer_as_saved, resolve_model_path
 
 @dataclass(frozen=True)
 class RemoteCode:
@@ -225,8 +223,6 @@ def export_merged_model(adapter_or_model_dir: str | Path, output_dir: str | Path
     (`HfApi.upload_folder`, the repository created `private` if new); when that fails, PushToHubError says that the
     local copy is complete and how to push it later.
     """
-    from peft import PeftConfig
-
     output_dir, source = Path(output_dir), Path(adapter_or_model_dir)
     if output_dir.resolve() == source.resolve() or output_dir.resolve() in source.resolve().parents:
         raise OutputExistsError(f"{output_dir} is, or holds, the export's source {source}; the export never replaces "
@@ -236,13 +232,12 @@ def export_merged_model(adapter_or_model_dir: str | Path, output_dir: str | Path
     report = read_eval_report(report_path) if report_path is not None else None
     recipe = training_recipe(source)
     model = load_model(str(source), dtype)
-    if (source / "adapter_config.json").is_file():
-        base = PeftConfig.from_pretrained(source).base_model_name_or_path
+    if (base := adapter_base(str(source))) is not None:
         model = model.merge_and_unload()
     else:
         base = recipe.get("model_name_or_path") if recipe else None
     tokenizer_source = source if (source / "tokenizer_config.json").is_file() else resolve_model_path(base)
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
+    tokenizer = load_tokenizer_as_saved(str(tokenizer_source))
     remote = REMOTE_CODE.get(model.config.model_type)
     if remote:
         model.config.auto_map = dict(remote.auto_map)

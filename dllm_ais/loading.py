@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import platform
 from dataclasses import dataclass
@@ -13,12 +12,18 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from dllm_ais.config import EMBEDDED_MODELS, ConfigError
+from dllm_ais.safe_json import loads_bounded
+from dllm_ais.validation import show
 
 END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|endoftext|>")
 # glibc's mallopt parameters (malloc.h) and their environment variables.
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 MALLOC_VARIABLES = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_")
 HOST_MEMORY_KEPT = 1 << 30
+# A model's config.json or tokenizer_config.json: a few KB, a tokenizer's list of added tokens a few MB.
+MAX_MODEL_JSON_BYTES, MAX_MODEL_JSON_DEPTH = 64 << 20, 32
+REMOTE_CODE_FIX = ("dllm-ais runs no code from a model's files unless your own command line says "
+                   "--trust_remote_code=true (lm-eval: --model_args trust_remote_code=true)")
 
 
 def resolve_model_path(name_or_path: str) -> str:
@@ -70,49 +75,165 @@ def keep_freed_host_memory(device: torch.device | str) -> bool:
     return bool(libc.mallopt(M_MMAP_THRESHOLD, HOST_MEMORY_KEPT) and libc.mallopt(M_TRIM_THRESHOLD, HOST_MEMORY_KEPT))
 
 
-def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
+def load_tokenizer_as_saved(name_or_path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """The tokenizer of `name_or_path` as its files define it, after `refuse_remote_code`; transformers is told
+    `trust_remote_code` explicitly, so it never asks at the terminal."""
+    refuse_remote_code(name_or_path, trust_remote_code)
+    return AutoTokenizer.from_pretrained(resolve_model_path(name_or_path), trust_remote_code=trust_remote_code)
+
+
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """The policy's tokenizer, left-padding (prompts are left padded so completions share one canvas offset)."""
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(name_or_path))
+    tokenizer = load_tokenizer_as_saved(name_or_path, trust_remote_code)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
-def refuse_remote_code(path: str) -> None:
-    """ConfigError, in one line, when the model directory `path` has a config.json whose `model_type` neither
-    transformers nor dllm-ais provides, or that asks for code of its own (`auto_map`) for such a type: its code
-    would have to run, and dllm-ais never runs a model directory's code (trust_remote_code stays off)."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+def read_json_object(file: str | Path) -> dict:
+    """The JSON object in `file`, a model's own file (bounded in size and nesting); ConfigError, in one line naming
+    the file, when it holds anything else: a file that cannot be read cannot be checked either."""
+    try:
+        value = loads_bounded(Path(file).read_bytes(), MAX_MODEL_JSON_BYTES, MAX_MODEL_JSON_DEPTH)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{file}: not a readable JSON file ({str(error).splitlines()[0]:.120}); restore it from "
+                          "the model's source") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{file}: holds a JSON {type(value).__name__}, not an object; restore it from the model's "
+                          "source")
+    return value
+
+
+def model_file(name_or_path: str, file_name: str) -> str | None:
+    """The local path of the file `file_name` of a model directory or Hub repository (a Hub file is fetched into
+    the cache, as from_pretrained would fetch it); None when there is none or it cannot be fetched (from_pretrained
+    then reports why)."""
+    if os.path.isdir(name_or_path):
+        path = Path(name_or_path) / file_name
+        return str(path) if path.is_file() else None
+    from transformers.utils import cached_file
 
     try:
-        config = json.loads((Path(path) / "config.json").read_bytes()[:1 << 20])
+        return cached_file(name_or_path, file_name, _raise_exceptions_for_missing_entries=False,
+                           _raise_exceptions_for_connection_errors=False)
     except (OSError, ValueError):
-        return  # no local config (a Hub id) or an unreadable one: transformers reports it
-    model_type = config.get("model_type") if isinstance(config, dict) else None
-    if isinstance(model_type, str) and model_type not in CONFIG_MAPPING:
-        asks = " and asks for its own code (auto_map)" if "auto_map" in config else ""
-        raise ConfigError(f"{path}: its config.json names model_type {model_type!r:.60}, which neither transformers "
-                          f"nor dllm-ais provides{asks}; dllm-ais never runs a model directory's code "
-                          "(trust_remote_code). Use a model of a supported architecture.")
+        return None
+
+
+def adapter_base(name_or_path: str) -> str | None:
+    """The base model the adapter directory `name_or_path` names (its adapter_config.json's
+    base_model_name_or_path, as written); None when it holds no adapter."""
+    file = Path(resolve_model_path(name_or_path)) / "adapter_config.json"
+    if not file.is_file():
+        return None
+    base = read_json_object(file).get("base_model_name_or_path")
+    if not isinstance(base, str) or not base.strip():
+        raise ConfigError(f"{file}: base_model_name_or_path names no base model; set it to the base model's Hub id "
+                          "or directory")
+    return base
+
+
+def model_sources(name_or_path: str) -> list[str]:
+    """The model directories (or Hub ids) that loading `name_or_path` reads: itself and, for an adapter directory,
+    the base its adapter_config.json names, in turn (an adapter may sit on another adapter). ConfigError, in one
+    line naming the adapter_config.json, when that chain comes back to a directory already in it."""
+    sources, seen = [], set()
+    source: str | None = resolve_model_path(name_or_path)
+    while source is not None:
+        identity = os.path.realpath(source) if os.path.isdir(source) else source
+        if identity in seen:
+            raise ConfigError(f"{Path(sources[-1]) / 'adapter_config.json'}: its base_model_name_or_path leads back "
+                              f"to {source}, an adapter cannot be its own base; point it at the base model")
+        seen.add(identity)
+        sources.append(source)
+        base = adapter_base(source)
+        source = None if base is None else resolve_model_path(base)
+    return sources
+
+
+def config_code_problem(source: str) -> str | None:
+    """Why loading the config.json of `source` would need code from the model's own files (an `auto_map` for a
+    model_type, or a causal-LM class of it, that neither transformers nor dllm-ais provides), or name an
+    architecture that cannot load at all; None when it needs neither."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    file = model_file(source, "config.json")
+    if file is None:
+        return None
+    config = read_json_object(file)
+    model_type, auto_map = config.get("model_type"), config.get("auto_map")
+    provided = isinstance(model_type, str) and model_type in CONFIG_MAPPING
+    if auto_map and not (provided and CONFIG_MAPPING[model_type] in MODEL_FOR_CAUSAL_LM_MAPPING):
+        return (f"{file}: its auto_map {show(auto_map)} asks to run the model's own code (model_type "
+                f"{show(model_type)}, which neither transformers nor dllm-ais provides as a causal LM); "
+                + REMOTE_CODE_FIX)
+    if isinstance(model_type, str) and not provided:
+        return (f"{file}: model_type {show(model_type)}, which neither transformers nor dllm-ais provides; use a "
+                "model of a supported architecture")
+    return None
+
+
+def tokenizer_code_problem(source: str) -> str | None:
+    """Why loading the tokenizer of `source` would need code from the model's own files: an `auto_map` in its
+    tokenizer_config.json naming a tokenizer whose `tokenizer_class` transformers does not provide; None otherwise
+    (transformers, with trust_remote_code off, then loads its own class)."""
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+    file = model_file(source, "tokenizer_config.json")
+    if file is None:
+        return None
+    tokenizer_config = read_json_object(file)
+    auto_map = tokenizer_config.get("auto_map")
+    entry = auto_map.get("AutoTokenizer") if isinstance(auto_map, dict) else auto_map
+    if not entry:
+        return None
+    name = tokenizer_config.get("tokenizer_class")
+    provided = isinstance(name, str) and (tokenizer_class_from_name(name) or tokenizer_class_from_name(name + "Fast"))
+    if provided and provided.__module__.startswith("transformers."):
+        return None
+    return (f"{file}: its auto_map names the model's own tokenizer code ({show(entry)}) for tokenizer_class "
+            f"{show(name)}, which transformers does not provide; " + REMOTE_CODE_FIX)
+
+
+def refuse_remote_code(name_or_path: str, trust_remote_code: bool = False) -> None:
+    """ConfigError, in one line naming the file and the fix, when loading `name_or_path` (for an adapter directory:
+    with each base model it names) would run code from the model's own files (`config_code_problem`,
+    `tokenizer_code_problem`), or its adapters name each other as base (`model_sources`). It reads the files
+    itself, before any transformers call that could import such code. `trust_remote_code` comes from the user's own
+    command line, never from a file inside a checkpoint (`dllm_ais.cli.checkpoint_settings`)."""
+    sources = model_sources(name_or_path)
+    if trust_remote_code:
+        return
+    for source in sources:
+        if problem := config_code_problem(source) or tokenizer_code_problem(source):
+            raise ConfigError(problem)
 
 
 def load_model(name_or_path: str, dtype: torch.dtype, trust_remote_code: bool = False,
                is_trainable: bool = False) -> torch.nn.Module:
-    """`AutoModelForCausalLM.from_pretrained` (safetensors only); LLaDA resolves to dllm_ais' native model.
+    """`AutoModelForCausalLM.from_pretrained` (safetensors only), after `refuse_remote_code`; LLaDA resolves to
+    dllm_ais' native model.
 
     A directory holding a peft adapter (as `dllm-ais train` writes) loads as its base model with the adapter on
     (trainable when `is_trainable`, to continue training it). The model keeps `name_or_path` as given — a Hub id or
     `embedded`, not the package's asset path on this machine — so adapters and cards record a portable base.
     """
-    path = resolve_model_path(name_or_path)
-    if (Path(path) / "adapter_config.json").is_file():
-        from peft import PeftConfig, PeftModel
+    refuse_remote_code(name_or_path, trust_remote_code)
+    return _load_checked_model(name_or_path, dtype, trust_remote_code, is_trainable)
 
-        base = load_model(PeftConfig.from_pretrained(path).base_model_name_or_path, dtype, trust_remote_code)
-        return PeftModel.from_pretrained(base, path, is_trainable=is_trainable)
-    if not trust_remote_code:
-        refuse_remote_code(path)
+
+def _load_checked_model(name_or_path: str, dtype: torch.dtype, trust_remote_code: bool,
+                        is_trainable: bool) -> torch.nn.Module:
+    """`load_model` of a model whose sources `refuse_remote_code` passed."""
+    path = resolve_model_path(name_or_path)
+    base = adapter_base(path)
+    if base is not None:
+        from peft import PeftModel
+
+        return PeftModel.from_pretrained(_load_checked_model(base, dtype, trust_remote_code, False), path,
+                                         is_trainable=is_trainable)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
                                                  use_safetensors=True)
     model.name_or_path = model.config.name_or_path = name_or_path
@@ -120,14 +241,9 @@ def load_model(name_or_path: str, dtype: torch.dtype, trust_remote_code: bool = 
 
 
 def load_model_config(name_or_path: str, trust_remote_code: bool = False):
-    """The model's config; for an adapter directory, its base model's config."""
-    path = resolve_model_path(name_or_path)
-    if (Path(path) / "adapter_config.json").is_file():
-        from peft import PeftConfig
-
-        path = resolve_model_path(PeftConfig.from_pretrained(path).base_model_name_or_path)
-    if not trust_remote_code:
-        refuse_remote_code(path)
+    """The model's config (after `refuse_remote_code`); for an adapter directory, its base model's config."""
+    refuse_remote_code(name_or_path, trust_remote_code)
+    path = model_sources(name_or_path)[-1]
     return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 

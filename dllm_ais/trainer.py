@@ -92,7 +92,7 @@ class GRPOTrainer:
             config.task, split="validation", path=config.dataset_path, size=config.eval_size, seed=config.seed,
             task_args=config.task_args)
         check_metric_for_best_model(config, reward_function_names(self.eval_reward_funcs))
-        self.tokenizer = tokenizer or load_tokenizer(config.model_name_or_path)
+        self.tokenizer = tokenizer or load_tokenizer(config.model_name_or_path, config.trust_remote_code)
         check_prompt_lengths(self.tokenizer, {"train": self.train_dataset, "eval": self.eval_dataset},
                              config.max_prompt_length)
 

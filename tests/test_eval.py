@@ -80,7 +80,9 @@ def test_the_protocol_is_d1s_for_real_tasks_and_the_embedded_recipes_for_digits(
         decoding = protocol.decoding(config, gen_length)
         assert decoding.max_completion_length == gen_length and decoding.experimental.rollout_factor is None
         assert dataclasses.asdict(decoding.rollout) == {"precision": config.rollout.precision, "steps": gen_length // 2,
-                                                        "block_length": block_length, **d1_sampler}
+                                                        "block_length": block_length, **d1_sampler,
+                                                        "compile": config.rollout.compile,  # how, not what, it decodes
+                                                        "batch_size": config.rollout.batch_size}
     llada = AutoConfig.from_pretrained(EMBEDDED_MODELS["embedded"])
     sampler = build_policy(digits.decoding(trained_fast, 16), llada,
                            load_tokenizer("embedded"), temperature=0.0).sampler.config

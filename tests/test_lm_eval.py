@@ -337,7 +337,7 @@ def test_cli_forwards_to_the_harness(task_dir, capsys):
 def test_bad_arguments_fail_at_construction():
     with pytest.raises(ValueError, match="mc_batch_size"):
         DllmAisLM(pretrained="embedded", mc_num=10, mc_batch_size=4)
-    with pytest.raises(ValueError, match="policy must be one of"):
+    with pytest.raises(ValueError, match="policy='masked': choose one of"):
         DllmAisLM(pretrained="embedded", policy="masked")
     with pytest.raises(ValueError, match="batch_size='auto'"):
         DllmAisLM(pretrained="embedded", batch_size="auto")

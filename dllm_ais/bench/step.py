@@ -30,17 +30,15 @@ def tiny_llada(vocab: int, d_model: int, layers: int, max_len: int):
 
 # ------------------------------------------------------------------------------------------ correction share
 def bench_correction_share(args) -> None:
-    from transformers import AutoTokenizer
-
     from dllm_ais.components import build_components, make_accelerator
-    from dllm_ais.config import EMBEDDED_MODEL_DIR, load_config
+    from dllm_ais.config import EMBEDDED_MODEL, load_config
     from dllm_ais.correction import RolloutCorrection
     from dllm_ais.grpo import grouped_prompts, make_generation_batch, optimisation_pass
+    from dllm_ais.loading import load_tokenizer
     from dllm_ais.rewards import resolve_reward_functions
     from dllm_ais.tasks.digits import make_digits_dataset
 
-    tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
-    tokenizer.padding_side = "left"
+    tokenizer = load_tokenizer(EMBEDDED_MODEL)
     config = load_config(None, {  # the recipe of the step measured, through the loader that knows every name
         "task": "digits", "eval_size": 0, "num_generations": 4, "per_device_train_batch_size": args.batch,
         "max_completion_length": args.gen_length, "num_iterations": args.num_iterations, "max_steps": 10_000,
