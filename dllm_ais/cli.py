@@ -329,7 +329,7 @@ def _sft(args: argparse.Namespace, overrides: list[str]) -> int:
     import yaml
 
     from dllm_ais.loading import check_tokenizer_files
-    from dllm_ais.run_dir import atomic_directory, check_destination
+    from dllm_ais.run_dir import atomic_directory, check_destination, check_not_source
     from dllm_ais.config import ConfigError
     from dllm_ais.data import load_task_dataset
     from dllm_ais.loading import load_model, load_tokenizer, resolve_dtype
@@ -347,6 +347,7 @@ def _sft(args: argparse.Namespace, overrides: list[str]) -> int:
         get_task(args.task).task_args_problems(task_args))
     if problems:
         raise ConfigError("; ".join(problems))
+    check_not_source(Path(args.output_dir), args.model)
     check_destination(Path(args.output_dir), args.overwrite)
     check_tokenizer_files(args.model)
     tokenizer = load_tokenizer(args.model)

@@ -27,7 +27,7 @@ import importlib
 
 import torch
 from dllm_ais.config import EMBEDDED_MODELS, ConfigError, GRPOConfig, canonical_values, recipe_setting
-from dllm_ais.run_dir import MARKER, OutputExistsError, atomic_directory, check_destination
+from dllm_ais.run_dir import MARKER, atomic_directory, check_destination, check_not_source
 from dllm_ais.loading import adapter_base, load_model, load_tokenizer_as_saved, resolve_model_path
 
 @dataclass(frozen=True)
@@ -224,9 +224,7 @@ def export_merged_model(adapter_or_model_dir: str | Path, output_dir: str | Path
     local copy is complete and how to push it later.
     """
     output_dir, source = Path(output_dir), Path(adapter_or_model_dir)
-    if output_dir.resolve() == source.resolve() or output_dir.resolve() in source.resolve().parents:
-        raise OutputExistsError(f"{output_dir} is, or holds, the export's source {source}; the export never replaces "
-                                "its source. Choose a new output directory.")
+    check_not_source(output_dir, source)
     check_destination(output_dir, overwrite)
     report_path = Path(eval_report) if eval_report is not None else find_eval_report(source)
     report = read_eval_report(report_path) if report_path is not None else None

@@ -143,6 +143,16 @@ def check_destination(final: Path, overwrite: bool, flag: str = "--overwrite", k
                                 "Choose a new directory.")
 
 
+def check_not_source(destination: Path, source: str | Path) -> None:
+    """Raise OutputExistsError when `destination` is, or holds, the local directory `source` a command reads (an
+    export's adapter, SFT's starting model): a command never replaces its own input."""
+    source = Path(source)
+    if source.exists() and (destination.resolve() == source.resolve()
+                            or destination.resolve() in source.resolve().parents):
+        raise OutputExistsError(f"{destination} is, or holds, the command's source {source}; it is never replaced. "
+                                "Choose a new output directory.")
+
+
 def fsync_directory(path: str | Path) -> None:
     descriptor = os.open(path, os.O_RDONLY)
     try:

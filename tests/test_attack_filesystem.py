@@ -89,12 +89,14 @@ def test_export_and_sft_overwrite_never_replace_a_runs_checkpoint_final_or_the_s
     refused_in_one_line(["export", str(checkpoint), str(final), "--overwrite"], capsys,
                         f"{final} is a training run's final model")
     for source in (final, export):
-        refused_in_one_line(["export", str(source), str(source), "--overwrite"], capsys, "never replaces its source")
+        refused_in_one_line(["export", str(source), str(source), "--overwrite"], capsys, "is never replaced")
     refused_in_one_line(["export", str(final / "adapter_config.json"), str(final), "--overwrite"], capsys,
-                        "never replaces its source")
+                        "is never replaced")
     for destination, kind in ((checkpoint, "checkpoint-N"), (final, "final model")):
         refused_in_one_line(["sft", "--output_dir", str(destination), "--overwrite", "--steps", "1"], capsys,
                             f"{destination} is a training run's {kind}")
+    refused_in_one_line(["sft", "--model", str(export), "--output_dir", str(export), "--overwrite", "--steps", "1"],
+                        capsys, "is never replaced")
     assert snapshot(tmp_path) == before
 
 
