@@ -31,7 +31,7 @@ from accelerate.utils import DistributedType, gather_object, send_to_device
 from peft import PeftModel
 
 from dllm_ais.components import StepComponents
-from dllm_ais.config import ConfigError, GRPOConfig, canonical_values, flat_settings, save_config
+from dllm_ais.config import ConfigError, GRPOConfig, changed_settings, save_config
 from dllm_ais.evaluation import EvalResult, held_out_record, result_identity
 from dllm_ais.grpo import GenerationBatch, any_process
 from dllm_ais.run_dir import (BOOKKEEPING, CHECKPOINT_NAME, MARKER, RUN_OUTPUTS, DamagedCheckpoint,
@@ -40,7 +40,6 @@ from dllm_ais.run_dir import (BOOKKEEPING, CHECKPOINT_NAME, MARKER, RUN_OUTPUTS,
                               fsync_directory, fsync_tree, is_leftover, link_refusal, provenance, prune_checkpoints,
                               read_verified, run_checkpoints, staged_directory, verify_checkpoint)
 from dllm_ais.run_lock import give_up_run_lock, hold_run_lock, holds_run_lock
-from dllm_ais.validation import read_recipe, show
 
 RESUMABLE_CHANGES = frozenset({  # fields a resumed run may change: they do not alter the training trajectory
     "max_steps", "logging_steps", "save_steps", "save_total_limit", "output_dir", "overwrite_output_dir",
@@ -242,11 +241,7 @@ def resume_checkpoint(config: GRPOConfig, report_skipped: bool = True) -> Path |
             fix = (f"resume from the previous intact checkpoint: --resume_from_checkpoint={previous}"
                    if previous is not None else "no earlier intact checkpoint exists; start a fresh run")
             raise ConfigError(f"resume_from_checkpoint={wanted}: {problem}; {fix}.")
-    saved = flat_settings(canonical_values(read_recipe(checkpoint / CONFIG_FILE), str(checkpoint)))
-    defaults = flat_settings(GRPOConfig().to_dict())
-    changed = [f"{name}: {show(saved.get(name, defaults[name]))} -> {show(value)}"
-               for name, value in flat_settings(config.to_dict()).items()
-               if name not in RESUMABLE_CHANGES and saved.get(name, defaults[name]) != value]
+    changed = changed_settings(checkpoint / CONFIG_FILE, config, RESUMABLE_CHANGES)
     if changed:
         raise ConfigError(f"Cannot resume from {checkpoint}: these fields change the run (only "
                           f"{', '.join(sorted(RESUMABLE_CHANGES))} may change on resume):\n  - " + "\n  - ".join(changed)

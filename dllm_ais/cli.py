@@ -210,7 +210,6 @@ def comma_separated_ints(text: str) -> tuple[int, ...]:
 
 
 def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
-    import dataclasses
     import shlex
     import time
 

@@ -253,17 +253,12 @@ def set_aside(path: Path) -> Path:
 def changed_fields(output_dir: Path, config: GRPOConfig, unchanging: frozenset[str]) -> list[str] | None:
     """`field: old -> new` for every field outside `unchanging` whose value in the run's `config.yaml` (what it
     trained with) differs from `config`'s; None when that file does not read as a recipe."""
-    from dllm_ais.config import ConfigError, GRPOConfig, canonical_values, flat_settings
-    from dllm_ais.validation import read_recipe, show
+    from dllm_ais.config import ConfigError, changed_settings
 
     try:
-        saved = flat_settings(canonical_values(read_recipe(output_dir / "config.yaml"), str(output_dir)))
+        return changed_settings(output_dir / "config.yaml", config, unchanging)
     except ConfigError:
         return None
-    defaults = flat_settings(GRPOConfig().to_dict())
-    return [f"{name}: {show(saved.get(name, defaults[name]))} -> {show(value)}"
-            for name, value in flat_settings(config.to_dict()).items()
-            if name not in unchanging and saved.get(name, defaults[name]) != value]
 
 
 def identity_changes(recorded: dict[str, Any], planned: dict[str, Any], fields: list[str] | None = None) -> list[str]:

@@ -539,6 +539,17 @@ def flat_settings(values: dict[str, Any]) -> dict[str, Any]:
             for name, item in (value.items() if key in SETTINGS_GROUPS and isinstance(value, dict) else [(key, value)])}
 
 
+def changed_settings(recipe_path: str | Path, config: "GRPOConfig", unchanging: frozenset[str]) -> list[str]:
+    """`field: old -> new` for every field outside `unchanging` whose value in the recipe at `recipe_path` (a run's
+    saved config.yaml: what it trained with) differs from `config`'s; ConfigError when the file does not read as a
+    recipe."""
+    saved = flat_settings(canonical_values(read_recipe(recipe_path), str(Path(recipe_path).parent)))
+    defaults = flat_settings(GRPOConfig().to_dict())
+    return [f"{name}: {show(saved.get(name, defaults[name]))} -> {show(value)}"
+            for name, value in flat_settings(config.to_dict()).items()
+            if name not in unchanging and saved.get(name, defaults[name]) != value]
+
+
 def recipe_setting(values: dict[str, Any], name: str) -> Any:
     """The value of the field `name` (``group.field`` for a settings group's) in the nested mapping `values` (a
     recipe, a saved config), or None when it is not set there."""

@@ -693,8 +693,9 @@ class MaskedDiffusionSampler:
         generator: torch.Generator | None,
         forced_completion: torch.LongTensor | None = None,
     ) -> Rollout:
-        """The denoising loop of `sample`; with `forced_completion` [B, L] its candidates are those tokens."""
-        config = self.config
+        """The denoising loop of `sample`; with `forced_completion` [B, L] its candidates are those tokens. A model with
+        static forwards (`dllm_ais.sampling.static_forwards`) gets its prompts left-padded to a length bucket first,
+        and the padding is cut off the rollout."""
         token_ids = self.resolve_token_ids(model)
         self.check_inputs(model, input_ids, attention_mask, generator, token_ids)
         bucket_padding = 0
