@@ -2,6 +2,7 @@
 disks, and one-line errors naming the file for bad inputs (issue 14)."""
 
 import dataclasses
+import fcntl
 import json
 import os
 import signal
@@ -18,7 +19,7 @@ from dllm_ais.cli import main
 from dllm_ais.config import ConfigError, GRPOConfig
 from dllm_ais.console import printable
 from dllm_ais.metrics import MetricsLog
-from dllm_ais.run_lock import LOCK_FILE, RunDirectoryInUse, release_run_lock
+from dllm_ais.run_lock import LOCK_FILE, RunDirectoryInUse, hold_run_lock, release_run_lock
 
 ERROR_LINES = 2  # what a refused command may print on stderr at most
 
@@ -74,6 +75,61 @@ def test_two_trains_started_together_one_refuses_and_the_metrics_are_one_runs(tm
     assert "in use by a live dllm-ais run" in refused and len(refused.strip().splitlines()) <= ERROR_LINES, refused
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2], records
+
+
+RAW_LOCK_HOLDER = ("import fcntl, os, sys, time; descriptor = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY); "
+                   "fcntl.flock(descriptor, fcntl.LOCK_EX); print(os.fstat(descriptor).st_ino, flush=True); "
+                   "time.sleep(600)")  # a run that has taken the lock and written nothing yet
+
+
+def test_a_run_refused_by_a_lock_taken_meanwhile_never_removes_the_directory_the_other_run_holds(tmp_path,
+                                                                                                 monkeypatch):
+    """Two runs creating one new directory together: the other takes the lock between this run's mkdir and its own
+    flock. This run is refused and must leave the (still empty) directory to the other: removed, the other run's
+    writes would go to a new directory nobody holds."""
+    run, holders = tmp_path / "run", []
+    exclusive_lock = fcntl.flock
+
+    def the_other_run_locks_first(descriptor, operation):
+        if operation & fcntl.LOCK_EX and not holders:
+            holders.append(subprocess.Popen([sys.executable, "-c", RAW_LOCK_HOLDER, str(run)], stdout=subprocess.PIPE,
+                                            text=True))
+            holders.append(int(holders[0].stdout.readline()))
+        return exclusive_lock(descriptor, operation)
+
+    monkeypatch.setattr(fcntl, "flock", the_other_run_locks_first)
+    try:
+        with pytest.raises(RunDirectoryInUse, match="in use by a live dllm-ais run"):
+            hold_run_lock(run)
+        assert run.is_dir() and os.stat(run).st_ino == holders[1]
+    finally:
+        holders[0].kill()
+        holders[0].wait()
+
+
+def test_a_lock_taken_on_a_directory_removed_meanwhile_is_taken_again_on_the_one_now_there(tmp_path, monkeypatch):
+    """The directory is removed and made again (a refused run cleaning up, another run starting) between this run's
+    mkdir and its flock: the lock must end on the directory the path names, or a second run gets in beside it."""
+    run, swapped = tmp_path / "run", []
+    exclusive_lock = fcntl.flock
+
+    def directory_swapped_before_the_lock(descriptor, operation):
+        if operation & fcntl.LOCK_EX and not swapped:
+            swapped.append(os.stat(run).st_ino)
+            run.rmdir()
+            run.mkdir()
+        return exclusive_lock(descriptor, operation)
+
+    monkeypatch.setattr(fcntl, "flock", directory_swapped_before_the_lock)
+    hold_run_lock(run)
+    monkeypatch.undo()
+    try:
+        second = subprocess.run([sys.executable, "-c", "import fcntl, os, sys; fcntl.flock(os.open(sys.argv[1], "
+                                 "os.O_RDONLY | os.O_DIRECTORY), fcntl.LOCK_EX | fcntl.LOCK_NB)", str(run)],
+                                capture_output=True, text=True, timeout=60)
+        assert "BlockingIOError" in second.stderr, "a second run took the lock of the directory this run holds"
+    finally:
+        release_run_lock(run)
 
 
 def checkpoint(output_dir, step, files):
