@@ -30,7 +30,7 @@ from dllm_ais.data import load_task_dataset
 from dllm_ais.evaluation import EvalResult, evaluate_policy, held_out_line, held_out_metrics
 from dllm_ais.fidelity import FidelityState, RolloutFidelity
 from dllm_ais.grpo import GenerationBatch, SkippedBatch
-from dllm_ais.interruption import StopSignals, TrainingInterrupted
+from dllm_ais.interruption import StopSignals, TrainingInterrupted, loading_checkpoint
 from dllm_ais.launch import (check_metric_for_best_model, check_processes, check_prompt_lengths, check_run_environment,
                              note_too_few_groups, note_unseen_approximation, use_fsdp_on_cpu)
 from dllm_ais.loading import load_tokenizer
@@ -118,7 +118,8 @@ class GRPOTrainer:
         self.checkpointer = Checkpointer(config, self.parts, self.tokenizer)
         self.fidelity = RolloutFidelity.from_config(config, self.policy)
         if self.resume_from is not None:
-            self.restore(self.checkpointer.resume(self.resume_from, len(self.train_dataset)))
+            with loading_checkpoint(self.resume_from):
+                self.restore(self.checkpointer.resume(self.resume_from, len(self.train_dataset)))
         if self.accelerator.is_main_process and (note := self.fidelity.start_note()):
             print(note)
 
