@@ -9,7 +9,9 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
+import psutil
 import pytest
 
 from dllm_ais.checkpoint import prepare_output_dir, resume_checkpoint
@@ -61,15 +63,37 @@ def test_a_refused_run_leaves_nothing_behind(tmp_path):
     assert not (tmp_path / "new").exists()
 
 
+def recorded_holder(run) -> int | None:
+    """The pid in `run`'s lock record (written by the run holding its lock), None before there is one."""
+    try:
+        return json.loads((run / LOCK_FILE).read_text())["pid"]
+    except (OSError, ValueError):
+        return None
+
+
 @pytest.mark.slow  # two training processes at once
 def test_two_trains_started_together_one_refuses_and_the_metrics_are_one_runs(tmp_path):
+    """Both start at once and race for the lock. On a loaded machine one may lag the other by a whole (short) run,
+    and then meets a finished run's directory instead of a live one: the first to hold the lock is suspended until
+    the other has ended, so the other always meets the live run."""
     run = tmp_path / "run"
     command = [sys.executable, "-m", "dllm_ais.cli", "train", f"--output_dir={run}", "--max_steps=2", "--eval_size=4",
                "--per_device_train_batch_size=8"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     runs = [subprocess.Popen([*command, f"--seed={seed}"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
                              text=True, env=env) for seed in (1, 2)]
-    results = [(process.wait(timeout=600), process.stderr.read()) for process in runs]
+    holder = None
+    while holder is None and any(process.poll() is None for process in runs):
+        holder = next((process for process in runs if process.pid == recorded_holder(run)), None)
+        time.sleep(0.05)
+    if holder is not None and holder.poll() is None:
+        psutil.Process(holder.pid).suspend()
+        try:
+            next(process for process in runs if process is not holder).wait(timeout=600)
+        finally:
+            psutil.Process(holder.pid).resume()
+    errors = [process.communicate(timeout=600)[1] for process in runs]
+    results = [(process.returncode, error) for process, error in zip(runs, errors)]
     assert sorted(code for code, _ in results) == [0, 2], results
     refused = next(err for code, err in results if code == 2)
     assert "in use by a live dllm-ais run" in refused and len(refused.strip().splitlines()) <= ERROR_LINES, refused
