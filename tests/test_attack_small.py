@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from dllm_ais.cli import main
+from dllm_ais.cli import build_parser, interrupted_before_training, main
 from dllm_ais.config import EMBEDDED_RECIPE, load_config
 from dllm_ais.metrics import MetricsLog
 from dllm_ais.run_dir import verify_checkpoint
@@ -104,7 +104,7 @@ def two_checkpoints(tmp_path_factory):
 STALLED_LOAD = """\
 import sys, time, pathlib
 import dllm_ais.checkpoint as checkpoint
-from dllm_ais.cli import main
+from dllm_ais.cli import build_parser, interrupted_before_training, main
 load_data = checkpoint.load_data
 
 def stalled_load_data(*args, **kwargs):  # the test sends SIGINT here, halfway through loading the checkpoint
@@ -134,7 +134,7 @@ def test_ctrl_c_while_a_resumed_run_loads_names_the_checkpoint_and_the_resume_th
         error = process.communicate(timeout=120)[1]
     finally:
         process.kill()
-    [line] = [line for line in error.splitlines() if line.startswith("interrupted")]  # the libraries' import notes aside
+    [line] = [line for line in error.splitlines() if line.startswith("interrupted")]  # import notes aside
     assert process.returncode == 130 and "Traceback" not in error, error
     message, command = line.split(": resume with: ")
     assert message == f"interrupted while loading {run / 'checkpoint-2'}; the checkpoints are intact"
@@ -143,6 +143,17 @@ def test_ctrl_c_while_a_resumed_run_loads_names_the_checkpoint_and_the_resume_th
     assert command[:2] == ["dllm-ais", "train"] and main(command[1:]) == 0
     release_run_lock(run)
     assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+
+
+def test_ctrl_c_before_a_resumed_run_reaches_its_checkpoint_says_how_to_resume_again():
+    """Ctrl-C while a resumed run loads its model, before it loads the checkpoint: still not 'nothing to resume'."""
+    argv = ["train", "--output_dir=out", "--resume_from_checkpoint=true"]
+    args, overrides = build_parser().parse_known_args(argv)
+    line = interrupted_before_training(args, overrides, load_config(EMBEDDED_RECIPE, overrides), KeyboardInterrupt())
+    assert line == ("interrupted while the resumed run loaded, before its first step; the checkpoints are intact: "
+                    "resume with: dllm-ais train --output_dir=out --resume_from_checkpoint=true")
+    fresh = load_config(EMBEDDED_RECIPE, ["--output_dir=out"])
+    assert interrupted_before_training(args, [], fresh, KeyboardInterrupt()).endswith("nothing to resume")
 
 
 @pytest.mark.slow  # a training process killed
