@@ -215,6 +215,10 @@ def newest_intact_checkpoint(output_dir: str | Path, before: int | None = None) 
     return None, skipped
 
 
+START_AFRESH = ("start afresh: drop --resume_from_checkpoint and pass --overwrite_output_dir=true (replaces what "
+                "dllm-ais wrote in output_dir), or choose another --output_dir")  # what `_check_output_dir` accepts
+
+
 def resume_checkpoint(config: GRPOConfig, report_skipped: bool = True) -> Path | None:
     """The checkpoint `resume_from_checkpoint` names (true = the newest checkpoint-N in output_dir that verifies;
     the damaged ones skipped are reported on stderr when `report_skipped`), checked to be a complete, intact
@@ -227,7 +231,7 @@ def resume_checkpoint(config: GRPOConfig, report_skipped: bool = True) -> Path |
         if checkpoint is None:
             found = f" ({'; '.join(skipped)})" if skipped else ""
             raise ConfigError(f"resume_from_checkpoint=true: {config.output_dir} holds no intact checkpoint-N written "
-                              f"by dllm-ais{found}. Pass a checkpoint directory, or start a fresh run without it.")
+                              f"by dllm-ais{found}. Pass a checkpoint directory, or {START_AFRESH}.")
         for line in skipped if report_skipped else ():
             print(f"warning: resume_from_checkpoint=true {line}; resuming from {checkpoint}", file=sys.stderr)
     else:
@@ -239,7 +243,7 @@ def resume_checkpoint(config: GRPOConfig, report_skipped: bool = True) -> Path |
             match = CHECKPOINT_NAME.fullmatch(checkpoint.name)
             previous = newest_intact_checkpoint(checkpoint.parent, int(match.group(1)))[0] if match else None
             fix = (f"resume from the previous intact checkpoint: --resume_from_checkpoint={previous}"
-                   if previous is not None else "no earlier intact checkpoint exists; start a fresh run")
+                   if previous is not None else f"no earlier intact checkpoint exists; {START_AFRESH}")
             raise ConfigError(f"resume_from_checkpoint={wanted}: {problem}; {fix}.")
     changed = changed_settings(checkpoint / CONFIG_FILE, config, RESUMABLE_CHANGES)
     if changed:

@@ -70,14 +70,30 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     except NonFiniteError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # Ctrl-C while loading, before training installs its handler
-        print("interrupted before the first step; nothing to resume", file=sys.stderr)
+    except KeyboardInterrupt as interrupt:  # Ctrl-C while loading, before training installs its handler
+        print(interrupted_before_training(args, overrides, config, interrupt), file=sys.stderr)
         return 130
     except Exception as error:
         return _train_failed(args, overrides, config, error)
     finally:
         end_process_group(finished)
     return 0
+
+
+def interrupted_before_training(args: argparse.Namespace, overrides: list[str], config,
+                                interrupt: KeyboardInterrupt) -> str:
+    """The line for Ctrl-C before the first step: a resumed run's checkpoints are untouched (loading only reads),
+    so it names the checkpoint being loaded and the command that resumes again; a fresh run has nothing to resume."""
+    from dllm_ais.interruption import InterruptedWhileLoading
+
+    if isinstance(interrupt, InterruptedWhileLoading):
+        return f"{interrupt}: resume with: {resume_command(args, overrides, interrupt.checkpoint)}"
+    resume = config.resume_from_checkpoint
+    if resume is None or resume is False:
+        return "interrupted before the first step; nothing to resume"
+    checkpoint = "true" if resume is True else resume
+    return ("interrupted while the resumed run loaded, before its first step; the checkpoints are intact: "
+            f"resume with: {resume_command(args, overrides, checkpoint)}")
 
 
 def _train_failed(args: argparse.Namespace, overrides: list[str], config, error: Exception) -> int:

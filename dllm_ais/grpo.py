@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, gather_object
 
 from dllm_ais.components import StepComponents
 from dllm_ais.config import GRPOConfig
@@ -144,6 +144,18 @@ def any_process(accelerator: Accelerator, *flags: bool) -> list[bool]:
     return [bool(value) for value in local.amax(0).tolist()]
 
 
+def non_finite_reward_problem(accelerator: Accelerator, problem: str, table: RewardTable | None) -> str:
+    """What made a batch's rewards, or the float32 arithmetic on them (weighted sums, group means, advantages), NaN
+    or inf, the same on every process: a reward function's own unusable value (`problem`, a NonFiniteRewardError's
+    message) on any process, else the value of largest magnitude over every process' `table`, with its function."""
+    local = (2, 0.0, problem)  # (rank of the explanation, magnitude, explanation): the greatest is told
+    if not problem and table is not None and (largest := table.largest()) is not None:
+        name, value = largest
+        local = (1, abs(value), f"reward function '{name}' returned {value:g}, and the rewards' float32 arithmetic "
+                 "(weighted sum, group mean, advantages) overflows; return rewards of a smaller magnitude")
+    return max(gather_object([local]) if accelerator.num_processes > 1 else [local])[2]
+
+
 def non_finite(tensors: list[torch.Tensor | None], mask: torch.Tensor) -> bool:
     """Whether any [B, L] tensor holds NaN or inf at a completion position (padding is never read)."""
     return any(t is not None and not torch.isfinite(t.detach()[mask]).all() for t in tensors)
@@ -232,16 +244,17 @@ def make_generation_batch(config: GRPOConfig, parts: StepComponents, tokenizer, 
     except NonFiniteRewardError as error:
         rewards, per_function_metrics, problem = torch.full((len(rollout.sequences),), math.nan), {}, str(error)
     all_rewards = gather(rewards.to(accelerator.device))
-    if not torch.isfinite(all_rewards).all():
-        raise SkippedBatch("reward", problem)
     all_advantages = group_advantages(all_rewards, config.num_generations, config.scale_rewards)
+    statistics = reward_metrics(all_rewards, config.num_generations)
+    if not (torch.isfinite(all_advantages).all() and all(map(math.isfinite, statistics.values()))):
+        raise SkippedBatch("reward", non_finite_reward_problem(accelerator, problem, table))
     local = slice(rank * len(rewards), (rank + 1) * len(rewards))
     advantages = all_advantages[local]
 
     lengths = gather(rollout.completion_mask.sum(1))
     terminated = gather(ends_with_eos(rollout.completion_ids, parts.policy.sampler_config.eos_token_ids).long())
     rollout_metrics = {
-        **reward_metrics(all_rewards, config.num_generations), **completion_metrics(lengths, terminated),
+        **statistics, **completion_metrics(lengths, terminated),
         "completions/distinct_per_group": gather(distinct_completions(
             rollout.completion_ids, rollout.completion_mask, config.num_generations).to(accelerator.device)).mean().item(),
         **({} if rollout.num_steps is None else {"completions/mean_steps": rollout.num_steps.float().mean().item()}),

@@ -1,5 +1,6 @@
 """Graceful interruption: Ctrl-C or SIGTERM (what a scheduler sends) ends a run after its current optimisation step,
-with a checkpoint to resume from; a second signal exits at once."""
+with a checkpoint to resume from; a second signal exits at once. Ctrl-C while a resumed run loads its checkpoint
+says so (`loading_checkpoint`): loading changes nothing on disk."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import signal
 import sys
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -24,6 +26,26 @@ class TrainingInterrupted(Exception):
     def exit_code(self) -> int:
         """The shell's convention for death by a signal: 128 + its number (130 for SIGINT, 143 for SIGTERM)."""
         return 128 + self.signal
+
+
+class InterruptedWhileLoading(KeyboardInterrupt):
+    """Ctrl-C while a resumed run loaded `checkpoint`, before its first step: loading only reads, so every checkpoint
+    is as it was and the same resume starts again."""
+
+    def __init__(self, checkpoint: Path):
+        self.checkpoint = checkpoint
+        super().__init__(f"interrupted while loading {checkpoint}; the checkpoints are intact")
+
+
+@contextmanager
+def loading_checkpoint(checkpoint: Path):
+    """Turn a KeyboardInterrupt (Ctrl-C) inside the block, which loads `checkpoint`, into InterruptedWhileLoading."""
+    try:
+        yield
+    except InterruptedWhileLoading:
+        raise
+    except KeyboardInterrupt:
+        raise InterruptedWhileLoading(checkpoint) from None
 
 
 class StopSignals:

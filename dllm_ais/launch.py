@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 from dllm_ais.config import ConfigError, GRPOConfig
@@ -74,6 +75,33 @@ def check_processes(accelerator: Any) -> None:
     if accelerator.num_processes > 1 and accelerator.is_main_process:
         logger.info("distributed run: %d processes (%s) on %s", accelerator.num_processes,
                     accelerator.distributed_type.value, accelerator.device.type)
+
+
+def prepare_output_dir_in_turn(config: GRPOConfig, accelerator: Any) -> Path | None:
+    """`checkpoint.prepare_output_dir` on every process, the main one first; the checkpoint to resume from.
+
+    The main process alone changes the directory (its lock and the lock's record, written beside it and renamed in,
+    the run's marker, leftovers removed): another process checking at the same time could meet a half-made entry and
+    refuse a directory that is empty. So the others check once it is done, and a refusal of the main process is
+    raised on every process."""
+    from accelerate.utils import broadcast_object_list
+
+    from dllm_ais.checkpoint import prepare_output_dir
+
+    if accelerator.num_processes == 1:
+        return prepare_output_dir(config)
+    if accelerator.is_main_process:
+        try:
+            checkpoint = prepare_output_dir(config)
+        except Exception as error:
+            broadcast_object_list([str(error)])
+            raise
+        broadcast_object_list([None])
+        return checkpoint
+    [refusal] = broadcast_object_list([None])
+    if refusal is not None:
+        raise ConfigError(refusal)
+    return prepare_output_dir(config, is_main_process=False)
 
 
 def check_prompt_lengths(tokenizer: Any, datasets: dict[str, Any], max_prompt_length: int) -> None:

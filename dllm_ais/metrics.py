@@ -192,8 +192,9 @@ TEXT_FIELDS = {"completions.jsonl": ("prompt", "completion")}  # the only fields
 def parse_record(line: bytes, text_fields: tuple[str, ...] = ()) -> dict[str, Any] | None:
     """The record one line of a run's JSONL log holds when it has the shape dllm-ais writes, else None (a damaged
     line): a whole line of at most `MAX_RECORD_BYTES`, one flat JSON object (no nesting: parsed with a depth bound)
-    of at most `MAX_RECORD_KEYS` short keys, an integer `step` >= 0 when present, every value a number, a boolean
-    or null — or a string, for the `text_fields` only."""
+    of at most `MAX_RECORD_KEYS` short keys, an integer `step` >= 0 when present, every value a finite number, a
+    boolean or null — or a string, for the `text_fields` only. (A NaN or inf marks a line dllm-ais did not write: it
+    writes them as null.)"""
     try:
         record = loads_bounded(line, MAX_RECORD_BYTES, max_depth=1) if line.endswith(b"\n") else None
     except ValueError:
@@ -206,6 +207,8 @@ def parse_record(line: bytes, text_fields: tuple[str, ...] = ()) -> dict[str, An
     for key, value in record.items():
         allowed = (int, float, bool, type(None), str) if key in text_fields else (int, float, bool, type(None))
         if len(key) > MAX_KEY_CHARS or not isinstance(value, allowed):
+            return None
+        if isinstance(value, float) and not math.isfinite(value):  # `MetricsLog.write` writes null for NaN and inf
             return None
     return record
 

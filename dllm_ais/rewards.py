@@ -117,7 +117,11 @@ class RewardFunctionError(RuntimeError):
 
 
 class NonFiniteRewardError(RewardFunctionError):
-    """A reward function returned NaN or inf: the trainer skips that generation batch (the weights stay untouched)."""
+    """A reward function returned NaN, inf or a value beyond float32's range (where rewards are computed): the
+    trainer skips that generation batch (the weights stay untouched)."""
+
+
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def reward_function_names(reward_funcs: Sequence[RewardFunction]) -> list[str]:
@@ -138,7 +142,8 @@ def reward_function_names(reward_funcs: Sequence[RewardFunction]) -> list[str]:
 
 def validated_rewards(values: Any, name: str, expected_length: int) -> list[float]:
     """Check one reward function's output and return it as floats with NaN for None; raise
-    RewardFunctionError naming ``name`` and the fix for a wrong length, a non-number, NaN or inf."""
+    RewardFunctionError naming ``name`` and the fix for a wrong length, a non-number, NaN, inf or a number float32
+    cannot hold."""
     if hasattr(values, "tolist") and not isinstance(values, (list, tuple)):  # torch tensor, numpy array
         values = values.tolist()
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
@@ -161,13 +166,27 @@ def validated_rewards(values: Any, name: str, expected_length: int) -> list[floa
                 f"reward function '{name}' returned {value!r} ({type(value).__name__}) at index {index}; "
                 "return a float, or None for 'not applicable'"
             )
-        if not math.isfinite(value):
+        if (problem := float32_problem(value, index)) is not None:
             raise NonFiniteRewardError(
-                f"reward function '{name}' returned {value} at index {index}; return a finite float, "
-                "or None to exclude the sample"
+                f"reward function '{name}' returned {problem}; return a finite float, or None to exclude the sample"
             )
         floats.append(float(value))
     return floats
+
+
+def float32_problem(value: numbers.Real, index: int) -> str | None:
+    """None when float32, the dtype rewards are computed in, holds the number `value` (the reward of completion
+    `index`); else what it is: NaN, inf, or a finite number beyond float32's range (which would turn into inf)."""
+    beyond = f"beyond the float32 range (±{FLOAT32_MAX:.4g}) rewards are computed in"
+    try:
+        number = float(value)
+    except OverflowError:  # an integer beyond even a Python float
+        return f"an integer of {value.bit_length()} bits at index {index}, {beyond}"
+    if not math.isfinite(number):
+        return f"{number} at index {index}"
+    if abs(number) > FLOAT32_MAX:
+        return f"{number:g} at index {index}, {beyond}"
+    return None
 
 
 @dataclass
@@ -195,6 +214,14 @@ class RewardTable:
                           "their reward is 0", stacklevel=3)
         return (self.values * torch.tensor(weights, dtype=torch.float32)).nansum(dim=1)
 
+    def largest(self) -> tuple[str, float] | None:
+        """(function name, value) of the value of largest magnitude in the table; None when no function applies."""
+        magnitudes = self.values.abs().nan_to_num(nan=-1.0)
+        if not self.values.numel() or magnitudes.max() < 0:
+            return None
+        row, column = divmod(int(magnitudes.argmax()), self.values.shape[1])
+        return self.names[column], self.values[row, column].item()
+
     def metrics(self) -> dict[str, float]:
         """``rewards/<name>/mean`` and ``/std`` (population std) of each function's unweighted values over the
         completions it applies to (NaN when none), and ``rewards/<name>/timeouts``."""
@@ -216,7 +243,7 @@ def score_completions(
 ) -> RewardTable:
     """Call every reward function on the batch and check what it returns (see :func:`validated_rewards`).
     ``columns`` are passed as keyword arguments (dataset columns and ``completion_ids``), each a list aligned
-    with ``completions``. A function that raises becomes a RewardFunctionError naming it."""
+    with ``completions``. A function that raises (or calls ``sys.exit``) becomes a RewardFunctionError naming it."""
     count = len(completions)
     if not reward_funcs:
         raise ValueError("no reward functions given; pass at least one (see dllm_ais.rewards.TASK_REWARDS)")
@@ -232,8 +259,9 @@ def score_completions(
         with counting_timeouts() as counter:
             try:
                 returned = function(prompts, completions, **columns)
-            except Exception as error:
-                raise RewardFunctionError(f"reward function '{name}' raised {type(error).__name__}: {error}") from error
+            except (Exception, SystemExit) as error:  # sys.exit() in a reward is its failure, not the run's end
+                detail = f": {error}" if str(error) else ""
+                raise RewardFunctionError(f"reward function '{name}' raised {type(error).__name__}{detail}") from error
         values[:, index] = torch.tensor(validated_rewards(returned, name, count), dtype=torch.float32)
         timeouts.append(counter[0])
     return RewardTable(names, values, timeouts)

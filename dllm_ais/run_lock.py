@@ -4,6 +4,9 @@ directory itself.
 The lock is taken on the directory's own inode, opened without following a symlink, so no file in it — deleted,
 replaced, planted as a symlink or as a directory — can admit a second writer or redirect a write. The kernel
 releases a flock when the process holding it exits, however it exits (kill -9 included), so a lock is never stale.
+Of two runs starting together in one directory, one takes the lock and the other is refused; a refused run never
+removes a directory another holds, and a lock only counts once the path still names the directory locked (one
+removed or replaced meanwhile is opened and locked again).
 A run directory may neither lie inside a live run's directory nor contain one: taking a lock checks the directory's
 ancestors and descendants for live locks after taking its own (two runs starting together both see each other and
 both refuse rather than both proceed). `<directory>/.dllm-ais.lock` only records the holder (pid, host, start time)
@@ -26,6 +29,7 @@ from dllm_ais.config import ConfigError
 LOCK_FILE = ".dllm-ais.lock"
 MAX_RECORD_BYTES = 4096
 MAX_DIRECTORIES_SEARCHED = 10_000  # for live runs inside a directory (a run's own tree holds a few dozen)
+LOCK_ATTEMPTS = 5  # a directory removed or replaced under the lock being taken: open it again
 _held: dict[Path, int] = {}  # resolved directory -> descriptor of the locked directory
 
 
@@ -124,28 +128,47 @@ def hold_run_lock(directory: str | Path) -> bool:
         return False
     if (live := _live_run_around(key)) is not None:  # before creating anything inside a live run
         raise _in_use_error(live, key)
-    existed = key.is_dir()
-    key.mkdir(parents=True, exist_ok=True)
-    descriptor = _open_directory(key)
+    existed, descriptor = key.is_dir(), None
+    for _ in range(LOCK_ATTEMPTS):
+        key.mkdir(parents=True, exist_ok=True)
+        descriptor = _open_directory(key)
+        if descriptor is None:
+            raise RunDirectoryInUse(f"{directory} is not a directory (a symlink was put in its place?); choose "
+                                    "another directory.")
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(descriptor)  # the directory is another run's now: never removed by this refused one
+            raise _in_use_error(key, key) from None
+        if _names_directory(key, descriptor):
+            break
+        os.close(descriptor)  # removed (by a run that refused) or replaced between mkdir and the lock: again
+        descriptor = None
     if descriptor is None:
-        raise RunDirectoryInUse(f"{directory} is not a directory (a symlink was put in its place?); choose another "
-                                "directory.")
+        raise RunDirectoryInUse(f"{directory} was removed or replaced each time this run took its lock; stop what "
+                                "replaces it, or choose another directory.")
+    _held[key] = descriptor
     try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        _held[key] = descriptor
         if (live := _live_run_around(key)) is not None:  # checked again once held: a run starting meanwhile
             raise _in_use_error(live, key)
-    except BaseException as error:
-        _held.pop(key, None)
-        os.close(descriptor)
+    except BaseException:
         if not existed and not any(key.iterdir()):
-            key.rmdir()
-        if isinstance(error, BlockingIOError):
-            raise _in_use_error(key, key) from None
+            key.rmdir()  # while still locked: a run that opened it meanwhile sees it gone once it gets the lock
+        release_run_lock(key)
         raise
     created = not (key / LOCK_FILE).exists()
     _record_holder(key)
     return created
+
+
+def _names_directory(directory: Path, descriptor: int) -> bool:
+    """Whether the path `directory` still names the directory open as `descriptor` (not removed, moved or
+    replaced since it was opened)."""
+    try:
+        named, held = os.stat(directory, follow_symlinks=False), os.fstat(descriptor)
+    except OSError:
+        return False
+    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino) and held.st_nlink > 0
 
 
 def check_still_held(directory: str | Path) -> None:
@@ -155,11 +178,7 @@ def check_still_held(directory: str | Path) -> None:
     key = Path(directory).resolve()
     for held, descriptor in _held.items():
         if held == key or held in key.parents:
-            try:
-                same = os.stat(held, follow_symlinks=False).st_ino == os.fstat(descriptor).st_ino
-            except OSError:
-                same = False
-            if not same:
+            if not _names_directory(held, descriptor):
                 raise RunDirectoryInUse(f"{held} was moved or replaced while this run held it; nothing more is "
                                         "written there. Find the run's directory where it was moved to.")
 

@@ -22,7 +22,7 @@ from accelerate.utils import broadcast_object_list, set_seed
 from tqdm.auto import tqdm
 
 from dllm_ais import grpo
-from dllm_ais.checkpoint import Checkpointer, NonFiniteError, RunState, prepare_output_dir, write_held_out
+from dllm_ais.checkpoint import Checkpointer, NonFiniteError, RunState, write_held_out
 from dllm_ais.components import build_components, make_accelerator
 from dllm_ais.config import GRPOConfig, save_config
 from dllm_ais.correction import RolloutCorrection
@@ -30,9 +30,10 @@ from dllm_ais.data import load_task_dataset
 from dllm_ais.evaluation import EvalResult, evaluate_policy, held_out_line, held_out_metrics
 from dllm_ais.fidelity import FidelityState, RolloutFidelity
 from dllm_ais.grpo import GenerationBatch, SkippedBatch
-from dllm_ais.interruption import StopSignals, TrainingInterrupted
+from dllm_ais.interruption import StopSignals, TrainingInterrupted, loading_checkpoint
 from dllm_ais.launch import (check_metric_for_best_model, check_processes, check_prompt_lengths, check_run_environment,
-                             note_too_few_groups, note_unseen_approximation, use_fsdp_on_cpu)
+                             note_too_few_groups, note_unseen_approximation, prepare_output_dir_in_turn,
+                             use_fsdp_on_cpu)
 from dllm_ais.loading import load_tokenizer
 from dllm_ais.policy import CustomSampler, Policy
 from dllm_ais.reporting import RunReporter
@@ -80,7 +81,7 @@ class GRPOTrainer:
         self.accelerator = make_accelerator(config)
         use_fsdp_on_cpu(self.accelerator)
         check_processes(self.accelerator)
-        self.resume_from = prepare_output_dir(config, self.accelerator.is_main_process)  # before anything loads
+        self.resume_from = prepare_output_dir_in_turn(config, self.accelerator)  # before anything loads
         self.accelerator.wait_for_everyone()
         set_seed(config.seed, device_specific=True)
         self.reward_funcs = resolve_reward_functions(reward_funcs or config.reward_funcs or config.task)
@@ -118,7 +119,8 @@ class GRPOTrainer:
         self.checkpointer = Checkpointer(config, self.parts, self.tokenizer)
         self.fidelity = RolloutFidelity.from_config(config, self.policy)
         if self.resume_from is not None:
-            self.restore(self.checkpointer.resume(self.resume_from, len(self.train_dataset)))
+            with loading_checkpoint(self.resume_from):
+                self.restore(self.checkpointer.resume(self.resume_from, len(self.train_dataset)))
         if self.accelerator.is_main_process and (note := self.fidelity.start_note()):
             print(note)
 

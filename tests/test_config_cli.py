@@ -3,6 +3,7 @@
 import dataclasses
 import gc
 import json
+import os
 import re
 import subprocess
 import sys
@@ -218,3 +219,48 @@ def test_two_process_ddp_run_through_accelerate_launch(tmp_path, estimator):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]  # one writer
     assert (out / "final" / "adapter_model.safetensors").is_file()
+
+
+RANKS_PREPARE = """\
+import os, sys, time
+from pathlib import Path
+
+import dllm_ais.checkpoint as checkpoint
+import dllm_ais.run_lock as run_lock
+from dllm_ais.config import EMBEDDED_RECIPE, load_config
+from dllm_ais.launch import end_process_group
+from dllm_ais.trainer import GRPOTrainer
+
+run, rank = Path(sys.argv[1]), int(os.environ["RANK"])
+if rank == 0:  # the main process renames its lock record in late: the record's staging file stays a while
+    rename = os.replace
+    def late_rename(source, target):
+        if Path(target).name == run_lock.LOCK_FILE:
+            time.sleep(3)
+        rename(source, target)
+    os.replace = late_rename
+else:  # the other process checks the directory once the main one has begun writing its lock record there
+    resume_checkpoint = checkpoint.resume_checkpoint
+    def resume_checkpoint_once_recorded(*args, **kwargs):
+        while not (run.is_dir() and any(p.name.startswith(run_lock.LOCK_FILE) for p in run.iterdir())):
+            time.sleep(0.01)
+        return resume_checkpoint(*args, **kwargs)
+    checkpoint.resume_checkpoint = resume_checkpoint_once_recorded
+GRPOTrainer(load_config(EMBEDDED_RECIPE, [f"--output_dir={run}", "--eval_size=0", "--per_device_train_batch_size=8"]))
+print(f"process {rank}: prepared", flush=True)
+end_process_group()
+"""
+
+
+@pytest.mark.slow  # two processes
+def test_the_other_processes_check_the_output_dir_once_the_main_one_has_prepared_it(tmp_path):
+    """The main process writes into a new output_dir while taking it (its lock record is staged beside the record,
+    then renamed in): the other processes, started at the same time, must not meet its half-made entries and refuse
+    an empty directory (a DDP run then failed on one rank, now and then)."""
+    script = tmp_path / "ranks_prepare.py"
+    script.write_text(RANKS_PREPARE)
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             str(script), str(tmp_path / "run")], capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[:4000] + "\n[...]\n" + result.stderr[-2000:]
+    assert sorted(re.findall(r"process \d: prepared", result.stdout)) == ["process 0: prepared", "process 1: prepared"]

@@ -17,6 +17,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -59,17 +60,41 @@ def test_sharded_training_syncs_the_engine_from_dtensors_skips_non_finite_saves_
     assert (checkpoint / "adapter_model.safetensors").is_file() and (root / "lora" / "final" / "adapter_config.json").is_file()
 
 
+def signal_pending(pid: int, signum: int) -> bool:
+    """Whether `signum` waits to be delivered to process `pid` (its bit in /proc/PID/status's pending sets)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    pending = [int(line.split()[1], 16) for line in status.splitlines() if line.startswith(("SigPnd:", "ShdPnd:"))]
+    return any(mask >> (signum - 1) & 1 for mask in pending)
+
+
 def test_sigterm_to_the_launcher_checkpoints_and_the_resumed_run_matches_the_uninterrupted_one(sharded_runs, tmp_path):
     """SIGTERM to `accelerate launch` alone (what `kill` or a scheduler sends): accelerate dies without relaying it;
-    its exit reaches the processes as SIGTERM, they end the step, checkpoint and print one resume line."""
+    its exit reaches the processes as SIGTERM, they end the step, checkpoint and print one resume line.
+
+    The signal takes its time down the launchers (the re-launch notices accelerate's exit, torch.distributed.run
+    relays it), while the steps are short: the training processes are suspended once step 1 is logged and resumed
+    when the SIGTERM is pending on both, so they stop within the 4 steps the resumed run is compared over, however
+    loaded the machine."""
     root, _ = sharded_runs
     output_dir = tmp_path / "run"
     launcher = start([*LAUNCH, "-m", "dllm_ais.cli", "train", f"--output_dir={output_dir}", *RUN, "--max_steps=20"],
                      tmp_path)
     wait_until(lambda: len(metrics(output_dir)) >= 1, launcher)
     processes = psutil.Process(launcher.pid).children(recursive=True)
-    launcher.send_signal(signal.SIGTERM)
-    assert launcher.wait(timeout=60) == -signal.SIGTERM
+    [agent] = [process for process in processes if "torch.distributed.run" in process.cmdline()]
+    workers = agent.children()
+    for worker in workers:  # held in their step until the signal has come down the launchers to them
+        worker.suspend()
+    try:
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=60) == -signal.SIGTERM
+        deadline = time.monotonic() + 120
+        while not all(signal_pending(worker.pid, signal.SIGTERM) for worker in workers):
+            assert time.monotonic() < deadline, "SIGTERM never reached the training processes"
+            time.sleep(0.05)
+    finally:
+        for worker in workers:
+            worker.resume()
     _, alive = psutil.wait_procs(processes, timeout=300)
     assert not alive
     output = output_of(launcher)

@@ -2,13 +2,16 @@
 disks, and one-line errors naming the file for bad inputs (issue 14)."""
 
 import dataclasses
+import fcntl
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import time
 
+import psutil
 import pytest
 
 from dllm_ais.checkpoint import prepare_output_dir, resume_checkpoint
@@ -18,7 +21,7 @@ from dllm_ais.cli import main
 from dllm_ais.config import ConfigError, GRPOConfig
 from dllm_ais.console import printable
 from dllm_ais.metrics import MetricsLog
-from dllm_ais.run_lock import LOCK_FILE, RunDirectoryInUse, release_run_lock
+from dllm_ais.run_lock import LOCK_FILE, RunDirectoryInUse, hold_run_lock, release_run_lock
 
 ERROR_LINES = 2  # what a refused command may print on stderr at most
 
@@ -60,20 +63,97 @@ def test_a_refused_run_leaves_nothing_behind(tmp_path):
     assert not (tmp_path / "new").exists()
 
 
+def recorded_holder(run) -> int | None:
+    """The pid in `run`'s lock record (written by the run holding its lock), None before there is one."""
+    try:
+        return json.loads((run / LOCK_FILE).read_text())["pid"]
+    except (OSError, ValueError):
+        return None
+
+
 @pytest.mark.slow  # two training processes at once
 def test_two_trains_started_together_one_refuses_and_the_metrics_are_one_runs(tmp_path):
+    """Both start at once and race for the lock. On a loaded machine one may lag the other by a whole (short) run,
+    and then meets a finished run's directory instead of a live one: the first to hold the lock is suspended until
+    the other has ended, so the other always meets the live run."""
     run = tmp_path / "run"
     command = [sys.executable, "-m", "dllm_ais.cli", "train", f"--output_dir={run}", "--max_steps=2", "--eval_size=4",
                "--per_device_train_batch_size=8"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     runs = [subprocess.Popen([*command, f"--seed={seed}"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
                              text=True, env=env) for seed in (1, 2)]
-    results = [(process.wait(timeout=600), process.stderr.read()) for process in runs]
+    holder = None
+    while holder is None and any(process.poll() is None for process in runs):
+        holder = next((process for process in runs if process.pid == recorded_holder(run)), None)
+        time.sleep(0.05)
+    if holder is not None and holder.poll() is None:
+        psutil.Process(holder.pid).suspend()
+        try:
+            next(process for process in runs if process is not holder).wait(timeout=600)
+        finally:
+            psutil.Process(holder.pid).resume()
+    errors = [process.communicate(timeout=600)[1] for process in runs]
+    results = [(process.returncode, error) for process, error in zip(runs, errors)]
     assert sorted(code for code, _ in results) == [0, 2], results
     refused = next(err for code, err in results if code == 2)
     assert "in use by a live dllm-ais run" in refused and len(refused.strip().splitlines()) <= ERROR_LINES, refused
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2], records
+
+
+RAW_LOCK_HOLDER = ("import fcntl, os, sys, time; descriptor = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY); "
+                   "fcntl.flock(descriptor, fcntl.LOCK_EX); print(os.fstat(descriptor).st_ino, flush=True); "
+                   "time.sleep(600)")  # a run that has taken the lock and written nothing yet
+
+
+def test_a_run_refused_by_a_lock_taken_meanwhile_never_removes_the_directory_the_other_run_holds(tmp_path,
+                                                                                                 monkeypatch):
+    """Two runs creating one new directory together: the other takes the lock between this run's mkdir and its own
+    flock. This run is refused and must leave the (still empty) directory to the other: removed, the other run's
+    writes would go to a new directory nobody holds."""
+    run, holders = tmp_path / "run", []
+    exclusive_lock = fcntl.flock
+
+    def the_other_run_locks_first(descriptor, operation):
+        if operation & fcntl.LOCK_EX and not holders:
+            holders.append(subprocess.Popen([sys.executable, "-c", RAW_LOCK_HOLDER, str(run)], stdout=subprocess.PIPE,
+                                            text=True))
+            holders.append(int(holders[0].stdout.readline()))
+        return exclusive_lock(descriptor, operation)
+
+    monkeypatch.setattr(fcntl, "flock", the_other_run_locks_first)
+    try:
+        with pytest.raises(RunDirectoryInUse, match="in use by a live dllm-ais run"):
+            hold_run_lock(run)
+        assert run.is_dir() and os.stat(run).st_ino == holders[1]
+    finally:
+        holders[0].kill()
+        holders[0].wait()
+
+
+def test_a_lock_taken_on_a_directory_removed_meanwhile_is_taken_again_on_the_one_now_there(tmp_path, monkeypatch):
+    """The directory is removed and made again (a refused run cleaning up, another run starting) between this run's
+    mkdir and its flock: the lock must end on the directory the path names, or a second run gets in beside it."""
+    run, swapped = tmp_path / "run", []
+    exclusive_lock = fcntl.flock
+
+    def directory_swapped_before_the_lock(descriptor, operation):
+        if operation & fcntl.LOCK_EX and not swapped:
+            swapped.append(os.stat(run).st_ino)
+            run.rmdir()
+            run.mkdir()
+        return exclusive_lock(descriptor, operation)
+
+    monkeypatch.setattr(fcntl, "flock", directory_swapped_before_the_lock)
+    hold_run_lock(run)
+    monkeypatch.undo()
+    try:
+        second = subprocess.run([sys.executable, "-c", "import fcntl, os, sys; fcntl.flock(os.open(sys.argv[1], "
+                                 "os.O_RDONLY | os.O_DIRECTORY), fcntl.LOCK_EX | fcntl.LOCK_NB)", str(run)],
+                                capture_output=True, text=True, timeout=60)
+        assert "BlockingIOError" in second.stderr, "a second run took the lock of the directory this run holds"
+    finally:
+        release_run_lock(run)
 
 
 def checkpoint(output_dir, step, files):
