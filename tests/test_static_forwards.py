@@ -111,6 +111,27 @@ def test_scoring_under_autograd_never_uses_the_static_forwards():
     assert len(model.static_forwards.buffers) == 1  # the rollout's; scoring made none
 
 
+def test_a_forward_that_cannot_be_captured_runs_without_graphs_said_in_one_warning(monkeypatch, caplog):
+    import dllm_ais.sampling.static_forwards as static_forwards
+
+    def cannot_capture(*args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing\nsecond line")
+
+    monkeypatch.setattr(static_forwards, "_CapturedForward", cannot_capture)
+    monkeypatch.setattr(static_forwards.torch.cuda, "graph_pool_handle", lambda: "pool")
+    eager, model = tiny_llada(), tiny_llada()
+    model.static_forwards = StaticForwards(model, cuda_graphs=True)
+    config = DiffusionSamplerConfig(gen_length=16, block_length=8, steps=8, cache="dual", mask_token_id=MASK,
+                                    eos_token_ids=(EOS,), pad_token_id=PAD)
+    ids, mask = prompts([7, 7])
+    with caplog.at_level("WARNING", logger="dllm_ais"):
+        got, expected = sample(model, config, ids, mask), sample(eager, config, ids, mask)
+    assert torch.equal(got.sequences, expected.sequences) and not model.static_forwards.cuda_graphs
+    assert [record.getMessage() for record in caplog.records] == [
+        "the rollout engine's forward cannot be captured as a CUDA graph (operation not permitted when stream is "
+        "capturing); its sampling forwards run without graphs from now on."]
+
+
 @pytest.mark.slow
 def test_the_compiled_engine_samples_what_the_eager_engine_samples():
     """torch.compile (Inductor on this CPU) of every block: the rollouts of a compiled engine match the eager one's."""

@@ -81,7 +81,7 @@ class StaticForwards:
         self.cuda_graphs = cuda_graphs
         self.graphs: dict[tuple, _CapturedForward] = {}
         self.buffers: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        self.pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
+        self.pool = None  # the CUDA graphs' shared memory pool, made at the first capture
 
     def key_value_buffers(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                           logits_to_keep: torch.Tensor) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
@@ -111,7 +111,15 @@ class StaticForwards:
                                              for value in inputs.values())
         graph = self.graphs.get(key)
         if graph is None:
-            graph = self.graphs[key] = _CapturedForward(self.model, inputs, past_key_values, self.pool)
+            self.pool = self.pool or torch.cuda.graph_pool_handle()
+            try:
+                graph = self.graphs[key] = _CapturedForward(self.model, inputs, past_key_values, self.pool)
+            except RuntimeError as error:  # e.g. a forward that reads a tensor's value on the host
+                self.cuda_graphs = False
+                logger.warning("the rollout engine's forward cannot be captured as a CUDA graph (%s); its sampling "
+                               "forwards run without graphs from now on.", str(error).splitlines()[0] if str(error)
+                               else type(error).__name__)
+                return self.model(**inputs, past_key_values=past_key_values).logits
         return graph.replay(inputs)
 
 
