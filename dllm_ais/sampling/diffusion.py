@@ -35,6 +35,10 @@ Besides the tokens, every committed token's step index and log-probability under
 from are recorded in the returned `Rollout` (``commit_step``, ``step_logprobs``): these are the behaviour-policy
 probabilities that the importance-sampling correction compares with the trainer's.
 
+The model is called as ``model(input_ids, attention_mask=…, logits_to_keep=positions)`` (a 1-D tensor of the
+positions whose logits are read, as transformers' causal LMs take it) and, with a cache, also with
+``past_key_values``, ``cache_position`` and ``use_cache`` as dllm_ais' LLaDA and Dream take them.
+
 Extension points:
 
 - a remasking rule: any callable ``rule(block_logits [B, Lb, V], candidates [B, Lb], generator) -> scores [B, Lb]``
