@@ -5,7 +5,8 @@ launched process seen by accelerate), user code (reward functions that must impo
 fits `max_prompt_length`). Each failure is a ConfigError naming the field or the fix.
 
 On CPU, where accelerate alone starts one process and never shards, a multi-process (and FSDP) launch is completed
-here: `relaunch_as_cpu_processes` and `use_fsdp_on_cpu`.
+here: `relaunch_as_cpu_processes` and `use_fsdp_on_cpu`; a DeepSpeed launch, which accelerate starts as several
+processes, gets its gloo process group from `join_deepspeed_processes_on_cpu`.
 """
 
 from __future__ import annotations
@@ -222,6 +223,25 @@ def end_process_group(finished: bool = True) -> None:
             dist.barrier()
         gc.collect()
         dist.destroy_process_group()
+
+
+def join_deepspeed_processes_on_cpu() -> None:
+    """In a process of `accelerate launch` with a DeepSpeed config on a machine where DeepSpeed runs on the CPU:
+    start accelerate's state on the gloo backend, before the Accelerator.
+
+    accelerate picks a backend only for accelerator devices or `--cpu`, and `--cpu` turns DeepSpeed off; without a
+    backend its state counts one process while DeepSpeed's process group holds them all, and each process would
+    train alone. Elsewhere (GPUs, or not a DeepSpeed launch) this does nothing.
+    """
+    from accelerate.utils import parse_flag_from_env
+
+    if not parse_flag_from_env("ACCELERATE_USE_DEEPSPEED") or "LOCAL_RANK" not in os.environ:
+        return
+    from accelerate import PartialState
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() == "cpu":
+        PartialState(backend="gloo")
 
 
 def use_fsdp_on_cpu(accelerator: Any) -> None:
