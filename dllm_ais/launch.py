@@ -165,6 +165,7 @@ def requested_cpu_launch() -> argparse.Namespace | None:
 def relaunch_as_cpu_processes(args: argparse.Namespace) -> int:
     """Run the launched command as `args.num_processes` CPU processes (gloo) under torch.distributed.run, with the
     environment accelerate's multi-process launcher gives them (the config's FSDP settings included); its exit code.
+    A DeepSpeed config is refused: `--cpu` drops it (accelerate launches DeepSpeed on CPUs itself, without `--cpu`).
 
     SIGINT/SIGTERM reaching this process are relayed to torch.distributed.run, which relays them to the processes
     (they end their step with a checkpoint). `accelerate launch` relays nothing when it is killed itself (e.g. a
@@ -173,6 +174,9 @@ def relaunch_as_cpu_processes(args: argparse.Namespace) -> int:
     """
     from accelerate.utils import prepare_multi_gpu_env
 
+    if args.use_deepspeed:
+        raise ConfigError(f"accelerate launch --cpu turns DeepSpeed off: the processes of {args.config_file} would "
+                          "train without it. Launch without --cpu; DeepSpeed runs on the CPU by itself.")
     logger.info("accelerate launch --cpu starts a single process without mpirun; starting %d CPU processes%s with "
                 "torch.distributed.run", args.num_processes, " (FSDP)" if args.use_fsdp else "")
     args.main_process_port = args.main_process_port or 0  # 0: a free port, never a warning about a taken one

@@ -93,3 +93,16 @@ def test_an_engine_file_holding_code_is_refused_in_one_line_naming_it(zero2_runs
     refusals = [line for line in output_of(process).splitlines() if "holds more than tensors" in line]
     assert refusals and str(partition) in refusals[0], output_of(process)[-5000:]
     assert not (tmp_path / "pwned").exists()
+
+
+def test_a_cpu_launch_of_the_deepspeed_config_is_refused_not_run_without_deepspeed(tmp_path):
+    """`--cpu` makes accelerate drop DeepSpeed: the run would train unsharded under the ZeRO-2 config's name."""
+    launch = [*LAUNCH]
+    launch.insert(launch.index("--num_processes"), "--cpu")
+    process = start([*launch, f"--output_dir={tmp_path / 'run'}", *RUN], tmp_path)
+    assert process.wait(timeout=600) != 0
+    refusal = [line for line in output_of(process).splitlines() if line.startswith("error:")]
+    assert refusal == [f"error: accelerate launch --cpu turns DeepSpeed off: the processes of {LAUNCH[4]} would train "
+                       "without it. Launch without --cpu; DeepSpeed runs on the CPU by itself."], output_of(process)
+    assert not (tmp_path / "run").exists()
+
