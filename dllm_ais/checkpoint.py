@@ -4,8 +4,9 @@ taking the run directory (`prepare_output_dir`), and resuming (`Checkpointer.res
 
 A resume reads every file of the checkpoint once into memory, verifies it against the checkpoint's manifest
 (`dllm_ais.run_dir.read_verified`) and loads from those bytes only, with safe loaders: safetensors for the weights,
-`torch.load(weights_only=True)` for the rest. Nothing is read again from disk after its check, so a file swapped in
-the meantime is never loaded, and a pickle holding code is refused in one line naming the file.
+`torch.load(weights_only=True)` for the rest (for DeepSpeed ZeRO-2's engine files with three DeepSpeed data classes
+allowed). Nothing is read again from disk after its check, so a file swapped in the meantime is never loaded, and a
+pickle holding code is refused in one line naming the file.
 """
 
 from __future__ import annotations
@@ -124,11 +125,25 @@ def numpy_array_globals() -> list[Any]:
     return [multiarray.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
-def load_data(path: Path, data: bytes, numpy_arrays: bool = False) -> Any:
+def deepspeed_optimizer_globals() -> list[Any]:
+    """The DeepSpeed classes a ZeRO-2 optimizer partition (`zero_pp_rank_R_mp_rank_00_optim_states.pt`) holds
+    besides tensors and plain values, each rebuilt from data only: its loss scaler's settings, the ZeRO stage and
+    each parameter's offset in the flat partition."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, ZeroStageEnum, fragment_address]
+
+
+def load_data(path: Path, data: bytes, numpy_arrays: bool = False, deepspeed_optimizer: bool = False) -> Any:
     """`torch.load(weights_only=True)` of the verified bytes `data` of `path` (with numpy arrays allowed when
-    `numpy_arrays`); a pickle naming anything else, or bytes that do not load, is one ConfigError naming the file."""
+    `numpy_arrays`, DeepSpeed's optimizer classes when `deepspeed_optimizer`); a pickle naming anything else, or
+    bytes that do not load, is one ConfigError naming the file."""
+    allowed = (numpy_array_globals() if numpy_arrays else []) + (deepspeed_optimizer_globals() if deepspeed_optimizer
+                                                                 else [])
     try:
-        with torch.serialization.safe_globals(numpy_array_globals() if numpy_arrays else []):
+        with torch.serialization.safe_globals(allowed):
             return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
         named = re.search(r"GLOBAL (\S+)", str(error))
@@ -392,7 +407,8 @@ class Checkpointer:
     `checkpoint-N` directories (`save_checkpoint`, `resume`) and the best-score record (`write_best_record`).
 
     Saving uses accelerate's `save_state` for the optimizer, scheduler and RNGs (its hook leaves the weights to
-    save_pretrained's files) and writes the run's `RunState` itself; resuming reads nothing through accelerate."""
+    save_pretrained's files) and writes the run's `RunState` itself; resuming reads nothing through accelerate or
+    DeepSpeed's engine."""
 
     def __init__(self, config: GRPOConfig, parts: StepComponents, tokenizer):
         self.config, self.parts, self.tokenizer = config, parts, tokenizer
@@ -486,10 +502,7 @@ class Checkpointer:
         the run's state; the run must have `num_prompts` training prompts, as the checkpoint's did. Every file is
         read once and verified (`read_verified`), then loaded from those bytes (`load_data`, `weights_state`)."""
         accelerator = self.parts.accelerator
-        if accelerator.distributed_type == DistributedType.DEEPSPEED:
-            raise ConfigError(f"Cannot resume from {checkpoint} under DeepSpeed: its engine reads its own checkpoint "
-                              "files with unrestricted unpickling, and dllm-ais resumes only from verified bytes "
-                              "(one process, DDP or FSDP). Start the run under DDP or FSDP to make it resumable.")
+        deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
         try:
             files = read_verified(checkpoint)
         except DamagedCheckpoint as damage:
@@ -498,11 +511,12 @@ class Checkpointer:
         if written_by != accelerator.num_processes:
             raise ConfigError(f"Cannot resume from {checkpoint}: it was written by {written_by} process(es), this run "
                               f"has {accelerator.num_processes}; launch it with --num_processes {written_by}.")
-        missing = [name for name in ("optimizer.bin", "scheduler.bin", RUN_STATE_FILE) if name not in files]
+        states = ("scheduler.bin",) if deepspeed else ("optimizer.bin", "scheduler.bin")  # DeepSpeed's: in its files
+        missing = [name for name in (*states, RUN_STATE_FILE) if name not in files]
         if missing:
             raise ConfigError(f"Cannot resume from {checkpoint}: it holds no {', '.join(missing)}; resume from a "
                               "complete checkpoint.")
-        loaded = {name: load_data(checkpoint / name, files[name]) for name in ("optimizer.bin", "scheduler.bin")}
+        loaded = {name: load_data(checkpoint / name, files[name]) for name in states}
         rng_file = f"random_states_{accelerator.process_index}.pkl"
         rng = load_data(checkpoint / rng_file, files[rng_file], numpy_arrays=True)
         saved_state = load_data(checkpoint / RUN_STATE_FILE, files[RUN_STATE_FILE])
@@ -515,7 +529,10 @@ class Checkpointer:
             self._load_sharded(checkpoint, files, loaded["optimizer.bin"])
         else:
             load_weights(self.parts.unwrapped_model, weights_state(files, checkpoint), checkpoint)
-            self.parts.optimizer.load_state_dict(loaded["optimizer.bin"])
+            if deepspeed:
+                self._load_deepspeed_engine(checkpoint, files)
+            else:
+                self.parts.optimizer.load_state_dict(loaded["optimizer.bin"])
         self.parts.scheduler.load_state_dict(loaded["scheduler.bin"])
         accelerator.step = restore_random_states(rng, checkpoint / rng_file)
         trained_on = len(state.prompt_order)
@@ -538,6 +555,41 @@ class Checkpointer:
         options = StateDictOptions(full_state_dict=True)
         set_model_state_dict(self.parts.model, load_data(checkpoint / name, files[name]), options=options)
         set_optimizer_state_dict(self.parts.model, self.parts.optimizer, optimizer_state, options=options)
+
+    def _load_deepspeed_engine(self, checkpoint: Path, files: dict[str, bytes]) -> None:
+        """Under DeepSpeed ZeRO-2: what its engine's `load_checkpoint` restores besides the weights (loaded from the
+        save_pretrained files), from verified bytes: this process' partition of the optimizer (AdamW moments and fp32
+        master weights, `zero_pp_rank_R_..._optim_states.pt`) and the engine's step counters (`mp_rank_00_model_
+        states.pt`), both in the directory accelerate's `save_state` has the engine write (`pytorch_model/`)."""
+        import torch.distributed as dist
+        from accelerate.utils.constants import MODEL_NAME
+
+        engine = self.parts.model
+        if engine.zero_optimization_stage() != 2:
+            raise ConfigError(f"Cannot resume from {checkpoint} under DeepSpeed ZeRO stage "
+                              f"{engine.zero_optimization_stage()}: dllm-ais resumes DeepSpeed runs under ZeRO-2 "
+                              "(recipes/accelerate/deepspeed_zero2.yaml); resume it under that config.")
+
+        def engine_file(path: str) -> tuple[Path, bytes]:
+            name = Path(path).relative_to(checkpoint).as_posix()
+            if name not in files:
+                raise ConfigError(f"Cannot resume from {checkpoint}: it holds no {name} (written by another launch "
+                                  "than this DeepSpeed config?); resume it with the launch that wrote it.")
+            return checkpoint / name, files[name]
+
+        group = engine.optimizer.dp_process_group
+        own_rank = dist.get_rank(group=group)
+        partitions = [None] * dist.get_world_size(group=group)  # DeepSpeed reads only its own, unless elastic
+        for rank in range(len(partitions)):
+            if rank == own_rank or engine.zero_elastic_checkpoint():
+                path = engine._get_rank_zero_ckpt_name(str(checkpoint), MODEL_NAME, engine.checkpoint_mp_rank, rank,
+                                                       engine.bfloat16_enabled())
+                partitions[rank] = load_data(*engine_file(path), deepspeed_optimizer=True)["optimizer_state_dict"]
+        counters = load_data(*engine_file(engine._get_ckpt_name(str(checkpoint), MODEL_NAME)))
+        engine.optimizer.load_state_dict(partitions, load_optimizer_states=True,
+                                         load_from_fp32_weights=engine.zero_load_from_fp32_weights())
+        engine.global_steps, engine.skipped_steps = counters["global_steps"], counters["skipped_steps"]
+        engine.global_samples = counters["global_samples"]
 
     def _leave_weights_to_save_pretrained(self, models, weights, output_dir) -> None:
         """accelerate's save_state hook: it would store the full state dict (a LoRA run's frozen base included); the

@@ -117,5 +117,9 @@ def build_components(config: GRPOConfig, tokenizer, accelerator: Accelerator, mo
                                   betas=(config.adam_beta1, config.adam_beta2))
     scheduler = get_scheduler(config.lr_scheduler_type, optimizer, num_warmup_steps=config.warmup_steps,
                               num_training_steps=config.max_steps)
+    deepspeed = accelerator.state.deepspeed_plugin
+    if deepspeed is not None and deepspeed.deepspeed_config.get("train_micro_batch_size_per_gpu", "auto") == "auto":
+        # accelerate reads DeepSpeed's micro-batch from a prepared dataloader, and the trainer prepares none
+        deepspeed.deepspeed_config["train_micro_batch_size_per_gpu"] = config.per_device_train_batch_size
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     return StepComponents(accelerator, policy, greedy_policy, rollout_sampler_policy, model, engine, reference_model, optimizer, scheduler)

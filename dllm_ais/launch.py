@@ -5,7 +5,8 @@ launched process seen by accelerate), user code (reward functions that must impo
 fits `max_prompt_length`). Each failure is a ConfigError naming the field or the fix.
 
 On CPU, where accelerate alone starts one process and never shards, a multi-process (and FSDP) launch is completed
-here: `relaunch_as_cpu_processes` and `use_fsdp_on_cpu`.
+here: `relaunch_as_cpu_processes` and `use_fsdp_on_cpu`; a DeepSpeed launch, which accelerate starts as several
+processes, gets its gloo process group from `join_deepspeed_processes_on_cpu`.
 """
 
 from __future__ import annotations
@@ -192,6 +193,7 @@ def requested_cpu_launch() -> argparse.Namespace | None:
 def relaunch_as_cpu_processes(args: argparse.Namespace) -> int:
     """Run the launched command as `args.num_processes` CPU processes (gloo) under torch.distributed.run, with the
     environment accelerate's multi-process launcher gives them (the config's FSDP settings included); its exit code.
+    A DeepSpeed config is refused: `--cpu` drops it (accelerate launches DeepSpeed on CPUs itself, without `--cpu`).
 
     SIGINT/SIGTERM reaching this process are relayed to torch.distributed.run, which relays them to the processes
     (they end their step with a checkpoint). `accelerate launch` relays nothing when it is killed itself (e.g. a
@@ -200,6 +202,9 @@ def relaunch_as_cpu_processes(args: argparse.Namespace) -> int:
     """
     from accelerate.utils import prepare_multi_gpu_env
 
+    if args.use_deepspeed:
+        raise ConfigError(f"accelerate launch --cpu turns DeepSpeed off: the processes of {args.config_file} would "
+                          "train without it. Launch without --cpu; DeepSpeed runs on the CPU by itself.")
     logger.info("accelerate launch --cpu starts a single process without mpirun; starting %d CPU processes%s with "
                 "torch.distributed.run", args.num_processes, " (FSDP)" if args.use_fsdp else "")
     args.main_process_port = args.main_process_port or 0  # 0: a free port, never a warning about a taken one
@@ -250,6 +255,25 @@ def end_process_group(finished: bool = True) -> None:
             dist.barrier()
         gc.collect()
         dist.destroy_process_group()
+
+
+def join_deepspeed_processes_on_cpu() -> None:
+    """In a process of `accelerate launch` with a DeepSpeed config on a machine where DeepSpeed runs on the CPU:
+    start accelerate's state on the gloo backend, before the Accelerator.
+
+    accelerate picks a backend only for accelerator devices or `--cpu`, and `--cpu` turns DeepSpeed off; without a
+    backend its state counts one process while DeepSpeed's process group holds them all, and each process would
+    train alone. Elsewhere (GPUs, or not a DeepSpeed launch) this does nothing.
+    """
+    from accelerate.utils import parse_flag_from_env
+
+    if not parse_flag_from_env("ACCELERATE_USE_DEEPSPEED") or "LOCAL_RANK" not in os.environ:
+        return
+    from accelerate import PartialState
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() == "cpu":
+        PartialState(backend="gloo")
 
 
 def use_fsdp_on_cpu(accelerator: Any) -> None:

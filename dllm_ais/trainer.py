@@ -32,8 +32,8 @@ from dllm_ais.fidelity import FidelityState, RolloutFidelity
 from dllm_ais.grpo import GenerationBatch, SkippedBatch
 from dllm_ais.interruption import StopSignals, TrainingInterrupted, loading_checkpoint
 from dllm_ais.launch import (check_metric_for_best_model, check_processes, check_prompt_lengths, check_run_environment,
-                             note_too_few_groups, note_unseen_approximation, prepare_output_dir_in_turn,
-                             use_fsdp_on_cpu)
+                             join_deepspeed_processes_on_cpu, note_too_few_groups, note_unseen_approximation,
+                             prepare_output_dir_in_turn, use_fsdp_on_cpu)
 from dllm_ais.loading import load_tokenizer
 from dllm_ais.policy import CustomSampler, Policy
 from dllm_ais.reporting import RunReporter
@@ -78,6 +78,7 @@ class GRPOTrainer:
                  policy: Policy | None = None):
         self.config = config.validate()
         check_run_environment(config)
+        join_deepspeed_processes_on_cpu()
         self.accelerator = make_accelerator(config)
         use_fsdp_on_cpu(self.accelerator)
         check_processes(self.accelerator)
