@@ -167,7 +167,13 @@ class CorrectionSettings(SettingsGroup):
     bypass_mode: bool = field(default=False, metadata={
         "help": "verl's rollout_correction.bypass_mode: the rollout's log-probs are the old ones, so the trainer's "
                 "no-grad pass over each generation batch is skipped and the loss's clipped ratio pi_theta / "
-                "pi_rollout carries the mismatch, measured on the batch's first update. Needs method=none."})
+                "pi_rollout carries the mismatch, measured on the batch's first update. Needs method=none (or "
+                "complete_ratio, whose commit ratio the method then weights)."})
+    complete_ratio: bool = field(default=False, metadata={
+        "help": "The importance ratio also holds the diffusion decoder's commit choice: rho = token ratio x commit "
+                "ratio, the commit choice's (and its discarded candidates') log-prob replayed by the trainer against "
+                "the one the sampler recorded. Needs likelihood.estimator=trajectory and a stochastic commit rule, "
+                "experimental.rollout_position_temperature > 0 (docs/algorithms.md, 'The complete ratio')."})
 
     def rule_problems(self) -> list[str]:
         checks = [
@@ -179,10 +185,11 @@ class CorrectionSettings(SettingsGroup):
             (self.method != "ais" or (self.clip_low is None and not self.normalize),
              "correction.method=ais mixes with min(rho, correction.clip): leave correction.clip_low=null and "
              "correction.normalize=false"),
-            (not self.bypass_mode or self.method == "none",
+            (not self.bypass_mode or self.method == "none" or self.complete_ratio,
              f"correction.bypass_mode takes the rollout's log-probs as the old ones, so correction.method="
              f"{self.method} would see ratios of exactly 1: set correction.method=none (the loss's clipped ratio then "
-             "carries the mismatch), or correction.bypass_mode=false"),
+             "carries the mismatch), correction.complete_ratio=true (the method weights the commit ratio), or "
+             "correction.bypass_mode=false"),
         ]
         return [message for ok, message in checks if not ok]
 
