@@ -206,8 +206,9 @@ class ExperimentalSettings(SettingsGroup):
         "help": "Parallel decoding, Fast-dLLM's factor rule: each step commits the largest n with (n + 1)(1 - c_(n)) "
                 "< this (>= 1 per step; Fast-dLLM: 1.0); instead of rollout.threshold. null = off."})
     rollout_position_temperature: float = field(default=0.0, metadata={**NON_NEGATIVE,
-        "help": "Dream's alg_temp: > 0 draws the committed positions from softmax(score / T) instead of taking the "
-                "top scores; 0 = top scores."})
+        "help": "T > 0 makes the commit choice a recorded draw: Dream's alg_temp (positions drawn from softmax(score "
+                "/ T) instead of the top scores); with rollout.threshold, independent commits with probability "
+                "sigmoid((score - threshold) / T), one drawn from softmax(score / T) when none. 0 = deterministic."})
     rollout_seed_offset: int = field(default=0, metadata={"range": "[0, 1000000]",
         "help": "Shifts the rollout sampler's random stream only (data order, initialisation and estimator masks "
                 "keep the seed's): a run with another offset is another sampling draw of the same run, the null arm "

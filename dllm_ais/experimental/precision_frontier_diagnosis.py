@@ -18,7 +18,9 @@ of `--prompts` × num_generations completions sampled by the bf16 trainer and by
   holds the whole mismatch of the sampling distribution brings the engine's reward to bf16's. With confidence-ranked
   remasking (low_confidence, a threshold) which positions a step commits depends on the model too, and no token
   ratio holds that part; `--rollout.remasking=random --rollout.threshold=null --rollout.cache=none` is the control
-  whose trajectory ratio is the whole ratio.
+  whose trajectory ratio is the whole ratio. With `--experimental.rollout_position_temperature=T` (T > 0) both sides
+  decode with the stochastic commit rule, and the "complete" canvas adds the commit choice's log-ratio to the
+  trajectory's (`DiffusionPolicy.choice_logprobs`, docs/algorithms.md "The complete ratio"), over every position.
 `gradient` — the policy-gradient surrogate's gradient g = ∇ Σ_i A_i Σ_t w_it ℓ_it / N at θ_old for each estimator,
   from bf16 batches and from engine batches, unweighted and with importance weights from either canvas (token TIS,
   sequence IS, truncated at `--clip`). Per arm: reward mean and frac_reward_zero_std of its batches, gradient SNR

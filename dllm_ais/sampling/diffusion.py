@@ -33,7 +33,10 @@ actually drawn from, so the trajectory estimator's importance ratio sees the app
 
 Besides the tokens, every committed token's step index and log-probability under the distribution it was drawn
 from are recorded in the returned `Rollout` (``commit_step``, ``step_logprobs``): these are the behaviour-policy
-probabilities that the importance-sampling correction compares with the trainer's.
+probabilities that the importance-sampling correction compares with the trainer's. With ``position_temperature``
+> 0 the commit choice is a draw too, and its log-probability (with the candidates drawn and discarded) is recorded
+beside them (``choice_logprobs``, ``commit_rank``, ``discarded_candidates``), computed in the same step; the trainer
+replays it with `MaskedDiffusionSampler.choice_logprobs` (docs/algorithms.md, "The complete ratio").
 
 Extension points:
 
@@ -437,8 +440,12 @@ class DiffusionSamplerConfig:
             recorded log-probs see the filtered distribution (what was drawn from); the estimators score the
             unfiltered logits (`scoring_logits`, `decoder_logits`), so the trajectory ratio sees the filter as an
             approximation of the rollout, as TRL and verl score theirs.
-        position_temperature: > 0 draws the committed positions from softmax(score / T) without replacement instead
-            of taking the top scores (Dream's ``alg_temp``); 0 = top scores.
+        position_temperature: T > 0 makes the commit choice a draw with a recorded probability (the complete
+            ratio, docs/algorithms.md): with a fixed count, the positions drawn from softmax(score / T) without
+            replacement instead of the top scores (Dream's ``alg_temp``; Plackett–Luce); with `threshold`, each
+            masked position committed with probability σ((score − threshold) / T), one drawn from softmax(score / T)
+            when none is (`threshold_commits`). The rollout then records `choice_logprobs`, `commit_rank` and
+            `discarded_candidates`. 0 = the deterministic rules (top scores; every score above the threshold).
         logits_shifted: whether the model's logits at position i − 1 predict position i (Dream);
             None = from ``model.config.model_type`` (`dllm_ais.models.families`).
 
