@@ -352,6 +352,23 @@ class GRPOConfig:
              "experimental.rollout_exact_fraction=0"),
             (not (self.overwrite_output_dir and self.resume_from_checkpoint not in (None, False)),
              "resume_from_checkpoint continues the run in output_dir; overwrite_output_dir=true starts afresh: set one"),
+            (not self.correction.complete_ratio or (diffusion and likelihood.estimator == "trajectory"
+                                                     and experimental.likelihood_order == "rollout"),
+             "correction.complete_ratio multiplies the trajectory's token ratio by the commit choice's: set "
+             "likelihood.estimator=trajectory and experimental.likelihood_order=rollout (a diffusion policy), or "
+             "correction.complete_ratio=false"),
+            (not self.correction.complete_ratio or (experimental.rollout_position_temperature > 0
+                                                     and experimental.rollout_factor is None),
+             "correction.complete_ratio needs a commit choice with a probability: set "
+             "experimental.rollout_position_temperature > 0 (Gumbel-top-k commits, or with rollout.threshold "
+             "independent commits with probability sigmoid((confidence - threshold) / T)) and leave "
+             "experimental.rollout_factor unset, or correction.complete_ratio=false"),
+            (not self.correction.complete_ratio or (experimental.rollout_fidelity == "fixed"
+                                                     and experimental.rollout_exact_fraction == 0),
+             "correction.complete_ratio replays every completion with the configured decoder, and "
+             "experimental.rollout_fidelity / rollout_exact_fraction decode some with another: set "
+             "experimental.rollout_fidelity=fixed and experimental.rollout_exact_fraction=0, or "
+             "correction.complete_ratio=false"),
             (not self.correction.bypass_mode or experimental.rollout_fidelity == "fixed",
              f"experimental.rollout_fidelity={experimental.rollout_fidelity} reads the mismatch before the update, "
              "which correction.bypass_mode measures during it: set experimental.rollout_fidelity=fixed, or "

@@ -47,6 +47,9 @@ VERL_DIAGNOSTICS = (
     "rollout_is_ratio_fraction_high", "rollout_is_ratio_fraction_low", "rollout_rs_masked_fraction",
     "training_ppl", "rollout_ppl", "ppl_ratio", "kl", "k3_kl", "chi2_token", "chi2_seq",
 )
+COMMIT_DIAGNOSTICS = ("commit_k3_kl", "commit_eff_sample_size", "commit_seq_log_ratio_mean")
+"""The commit part of the complete ratio (`correction.complete_ratio`), logged beside the token ones under
+`rollout_corr/`."""
 TRL_DIAGNOSTICS = (
     "importance_sampling_ratio/min", "importance_sampling_ratio/mean", "importance_sampling_ratio/max",
     "sampling_logp_difference/mean", "sampling_logp_difference/max",
@@ -72,8 +75,9 @@ _NEUTRAL_PERPLEXITIES = {"training_ppl": 1.0, "rollout_ppl": 1.0, "ppl_ratio": 1
 
 def logged_name(key: str) -> str:
     """The name a diagnostic is logged under: `rollout_corr/<key>` for verl's, `sampling/<key>` for TRL's,
-    `ais/<key>` for the rest (α and the AIS diagnostics)."""
-    if key in VERL_DIAGNOSTICS:
+    `ais/<key>` for the rest (α and the AIS diagnostics); the commit ratio's (`COMMIT_DIAGNOSTICS`) under
+    `rollout_corr/` too."""
+    if key in VERL_DIAGNOSTICS or key in COMMIT_DIAGNOSTICS:
         return f"rollout_corr/{key}"
     return f"sampling/{key}" if key in TRL_DIAGNOSTICS else f"ais/{key}"
 
@@ -163,6 +167,26 @@ def perplexity_diagnostics(logp_old: Tensor, logp_rollout: Tensor, mask: Tensor)
         "training_ppl": masked_mean((-mean_old).exp(), sequences),
         "rollout_ppl": masked_mean((-mean_rollout).exp(), sequences),
         "ppl_ratio": masked_mean((mean_rollout - mean_old).exp(), sequences),
+    })
+
+
+def commit_ratio_diagnostics(choice_old: Tensor, choice_rollout: Tensor, mask: Tensor) -> dict[str, float]:
+    """The commit part of the complete ratio alone, over the valid positions: with log ρ^c_t = clamp(c^old_t −
+    c^ro_t, ±20) the commit choice's log-ratio at position t (`MaskedDiffusionSampler.step_choice_logprobs`, replayed
+    by the trainer and recorded by the sampler) and log ρ^c_b = clamp(Σ_t log ρ^c_t, ±20) a sequence's,
+    `commit_k3_kl` = mean_t(ρ^c_t − log ρ^c_t − 1), `commit_eff_sample_size` = (Σ_b ρ^c_b)² / (n Σ_b (ρ^c_b)²) over
+    the n sequences with a valid position, and `commit_seq_log_ratio_mean` = mean_b log ρ^c_b."""
+    valid = as_token_mask(mask, choice_old, choice_rollout)
+    sequences = valid.any(dim=1)
+    if not bool(sequences.any()):
+        return {"commit_k3_kl": 0.0, "commit_eff_sample_size": 1.0, "commit_seq_log_ratio_mean": 0.0}
+    log_ratio = log_importance_ratio(choice_old, choice_rollout, valid)
+    sequence_log_ratio = masked_sum(log_ratio, valid, dim=1).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    shifted = (sequence_log_ratio - sequence_log_ratio[sequences].max()).exp()  # ESS is scale-free
+    return scalars_to_floats({
+        "commit_k3_kl": masked_mean(log_ratio.exp() - log_ratio - 1.0, valid),
+        "commit_eff_sample_size": normalised_effective_sample_size(shifted, sequences),
+        "commit_seq_log_ratio_mean": masked_mean(sequence_log_ratio, sequences),
     })
 
 
@@ -505,15 +529,27 @@ class RolloutCorrection:
         self.rule = rule or settings.ais_rule
         self.previous_alpha: float | None = None
 
-    def __call__(self, pairs: list[tuple[Tensor, Tensor]], advantages: Tensor, masks: list[Tensor]) -> list[Correction]:
+    def __call__(self, pairs: list[tuple[Tensor, Tensor]], advantages: Tensor, masks: list[Tensor],
+                 choice_pair: tuple[Tensor, Tensor] | None = None) -> list[Correction]:
         """One `Correction` per estimator seed's (ℓ_old, ℓ_rollout), over that seed's scored positions `masks[i]`
         [B, L]; AIS's α average then advances once, over the seeds. In bypass mode: weights 1 at the scored
-        positions and no diagnostics (see `first_update_diagnostics`)."""
-        if self.settings.bypass_mode:
+        positions and no diagnostics (see `first_update_diagnostics`).
+
+        `choice_pair` (c_old, c_rollout) [B, L] (`correction.complete_ratio`): the commit choice's log-probs, the
+        trainer's and the sampler's; every method then corrects with the complete ratio, ℓ + c on both sides (in
+        bypass mode, where ℓ_old = ℓ_rollout, the commit ratio alone), and the diagnostics gain the commit part's
+        (`commit_ratio_diagnostics`)."""
+        if choice_pair is None and self.settings.bypass_mode:
             return [Correction(mask.float(), None, {}) for mask in masks]
+        if choice_pair is not None:
+            choice_old, choice_rollout = choice_pair
+            pairs = [(old + choice_old, rollout + choice_rollout) for old, rollout in pairs]
         corrections = [correct(self.settings, old, rollout, advantages, mask, self.previous_alpha, self.group_size,
                                self.rule)
                        for (old, rollout), mask in zip(pairs, masks, strict=True)]
+        if choice_pair is not None:
+            for correction, mask in zip(corrections, masks):
+                correction.diagnostics.update(_logged(commit_ratio_diagnostics(choice_old, choice_rollout, mask)))
         if self.settings.method == "ais":
             self.previous_alpha = sum(c.diagnostics["ais/alpha"] for c in corrections) / len(corrections)
         return corrections

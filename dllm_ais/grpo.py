@@ -276,10 +276,13 @@ def make_generation_batch(config: GRPOConfig, parts: StepComponents, tokenizer, 
         logp_old = logp_rollout if config.correction.bypass_mode else [
             micro_batched_logprobs(parts.policy.logprobs, parts.model, rollout, s, micro_batch_size, advantages)
             for s in seeds]
+        choice_old = None if not config.correction.complete_ratio else micro_batched_logprobs(
+            parts.policy.choice_logprobs, parts.model, rollout, seeds[0], micro_batch_size, advantages)
     logp_ref = [None if config.beta == 0 else reference_logprobs(parts, rollout, s, micro_batch_size, advantages)
                 for s in seeds]
     timings["timing/logprob_s"] = time.perf_counter() - start
-    logprobs = {"rollout log-probs": logp_rollout, "old log-probs": logp_old, "reference log-probs": logp_ref}
+    logprobs = {"rollout log-probs": logp_rollout + [rollout.choice_logprobs], "old log-probs": logp_old + [choice_old],
+                "reference log-probs": logp_ref}
     bad = any_process(accelerator, *(non_finite(values, rollout.completion_mask) for values in logprobs.values()))
     if any(bad):
         raise SkippedBatch(next(stage for stage, flag in zip(logprobs, bad) if flag))
@@ -288,8 +291,9 @@ def make_generation_batch(config: GRPOConfig, parts: StepComponents, tokenizer, 
     # Weights and diagnostics (ESS, α, ...) are computed over the whole batch, gathered from every process, at the
     # positions each estimate scores.
     scored = [gather(micro_batched_positions(parts.policy, rollout, s, micro_batch_size).long()).bool() for s in seeds]
+    choice_pair = None if choice_old is None else (gather(choice_old), gather(rollout.choice_logprobs))
     corrections = correction([(gather(old), gather(ro)) for old, ro in zip(logp_old, logp_rollout)],
-                             all_advantages, scored)
+                             all_advantages, scored, choice_pair)
     timings["timing/correction_s"] = time.perf_counter() - start
     fidelity.update([c.diagnostics for c in corrections])
     if config.experimental.rollout_exact_fraction > 0:

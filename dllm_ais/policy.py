@@ -143,6 +143,8 @@ class DiffusionPolicy:
                                                     bounds=self.bounds, likelihood_segments=self.likelihood.segments,
                                                     decoder_logits=self.sampler.decoder_logits
                                                     if self.replays_decoder else None, block_subset=block_subset)
+        self.choice_sampler = self.sampler if self.replays_decoder else self.sampler.with_config(dataclasses.replace(
+            self.sampler_config, cache="none", cache_refresh_interval=None, cache_dtype="none"))
         self.exact_order_sampler = None
         if self.estimator in TRAJECTORY_ESTIMATORS and self.likelihood_order == "exact":
             self.exact_order_sampler = self.sampler.with_config(self.sampler_config.exact())
@@ -181,6 +183,14 @@ class DiffusionPolicy:
         if self.scorer.records_rollout_side(self.estimator_settings, rollout):
             return rollout.step_logprobs
         return self.logprobs(engine_model, rollout, seed, advantages=advantages)
+
+    def choice_logprobs(self, model, rollout: Rollout, seed: int = 0, advantages=None) -> torch.Tensor:
+        """`model`'s log-probs [B, L] of the rollout's recorded commit choices and discarded candidates
+        (`MaskedDiffusionSampler.choice_logprobs`), replayed by the decoder whose logits the trajectory estimator
+        scores: the rollout's cached decoder when it replays it (`replays_decoder`), else the uncached one. The
+        trainer's side of the complete ratio (`correction.complete_ratio`); the rollout's is
+        `Rollout.choice_logprobs`. `seed` and `advantages` are unused (the replay is exact)."""
+        return self.choice_sampler.choice_logprobs(model, rollout)
 
     def num_estimator_seeds(self, num_iterations: int) -> int:
         return num_iterations if self.scorer.draws_per_iteration(self.estimator_settings) else 1

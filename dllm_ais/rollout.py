@@ -33,6 +33,14 @@ class Rollout:
         num_steps: optional [B] number of steps (model evaluations) each row took: the diffusion steps that
             committed at least one of its tokens, or the autoregressive steps through its first EOS. With parallel
             decoding it varies per row; None when the sampler does not record it.
+        choice_logprobs: optional [B, L] float32, a diffusion sampler with a stochastic commit rule
+            (``position_temperature`` > 0): the log-probability of each step's other draws, split over positions —
+            the commit choice (Plackett–Luce or threshold terms) and the candidates drawn and left uncommitted. A
+            row's step_logprobs + choice_logprobs sum to the log-probability of its whole trajectory
+            (docs/algorithms.md, "The complete ratio").
+        commit_rank: optional [B, L], with choice_logprobs: each token's place in its step's draw order (0 first).
+        discarded_candidates: optional [B, L, K], with choice_logprobs: the candidate drawn at position k at the
+            j-th forward of its block and left uncommitted, −1 where none (K = block_length).
     """
 
     sequences: torch.LongTensor
@@ -42,6 +50,9 @@ class Rollout:
     commit_step: torch.LongTensor
     prompt_length: int
     num_steps: torch.LongTensor | None = None
+    choice_logprobs: torch.Tensor | None = None
+    commit_rank: torch.LongTensor | None = None
+    discarded_candidates: torch.LongTensor | None = None
 
     @property
     def completion_ids(self) -> torch.LongTensor:

@@ -167,7 +167,13 @@ class CorrectionSettings(SettingsGroup):
     bypass_mode: bool = field(default=False, metadata={
         "help": "verl's rollout_correction.bypass_mode: the rollout's log-probs are the old ones, so the trainer's "
                 "no-grad pass over each generation batch is skipped and the loss's clipped ratio pi_theta / "
-                "pi_rollout carries the mismatch, measured on the batch's first update. Needs method=none."})
+                "pi_rollout carries the mismatch, measured on the batch's first update. Needs method=none (or "
+                "complete_ratio, whose commit ratio the method then weights)."})
+    complete_ratio: bool = field(default=False, metadata={
+        "help": "The importance ratio also holds the diffusion decoder's commit choice: rho = token ratio x commit "
+                "ratio, the commit choice's (and its discarded candidates') log-prob replayed by the trainer against "
+                "the one the sampler recorded. Needs likelihood.estimator=trajectory and a stochastic commit rule, "
+                "experimental.rollout_position_temperature > 0 (docs/algorithms.md, 'The complete ratio')."})
 
     def rule_problems(self) -> list[str]:
         checks = [
@@ -179,10 +185,11 @@ class CorrectionSettings(SettingsGroup):
             (self.method != "ais" or (self.clip_low is None and not self.normalize),
              "correction.method=ais mixes with min(rho, correction.clip): leave correction.clip_low=null and "
              "correction.normalize=false"),
-            (not self.bypass_mode or self.method == "none",
+            (not self.bypass_mode or self.method == "none" or self.complete_ratio,
              f"correction.bypass_mode takes the rollout's log-probs as the old ones, so correction.method="
              f"{self.method} would see ratios of exactly 1: set correction.method=none (the loss's clipped ratio then "
-             "carries the mismatch), or correction.bypass_mode=false"),
+             "carries the mismatch), correction.complete_ratio=true (the method weights the commit ratio), or "
+             "correction.bypass_mode=false"),
         ]
         return [message for ok, message in checks if not ok]
 
@@ -199,8 +206,9 @@ class ExperimentalSettings(SettingsGroup):
         "help": "Parallel decoding, Fast-dLLM's factor rule: each step commits the largest n with (n + 1)(1 - c_(n)) "
                 "< this (>= 1 per step; Fast-dLLM: 1.0); instead of rollout.threshold. null = off."})
     rollout_position_temperature: float = field(default=0.0, metadata={**NON_NEGATIVE,
-        "help": "Dream's alg_temp: > 0 draws the committed positions from softmax(score / T) instead of taking the "
-                "top scores; 0 = top scores."})
+        "help": "T > 0 makes the commit choice a recorded draw: Dream's alg_temp (positions drawn from softmax(score "
+                "/ T) instead of the top scores); with rollout.threshold, independent commits with probability "
+                "sigmoid((score - threshold) / T), one drawn from softmax(score / T) when none. 0 = deterministic."})
     rollout_seed_offset: int = field(default=0, metadata={"range": "[0, 1000000]",
         "help": "Shifts the rollout sampler's random stream only (data order, initialisation and estimator masks "
                 "keep the seed's): a run with another offset is another sampling draw of the same run, the null arm "

@@ -18,7 +18,9 @@ of `--prompts` × num_generations completions sampled by the bf16 trainer and by
   holds the whole mismatch of the sampling distribution brings the engine's reward to bf16's. With confidence-ranked
   remasking (low_confidence, a threshold) which positions a step commits depends on the model too, and no token
   ratio holds that part; `--rollout.remasking=random --rollout.threshold=null --rollout.cache=none` is the control
-  whose trajectory ratio is the whole ratio.
+  whose trajectory ratio is the whole ratio. With `--experimental.rollout_position_temperature=T` (T > 0) both sides
+  decode with the stochastic commit rule, and the "complete" canvas adds the commit choice's log-ratio to the
+  trajectory's (`DiffusionPolicy.choice_logprobs`, docs/algorithms.md "The complete ratio"), over every position.
 `gradient` — the policy-gradient surrogate's gradient g = ∇ Σ_i A_i Σ_t w_it ℓ_it / N at θ_old for each estimator,
   from bf16 batches and from engine batches, unweighted and with importance weights from either canvas (token TIS,
   sequence IS, truncated at `--clip`). Per arm: reward mean and frac_reward_zero_std of its batches, gradient SNR
@@ -76,12 +78,22 @@ def logprobs(setup: Setup, policy, model, rollout, seed: int, rollout_side: bool
 
 
 def log_ratios(setup: Setup, policies: dict, rollout, seed: int) -> dict[str, torch.Tensor]:
-    """Per canvas, log ρ = ℓ_trainer − ℓ_engine [B, L] of the engine's completions (0 off the completion)."""
+    """Per canvas, log ρ = ℓ_trainer − ℓ_engine [B, L] of the engine's completions (0 off the completion); with a
+    trajectory policy and a rollout that records its commit choices (experimental.rollout_position_temperature > 0),
+    also the complete ratio ("complete"): the trajectory's token log-ratio plus the commit choice's
+    (`DiffusionPolicy.choice_logprobs` against `Rollout.choice_logprobs`), over every completion position — the
+    whole trajectory's probability, tokens after the first EOS included."""
     trainer, engine = setup.parts.unwrapped_model, setup.parts.engine.model
     mask = rollout.completion_mask.bool()
-    return {estimator: torch.where(mask, logprobs(setup, policy, trainer, rollout, seed)
-                                   - logprobs(setup, policy, engine, rollout, seed, rollout_side=True), 0.0)
-            for estimator, policy in policies.items()}
+    token_ratios = {estimator: logprobs(setup, policy, trainer, rollout, seed)
+                    - logprobs(setup, policy, engine, rollout, seed, rollout_side=True)
+                    for estimator, policy in policies.items()}
+    ratios = {estimator: torch.where(mask, ratio, 0.0) for estimator, ratio in token_ratios.items()}
+    if "trajectory" in policies and rollout.choice_logprobs is not None:
+        choice = torch.cat([policies["trajectory"].choice_logprobs(trainer, rollout.select(rows))
+                            for rows in micro_batches(len(rollout.sequences), setup.config.per_device_train_batch_size)])
+        ratios["complete"] = token_ratios["trajectory"] + choice - rollout.choice_logprobs
+    return ratios
 
 
 def truncated(log_ratio: torch.Tensor, mask: torch.Tensor, level: str, clip: float) -> torch.Tensor:
@@ -107,7 +119,7 @@ def flat_gradient(setup: Setup, policy, rollout, advantages, weights, seed: int)
 
 
 def mismatch_report(name: str, log_ratio: torch.Tensor, rollout, advantages, group_size: int) -> None:
-    mask = rollout.completion_mask.bool()
+    mask = torch.ones_like(rollout.completion_mask.bool()) if name == "complete" else rollout.completion_mask.bool()
     values = log_ratio[mask]
     rho = values.exp()
     k3 = (rho - values - 1).mean().item()
@@ -150,7 +162,7 @@ def reward_test(batches, ratios, engine_side: str, estimators: list[str], group_
     for canvas in estimators:
         values, plain, weights = [], [], []
         for (rollout, rewards, _), ratio in zip(batches[engine_side], ratios):
-            seq = (ratio[canvas] * rollout.completion_mask).sum(1)
+            seq = ratio[canvas].sum(1)  # 0 off each canvas' positions
             weights.append(per_prompt(seq.exp()))
             plain.append(per_prompt(seq.exp() * rewards))
             seq = seq.view(-1, group_size)
@@ -233,9 +245,10 @@ def main() -> None:
     if args.part in ("mismatch", "all"):
         print(f"mismatch of the {engine_side} engine's completions (batch 0; log ρ = ℓ_trainer − ℓ_engine):")
         rollout, _, advantages = batches[engine_side][0]
-        for estimator in estimators:
-            mismatch_report(estimator, ratios[0][estimator], rollout, advantages, G)
-        reward_test(batches, ratios, engine_side, estimators, G)
+        canvases = list(ratios[0])
+        for canvas in canvases:
+            mismatch_report(canvas, ratios[0][canvas], rollout, advantages, G)
+        reward_test(batches, ratios, engine_side, canvases, G)
     if args.part == "mismatch":
         return
 
@@ -245,7 +258,7 @@ def main() -> None:
         policy = policies[estimator]
         arms = {"bf16": [(b, None) for b in batches["bf16"]],
                 f"{engine_side} uncorrected": [(b, None) for b in batches[engine_side]]}
-        for canvas in estimators:
+        for canvas in ratios[0]:
             for level in ("token", "sequence"):
                 arms[f"{engine_side} {level} IS ({canvas} ratio)"] = [
                     (b, truncated(ratio[canvas], b[0].completion_mask.bool(), level, args.clip))

@@ -33,7 +33,10 @@ actually drawn from, so the trajectory estimator's importance ratio sees the app
 
 Besides the tokens, every committed token's step index and log-probability under the distribution it was drawn
 from are recorded in the returned `Rollout` (``commit_step``, ``step_logprobs``): these are the behaviour-policy
-probabilities that the importance-sampling correction compares with the trainer's.
+probabilities that the importance-sampling correction compares with the trainer's. With ``position_temperature``
+> 0 the commit choice is a draw too, and its log-probability (with the candidates drawn and discarded) is recorded
+beside them (``choice_logprobs``, ``commit_rank``, ``discarded_candidates``), computed in the same step; the trainer
+replays it with `MaskedDiffusionSampler.choice_logprobs` (docs/algorithms.md, "The complete ratio").
 
 The model is called as ``model(input_ids, attention_mask=…, logits_to_keep=positions)`` (a 1-D tensor of the
 positions whose logits are read, as transformers' causal LMs take it) and, with a cache, also with
@@ -126,6 +129,16 @@ def low_confidence_scores(
     return F.softmax(block_logits, dim=-1).gather(-1, candidates.unsqueeze(-1)).squeeze(-1)
 
 
+def ignores_candidates(rule: RemaskingRule) -> RemaskingRule:
+    """Mark a remasking rule whose scores do not depend on the candidates (only on the logits, or on nothing): the
+    candidates it leaves uncommitted then play no part in the commit choice, and the complete ratio leaves their
+    log-probs out (`MaskedDiffusionSampler.choice_logprobs`). Unmarked rules (and every registered callable) are
+    taken to read them."""
+    rule.ignores_candidates = True
+    return rule
+
+
+@ignores_candidates
 def random_scores(
     block_logits: torch.Tensor, candidates: torch.Tensor, generator: torch.Generator | None = None
 ) -> torch.Tensor:
@@ -133,6 +146,7 @@ def random_scores(
     return torch.rand(candidates.shape, generator=generator, device=candidates.device)
 
 
+@ignores_candidates
 def left_to_right_scores(
     block_logits: torch.Tensor, candidates: torch.Tensor, generator: torch.Generator | None = None
 ) -> torch.Tensor:
@@ -157,6 +171,7 @@ def sampled_token_probability_scores(
     return F.softmax(block_logits, dim=-1).gather(-1, candidates.unsqueeze(-1)).squeeze(-1)
 
 
+@ignores_candidates
 @scores_sampling_distribution
 def top_two_margin_scores(
     block_logits: torch.Tensor, candidates: torch.Tensor, generator: torch.Generator | None = None
@@ -167,6 +182,7 @@ def top_two_margin_scores(
     return top_two[..., 0] - top_two[..., 1]
 
 
+@ignores_candidates
 @scores_sampling_distribution
 def negative_entropy_scores(
     block_logits: torch.Tensor, candidates: torch.Tensor, generator: torch.Generator | None = None
@@ -271,6 +287,61 @@ def perturb_scores_for_sampling(row_scores: torch.Tensor, position_temperature: 
     return (row_scores.double() / position_temperature + gumbel).masked_fill(row_scores == -math.inf, -math.inf)
 
 
+def threshold_commits(scores: torch.Tensor, still_masked: torch.Tensor, threshold: float, position_temperature: float,
+                      generator: torch.Generator | None) -> torch.Tensor:
+    """[B, Lb] bool: threshold decoding as a draw with an exact probability (`rollout.threshold` with
+    `position_temperature` T > 0). Each still-masked position i commits independently with probability
+    p_i = σ((c_i − τ_c) / T), c_i its score; a row that has a masked position but commits none of them commits one
+    drawn from softmax(c / T) over its masked positions (the forced commit). T → 0 is Fast-dLLM's rule (every c_i > τ_c,
+    else the top score). Uniforms in float64 and the forced draw's Gumbel noise come from `generator`."""
+    logits = (scores.double() - threshold) / position_temperature
+    uniform = torch.rand(scores.shape, generator=generator, device=scores.device, dtype=torch.float64)
+    commit = (uniform < torch.sigmoid(logits)) & still_masked
+    forced = perturb_scores_for_sampling(scores.double().masked_fill(~still_masked, -math.inf), position_temperature,
+                                         generator).argmax(dim=1, keepdim=True)
+    needs_forced = still_masked.any(dim=1, keepdim=True) & ~commit.any(dim=1, keepdim=True)
+    return commit | (torch.zeros_like(commit).scatter(1, forced, True) & needs_forced)
+
+
+def commit_choice_logprobs(scores: torch.Tensor, still_masked: torch.Tensor, commit: torch.Tensor,
+                           commit_rank: torch.Tensor, position_temperature: float,
+                           threshold: float | None = None) -> torch.Tensor:
+    """float32 [B, Lb]: log P(the step's commit choice | the scores), split over the block's positions (0 at the
+    positions no longer masked), so that a row's sum is the log-probability of its choice.
+
+    Fixed count (`threshold` None): the committed positions, in the order `commit_rank` (0 = drawn first), are a
+    draw without replacement from softmax(c / T) over the still-masked positions (Gumbel-top-k,
+    `perturb_scores_for_sampling`); their Plackett–Luce log-probability gives the position drawn j-th
+    c_(j) / T − log Σ_{i not yet drawn} exp(c_i / T), and the positions left masked 0.
+
+    Threshold (`threshold_commits`): with p_i = σ((c_i − τ_c) / T) and π = softmax(c / T), a position left masked
+    gets log(1 − p_i), a committed one log p_i, and the only committed position of a row log(p_i + (1 − p_i) π_i):
+    a single commit is either that Bernoulli outcome or the forced commit after none.
+    """
+    scaled = scores.double().masked_fill(~still_masked, -math.inf) / position_temperature
+    if threshold is not None:
+        logits = (scores.double() - threshold) / position_temperature
+        commits, stays = F.logsigmoid(logits), F.logsigmoid(-logits)
+        single = commit.sum(dim=1, keepdim=True) == 1
+        single_terms = torch.logaddexp(commits, stays + scaled.log_softmax(dim=1))
+        terms = torch.where(commit, torch.where(single, single_terms, commits), stays)
+        return torch.where(still_masked, terms, 0.0).float()
+    draw_key = torch.where(commit, -commit_rank.double(), -math.inf)
+    order = draw_key.argsort(dim=1, descending=True, stable=True)  # the committed positions first, in draw order
+    ordered = scaled.gather(1, order)
+    not_yet_drawn = ordered.flip(1).logcumsumexp(dim=1).flip(1)
+    terms = torch.where(commit.gather(1, order), ordered - not_yet_drawn, 0.0)
+    return torch.zeros_like(terms).scatter(1, order, terms).float()
+
+
+def draw_ranks(keys: torch.Tensor, commit: torch.Tensor) -> torch.LongTensor:
+    """[B, Lb] the rank of each committed position by descending `keys` (0 = largest: drawn first), the positions
+    after them for the others."""
+    order = torch.where(commit, keys.double(), -math.inf).argsort(dim=1, descending=True, stable=True)
+    ranks = torch.arange(order.shape[1], device=order.device).expand_as(order)
+    return torch.empty_like(order).scatter_(1, order, ranks)
+
+
 def parallel_commit_counts(
     scores: torch.Tensor, still_masked: torch.Tensor, threshold: float | None = None, factor: float | None = None
 ) -> torch.LongTensor:
@@ -373,8 +444,12 @@ class DiffusionSamplerConfig:
             recorded log-probs see the filtered distribution (what was drawn from); the estimators score the
             unfiltered logits (`scoring_logits`, `decoder_logits`), so the trajectory ratio sees the filter as an
             approximation of the rollout, as TRL and verl score theirs.
-        position_temperature: > 0 draws the committed positions from softmax(score / T) without replacement instead
-            of taking the top scores (Dream's ``alg_temp``); 0 = top scores.
+        position_temperature: T > 0 makes the commit choice a draw with a recorded probability (the complete
+            ratio, docs/algorithms.md): with a fixed count, the positions drawn from softmax(score / T) without
+            replacement instead of the top scores (Dream's ``alg_temp``; Plackett–Luce); with `threshold`, each
+            masked position committed with probability σ((score − threshold) / T), one drawn from softmax(score / T)
+            when none is (`threshold_commits`). The rollout then records `choice_logprobs`, `commit_rank` and
+            `discarded_candidates`. 0 = the deterministic rules (top scores; every score above the threshold).
         logits_shifted: whether the model's logits at position i − 1 predict position i (Dream);
             None = from ``model.config.model_type`` (`dllm_ais.models.families`).
 
@@ -549,6 +624,42 @@ class BlockCache:
         if forwards is not None:
             return forwards.logits(inputs[:, start:stop], **cached)
         return model(inputs[:, start:stop], **cached).logits
+
+
+@dataclass
+class _ChoiceRecord:
+    """What a sampling call with a stochastic commit rule (``position_temperature`` > 0) records of its choices
+    besides the committed tokens, as the `Rollout` fields of the same names: `choice_logprobs` [B, L] (each step's
+    `MaskedDiffusionSampler.step_choice_logprobs`, added up per position), `commit_rank` [B, L] (the draw order among
+    a step's commits) and `discarded_candidates` [B, L, block_length] (the candidate drawn at a position at the k-th
+    forward of its block and left uncommitted, −1 where none)."""
+
+    choice_logprobs: torch.Tensor
+    commit_rank: torch.LongTensor
+    discarded_candidates: torch.LongTensor
+
+    @classmethod
+    def empty(cls, batch: int, config: "DiffusionSamplerConfig", device: torch.device) -> "_ChoiceRecord":
+        shape = (batch, config.gen_length)
+        return cls(torch.zeros(shape, dtype=torch.float32, device=device),
+                   torch.zeros(shape, dtype=torch.long, device=device),
+                   torch.full((*shape, config.block_length), -1, dtype=torch.long, device=device))
+
+    def add_step(self, sampler: "MaskedDiffusionSampler", completion_block: slice, forward_in_block: int,
+                 scores: torch.Tensor, still_masked: torch.Tensor, commit: torch.Tensor,
+                 commit_rank: torch.Tensor | None, candidates: torch.Tensor, candidate_logprobs: torch.Tensor) -> None:
+        """Record one step of the block `completion_block` (its `forward_in_block`-th forward, from 0)."""
+        self.choice_logprobs[:, completion_block] += sampler.step_choice_logprobs(
+            scores, still_masked, commit, commit_rank, candidate_logprobs)
+        if commit_rank is not None:
+            ranks = self.commit_rank[:, completion_block]
+            self.commit_rank[:, completion_block] = torch.where(commit, commit_rank, ranks)
+        if sampler.reads_candidates:
+            self.discarded_candidates[:, completion_block, forward_in_block] = torch.where(
+                still_masked & ~commit, candidates, -1)
+
+    def fields(self) -> dict[str, torch.Tensor]:
+        return dataclasses.asdict(self)
 
 
 def _max_canvas_length(model: Any) -> float:
@@ -743,6 +854,7 @@ class MaskedDiffusionSampler:
         commit_step = torch.full((batch, config.gen_length), -1, dtype=torch.long, device=device)
         num_steps = torch.zeros(batch, dtype=torch.long, device=device)
         cache = BlockCache(config.cache, config.cache_dtype) if config.cache != "none" else None
+        choice = _ChoiceRecord.empty(batch, config, device) if config.position_temperature > 0 else None
 
         rows = torch.arange(batch, device=device).unsqueeze(1)
         n_blocks = config.gen_length // config.block_length
@@ -777,19 +889,27 @@ class MaskedDiffusionSampler:
                     drawn = forced_completion[:, completion_block].gather(1, active)
                     drawn_logprobs = self.token_logprobs(logits[rows, active], drawn)
                 candidates = canvas[:, block].scatter(1, active, drawn)
-                rule_logits = logits
-                if getattr(self.remasking_rule, "scores_sampling_distribution", False) and config.temperature > 0:
-                    rule_logits = logits / config.temperature
-                scores = _checked_scores(self.remasking_rule(rule_logits, candidates, generator), candidates)
-                if counts is None:
-                    counts = parallel_commit_counts(scores, still_masked, config.threshold, config.factor).tolist()
-                row_scores = scores.new_full(canvas.shape, -math.inf)
-                row_scores[:, block] = scores.masked_fill(~still_masked, -math.inf)
-                if config.position_temperature > 0:
-                    row_scores = perturb_scores_for_sampling(row_scores, config.position_temperature, generator)
-                commit = self.choose_positions(row_scores, counts)[:, block] & still_masked
-                canvas[:, block] = torch.where(commit, candidates, canvas[:, block])
+                scores = self.rule_scores(logits, candidates, generator)
+                commit_rank = None
+                if config.threshold is not None and config.position_temperature > 0:
+                    commit = threshold_commits(scores, still_masked, config.threshold, config.position_temperature,
+                                               generator)
+                    counts = commit.sum(dim=1).tolist()
+                else:
+                    if counts is None:
+                        counts = parallel_commit_counts(scores, still_masked, config.threshold, config.factor).tolist()
+                    row_scores = scores.new_full(canvas.shape, -math.inf)
+                    row_scores[:, block] = scores.masked_fill(~still_masked, -math.inf)
+                    if config.position_temperature > 0:
+                        row_scores = perturb_scores_for_sampling(row_scores, config.position_temperature, generator)
+                    commit = self.choose_positions(row_scores, counts)[:, block] & still_masked
+                    if choice is not None:
+                        commit_rank = draw_ranks(row_scores[:, block], commit)
                 logprobs = torch.zeros_like(step_logprobs[:, completion_block]).scatter(1, active, drawn_logprobs)
+                if choice is not None:
+                    choice.add_step(self, completion_block, forwards_in_block - 1, scores, still_masked, commit,
+                                    commit_rank, candidates, logprobs)
+                canvas[:, block] = torch.where(commit, candidates, canvas[:, block])
                 step_logprobs[:, completion_block] = torch.where(commit, logprobs, step_logprobs[:, completion_block])
                 commit_step[:, completion_block].masked_fill_(commit, step)
                 num_steps += commit.any(dim=1)
@@ -805,6 +925,7 @@ class MaskedDiffusionSampler:
             commit_step=commit_step,
             prompt_length=prompt_length,
             num_steps=num_steps,
+            **({} if choice is None else choice.fields()),
         )
 
     def _scheduled_counts(self, masked_left: list[int], even_schedule: list[list[int]], step_in_block: int,
@@ -818,6 +939,74 @@ class MaskedDiffusionSampler:
             return [time_linear_commit_count(left, step_in_block, steps_per_block, config.schedule_eps)
                     for left in masked_left]
         return [row[step_in_block] for row in even_schedule]
+
+    def rule_scores(self, logits: torch.Tensor, candidates: torch.Tensor,
+                    generator: torch.Generator | None) -> torch.Tensor:
+        """The remasking rule's scores [B, Lb] of a block from its logits [B, Lb, V] and candidates [B, Lb]; a rule
+        marked `scores_sampling_distribution` gets logits / τ (τ > 0)."""
+        rule_logits = logits
+        if getattr(self.remasking_rule, "scores_sampling_distribution", False) and self.config.temperature > 0:
+            rule_logits = logits / self.config.temperature
+        return _checked_scores(self.remasking_rule(rule_logits, candidates, generator), candidates)
+
+    @property
+    def commit_choice_depends_on_model(self) -> bool:
+        """Whether the probability of a step's commit choice depends on the model: False for the ``random`` and
+        ``origin`` rules (scores drawn from the generator, whatever the logits), whose choice has the same probability
+        under every model and so cancels from the ratio."""
+        return self.remasking_rule is not random_scores
+
+    @property
+    def reads_candidates(self) -> bool:
+        """Whether the rule's scores depend on the candidates (not marked `ignores_candidates`): the candidates drawn
+        at positions left masked then shape the commit choice, and their log-probs are part of its probability."""
+        return self.commit_choice_depends_on_model and not getattr(self.remasking_rule, "ignores_candidates", False)
+
+    def step_choice_logprobs(self, scores: torch.Tensor | None, still_masked: torch.Tensor, commit: torch.Tensor,
+                             commit_rank: torch.Tensor | None, candidate_logprobs: torch.Tensor) -> torch.Tensor:
+        """float32 [B, Lb]: the log-probability of one step's outcome beyond its committed tokens', split over the
+        block's positions: the commit choice given the scores (`commit_choice_logprobs`; 0 for a rule whose choice
+        does not depend on the model) plus, when the rule reads the candidates, the log-prob `candidate_logprobs`
+        of the candidate drawn at each still-masked position left uncommitted (the scores, hence the choice, depend
+        on it). With the committed tokens' log-probs (`step_logprobs`) this is the probability of everything the
+        step drew; docs/algorithms.md, "The complete ratio"."""
+        terms = torch.zeros_like(candidate_logprobs, dtype=torch.float32)
+        if self.commit_choice_depends_on_model:
+            terms = commit_choice_logprobs(scores, still_masked, commit, commit_rank, self.config.position_temperature,
+                                           self.config.threshold)
+        if self.reads_candidates:
+            terms = terms + torch.where(still_masked & ~commit, candidate_logprobs.float(), 0.0)
+        return terms
+
+    @torch.no_grad()
+    def choice_logprobs(self, model: Any, rollout: Rollout) -> torch.Tensor:
+        """float32 [B, L]: `model`'s log-probability of `rollout`'s recorded commit choices and discarded candidates
+        (`Rollout.choice_logprobs`, `commit_rank`, `discarded_candidates`), per position as the sampler records it:
+        each step replayed by `decoder_logits` (this sampler's cache, as sampled), the rule scoring the committed
+        tokens and the recorded discarded candidates on `model`'s logits, `step_choice_logprobs` of the recorded
+        choice. On the model that sampled, this is the recorded `choice_logprobs`; with the trajectory estimator's
+        token log-probs it completes the ratio of the two samplers."""
+        if rollout.discarded_candidates is None or rollout.commit_rank is None:
+            raise ValueError("choice_logprobs needs a rollout that records its commit choices: sample with "
+                             "position_temperature > 0 (experimental.rollout_position_temperature)")
+        config = self.config
+        completion = rollout.completion_ids
+        result = torch.zeros(completion.shape, dtype=torch.float32, device=completion.device)
+        block_start, still_masked, step = None, None, 0
+        for block, committed, logits in self.decoder_logits(model, rollout):
+            if block.start != block_start:
+                block_start, step = block.start, 0
+                still_masked = torch.ones_like(committed)
+            logits = filter_top_p_top_k(logits, config.temperature, config.top_p, config.top_k)
+            tokens = completion[:, block]
+            discarded = rollout.discarded_candidates[:, block, step]
+            candidates = torch.where(committed | (discarded < 0), tokens, discarded)
+            scores = self.rule_scores(logits, candidates, None) if self.commit_choice_depends_on_model else None
+            result[:, block] += self.step_choice_logprobs(scores, still_masked, committed, rollout.commit_rank[:, block],
+                                                          self.token_logprobs(logits, candidates))
+            still_masked = still_masked & ~committed
+            step += 1
+        return result
 
     def decoder_logits(self, model: Any, rollout: Rollout, positions: torch.Tensor | None = None
                        ) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:

@@ -1,0 +1,289 @@
+"""The complete ratio (issue 49): a decoder whose every choice has a probability, checked by enumerating every
+trajectory of a tiny model; the trainer's side of the same choice; the correction that reads it; its settings."""
+
+import dataclasses
+import itertools
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dllm_ais.config import GRPOConfig
+from dllm_ais.correction import RolloutCorrection
+from dllm_ais.likelihood import trajectory_logprobs
+from dllm_ais.models import LLaDAConfig, LLaDAModelLM
+from dllm_ais.rollout import Rollout
+from dllm_ais.sampling.diffusion import DiffusionSamplerConfig, MaskedDiffusionSampler
+from dllm_ais.settings import CorrectionSettings
+
+TOKENS, EOS, MASK = (0, 1, 2), 2, 3
+TEMPERATURE = 1.0
+
+
+class TinyCanvasModel(torch.nn.Module):
+    """Logits over 4 ids (the mask id never drawn) that depend on the whole canvas: small enough that every
+    trajectory of a 2-3 position completion can be enumerated."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        self.embed = torch.randn(4, 8, generator=generator)
+        self.position = torch.randn(8, 8, generator=generator)
+        self.head = torch.randn(8, 4, generator=generator)
+        self.config = SimpleNamespace(mask_token_id=MASK, eos_token_id=EOS, pad_token_id=None, max_sequence_length=8,
+                                      model_type="tiny")
+
+    def forward(self, input_ids, attention_mask=None, logits_to_keep=None, **unused):
+        embedded = self.embed[input_ids]
+        hidden = torch.tanh(embedded.mean(1, keepdim=True) + self.position[: input_ids.shape[1]] + embedded)
+        logits = hidden @ self.head
+        logits[..., MASK] = -math.inf
+        return logits[:, logits_to_keep]
+
+
+def sampler_of(gen_length: int, threshold: float | None = None, position_temperature: float = 0.5,
+               temperature: float = TEMPERATURE, steps: int | None = None) -> MaskedDiffusionSampler:
+    """One block of `gen_length` positions in `steps` steps (default: one commit per step), low_confidence."""
+    return MaskedDiffusionSampler(DiffusionSamplerConfig(
+        gen_length=gen_length, block_length=gen_length, steps=steps or gen_length, temperature=temperature,
+        mask_token_id=MASK, eos_token_ids=(EOS,), logits_shifted=False,
+        position_temperature=position_temperature, threshold=threshold))
+
+
+def completion_logits(model, completion: list[int]) -> torch.Tensor:
+    """float64 [L, V]: the model's logits at the completion positions of [prompt 0 | completion]."""
+    ids = torch.tensor([[0] + completion])
+    return model(ids, logits_to_keep=torch.arange(1, 1 + len(completion)))[0].double()
+
+
+def choices_with_logprobs(masked: list[int], scores: dict[int, float], count: int | None, threshold: float | None,
+                          position_temperature: float):
+    """Every commit choice of one step and its log-probability, written out plainly: with a fixed `count`, each
+    ordered tuple of distinct positions (Plackett–Luce on softmax(score / T)); with a `threshold`, each non-empty set
+    (independent commits with probability σ((score − threshold) / T), one forced from softmax(score / T) when none)."""
+    if threshold is None:
+        for order in itertools.permutations(masked, count):
+            left, logprob = list(masked), 0.0
+            for position in order:
+                total = sum(math.exp(scores[i] / position_temperature) for i in left)
+                logprob += scores[position] / position_temperature - math.log(total)
+                left.remove(position)
+            yield order, logprob
+        return
+    commit = {i: 1 / (1 + math.exp(-(scores[i] - threshold) / position_temperature)) for i in masked}
+    forced_total = sum(math.exp(scores[i] / position_temperature) for i in masked)
+    none_commit = math.prod(1 - commit[i] for i in masked)
+    for size in range(1, len(masked) + 1):
+        for chosen in itertools.combinations(masked, size):
+            probability = math.prod(commit[i] if i in chosen else 1 - commit[i] for i in masked)
+            if size == 1:
+                probability += none_commit * math.exp(scores[chosen[0]] / position_temperature) / forced_total
+            yield chosen, math.log(probability)
+
+
+def enumerate_trajectories(model, sampler: MaskedDiffusionSampler) -> dict[tuple, float]:
+    """Every trajectory of `sampler` on `model` from the prompt [0] — per step, the candidates drawn at the masked
+    positions and the commit choice — with its log-probability, by enumeration (low_confidence scores; a fixed
+    count splits the block's positions evenly over its steps, the first steps taking the remainder)."""
+    config = sampler.config
+    counts = [config.gen_length // config.steps + (s < config.gen_length % config.steps) for s in range(config.steps)]
+    trajectories = {}
+
+    def visit(completion: list[int], step: int, key: tuple, logprob: float) -> None:
+        masked = [i for i, token in enumerate(completion) if token == MASK]
+        if not masked:
+            trajectories[key] = logprob
+            return
+        logits = completion_logits(model, completion)
+        token_logprobs, probabilities = (logits / config.temperature).log_softmax(-1), logits.softmax(-1)
+        for candidates in itertools.product(TOKENS, repeat=len(masked)):
+            drawn = dict(zip(masked, candidates))
+            scores = {i: float(probabilities[i, token]) for i, token in drawn.items()}
+            candidates_logprob = sum(float(token_logprobs[i, token]) for i, token in drawn.items())
+            count = counts[step] if config.threshold is None else None
+            for choice, choice_logprob in choices_with_logprobs(masked, scores, count, config.threshold,
+                                                                 config.position_temperature):
+                after = [drawn[i] if i in choice else token for i, token in enumerate(completion)]
+                visit(after, step + 1, key + ((candidates, choice),), logprob + candidates_logprob + choice_logprob)
+
+    visit([MASK] * config.gen_length, 0, (), 0.0)
+    return trajectories
+
+
+def trajectory_key(rollout: Rollout, row: int, ordered: bool) -> tuple:
+    """The enumeration's key of a recorded trajectory: per step, the candidates at the masked positions (the
+    committed tokens, the recorded discarded candidates) and the commit choice (in draw order when `ordered`)."""
+    completion, step = rollout.completion_ids[row].tolist(), rollout.commit_step[row]
+    step = (step - step.min()).tolist()
+    key = ()
+    for s in range(max(step) + 1):
+        masked = [i for i in range(len(step)) if step[i] >= s]
+        candidates = tuple(completion[i] if step[i] == s else int(rollout.discarded_candidates[row, i, s])
+                           for i in masked)
+        committed = [i for i in masked if step[i] == s]
+        if ordered:
+            committed.sort(key=lambda i: int(rollout.commit_rank[row, i]))
+        key += ((candidates, tuple(committed)),)
+    return key
+
+
+def rollout_of_trajectories(keys: list[tuple], gen_length: int, ordered: bool) -> Rollout:
+    """A rollout holding every trajectory in `keys` (one row each), as the sampler would have recorded it."""
+    rows = len(keys)
+    completion = torch.full((rows, gen_length), MASK)
+    commit_step = torch.zeros(rows, gen_length, dtype=torch.long)
+    commit_rank = torch.zeros(rows, gen_length, dtype=torch.long)
+    discarded = torch.full((rows, gen_length, gen_length), -1)
+    for row, key in enumerate(keys):
+        for step, (candidates, choice) in enumerate(key):
+            masked = [i for i in range(gen_length) if completion[row, i] == MASK]
+            for position, candidate in zip(masked, candidates):
+                if position in choice:
+                    completion[row, position] = candidate
+                    commit_step[row, position] = step
+                    commit_rank[row, position] = choice.index(position) if ordered else 0
+                else:
+                    discarded[row, position, step] = candidate
+    sequences = torch.cat([torch.zeros(rows, 1, dtype=torch.long), completion], dim=1)
+    return Rollout(sequences=sequences, attention_mask=torch.ones_like(sequences),
+                   completion_mask=torch.ones_like(completion, dtype=torch.bool),
+                   step_logprobs=torch.zeros(rows, gen_length), commit_step=commit_step, prompt_length=1,
+                   choice_logprobs=torch.zeros(rows, gen_length), commit_rank=commit_rank,
+                   discarded_candidates=discarded)
+
+
+RULES = [pytest.param(None, 0.5, 2, id="fixed-count-gumbel-top-k"),
+         pytest.param(0.4, 0.1, None, id="threshold-bernoulli")]
+
+
+@pytest.mark.parametrize("threshold, position_temperature, steps", RULES)
+def test_recorded_logprob_is_the_exact_probability_of_the_trajectory(threshold, position_temperature, steps):
+    """Every trajectory's probability, enumerated, sums to 1; each sampled trajectory's recorded log-prob
+    (step_logprobs + choice_logprobs) is its enumerated log-probability; the trainer's replay (trajectory estimator +
+    `choice_logprobs`) gives every trajectory that probability, so it too sums to 1 — the ratio of two such
+    replays is complete, and 1 on the model that sampled."""
+    model, sampler = TinyCanvasModel(), sampler_of(3, threshold, position_temperature, steps=steps)
+    ordered = threshold is None
+    trajectories = enumerate_trajectories(model, sampler)
+    assert math.fsum(math.exp(v) for v in trajectories.values()) == pytest.approx(1.0, abs=1e-9)
+
+    rollout = sampler.sample(model, torch.zeros(64, 1, dtype=torch.long), generator=torch.Generator().manual_seed(0))
+    recorded = (rollout.step_logprobs + rollout.choice_logprobs).sum(1)
+    expected = torch.tensor([trajectories[trajectory_key(rollout, row, ordered)] for row in range(64)], dtype=torch.float64)
+    torch.testing.assert_close(recorded.double(), expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(sampler.choice_logprobs(model, rollout), rollout.choice_logprobs)
+
+    keys = list(trajectories)
+    every = rollout_of_trajectories(keys, 3, ordered)
+    trainer = (trajectory_logprobs(model, every, MASK, TEMPERATURE) + sampler.choice_logprobs(model, every)).sum(1)
+    torch.testing.assert_close(trainer.double(), torch.tensor([trajectories[k] for k in keys], dtype=torch.float64), atol=1e-5, rtol=0)
+    assert float(torch.logsumexp(trainer.double(), 0)) == pytest.approx(0.0, abs=1e-5)
+
+
+@pytest.mark.parametrize("threshold, position_temperature, steps", RULES)
+def test_sampled_trajectories_follow_the_recorded_probabilities(threshold, position_temperature, steps):
+    """The sampler draws each trajectory as often as its recorded probability says (every frequency within 5
+    binomial SE of it, 20 000 draws; with a fixed count, two commits in the first step, so their draw order counts)."""
+    gen_length = 3 if threshold is None else 2
+    model, sampler = TinyCanvasModel(1), sampler_of(gen_length, threshold, position_temperature, steps=steps)
+    trajectories = enumerate_trajectories(model, sampler)
+    draws = 20_000
+    rollout = sampler.sample(model, torch.zeros(draws, 1, dtype=torch.long), generator=torch.Generator().manual_seed(3))
+    counts = {}
+    for row in range(draws):
+        key = trajectory_key(rollout, row, threshold is None)
+        counts[key] = counts.get(key, 0) + 1
+    assert set(counts) <= set(trajectories)
+    for key, logprob in trajectories.items():
+        probability = math.exp(logprob)
+        error = math.sqrt(probability * (1 - probability) / draws)
+        assert abs(counts.get(key, 0) / draws - probability) <= 5 * error + 1e-4, key
+
+
+@pytest.mark.parametrize("threshold", [None, 0.4])
+def test_vanishing_position_temperature_is_the_deterministic_decoder(threshold):
+    """T → 0 recovers today's decoder: with greedy candidates, T = 1e-6 commits what T = 0 commits, step by step."""
+    model = TinyCanvasModel(2)
+    prompts = torch.tensor([[0], [1], [2]])
+    exact = sampler_of(3, threshold, 0.0, temperature=0.0).sample(model, prompts)
+    drawn = sampler_of(3, threshold, 1e-6, temperature=0.0).sample(model, prompts,
+                                                                   generator=torch.Generator().manual_seed(0))
+    assert torch.equal(drawn.sequences, exact.sequences)
+    assert torch.equal(drawn.commit_step, exact.commit_step)
+    assert exact.choice_logprobs is None and drawn.choice_logprobs is not None
+
+
+def tiny_llada() -> LLaDAModelLM:
+    torch.manual_seed(0)
+    model = LLaDAModelLM(LLaDAConfig(
+        d_model=32, n_heads=2, n_kv_heads=2, n_layers=2, mlp_hidden_size=64, vocab_size=64, embedding_size=64,
+        max_sequence_length=64, mask_token_id=63, eos_token_id=62, pad_token_id=62)).eval()
+    with torch.no_grad():
+        model.model.transformer.ff_out.weight.mul_(10)
+    return model
+
+
+@pytest.mark.parametrize("decoder", [dict(cache="dual", threshold=0.5, position_temperature=0.05),
+                                     dict(cache="prefix", position_temperature=0.3),
+                                     dict(cache="none", remasking="maskgit_plus", position_temperature=0.3)])
+def test_the_trainer_replays_the_recorded_choice_with_the_fast_decoder(decoder):
+    """On the model that sampled, the trainer's replay of the commit choice — with the block cache refreshed as
+    sampled, the threshold rule, several blocks — is the recorded one, so the complete ratio is 1; on another model
+    it differs."""
+    model = tiny_llada()
+    sampler = MaskedDiffusionSampler(DiffusionSamplerConfig(
+        gen_length=8, block_length=4, steps=4, temperature=1.0, mask_token_id=63, eos_token_ids=(62,), **decoder))
+    prompts = torch.randint(0, 60, (6, 5), generator=torch.Generator().manual_seed(0))
+    rollout = sampler.sample(model, prompts, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(sampler.choice_logprobs(model, rollout), rollout.choice_logprobs, atol=1e-4, rtol=0)
+    other = tiny_llada()
+    with torch.no_grad():
+        other.model.transformer.ff_out.weight.mul_(1.5)
+    assert not torch.allclose(sampler.choice_logprobs(other, rollout), rollout.choice_logprobs, atol=1e-3)
+    halves = Rollout.concatenate([rollout.select(slice(0, 3)), rollout.select(slice(3, 6))])
+    assert torch.equal(halves.discarded_candidates, rollout.discarded_candidates)
+
+
+def test_the_correction_weights_the_complete_ratio_and_logs_the_commit_part():
+    """Sequence IS reads the complete ratio: w_b = min(exp(Σ_t (ℓ^old − ℓ^ro + c^old − c^ro)), C); the commit part's
+    k3 and ESS are logged beside the token ones; bypass mode with the complete ratio weights the commit ratio."""
+    generator = torch.Generator().manual_seed(0)
+    token_old, token_rollout, choice_old, choice_rollout = (0.1 * torch.randn(4, 5, generator=generator)
+                                                             for _ in range(4))
+    mask = torch.ones(4, 5, dtype=torch.bool)
+    settings = CorrectionSettings("tis", level="sequence", clip=100.0, complete_ratio=True)
+    [correction] = RolloutCorrection(settings)([(token_old, token_rollout)], torch.zeros(4), [mask],
+                                               (choice_old, choice_rollout))
+    complete = (token_old - token_rollout + choice_old - choice_rollout).sum(1).exp()
+    torch.testing.assert_close(correction.weights, complete.unsqueeze(1).expand(4, 5))
+    commit = choice_old - choice_rollout
+    assert correction.diagnostics["rollout_corr/commit_k3_kl"] == pytest.approx(
+        float((commit.exp() - commit - 1).mean()), rel=1e-5)
+    sequence = commit.sum(1).exp()
+    assert correction.diagnostics["rollout_corr/commit_eff_sample_size"] == pytest.approx(
+        float(sequence.mean() ** 2 / sequence.square().mean()), rel=1e-5)
+
+    bypass = dataclasses.replace(settings, bypass_mode=True)
+    [correction] = RolloutCorrection(bypass)([(token_rollout, token_rollout)], torch.zeros(4), [mask],
+                                             (choice_old, choice_rollout))
+    torch.testing.assert_close(correction.weights, commit.sum(1).exp().unsqueeze(1).expand(4, 5))
+
+
+def config_problems(**groups) -> list[str]:
+    config = GRPOConfig(model_name_or_path="embedded", task="digits", max_completion_length=16, rollout={
+        "block_length": 16, "steps": 8, "threshold": 0.9}, **groups)
+    return [problem for problem in config.problems() if "complete_ratio" in problem]
+
+
+def test_the_complete_ratio_setting_and_its_rules():
+    """correction.complete_ratio needs the trajectory estimator and a commit rule with a probability."""
+    complete = {"correction": {"method": "tis", "complete_ratio": True}}
+    assert config_problems(**complete, likelihood={"estimator": "trajectory"},
+                           experimental={"rollout_position_temperature": 0.05}) == []
+    assert any("experimental.rollout_position_temperature > 0" in p
+               for p in config_problems(**complete, likelihood={"estimator": "trajectory"}))
+    assert any("likelihood.estimator=trajectory" in p
+               for p in config_problems(**complete, experimental={"rollout_position_temperature": 0.05}))
+    assert CorrectionSettings("tis", bypass_mode=True, complete_ratio=True).problems() == []
+    assert CorrectionSettings("tis", bypass_mode=True).problems() != []
