@@ -111,7 +111,11 @@ def assert_refused_in_one_line(result: subprocess.CompletedProcess, named_in: Pa
     assert len(errors) == 1 and str(named_in) in errors[0] and "--trust_remote_code=true" in errors[0], output
 
 
-@pytest.mark.parametrize("command", ["eval", "generate", "export", "train", "sft", "lm-eval"])
+SLOW = pytest.mark.slow  # one child process (a few seconds) each: the first case of each attack runs in the fast tier
+
+
+@pytest.mark.parametrize("command", ["eval"] + [pytest.param(command, marks=SLOW)
+                                                for command in ("generate", "export", "train", "sft", "lm-eval")])
 def test_a_tokenizer_naming_its_own_code_is_refused_though_the_terminal_says_yes(tmp_path, command):
     directory, named_in = evil_model(tmp_path, "tokenizer_config.json")
     result = run_cli(commands(directory, tmp_path)[command], tmp_path)
@@ -119,7 +123,7 @@ def test_a_tokenizer_naming_its_own_code_is_refused_though_the_terminal_says_yes
     assert_refused_in_one_line(result, named_in)
 
 
-@pytest.mark.parametrize("command", ["eval", "lm-eval"])
+@pytest.mark.parametrize("command", ["eval", pytest.param("lm-eval", marks=SLOW)])
 def test_an_unknown_architecture_naming_its_own_code_is_refused_before_anything_runs(tmp_path, command):
     directory, named_in = evil_model(tmp_path, "config.json")
     result = run_cli(commands(directory, tmp_path)[command], tmp_path)
@@ -128,6 +132,7 @@ def test_an_unknown_architecture_naming_its_own_code_is_refused_before_anything_
     assert "evil_architecture" in result.stderr
 
 
+@SLOW
 def test_lm_eval_trust_remote_code_no_is_false(tmp_path):
     """Non-interactive: `no` used to reach from_pretrained as a true string and run the code without a question."""
     directory, named_in = evil_model(tmp_path, "config.json")
@@ -157,11 +162,12 @@ def test_lm_eval_booleans_parse_strictly(word, value):
 
 
 @pytest.mark.parametrize("model_args, named", [
-    ("trust_remote_code=maybe", "trust_remote_code='maybe'"),
     ("steps=-3", "steps=-3"),
-    ("seed=abc", "seed='abc'"),
-    ("temperature=0.5", "unknown argument 'temperature'"),
-    (f"device_map=cuda:{max(3, torch.cuda.device_count())}", "device_map="),
+    *[pytest.param(*case, marks=SLOW) for case in (
+        ("trust_remote_code=maybe", "trust_remote_code='maybe'"),
+        ("seed=abc", "seed='abc'"),
+        ("temperature=0.5", "unknown argument 'temperature'"),
+        (f"device_map=cuda:{max(3, torch.cuda.device_count())}", "device_map="))],
 ])
 def test_a_bad_lm_eval_argument_is_one_line_before_any_model_loads(tmp_path, monkeypatch, capsys, model_args,
                                                                    named):
