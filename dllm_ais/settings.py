@@ -71,7 +71,8 @@ class RolloutSettings(SettingsGroup):
     block_length: int = field(default=32, metadata={**AT_LEAST_ONE, "help": "Semi-autoregressive block length."})
     remasking: str = field(default="low_confidence", metadata={
         "help": "Which masked positions commit first: low_confidence, random, left_to_right (LLaDA); maskgit_plus, "
-                "topk_margin, entropy, origin (Dream); or a rule registered with register_remasking_rule."})
+                "topk_margin, entropy, origin (Dream); top_probability (low_confidence reading no candidate: the "
+                "complete ratio's fixed-count rule); or a rule registered with register_remasking_rule."})
     cfg_scale: float = field(default=0.0, metadata={**NON_NEGATIVE,
         "help": "Classifier-free guidance s: logits = u + (s + 1)(c - u), u with the prompt masked (two forwards per "
                 "step); every likelihood estimator scores the guided logits, as sampled (as d1)."})

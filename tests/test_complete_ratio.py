@@ -58,10 +58,11 @@ def completion_logits(model, completion: list[int]) -> torch.Tensor:
 
 
 def choices_with_logprobs(masked: list[int], scores: dict[int, float], count: int | None, threshold: float | None,
-                          position_temperature: float):
+                          position_temperature: float, forced_scores: dict[int, float] | None = None):
     """Every commit choice of one step and its log-probability, written out plainly: with a fixed `count`, each
     ordered tuple of distinct positions (Plackett–Luce on softmax(score / T)); with a `threshold`, each non-empty set
-    (independent commits with probability σ((score − threshold) / T), one forced from softmax(score / T) when none)."""
+    (independent commits with probability σ((score − threshold) / T), one forced from softmax(forced score / T) when
+    none)."""
     if threshold is None:
         for order in itertools.permutations(masked, count):
             left, logprob = list(masked), 0.0
@@ -72,20 +73,22 @@ def choices_with_logprobs(masked: list[int], scores: dict[int, float], count: in
             yield order, logprob
         return
     commit = {i: 1 / (1 + math.exp(-(scores[i] - threshold) / position_temperature)) for i in masked}
-    forced_total = sum(math.exp(scores[i] / position_temperature) for i in masked)
+    forced_total = sum(math.exp(forced_scores[i] / position_temperature) for i in masked)
     none_commit = math.prod(1 - commit[i] for i in masked)
     for size in range(1, len(masked) + 1):
         for chosen in itertools.combinations(masked, size):
             probability = math.prod(commit[i] if i in chosen else 1 - commit[i] for i in masked)
             if size == 1:
-                probability += none_commit * math.exp(scores[chosen[0]] / position_temperature) / forced_total
+                probability += none_commit * math.exp(forced_scores[chosen[0]] / position_temperature) / forced_total
             yield chosen, math.log(probability)
 
 
 def enumerate_trajectories(model, sampler: MaskedDiffusionSampler) -> dict[tuple, float]:
-    """Every trajectory of `sampler` on `model` from the prompt [0] — per step, the candidates drawn at the masked
-    positions and the commit choice — with its log-probability, by enumeration (low_confidence scores; a fixed
-    count splits the block's positions evenly over its steps, the first steps taking the remainder)."""
+    """Every trajectory of `sampler` on `model` from the prompt [0] with its log-probability, by enumeration
+    (low_confidence scores; a fixed count splits the block's positions evenly over its steps, the first steps taking
+    the remainder). A trajectory is, per step, the candidates drawn at the masked positions and the commit choice; for
+    threshold decoding, whose ratio sums over the candidates left uncommitted, the committed tokens and the commit
+    set (the probabilities of the trajectories that differ only in discarded candidates added up)."""
     config = sampler.config
     counts = [config.gen_length // config.steps + (s < config.gen_length % config.steps) for s in range(config.steps)]
     trajectories = {}
@@ -97,15 +100,22 @@ def enumerate_trajectories(model, sampler: MaskedDiffusionSampler) -> dict[tuple
             return
         logits = completion_logits(model, completion)
         token_logprobs, probabilities = (logits / config.temperature).log_softmax(-1), logits.softmax(-1)
+        forced_scores = {i: float(probabilities[i].max()) for i in masked}
+        outcomes = {}
         for candidates in itertools.product(TOKENS, repeat=len(masked)):
             drawn = dict(zip(masked, candidates))
             scores = {i: float(probabilities[i, token]) for i, token in drawn.items()}
             candidates_logprob = sum(float(token_logprobs[i, token]) for i, token in drawn.items())
             count = counts[step] if config.threshold is None else None
             for choice, choice_logprob in choices_with_logprobs(masked, scores, count, config.threshold,
-                                                                 config.position_temperature):
-                after = [drawn[i] if i in choice else token for i, token in enumerate(completion)]
-                visit(after, step + 1, key + ((candidates, choice),), logprob + candidates_logprob + choice_logprob)
+                                                                 config.position_temperature, forced_scores):
+                seen = (candidates, choice) if count else (tuple(drawn[i] for i in choice), choice)
+                outcomes.setdefault(seen, []).append(candidates_logprob + choice_logprob)
+        for (seen, choice), logprobs in outcomes.items():
+            committed = dict(zip(choice, seen)) if config.threshold is not None else {
+                i: token for i, token in zip(masked, seen) if i in choice}
+            after = [committed.get(i, token) for i, token in enumerate(completion)]
+            visit(after, step + 1, key + ((seen, choice),), logprob + float(torch.tensor(logprobs, dtype=torch.float64).logsumexp(0)))
 
     visit([MASK] * config.gen_length, 0, (), 0.0)
     return trajectories
@@ -113,17 +123,20 @@ def enumerate_trajectories(model, sampler: MaskedDiffusionSampler) -> dict[tuple
 
 def trajectory_key(rollout: Rollout, row: int, ordered: bool) -> tuple:
     """The enumeration's key of a recorded trajectory: per step, the candidates at the masked positions (the
-    committed tokens, the recorded discarded candidates) and the commit choice (in draw order when `ordered`)."""
+    committed tokens, the recorded discarded candidates) and the commit choice in draw order (`ordered`, a fixed
+    count); for threshold decoding, the committed tokens and the commit set."""
     completion, step = rollout.completion_ids[row].tolist(), rollout.commit_step[row]
     step = (step - step.min()).tolist()
     key = ()
     for s in range(max(step) + 1):
         masked = [i for i in range(len(step)) if step[i] >= s]
+        committed = [i for i in masked if step[i] == s]
+        if not ordered:
+            key += ((tuple(completion[i] for i in committed), tuple(committed)),)
+            continue
         candidates = tuple(completion[i] if step[i] == s else int(rollout.discarded_candidates[row, i, s])
                            for i in masked)
-        committed = [i for i in masked if step[i] == s]
-        if ordered:
-            committed.sort(key=lambda i: int(rollout.commit_rank[row, i]))
+        committed.sort(key=lambda i: int(rollout.commit_rank[row, i]))
         key += ((candidates, tuple(committed)),)
     return key
 
@@ -137,7 +150,7 @@ def rollout_of_trajectories(keys: list[tuple], gen_length: int, ordered: bool) -
     discarded = torch.full((rows, gen_length, gen_length), -1)
     for row, key in enumerate(keys):
         for step, (candidates, choice) in enumerate(key):
-            masked = [i for i in range(gen_length) if completion[row, i] == MASK]
+            masked = [i for i in range(gen_length) if completion[row, i] == MASK] if ordered else choice
             for position, candidate in zip(masked, candidates):
                 if position in choice:
                     completion[row, position] = candidate
@@ -150,7 +163,7 @@ def rollout_of_trajectories(keys: list[tuple], gen_length: int, ordered: bool) -
                    completion_mask=torch.ones_like(completion, dtype=torch.bool),
                    step_logprobs=torch.zeros(rows, gen_length), commit_step=commit_step, prompt_length=1,
                    choice_logprobs=torch.zeros(rows, gen_length), commit_rank=commit_rank,
-                   discarded_candidates=discarded)
+                   discarded_candidates=discarded if ordered else None)
 
 
 RULES = [pytest.param(None, 0.5, 2, id="fixed-count-gumbel-top-k"),
@@ -224,13 +237,23 @@ def tiny_llada() -> LLaDAModelLM:
     return model
 
 
-@pytest.mark.parametrize("decoder", [dict(cache="dual", threshold=0.5, position_temperature=0.05),
-                                     dict(cache="prefix", position_temperature=0.3),
-                                     dict(cache="none", remasking="maskgit_plus", position_temperature=0.3)])
-def test_the_trainer_replays_the_recorded_choice_with_the_fast_decoder(decoder):
+def unmarked_confidence(block_logits, candidates, generator=None):
+    """low_confidence's scores from a user rule that carries no marker: the sampler must take it to read the
+    candidates in every way."""
+    return block_logits.softmax(-1).gather(-1, candidates.unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.mark.parametrize("decoder, records_discarded", [
+    (dict(cache="dual", threshold=0.5, position_temperature=0.05), False),
+    (dict(cache="dual", threshold=0.5, position_temperature=0.05, remasking=unmarked_confidence), True),
+    (dict(cache="prefix", position_temperature=0.3), True),
+    (dict(cache="prefix", position_temperature=0.02, remasking="top_probability"), False),
+    (dict(cache="none", remasking="maskgit_plus", position_temperature=0.3), True)])
+def test_the_trainer_replays_the_recorded_choice_with_the_fast_decoder(decoder, records_discarded):
     """On the model that sampled, the trainer's replay of the commit choice — with the block cache refreshed as
     sampled, the threshold rule, several blocks — is the recorded one, so the complete ratio is 1; on another model
-    it differs."""
+    it differs. The discarded candidates are recorded only where the ratio holds them: threshold decoding sums over
+    them for a rule scoring the candidate's probability, and a rule that reads none (top_probability) needs none."""
     model = tiny_llada()
     sampler = MaskedDiffusionSampler(DiffusionSamplerConfig(
         gen_length=8, block_length=4, steps=4, temperature=1.0, mask_token_id=63, eos_token_ids=(62,), **decoder))
@@ -241,8 +264,10 @@ def test_the_trainer_replays_the_recorded_choice_with_the_fast_decoder(decoder):
     with torch.no_grad():
         other.model.transformer.ff_out.weight.mul_(1.5)
     assert not torch.allclose(sampler.choice_logprobs(other, rollout), rollout.choice_logprobs, atol=1e-3)
-    halves = Rollout.concatenate([rollout.select(slice(0, 3)), rollout.select(slice(3, 6))])
-    assert torch.equal(halves.discarded_candidates, rollout.discarded_candidates)
+    assert (rollout.discarded_candidates is not None) == records_discarded
+    if records_discarded:
+        halves = Rollout.concatenate([rollout.select(slice(0, 3)), rollout.select(slice(3, 6))])
+        assert torch.equal(halves.discarded_candidates, rollout.discarded_candidates)
 
 
 def test_the_correction_weights_the_complete_ratio_and_logs_the_commit_part():

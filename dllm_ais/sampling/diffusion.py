@@ -109,9 +109,11 @@ __all__ = [
     "register_remasking_rule",
     "resolve_remasking_rule",
     "sampled_token_probability_scores",
+    "scores_candidate_probability",
     "sampling_logprobs",
     "scores_sampling_distribution",
     "time_linear_commit_count",
+    "top_probability_scores",
     "top_two_margin_scores",
     "transfer_schedule",
 ]
@@ -119,6 +121,15 @@ __all__ = [
 RemaskingRule = Callable[[torch.Tensor, torch.Tensor, "torch.Generator | None"], torch.Tensor]
 
 
+def scores_candidate_probability(rule: RemaskingRule) -> RemaskingRule:
+    """Mark a remasking rule whose score of a candidate x̂ is its probability softmax(rule logits)[x̂]: every token's
+    score is then known at once (the softmax), so the complete ratio of threshold decoding can sum the commit
+    probability over the candidates instead of recording the ones discarded (`threshold_stay_logprobs`)."""
+    rule.scores_candidate_probability = True
+    return rule
+
+
+@scores_candidate_probability
 def low_confidence_scores(
     block_logits: torch.Tensor, candidates: torch.Tensor, generator: torch.Generator | None = None
 ) -> torch.Tensor:
@@ -136,6 +147,16 @@ def ignores_candidates(rule: RemaskingRule) -> RemaskingRule:
     taken to read them."""
     rule.ignores_candidates = True
     return rule
+
+
+@ignores_candidates
+def top_probability_scores(
+    block_logits: torch.Tensor, candidates: torch.Tensor, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """score = max_v softmax(logits)[v]: the model's confidence in its most probable token, whatever was drawn
+    (`low_confidence` with greedy candidates; with sampled ones, a commit choice that reads no candidate, so the
+    complete ratio needs none of the discarded ones). Computed in the logits' dtype, as `low_confidence`."""
+    return F.softmax(block_logits, dim=-1).amax(dim=-1)
 
 
 @ignores_candidates
@@ -162,6 +183,7 @@ def scores_sampling_distribution(rule: RemaskingRule) -> RemaskingRule:
     return rule
 
 
+@scores_candidate_probability
 @scores_sampling_distribution
 def sampled_token_probability_scores(
     block_logits: torch.Tensor, candidates: torch.Tensor, generator: torch.Generator | None = None
@@ -196,10 +218,10 @@ def negative_entropy_scores(
 REMASKING_RULES: dict[str, RemaskingRule] = {
     "low_confidence": low_confidence_scores, "random": random_scores, "left_to_right": left_to_right_scores,
     "maskgit_plus": sampled_token_probability_scores, "topk_margin": top_two_margin_scores,
-    "entropy": negative_entropy_scores, "origin": random_scores,
+    "entropy": negative_entropy_scores, "origin": random_scores, "top_probability": top_probability_scores,
 }
-"""LLaDA's rules (low_confidence, random), autoregressive order (left_to_right), and Dream's (maskgit_plus,
-topk_margin, entropy, origin). ``origin`` commits each still-masked position with probability 1 − s/t of the
+"""LLaDA's rules (low_confidence, random), autoregressive order (left_to_right), Dream's (maskgit_plus,
+topk_margin, entropy, origin), and top_probability (low_confidence without reading the candidate). ``origin`` commits each still-masked position with probability 1 − s/t of the
 time-linear schedule (Dream's default): uniformly random positions, in a Binomial number per step
 (`origin_commit_counts`)."""
 
@@ -287,51 +309,58 @@ def perturb_scores_for_sampling(row_scores: torch.Tensor, position_temperature: 
     return (row_scores.double() / position_temperature + gumbel).masked_fill(row_scores == -math.inf, -math.inf)
 
 
-def threshold_commits(scores: torch.Tensor, still_masked: torch.Tensor, threshold: float, position_temperature: float,
-                      generator: torch.Generator | None) -> torch.Tensor:
+def threshold_commits(scores: torch.Tensor, forced_scores: torch.Tensor, still_masked: torch.Tensor, threshold: float,
+                      position_temperature: float, generator: torch.Generator | None) -> torch.Tensor:
     """[B, Lb] bool: threshold decoding as a draw with an exact probability (`rollout.threshold` with
     `position_temperature` T > 0). Each still-masked position i commits independently with probability
     p_i = σ((c_i − τ_c) / T), c_i its score; a row that has a masked position but commits none of them commits one
-    drawn from softmax(c / T) over its masked positions (the forced commit). T → 0 is Fast-dLLM's rule (every c_i > τ_c,
-    else the top score). Uniforms in float64 and the forced draw's Gumbel noise come from `generator`."""
+    drawn from softmax(m / T) over its masked positions (the forced commit), m = `forced_scores`, the rule's scores of
+    the most probable tokens, which read no drawn candidate. T → 0 is Fast-dLLM's rule (every c_i > τ_c, else the top
+    score; with greedy candidates m = c). Uniforms in float64 and the forced draw's Gumbel noise come from
+    `generator`."""
     logits = (scores.double() - threshold) / position_temperature
     uniform = torch.rand(scores.shape, generator=generator, device=scores.device, dtype=torch.float64)
     commit = (uniform < torch.sigmoid(logits)) & still_masked
-    forced = perturb_scores_for_sampling(scores.double().masked_fill(~still_masked, -math.inf), position_temperature,
-                                         generator).argmax(dim=1, keepdim=True)
+    forced = perturb_scores_for_sampling(forced_scores.double().masked_fill(~still_masked, -math.inf),
+                                         position_temperature, generator).argmax(dim=1, keepdim=True)
     needs_forced = still_masked.any(dim=1, keepdim=True) & ~commit.any(dim=1, keepdim=True)
     return commit | (torch.zeros_like(commit).scatter(1, forced, True) & needs_forced)
 
 
-def commit_choice_logprobs(scores: torch.Tensor, still_masked: torch.Tensor, commit: torch.Tensor,
-                           commit_rank: torch.Tensor, position_temperature: float,
-                           threshold: float | None = None) -> torch.Tensor:
-    """float32 [B, Lb]: log P(the step's commit choice | the scores), split over the block's positions (0 at the
-    positions no longer masked), so that a row's sum is the log-probability of its choice.
+def ranked_choice_logprobs(scores: torch.Tensor, still_masked: torch.Tensor, commit: torch.Tensor,
+                           commit_rank: torch.Tensor, position_temperature: float) -> torch.Tensor:
+    """float32 [B, Lb]: log P(a fixed-count step's commit choice | the scores), split over the block's positions.
 
-    Fixed count (`threshold` None): the committed positions, in the order `commit_rank` (0 = drawn first), are a
-    draw without replacement from softmax(c / T) over the still-masked positions (Gumbel-top-k,
-    `perturb_scores_for_sampling`); their Plackett–Luce log-probability gives the position drawn j-th
-    c_(j) / T − log Σ_{i not yet drawn} exp(c_i / T), and the positions left masked 0.
-
-    Threshold (`threshold_commits`): with p_i = σ((c_i − τ_c) / T) and π = softmax(c / T), a position left masked
-    gets log(1 − p_i), a committed one log p_i, and the only committed position of a row log(p_i + (1 − p_i) π_i):
-    a single commit is either that Bernoulli outcome or the forced commit after none.
+    The committed positions, in the order `commit_rank` (0 = drawn first), are a draw without replacement from
+    softmax(c / T) over the still-masked positions (Gumbel-top-k, `perturb_scores_for_sampling`); their
+    Plackett–Luce log-probability gives the position drawn j-th c_(j) / T − log Σ_{i not yet drawn} exp(c_i / T), and
+    every other position 0.
     """
     scaled = scores.double().masked_fill(~still_masked, -math.inf) / position_temperature
-    if threshold is not None:
-        logits = (scores.double() - threshold) / position_temperature
-        commits, stays = F.logsigmoid(logits), F.logsigmoid(-logits)
-        single = commit.sum(dim=1, keepdim=True) == 1
-        single_terms = torch.logaddexp(commits, stays + scaled.log_softmax(dim=1))
-        terms = torch.where(commit, torch.where(single, single_terms, commits), stays)
-        return torch.where(still_masked, terms, 0.0).float()
     draw_key = torch.where(commit, -commit_rank.double(), -math.inf)
     order = draw_key.argsort(dim=1, descending=True, stable=True)  # the committed positions first, in draw order
     ordered = scaled.gather(1, order)
     not_yet_drawn = ordered.flip(1).logcumsumexp(dim=1).flip(1)
     terms = torch.where(commit.gather(1, order), ordered - not_yet_drawn, 0.0)
     return torch.zeros_like(terms).scatter(1, order, terms).float()
+
+
+def threshold_choice_logprobs(commit_logits: torch.Tensor, stay_logprobs: torch.Tensor, forced_scores: torch.Tensor,
+                              still_masked: torch.Tensor, commit: torch.Tensor, position_temperature: float
+                              ) -> torch.Tensor:
+    """float32 [B, Lb]: log P(a threshold step's commit set), split over the block's positions (`threshold_commits`).
+
+    With p_i = σ(`commit_logits`_i) the commit probability of the token committed at i and π = softmax(m / T) over
+    the masked positions (m = `forced_scores`), a committed position gets log p_i, the only committed position of a
+    row log(p_i + (1 − p_i) π_i) (that Bernoulli outcome, or the forced commit after none: its candidate then failed
+    its own draw), and a position left masked `stay_logprobs`_i, the log-probability that it stays masked.
+    """
+    commit_logits = commit_logits.double()
+    forced = (forced_scores.double().masked_fill(~still_masked, -math.inf) / position_temperature).log_softmax(dim=1)
+    single = commit.sum(dim=1, keepdim=True) == 1
+    single_terms = torch.logaddexp(F.logsigmoid(commit_logits), F.logsigmoid(-commit_logits) + forced)
+    terms = torch.where(commit, torch.where(single, single_terms, F.logsigmoid(commit_logits)), stay_logprobs.double())
+    return torch.where(still_masked, terms, 0.0).float()
 
 
 def draw_ranks(keys: torch.Tensor, commit: torch.Tensor) -> torch.LongTensor:
@@ -631,34 +660,36 @@ class _ChoiceRecord:
     """What a sampling call with a stochastic commit rule (``position_temperature`` > 0) records of its choices
     besides the committed tokens, as the `Rollout` fields of the same names: `choice_logprobs` [B, L] (each step's
     `MaskedDiffusionSampler.step_choice_logprobs`, added up per position), `commit_rank` [B, L] (the draw order among
-    a step's commits) and `discarded_candidates` [B, L, block_length] (the candidate drawn at a position at the k-th
-    forward of its block and left uncommitted, −1 where none)."""
+    a step's commits) and, when the sampler's ratio needs them (`records_discarded_candidates`),
+    `discarded_candidates` [B, L, block_length] (the candidate drawn at a position at the k-th forward of its block
+    and left uncommitted, −1 where none)."""
 
     choice_logprobs: torch.Tensor
     commit_rank: torch.LongTensor
-    discarded_candidates: torch.LongTensor
+    discarded_candidates: torch.LongTensor | None
 
     @classmethod
-    def empty(cls, batch: int, config: "DiffusionSamplerConfig", device: torch.device) -> "_ChoiceRecord":
-        shape = (batch, config.gen_length)
+    def empty(cls, batch: int, sampler: "MaskedDiffusionSampler", device: torch.device) -> "_ChoiceRecord":
+        shape = (batch, sampler.config.gen_length)
+        discarded = (torch.full((*shape, sampler.config.block_length), -1, dtype=torch.long, device=device)
+                     if sampler.records_discarded_candidates else None)
         return cls(torch.zeros(shape, dtype=torch.float32, device=device),
-                   torch.zeros(shape, dtype=torch.long, device=device),
-                   torch.full((*shape, config.block_length), -1, dtype=torch.long, device=device))
+                   torch.zeros(shape, dtype=torch.long, device=device), discarded)
 
     def add_step(self, sampler: "MaskedDiffusionSampler", completion_block: slice, forward_in_block: int,
-                 scores: torch.Tensor, still_masked: torch.Tensor, commit: torch.Tensor,
+                 logits: torch.Tensor, scores: torch.Tensor, still_masked: torch.Tensor, commit: torch.Tensor,
                  commit_rank: torch.Tensor | None, candidates: torch.Tensor, candidate_logprobs: torch.Tensor) -> None:
         """Record one step of the block `completion_block` (its `forward_in_block`-th forward, from 0)."""
         self.choice_logprobs[:, completion_block] += sampler.step_choice_logprobs(
-            scores, still_masked, commit, commit_rank, candidate_logprobs)
+            logits, scores, still_masked, commit, commit_rank, candidate_logprobs)
         if commit_rank is not None:
             ranks = self.commit_rank[:, completion_block]
             self.commit_rank[:, completion_block] = torch.where(commit, commit_rank, ranks)
-        if sampler.reads_candidates:
+        if self.discarded_candidates is not None:
             self.discarded_candidates[:, completion_block, forward_in_block] = torch.where(
                 still_masked & ~commit, candidates, -1)
 
-    def fields(self) -> dict[str, torch.Tensor]:
+    def fields(self) -> dict[str, torch.Tensor | None]:
         return dataclasses.asdict(self)
 
 
@@ -854,7 +885,7 @@ class MaskedDiffusionSampler:
         commit_step = torch.full((batch, config.gen_length), -1, dtype=torch.long, device=device)
         num_steps = torch.zeros(batch, dtype=torch.long, device=device)
         cache = BlockCache(config.cache, config.cache_dtype) if config.cache != "none" else None
-        choice = _ChoiceRecord.empty(batch, config, device) if config.position_temperature > 0 else None
+        choice = _ChoiceRecord.empty(batch, self, device) if config.position_temperature > 0 else None
 
         rows = torch.arange(batch, device=device).unsqueeze(1)
         n_blocks = config.gen_length // config.block_length
@@ -892,8 +923,8 @@ class MaskedDiffusionSampler:
                 scores = self.rule_scores(logits, candidates, generator)
                 commit_rank = None
                 if config.threshold is not None and config.position_temperature > 0:
-                    commit = threshold_commits(scores, still_masked, config.threshold, config.position_temperature,
-                                               generator)
+                    commit = threshold_commits(scores, self.forced_commit_scores(logits, scores), still_masked,
+                                               config.threshold, config.position_temperature, generator)
                     counts = commit.sum(dim=1).tolist()
                 else:
                     if counts is None:
@@ -907,8 +938,8 @@ class MaskedDiffusionSampler:
                         commit_rank = draw_ranks(row_scores[:, block], commit)
                 logprobs = torch.zeros_like(step_logprobs[:, completion_block]).scatter(1, active, drawn_logprobs)
                 if choice is not None:
-                    choice.add_step(self, completion_block, forwards_in_block - 1, scores, still_masked, commit,
-                                    commit_rank, candidates, logprobs)
+                    choice.add_step(self, completion_block, forwards_in_block - 1, logits, scores, still_masked,
+                                    commit, commit_rank, candidates, logprobs)
                 canvas[:, block] = torch.where(commit, candidates, canvas[:, block])
                 step_logprobs[:, completion_block] = torch.where(commit, logprobs, step_logprobs[:, completion_block])
                 commit_step[:, completion_block].masked_fill_(commit, step)
@@ -942,12 +973,16 @@ class MaskedDiffusionSampler:
 
     def rule_scores(self, logits: torch.Tensor, candidates: torch.Tensor,
                     generator: torch.Generator | None) -> torch.Tensor:
-        """The remasking rule's scores [B, Lb] of a block from its logits [B, Lb, V] and candidates [B, Lb]; a rule
-        marked `scores_sampling_distribution` gets logits / τ (τ > 0)."""
-        rule_logits = logits
+        """The remasking rule's scores [B, Lb] of a block from its logits [B, Lb, V] and candidates [B, Lb]
+        (`rule_logits`)."""
+        return _checked_scores(self.remasking_rule(self.rule_logits(logits), candidates, generator), candidates)
+
+    def rule_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits the remasking rule reads: logits / τ (τ > 0) for a rule marked `scores_sampling_distribution`,
+        the logits themselves otherwise."""
         if getattr(self.remasking_rule, "scores_sampling_distribution", False) and self.config.temperature > 0:
-            rule_logits = logits / self.config.temperature
-        return _checked_scores(self.remasking_rule(rule_logits, candidates, generator), candidates)
+            return logits / self.config.temperature
+        return logits
 
     @property
     def commit_choice_depends_on_model(self) -> bool:
@@ -959,34 +994,76 @@ class MaskedDiffusionSampler:
     @property
     def reads_candidates(self) -> bool:
         """Whether the rule's scores depend on the candidates (not marked `ignores_candidates`): the candidates drawn
-        at positions left masked then shape the commit choice, and their log-probs are part of its probability."""
+        at positions left masked then shape the commit choice."""
         return self.commit_choice_depends_on_model and not getattr(self.remasking_rule, "ignores_candidates", False)
 
-    def step_choice_logprobs(self, scores: torch.Tensor | None, still_masked: torch.Tensor, commit: torch.Tensor,
-                             commit_rank: torch.Tensor | None, candidate_logprobs: torch.Tensor) -> torch.Tensor:
+    @property
+    def records_discarded_candidates(self) -> bool:
+        """Whether the complete ratio holds the candidates drawn and left uncommitted (their log-probs, and the
+        record `discarded_candidates`): for a rule that reads them, unless threshold decoding sums over them
+        (`threshold_stay_logprobs`, for a rule marked `scores_candidate_probability`)."""
+        marginalised = (self.config.threshold is not None
+                        and getattr(self.remasking_rule, "scores_candidate_probability", False))
+        return self.reads_candidates and not marginalised
+
+    def forced_commit_scores(self, logits: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """[B, Lb] the scores threshold decoding draws its forced commit from (`threshold_commits`): the rule's
+        `scores` when it reads no candidate, else its scores of each position's most probable token, so that the
+        forced choice reads no drawn candidate either."""
+        if not self.reads_candidates:
+            return scores
+        return self.rule_scores(logits, logits.argmax(dim=-1), None)
+
+    def threshold_stay_logprobs(self, logits: torch.Tensor, commit_logits: torch.Tensor) -> torch.Tensor:
+        """[B, Lb] log P(position i stays masked) at a threshold step, `commit_logits` = (c − τ_c) / T at the drawn
+        candidates: log(1 − σ(commit_logits)) (the candidate recorded, or read by no rule); for a rule marked
+        `scores_candidate_probability`, summed over the candidate instead,
+        log Σ_v q_i(v) (1 − σ((s_i(v) − τ_c) / T)), with q_i = softmax(logits / τ) what the candidate is drawn from
+        (a point mass on the argmax at τ = 0) and s_i(v) = softmax(rule logits)[v] every token's score."""
+        if self.records_discarded_candidates or not self.reads_candidates:
+            return F.logsigmoid(-commit_logits.double())
+        config = self.config
+        token_scores = F.softmax(self.rule_logits(logits), dim=-1).float()
+        stays = F.logsigmoid(-(token_scores - config.threshold) / config.position_temperature)
+        if config.temperature > 0:
+            draws = F.log_softmax(logits.float() / config.temperature, dim=-1)
+        else:
+            draws = torch.full_like(stays, -math.inf).scatter(-1, logits.argmax(dim=-1, keepdim=True), 0.0)
+        return torch.logsumexp(stays + draws, dim=-1)
+
+    def step_choice_logprobs(self, logits: torch.Tensor, scores: torch.Tensor | None, still_masked: torch.Tensor,
+                             commit: torch.Tensor, commit_rank: torch.Tensor | None,
+                             candidate_logprobs: torch.Tensor) -> torch.Tensor:
         """float32 [B, Lb]: the log-probability of one step's outcome beyond its committed tokens', split over the
-        block's positions: the commit choice given the scores (`commit_choice_logprobs`; 0 for a rule whose choice
-        does not depend on the model) plus, when the rule reads the candidates, the log-prob `candidate_logprobs`
-        of the candidate drawn at each still-masked position left uncommitted (the scores, hence the choice, depend
-        on it). With the committed tokens' log-probs (`step_logprobs`) this is the probability of everything the
-        step drew; docs/algorithms.md, "The complete ratio"."""
+        block's positions, from the block's `logits` and the rule's `scores` of the candidates: the commit choice
+        (`ranked_choice_logprobs` for a fixed count, `threshold_choice_logprobs` for threshold decoding; 0 for a
+        rule whose choice does not depend on the model) plus, when the ratio holds them
+        (`records_discarded_candidates`), the log-prob `candidate_logprobs` of the candidate drawn at each
+        still-masked position left uncommitted. With the committed tokens' log-probs (`step_logprobs`) this is the
+        probability of the step's outcome; docs/algorithms.md, "The complete ratio"."""
+        config = self.config
         terms = torch.zeros_like(candidate_logprobs, dtype=torch.float32)
-        if self.commit_choice_depends_on_model:
-            terms = commit_choice_logprobs(scores, still_masked, commit, commit_rank, self.config.position_temperature,
-                                           self.config.threshold)
-        if self.reads_candidates:
+        if self.commit_choice_depends_on_model and config.threshold is None:
+            terms = ranked_choice_logprobs(scores, still_masked, commit, commit_rank, config.position_temperature)
+        elif self.commit_choice_depends_on_model:
+            commit_logits = (scores.double() - config.threshold) / config.position_temperature
+            terms = threshold_choice_logprobs(commit_logits, self.threshold_stay_logprobs(logits, commit_logits),
+                                              self.forced_commit_scores(logits, scores), still_masked, commit,
+                                              config.position_temperature)
+        if self.records_discarded_candidates:
             terms = terms + torch.where(still_masked & ~commit, candidate_logprobs.float(), 0.0)
         return terms
 
     @torch.no_grad()
     def choice_logprobs(self, model: Any, rollout: Rollout) -> torch.Tensor:
-        """float32 [B, L]: `model`'s log-probability of `rollout`'s recorded commit choices and discarded candidates
-        (`Rollout.choice_logprobs`, `commit_rank`, `discarded_candidates`), per position as the sampler records it:
-        each step replayed by `decoder_logits` (this sampler's cache, as sampled), the rule scoring the committed
-        tokens and the recorded discarded candidates on `model`'s logits, `step_choice_logprobs` of the recorded
-        choice. On the model that sampled, this is the recorded `choice_logprobs`; with the trajectory estimator's
-        token log-probs it completes the ratio of the two samplers."""
-        if rollout.discarded_candidates is None or rollout.commit_rank is None:
+        """float32 [B, L]: `model`'s log-probability of `rollout`'s recorded commit choices (and discarded
+        candidates, when recorded) (`Rollout.choice_logprobs`, `commit_rank`, `discarded_candidates`), per position
+        as the sampler records it: each step replayed by `decoder_logits` (this sampler's cache, as sampled), the
+        rule scoring the committed tokens (and the recorded discarded candidates) on `model`'s logits,
+        `step_choice_logprobs` of the recorded choice. On the model that sampled, this is the recorded
+        `choice_logprobs`; with the trajectory estimator's token log-probs it completes the ratio of the two
+        samplers."""
+        if rollout.commit_rank is None or (self.records_discarded_candidates and rollout.discarded_candidates is None):
             raise ValueError("choice_logprobs needs a rollout that records its commit choices: sample with "
                              "position_temperature > 0 (experimental.rollout_position_temperature)")
         config = self.config
@@ -998,11 +1075,13 @@ class MaskedDiffusionSampler:
                 block_start, step = block.start, 0
                 still_masked = torch.ones_like(committed)
             logits = filter_top_p_top_k(logits, config.temperature, config.top_p, config.top_k)
-            tokens = completion[:, block]
-            discarded = rollout.discarded_candidates[:, block, step]
-            candidates = torch.where(committed | (discarded < 0), tokens, discarded)
+            candidates = completion[:, block]
+            if self.records_discarded_candidates:
+                discarded = rollout.discarded_candidates[:, block, step]
+                candidates = torch.where(committed | (discarded < 0), candidates, discarded)
             scores = self.rule_scores(logits, candidates, None) if self.commit_choice_depends_on_model else None
-            result[:, block] += self.step_choice_logprobs(scores, still_masked, committed, rollout.commit_rank[:, block],
+            result[:, block] += self.step_choice_logprobs(logits, scores, still_masked, committed,
+                                                          rollout.commit_rank[:, block],
                                                           self.token_logprobs(logits, candidates))
             still_masked = still_masked & ~committed
             step += 1
