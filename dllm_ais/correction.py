@@ -190,6 +190,19 @@ def commit_ratio_diagnostics(choice_old: Tensor, choice_rollout: Tensor, mask: T
     })
 
 
+def carry_unscored_terms(log_terms: Tensor, scored: Tensor) -> Tensor:
+    """[B, L] `log_terms` with each row's terms after its last `scored` position added to that position (a row with
+    none scored unchanged). The complete ratio is the whole trajectory's: the positions after a completion's first
+    EOS, which the loss does not score, were drawn and chosen too, and their part of the ratio rides on the last
+    scored position (the EOS), so that a sequence's sum over its scored positions is the trajectory's."""
+    scored = scored.bool()
+    positions = torch.arange(scored.shape[1], device=scored.device)
+    last = torch.where(scored, positions, -1).amax(dim=1, keepdim=True)
+    tail = positions > last
+    carried = torch.where(tail & (last >= 0), log_terms, 0.0).sum(dim=1, keepdim=True)
+    return log_terms + torch.where(positions == last, carried, 0.0)
+
+
 def _level_log_ratio(log_ratio: Tensor, valid: Tensor, level: str) -> Tensor:
     """The log-ratio at `level`, broadcast to every token of its sequence:
     token: log ρ_t; sequence: clamp(Σ_t m_t log ρ_t, ±20); geometric: mean_t log ρ_t."""
@@ -543,7 +556,8 @@ class RolloutCorrection:
             return [Correction(mask.float(), None, {}) for mask in masks]
         if choice_pair is not None:
             choice_old, choice_rollout = choice_pair
-            pairs = [(old + choice_old, rollout + choice_rollout) for old, rollout in pairs]
+            pairs = [(carry_unscored_terms(old + choice_old, mask), carry_unscored_terms(rollout + choice_rollout, mask))
+                     for (old, rollout), mask in zip(pairs, masks, strict=True)]
         corrections = [correct(self.settings, old, rollout, advantages, mask, self.previous_alpha, self.group_size,
                                self.rule)
                        for (old, rollout), mask in zip(pairs, masks, strict=True)]

@@ -295,6 +295,20 @@ def test_the_correction_weights_the_complete_ratio_and_logs_the_commit_part():
     torch.testing.assert_close(correction.weights, commit.sum(1).exp().unsqueeze(1).expand(4, 5))
 
 
+def test_the_complete_sequence_ratio_holds_the_positions_after_the_first_eos():
+    """The loss scores a completion through its first EOS, but the trajectory drew and chose every position: the
+    complete sequence ratio is the whole row's, its unscored tail carried by the last scored position."""
+    generator = torch.Generator().manual_seed(1)
+    token_old, token_rollout, choice_old, choice_rollout = (0.1 * torch.randn(3, 6, generator=generator)
+                                                             for _ in range(4))
+    scored = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0]], dtype=torch.bool)
+    settings = CorrectionSettings("tis", level="sequence", clip=100.0, complete_ratio=True)
+    [correction] = RolloutCorrection(settings)([(token_old, token_rollout)], torch.zeros(3), [scored],
+                                               (choice_old, choice_rollout))
+    whole = (token_old - token_rollout + choice_old - choice_rollout).sum(1).exp()
+    torch.testing.assert_close(correction.weights, whole.unsqueeze(1) * scored)
+
+
 def config_problems(**groups) -> list[str]:
     config = GRPOConfig(model_name_or_path="embedded", task="digits", max_completion_length=16, rollout={
         "block_length": 16, "steps": 8, "threshold": 0.9}, **groups)
