@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks of the compiled rollout engine, as one script for one CUDA machine (about 8 minutes on an H200):
 # the CUDA-only tests (the diffusion forwards' graphs, with the FP8 cache too, and the autoregressive decode step's),
-# then `dllm-ais bench precision` (bf16 and fp8, eager and compiled, batch 8 and 64, a whole GRPO step). Run from the repository root with the package importable (PYTHONPATH=$PWD, or installed); wheels
-# under .whl/ are installed into /tmp/site first (a machine without a registry). Logs go to $OUT (default
-# outputs/gpu-checks).
+# then `dllm-ais bench precision` (bf16 and fp8, eager and compiled, batch 8 and 64, a whole GRPO step). Run from the
+# repository root with the package importable (PYTHONPATH=$PWD, or installed); wheels under .whl/ are installed into
+# /tmp/site first (a machine without a registry). Logs go to $OUT (default outputs/gpu-checks).
 set -uo pipefail
 OUT=${OUT:-outputs/gpu-checks}
 mkdir -p "$OUT"
