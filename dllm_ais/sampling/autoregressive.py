@@ -150,8 +150,9 @@ class AutoregressiveSampler:
         Step k: s = shape_logits(f(x)_{last}, τ, top_k, top_p) in float32; token ~ softmax(s) drawn with
         `torch.multinomial(generator=generator)` (argmax for τ = 0); step_logprobs[:, k] = log softmax(s)[token];
         commit_step[:, k] = k; num_steps = the steps through the row's first EOS. Rows that have emitted an EOS emit
-        `pad` (log-prob 0) from then on; decoding stops when every row has finished, and the completion is padded to
-        exactly max_new_tokens.
+        `pad` (log-prob 0) from then on; decoding stops when every row has finished (checked every step, or every
+        STOP_CHECK_INTERVAL steps when the model decodes at static shapes), and the completion is padded to exactly
+        max_new_tokens.
         Draws happen on the generator's device (pass one on the model's device to avoid a copy per step).
         """
         require_causal_lm(model, "AutoregressiveSampler")
@@ -266,8 +267,9 @@ class _StaticDecode:
         length = bucketed_prompt_length(prompt_length) + max_new_tokens
         self.forwards = forwards
         self.cache = forwards.decode_cache(batch, length)
-        self.attention_mask = torch.nn.functional.pad(attention_mask, (0, max_new_tokens), value=1)
-        self.attention_mask = torch.nn.functional.pad(self.attention_mask, (0, length - self.attention_mask.shape[1]))
+        completion_and_room = torch.arange(length - prompt_length, device=attention_mask.device) < max_new_tokens
+        self.attention_mask = torch.cat([attention_mask, completion_and_room.to(attention_mask.dtype).expand(batch, -1)],
+                                        dim=1)
         self.positions = causal_position_ids(attention_mask)
 
     def prefill(self, input_ids: Tensor) -> Tensor:
