@@ -109,9 +109,7 @@ def build_components(config: GRPOConfig, tokenizer, accelerator: Accelerator, mo
     reference_model = None
     if config.beta > 0 and not isinstance(model, PeftModel):
         reference_model = copy.deepcopy(model).eval().requires_grad_(False)
-    # The autoregressive adapter's decode loop grows its cache every token: its engine stays eager (docs/algorithms.md).
-    compile_engine = config.rollout.compile if isinstance(policy, DiffusionPolicy) else False
-    engine = RolloutEngine(model, precision=config.rollout.precision, compile=compile_engine)
+    engine = RolloutEngine(model, precision=config.rollout.precision, compile=config.rollout.compile)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=config.weight_decay,
                                   betas=(config.adam_beta1, config.adam_beta2))

@@ -577,3 +577,17 @@ def test_replay_scores_the_completion_along_the_samplers_own_order(model):
     ar = MaskedDiffusionSampler(DiffusionSamplerConfig(gen_length=16, block_length=8, steps=16, temperature=0.9,
                                                        mask_token_id=MASK, remasking="left_to_right"))
     assert torch.equal(ar.replay(model, rollout).commit_step, torch.arange(16).expand(3, -1))
+
+
+def test_choose_positions_breaks_ties_as_a_topk_of_each_rows_own_count():
+    """Tied scores, different counts per row: each row gets torch.topk(row, its count), the official per-row loop's
+    tie-breaking. One topk of the largest count cut at each row's count (a rank-below-count mask, without grouping
+    rows by count on the host) picks other tied positions here: topk(1) of 7 equal scores is not topk(5)'s first."""
+    sampler = MaskedDiffusionSampler(DiffusionSamplerConfig(gen_length=16, block_length=16, steps=8))
+    row_scores = torch.zeros(2, 7)
+    counts = [1, 5]
+    chosen = sampler.choose_positions(row_scores, counts)
+    for row, count in enumerate(counts):
+        expected = torch.zeros(7, dtype=torch.bool)
+        expected[torch.topk(row_scores[row], count).indices] = True
+        assert torch.equal(chosen[row], expected)

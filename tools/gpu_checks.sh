@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks of the compiled rollout engine, as one script for one CUDA machine (about 8 minutes on an H200):
-# the CUDA-only tests, then `dllm-ais bench precision` (bf16 and fp8, eager and compiled, batch 8 and 64, a whole
-# GRPO step). Run from the repository root with the package importable (PYTHONPATH=$PWD, or installed); wheels
-# under .whl/ are installed into /tmp/site first (a machine without a registry). Logs go to $OUT (default
-# outputs/gpu-checks).
+# the CUDA-only tests (the diffusion forwards' graphs, with the FP8 cache too, and the autoregressive decode step's),
+# then `dllm-ais bench precision` (bf16 and fp8, eager and compiled, batch 8 and 64, a whole GRPO step). Run from the
+# repository root with the package importable (PYTHONPATH=$PWD, or installed); wheels under .whl/ are installed into
+# /tmp/site first (a machine without a registry). Logs go to $OUT (default outputs/gpu-checks).
 set -uo pipefail
 OUT=${OUT:-outputs/gpu-checks}
 mkdir -p "$OUT"
@@ -15,7 +15,7 @@ fi
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, triton, torchao, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'torchao', torchao.__version__, 'transformers', transformers.__version__)"
 } 2>&1 | tee "$OUT/device.log"
-timeout "${TESTS_TIMEOUT:-150}" python3 -m pytest -q -s -p no:cacheprovider tests/test_static_forwards.py -k cuda 2>&1 \
+timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -s -p no:cacheprovider tests/test_static_forwards.py -k cuda 2>&1 \
   | tee "$OUT/tests.log"
 timeout "${BENCH_TIMEOUT:-420}" python3 -m dllm_ais.cli bench precision --precisions "${PRECISIONS:-bf16,fp8}" \
   --batch "${BATCHES:-8,64}" --parts "${PARTS:-rollouts,step}" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"

@@ -6,6 +6,13 @@ left-padded batches with an attention mask, the model's KV cache. Not supported,
 `AutoregressiveSamplerConfig.from_generation_kwargs`: beam search, repetition/length penalties,
 min-p/typical-p, n-gram blocking, several return sequences per prompt (repeat the prompt instead).
 
+The rollout engine's model, when compiled (`rollout.compile`: it carries static forwards), decodes at static shapes:
+the prompts fill a transformers `StaticCache` sized to the prompt length's bucket plus `max_new_tokens`, and each step
+is one token per row under an attention mask of the cache's whole length, replayed as a CUDA graph on a GPU
+(`dllm_ais.sampling.static_forwards`). The early stop is then checked every `STOP_CHECK_INTERVAL` steps only: a check
+reads `finished` on the host, which waits for every step queued on the device; the steps run past the last EOS emit
+pad with log-prob 0, as finished rows always do, so the `Rollout` is the same as with a check every step.
+
 The recorded `step_logprobs` are log-probs under the distribution actually sampled (after processing),
 so `dllm_ais.likelihood.causal_logprobs(model, rollout.sequences, rollout.attention_mask, P, τ, top_k,
 top_p)` reproduces them on the same model: their ratio measures only a difference between models.
@@ -27,8 +34,11 @@ from dllm_ais.likelihood import (
     shape_logits,
 )
 from dllm_ais.rollout import PromptError, Rollout, completion_mask_through_first_eos, token_id_tuple
+from dllm_ais.sampling.static_forwards import StaticForwards, bucketed_prompt_length, static_forwards_of
 
-__all__ = ["AutoregressiveSampler", "AutoregressiveSamplerConfig"]
+__all__ = ["AutoregressiveSampler", "AutoregressiveSamplerConfig", "STOP_CHECK_INTERVAL"]
+
+STOP_CHECK_INTERVAL = 16  # static decoding: steps between the checks whether every row has finished
 
 _GENERATE_KWARGS_WITH_NEUTRAL_VALUE = {
     "num_beams": 1,
@@ -140,8 +150,9 @@ class AutoregressiveSampler:
         Step k: s = shape_logits(f(x)_{last}, τ, top_k, top_p) in float32; token ~ softmax(s) drawn with
         `torch.multinomial(generator=generator)` (argmax for τ = 0); step_logprobs[:, k] = log softmax(s)[token];
         commit_step[:, k] = k; num_steps = the steps through the row's first EOS. Rows that have emitted an EOS emit
-        `pad` (log-prob 0) from then on; decoding stops when every row has finished, and the completion is padded to
-        exactly max_new_tokens.
+        `pad` (log-prob 0) from then on; decoding stops when every row has finished (checked every step, or every
+        STOP_CHECK_INTERVAL steps when the model decodes at static shapes), and the completion is padded to exactly
+        max_new_tokens.
         Draws happen on the generator's device (pass one on the model's device to avoid a copy per step).
         """
         require_causal_lm(model, "AutoregressiveSampler")
@@ -152,27 +163,24 @@ class AutoregressiveSampler:
         device = input_ids.device
         eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
 
+        forwards = static_forwards_of(model)
+        decode = (_DynamicDecode(model, attention_mask) if forwards is None
+                  else _StaticDecode(forwards, attention_mask, cfg.max_new_tokens))
+        stop_check_interval = 1 if forwards is None else STOP_CHECK_INTERVAL
         tokens, logprobs = [], []
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
-        step_input, positions, cache = input_ids, causal_position_ids(attention_mask), None
-        for _ in range(cfg.max_new_tokens):
-            output = model(
-                input_ids=step_input, attention_mask=attention_mask, position_ids=positions,
-                past_key_values=cache, use_cache=True, logits_to_keep=1,
-            )
-            cache = output.past_key_values
-            scores = shape_logits(output.logits[:, -1].float(), cfg.temperature, cfg.top_k, cfg.top_p)
+        logits = decode.prefill(input_ids)
+        for step in range(1, cfg.max_new_tokens + 1):
+            scores = shape_logits(logits.float(), cfg.temperature, cfg.top_k, cfg.top_p)
             token = self._choose(scores, generator)
             logprob = selective_log_softmax(scores, token)
             token = token.masked_fill(finished, pad_id)
             tokens.append(token)
             logprobs.append(logprob.masked_fill(finished, 0.0))
             finished |= torch.isin(token, eos)
-            if bool(finished.all()):
+            if step == cfg.max_new_tokens or (step % stop_check_interval == 0 and bool(finished.all())):
                 break
-            step_input = token.unsqueeze(1)
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=1)
-            positions = positions[:, -1:] + 1
+            logits = decode.step(token)
 
         missing = cfg.max_new_tokens - len(tokens)
         completion = torch.nn.functional.pad(torch.stack(tokens, dim=1), (0, missing), value=pad_id)
@@ -180,9 +188,7 @@ class AutoregressiveSampler:
         completion_mask = completion_mask_through_first_eos(completion, eos_ids)
         return Rollout(
             sequences=torch.cat([input_ids, completion], dim=1),
-            attention_mask=torch.cat(
-                [attention_mask[:, :prompt_length], attention_mask.new_ones(batch, cfg.max_new_tokens)], dim=1
-            ),
+            attention_mask=torch.cat([attention_mask, attention_mask.new_ones(batch, cfg.max_new_tokens)], dim=1),
             completion_mask=completion_mask,
             step_logprobs=step_logprobs,
             commit_step=torch.arange(cfg.max_new_tokens, device=device).expand(batch, -1).clone(),
@@ -224,3 +230,55 @@ class AutoregressiveSampler:
                 f"max_position_embeddings={max_positions}; shorten the prompts or lower max_new_tokens."
             )
         return attention_mask
+
+
+class _DynamicDecode:
+    """The decode forwards with the model's own (growing) cache: the prompts, then one token per row, the attention
+    mask extended by one column per step. `prefill` and `step` return the next token's logits [B, V]."""
+
+    def __init__(self, model: nn.Module, attention_mask: Tensor):
+        self.model, self.attention_mask = model, attention_mask
+        self.positions, self.cache = causal_position_ids(attention_mask), None
+
+    def prefill(self, input_ids: Tensor) -> Tensor:
+        return self._forward(input_ids)
+
+    def step(self, token: Tensor) -> Tensor:
+        self.attention_mask = torch.cat([self.attention_mask, self.attention_mask.new_ones(len(token), 1)], dim=1)
+        self.positions = self.positions[:, -1:] + 1
+        return self._forward(token.unsqueeze(1))
+
+    def _forward(self, step_input: Tensor) -> Tensor:
+        output = self.model(input_ids=step_input, attention_mask=self.attention_mask, position_ids=self.positions,
+                            past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        self.cache = output.past_key_values
+        return output.logits[:, -1]
+
+
+class _StaticDecode:
+    """The decode forwards at static shapes (`StaticForwards`): the prompts [B, P] fill a `StaticCache` with room for
+    bucketed_prompt_length(P) + max_new_tokens tokens, then each step writes one token per row at the cache's next
+    position, under one attention mask covering the whole cache (the prompts' mask, ones for the completion, zeros
+    for the room left unused), so that every step has one shape. `prefill` and `step` return the next token's logits
+    [B, V]."""
+
+    def __init__(self, forwards: StaticForwards, attention_mask: Tensor, max_new_tokens: int):
+        batch, prompt_length = attention_mask.shape
+        length = bucketed_prompt_length(prompt_length) + max_new_tokens
+        self.forwards = forwards
+        self.cache = forwards.decode_cache(batch, length)
+        completion_and_room = torch.arange(length - prompt_length, device=attention_mask.device) < max_new_tokens
+        self.attention_mask = torch.cat([attention_mask, completion_and_room.to(attention_mask.dtype).expand(batch, -1)],
+                                        dim=1)
+        self.positions = causal_position_ids(attention_mask)
+
+    def prefill(self, input_ids: Tensor) -> Tensor:
+        output = self.forwards.model(input_ids=input_ids, attention_mask=self.attention_mask, position_ids=self.positions,
+                                     past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        self.positions = self.positions[:, -1:]
+        return output.logits[:, -1]
+
+    def step(self, token: Tensor) -> Tensor:
+        self.positions = self.positions + 1
+        return self.forwards.logits(token.unsqueeze(1), self.attention_mask, 1, past_key_values=self.cache,
+                                    position_ids=self.positions)[:, -1]

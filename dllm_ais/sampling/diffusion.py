@@ -635,11 +635,11 @@ class BlockCache:
         """
         positions = torch.arange(block.start, block.stop, device=inputs.device)
         sources = logit_source_positions(positions, logits_shifted)
-        forwards = static_forwards_of(model) if self.dtype == "none" else None
+        forwards = static_forwards_of(model)
         if self.refresh:
             self.past_key_values = None  # frees the previous block's cache before the new one is built
             if forwards is not None:
-                self.past_key_values, logits = forwards.key_value_buffers(inputs, attention_mask, sources)
+                self.past_key_values, logits = forwards.key_value_buffers(inputs, attention_mask, sources, self.dtype)
                 return logits
             output = model(inputs, attention_mask=attention_mask, use_cache=True, logits_to_keep=sources)
             self.past_key_values = (FP8KeyValueCache(output.past_key_values) if self.dtype == "fp8"

@@ -20,6 +20,11 @@ included, so the CPU tests check the whole path but the capture. Regional compil
 transformer block, reused by every layer) fuses each block's elementwise work, the activation quantization of the
 FP8 modes with it, into few kernels; compiled blocks run inside the graphs.
 
+The autoregressive adapter's decode step is the same kind of forward: one token per row against a transformers
+`StaticCache` (`decode_cache`: one per (batch, bucketed length), emptied and refilled in place by each call) under an
+attention mask of the cache's whole length, so that every step of every call has one signature; the cache advances its
+write offset in place, inside the graph.
+
 Sampling only: the trainer's scoring forwards (with gradients, varying shapes) run the model as it is.
 """
 from __future__ import annotations
@@ -29,6 +34,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import StaticCache
+
+from dllm_ais.sampling.fp8_cache import FP8KeyValueCache, FP8KeyValueCacheRefresh
 
 __all__ = ["PROMPT_BUCKET", "StaticForwards", "bucketed_prompt_length", "compile_blocks", "static_forwards_of"]
 
@@ -71,7 +79,8 @@ def static_forwards_of(model: Any) -> "StaticForwards | None":
 
 class StaticForwards:
     """A model's no-gradient forwards at static shapes: `logits` runs one (replaying its CUDA graph on a CUDA device),
-    `key_value_buffers` holds the cache buffers per (batch, canvas length).
+    `key_value_buffers` holds the diffusion cache buffers per (batch, canvas length, storage), `decode_cache` the
+    autoregressive decoding's `StaticCache` per (batch, length).
 
     The logits returned are a fresh tensor; the buffers are written in place by every cached forward.
     """
@@ -80,35 +89,54 @@ class StaticForwards:
         self.model = model
         self.cuda_graphs = cuda_graphs
         self.graphs: dict[tuple, _CapturedForward] = {}
-        self.buffers: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.buffers: dict[tuple[int, int, str], Any] = {}
+        self.decode_caches: dict[tuple[int, int], StaticCache] = {}
         self.pool = None  # the CUDA graphs' shared memory pool, made at the first capture
 
     def key_value_buffers(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                          logits_to_keep: torch.Tensor) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
-        """(buffers, logits) of a cache refresh of the canvas `input_ids` [B, T]: the first refresh at a (B, T) runs
-        the model with ``use_cache=True`` and keeps the keys/values it returns as that shape's buffers; later ones
-        write every position of those buffers in place (`logits`). Logits [B, K, V] at `logits_to_keep` [K]."""
-        key = tuple(input_ids.shape)
+                          logits_to_keep: torch.Tensor, storage: str = "none") -> tuple[Any, torch.Tensor]:
+        """(buffers, logits) of a cache refresh of the canvas `input_ids` [B, T]: the buffers hold the keys/values in
+        the model's dtype (`storage` "none": one (keys, values) pair per layer) or in FP8 ("fp8": an
+        `FP8KeyValueCache`). The first refresh at a (B, T, storage) runs the model with ``use_cache=True`` and keeps
+        the keys/values it returns as those buffers; later ones write every position of them in place (`logits`;
+        in FP8 through the cache's `refresh` side, quantized after the forward). Logits [B, K, V] at
+        `logits_to_keep` [K]."""
+        key = (*input_ids.shape, storage)
         if key not in self.buffers:
             output = self.model(input_ids, attention_mask=attention_mask, use_cache=True, logits_to_keep=logits_to_keep)
-            self.buffers[key] = [tuple(layer) for layer in output.past_key_values]
+            pairs = [tuple(layer) for layer in output.past_key_values]
+            self.buffers[key] = FP8KeyValueCache(pairs) if storage == "fp8" else pairs
             return self.buffers[key], output.logits
         buffers = self.buffers[key]
+        written = buffers.refresh if storage == "fp8" else buffers
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        return buffers, self.logits(input_ids, attention_mask, logits_to_keep, buffers, positions)
+        return buffers, self.logits(input_ids, attention_mask, logits_to_keep, written, positions)
 
-    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, logits_to_keep: torch.Tensor,
-               past_key_values: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-               cache_position: torch.Tensor | None = None) -> torch.Tensor:
+    def decode_cache(self, batch: int, length: int) -> StaticCache:
+        """An empty `StaticCache` of `batch` rows and room for `length` tokens (prompt and completion): one per
+        (batch, length), allocated at its first prefill and emptied in place (`reset`) for each later call, so that
+        the decode steps' graphs, captured against it, stay valid."""
+        cache = self.decode_caches.get((batch, length))
+        if cache is None:
+            cache = self.decode_caches[(batch, length)] = StaticCache(config=self.model.config, max_cache_len=length)
+        else:
+            cache.reset()
+        return cache
+
+    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+               logits_to_keep: torch.Tensor | int, past_key_values: Any = None,
+               cache_position: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, K, V] of ``model(input_ids, attention_mask=…, logits_to_keep=…, past_key_values=…,
-        cache_position=…)``: a replay of the signature's CUDA graph (captured at its first call) when graphs are on,
-        the model itself otherwise."""
-        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "logits_to_keep": logits_to_keep,
-                  "cache_position": cache_position}
+        cache_position=…, position_ids=…)`` (the inputs given as None left out): a replay of the signature's CUDA
+        graph (captured at its first call) when graphs are on, the model itself otherwise."""
+        inputs = {name: value for name, value in (
+            ("input_ids", input_ids), ("attention_mask", attention_mask), ("logits_to_keep", logits_to_keep),
+            ("cache_position", cache_position), ("position_ids", position_ids)) if value is not None}
         if not self.cuda_graphs:
-            return self.model(**inputs, past_key_values=past_key_values).logits
-        key = (id(past_key_values),) + tuple(None if value is None else (tuple(value.shape), value.dtype)
-                                             for value in inputs.values())
+            return _forward_logits(self.model, inputs, past_key_values)
+        key = (id(past_key_values),) + tuple(
+            (name, tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else (name, value)
+            for name, value in inputs.items())
         graph = self.graphs.get(key)
         if graph is None:
             self.pool = self.pool or torch.cuda.graph_pool_handle()
@@ -119,33 +147,53 @@ class StaticForwards:
                 logger.warning("the rollout engine's forward cannot be captured as a CUDA graph (%s); its sampling "
                                "forwards run without graphs from now on.", str(error).splitlines()[0] if str(error)
                                else type(error).__name__)
-                return self.model(**inputs, past_key_values=past_key_values).logits
+                return _forward_logits(self.model, inputs, past_key_values)
         return graph.replay(inputs)
+
+
+def _forward_logits(model: nn.Module, inputs: dict[str, Any], past_key_values: Any) -> torch.Tensor:
+    """The logits of ``model(**inputs, past_key_values=past_key_values)``, and an FP8 refresh's working pairs
+    quantized into its cache after the forward (`FP8KeyValueCacheRefresh.store_written`)."""
+    logits = model(**inputs, past_key_values=past_key_values).logits
+    if isinstance(past_key_values, FP8KeyValueCacheRefresh):
+        past_key_values.store_written()
+    return logits
+
+
+def _write_offsets(past_key_values: Any) -> list[torch.Tensor]:
+    """The write offsets a cache advances in place at every forward (a `StaticCache` layer's `cumulative_length`);
+    none for the diffusion buffers, which are written at the positions each forward is given."""
+    offsets = (getattr(layer, "cumulative_length", None) for layer in getattr(past_key_values, "layers", ()))
+    return [offset for offset in offsets if isinstance(offset, torch.Tensor)]
 
 
 class _CapturedForward:
     """One forward signature captured as a CUDA graph: static copies of its inputs, the logits it writes."""
 
-    def __init__(self, model: nn.Module, inputs: dict[str, torch.Tensor | None],
-                 past_key_values: list[tuple[torch.Tensor, torch.Tensor]] | None, pool: Any):
-        self.static_inputs = {name: None if value is None else value.clone() for name, value in inputs.items()}
+    def __init__(self, model: nn.Module, inputs: dict[str, Any], past_key_values: Any, pool: Any):
+        self.static_inputs = {name: value.clone() if isinstance(value, torch.Tensor) else value
+                              for name, value in inputs.items()}
 
         def forward() -> torch.Tensor:
-            return model(**self.static_inputs, past_key_values=past_key_values).logits
+            return _forward_logits(model, self.static_inputs, past_key_values)
 
+        offsets = _write_offsets(past_key_values)
+        offsets_before = [offset.clone() for offset in offsets]
         side_stream = torch.cuda.Stream()
         side_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side_stream):
             for _ in range(WARM_UP_CALLS):
                 forward()
+            for offset, before in zip(offsets, offsets_before):  # the warm-ups' writes are not steps of the call
+                offset.copy_(before)
         torch.cuda.current_stream().wait_stream(side_stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
             self.logits = forward()
 
-    def replay(self, inputs: dict[str, torch.Tensor | None]) -> torch.Tensor:
+    def replay(self, inputs: dict[str, Any]) -> torch.Tensor:
         for name, value in inputs.items():
-            if value is not None:
+            if isinstance(value, torch.Tensor):
                 self.static_inputs[name].copy_(value)
         self.graph.replay()
         return self.logits.clone()
