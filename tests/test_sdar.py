@@ -12,8 +12,11 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 import dllm_ais  # noqa: F401  (registers "sdar")
+from dllm_ais.config import ConfigError, GRPOConfig
+from dllm_ais.dry_run import recipe_is_diffusion
 from dllm_ais.loading import load_model
 from dllm_ais.models import SDARConfig, SDARForCausalLM, SDARModel
+from dllm_ais.policy import build_policy
 
 OFFICIAL = Path(__file__).parent / "data" / "sdar_official"
 OFFICIAL_AUTO_MAP = {"AutoConfig": "configuration_sdar.SDARConfig", "AutoModel": "modeling_sdar.SDARModel",
@@ -193,3 +196,15 @@ def test_default_config_is_sdar_4b_chat():
     assert (config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (2560, 32,
                                                                                                               8, 128)
     assert (config.block_size, config.mask_token_id, config.num_hidden_layers) == (4, 151669, 36)
+
+
+@pytest.mark.parametrize("policy", ["auto", "diffusion", "autoregressive"])
+def test_a_run_refuses_an_sdar_model_rather_than_sample_or_train_it_as_another_family(policy):
+    """Loadable is not trainable: until the sampler decodes SDAR's prompt-aligned blocks, a run on an SDAR
+    checkpoint stops with a one-line message instead of sampling it as LLaDA or scoring it as a causal LM."""
+    config = GRPOConfig(model_name_or_path=str(OFFICIAL), task="digits", policy=policy)
+    with pytest.raises(ConfigError, match="'sdar'.*does not sample or train it"):
+        build_policy(config, AutoConfig.from_pretrained(OFFICIAL), tokenizer=None)
+    if policy == "auto":
+        with pytest.raises(ConfigError, match="'sdar'"):
+            recipe_is_diffusion(config)
