@@ -76,6 +76,21 @@ def test_official_checkpoint_round_trips_with_its_auto_map(tmp_path):
     assert AutoConfig.from_pretrained(tmp_path).model_type == "sdar"
 
 
+def test_the_hub_config_fields_load(tmp_path):
+    """SDAR-4B-Chat's config.json also names the official training kernels (attn_implementation flex_attention,
+    fuse_cross_entropy, ...): the checkpoint still loads and runs through SDPA."""
+    for name in ("model.safetensors", "config.json"):
+        (tmp_path / name).write_bytes((OFFICIAL / name).read_bytes())
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(attn_implementation="flex_attention", debug=False, ep_size=1, micro_forward=False,
+                  skip_checkpoint=False, use_deepep=False, sliding_window=None, max_window_layers=36)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = load_model(str(tmp_path), torch.float32)
+    outputs = official_outputs()
+    with torch.no_grad():
+        torch.testing.assert_close(model(outputs["input_ids"]).logits, outputs["logits"], atol=1e-5, rtol=0)
+
+
 def official_greedy_block_decode(model, prompt: torch.Tensor, gen_length: int, block_length: int,
                                   steps: int) -> torch.Tensor:
     """The official block-diffusion generation (generate.py) at its greedy settings, on our model and its cache:

@@ -97,6 +97,9 @@ class SDARConfig(PreTrainedConfig):
     eos_token_id: int | None = 151643
 
     def __post_init__(self, **kwargs):
+        # The official config.json asks for "flex_attention", the official training kernel; this model always
+        # attends through SDPA under its block-causal mask, and transformers would refuse to build it on that request.
+        kwargs.pop("attn_implementation", None)
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
