@@ -22,11 +22,12 @@ from dllm_ais.likelihood import (
     scored_positions, whole_piece,
 )
 from dllm_ais.loading import SpecialTokens, special_tokens
-from dllm_ais.models.families import DIFFUSION_MODEL_TYPES
+from dllm_ais.models.families import DIFFUSION_MODEL_TYPES, LOAD_ONLY_MODEL_TYPES
 from dllm_ais.sampling.autoregressive import AutoregressiveSampler, AutoregressiveSamplerConfig
 from dllm_ais.sampling.diffusion import DiffusionSamplerConfig, MaskedDiffusionSampler, resolve_remasking_rule
 from dllm_ais.rollout import Rollout
 from dllm_ais.settings import LikelihoodSettings
+from dllm_ais.validation import ConfigError
 
 if TYPE_CHECKING:
     from dllm_ais.config import GRPOConfig
@@ -242,7 +243,10 @@ def overrides(sampler: MaskedDiffusionSampler, stage: str) -> bool:
 def is_diffusion(policy: str, model_type: str | None) -> bool:
     """Whether the `policy` setting (auto, diffusion or autoregressive) names a masked-diffusion policy for a model
     of `model_type`: with auto, whether the model is of a masked-diffusion family (LLaDA, Dream:
-    `dllm_ais.models.families`)."""
+    `dllm_ais.models.families`). ConfigError for a family dllm_ais loads but cannot sample or train
+    (`families.LOAD_ONLY_MODEL_TYPES`), whatever the policy."""
+    if model_type in LOAD_ONLY_MODEL_TYPES:
+        raise ConfigError(f"model_type {model_type!r}: {LOAD_ONLY_MODEL_TYPES[model_type]}.")
     if policy == "auto":
         return model_type in DIFFUSION_MODEL_TYPES
     return policy == "diffusion"

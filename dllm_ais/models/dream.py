@@ -39,6 +39,7 @@ that the caller chooses.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +51,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .llada import RMSNorm, apply_rotary, check_cached_forward, padding_mask, rotary_cos_sin, write_into_layer_cache  # relative: an export ships both files as remote code
 
-__all__ = ["DreamConfig", "DreamBaseModel", "DreamModel"]
+__all__ = ["CanvasPositions", "DreamConfig", "DreamBaseModel", "DreamModel", "canvas_positions"]
 
 KeyValueCache = list[tuple[torch.Tensor, torch.Tensor]]
 """Per layer, (keys, values) of shape [B, num_key_value_heads, T, head_dim]; the keys have RoPE applied."""
@@ -121,6 +122,65 @@ class DreamConfig(PreTrainedConfig):
         if problems:
             raise ValueError("This Dream config uses options dllm_ais does not implement: " + "; ".join(problems)
                              + ". Edit config.json or use the official remote code (trust_remote_code=True).")
+
+
+class CanvasPositions(NamedTuple):
+    """What a forward over n inputs resolves before its layers run (`canvas_positions`)."""
+
+    first_layer: tuple[torch.Tensor, torch.Tensor] | None
+    """The cache's first (keys, values) pair, read once (an FP8 cache dequantizes a fresh pair per access); None
+    without a cache."""
+    cache_position: torch.Tensor
+    """[n]: the inputs' canvas indices."""
+    position_ids: torch.Tensor
+    """[B or 1, n]: the inputs' RoPE positions."""
+    key_position_ids: torch.Tensor
+    """[B or 1, T]: the RoPE positions of every key attended to (the whole canvas with a cache; the inputs' own
+    otherwise)."""
+
+
+def canvas_positions(x: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
+                     past_key_values, cache_position: torch.Tensor | None, num_layers: int,
+                     max_position_embeddings: int) -> CanvasPositions:
+    """Check a forward of the inputs `x` [B, n, ...] (against `past_key_values`, a cache of `num_layers` layers, or
+    none) and resolve its positions: real tokens numbered from 0 (cumsum of the canvas's [B, T] `attention_mask`
+    minus one, read at `cache_position` with a cache), or the canvas indices `cache_position` (default 0..n-1)
+    without a mask; explicit `position_ids` [B, n] win for the inputs. Raise ValueError on an unusable cache or a
+    canvas longer than `max_position_embeddings`."""
+    length = x.shape[1]
+    first_layer = None
+    if past_key_values is not None:
+        first_layer = past_key_values[0]
+        cached_keys = first_layer[0]
+        canvas_length = cached_keys.shape[2]
+        check_cached_forward(cached_keys, len(past_key_values), num_layers, x, cache_position, attention_mask,
+                             position_ids)
+    else:
+        canvas_length = length
+        if cache_position is not None:
+            if cache_position.shape != (length,):
+                raise ValueError(f"cache_position must give the canvas positions of the {length} inputs (a 1-D "
+                                 "tensor).")
+            if attention_mask is not None and position_ids is None:
+                raise ValueError("Without past_key_values, cache_position sets the positions of unmasked inputs "
+                                 "only: pass attention_mask=None, or position_ids [B, n] explicitly.")
+            canvas_length = int(cache_position.max()) + 1
+    if canvas_length > max_position_embeddings:
+        raise ValueError(f"Sequence length {canvas_length} exceeds max_position_embeddings="
+                         f"{max_position_embeddings}.")
+    if cache_position is None:
+        cache_position = torch.arange(length, device=x.device)
+    if attention_mask is not None:  # numbered over the whole canvas (the inputs themselves when uncached)
+        key_position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+    elif past_key_values is not None:
+        key_position_ids = torch.arange(canvas_length, device=x.device)[None]
+    else:
+        key_position_ids = cache_position[None]
+    if position_ids is None:
+        position_ids = key_position_ids if past_key_values is None else key_position_ids[:, cache_position]
+    elif past_key_values is None:
+        key_position_ids = position_ids
+    return CanvasPositions(first_layer, cache_position, position_ids, key_position_ids)
 
 
 class DreamAttention(nn.Module):
@@ -247,36 +307,9 @@ class DreamBaseModel(DreamPreTrainedModel):
     ) -> tuple[torch.Tensor, KeyValueCache | None]:
         """(hidden states [B, n, d] of the input embeddings `x` [B, n, d], the layers' (keys, values) with `use_cache`
         else None); see `DreamModel.forward` for the mask, the positions and the cache."""
-        length = x.shape[1]
-        first_layer = None
-        if past_key_values is not None:
-            first_layer = past_key_values[0]  # read once: an FP8 cache dequantizes a fresh pair per access
-            cached_keys = first_layer[0]
-            canvas_length = cached_keys.shape[2]
-            check_cached_forward(cached_keys, len(past_key_values), len(self.layers), x, cache_position,
-                                 attention_mask, position_ids)
-        else:
-            canvas_length = length
-            if cache_position is not None:
-                if cache_position.shape != (length,):
-                    raise ValueError(f"cache_position must give the canvas positions of the {length} inputs (a 1-D "
-                                     "tensor).")
-                if attention_mask is not None and position_ids is None:
-                    raise ValueError("Without past_key_values, cache_position sets the positions of unmasked inputs "
-                                     "only: pass attention_mask=None, or position_ids [B, n] explicitly.")
-                canvas_length = int(cache_position.max()) + 1
-        if canvas_length > self.config.max_position_embeddings:
-            raise ValueError(f"Sequence length {canvas_length} exceeds max_position_embeddings="
-                             f"{self.config.max_position_embeddings}.")
-        if cache_position is None:
-            cache_position = torch.arange(length, device=x.device)
-        if position_ids is None:
-            if attention_mask is None:
-                position_ids = cache_position[None]
-            else:  # numbered over the whole canvas, then read at the inputs' positions (all of them when uncached)
-                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-                if past_key_values is not None:
-                    position_ids = position_ids[:, cache_position]
+        first_layer, cache_position, position_ids, _ = canvas_positions(
+            x, attention_mask, position_ids, past_key_values, cache_position, len(self.layers),
+            self.config.max_position_embeddings)
         cos, sin = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
         cos, sin = cos.to(x.dtype)[:, None], sin.to(x.dtype)[:, None]
         attn_mask = padding_mask(attention_mask)

@@ -5,6 +5,7 @@ family     model_type        mask token id                                  logi
 =========  ================  =============================================  ==============================
 LLaDA      ``llada``         config.json ``mask_token_id`` (126336)         position i
 Dream      ``Dream``         config.json ``mask_token_id`` (151666)         position i - 1 (shifted)
+SDAR       ``sdar``          config.json ``mask_token_id`` (151669)         position i
 =========  ================  =============================================  ==============================
 
 Dream (and DiffuCoder, same architecture) was initialised from an autoregressive Qwen2.5 and keeps its next-token
@@ -12,6 +13,12 @@ head: the logits at position i - 1 predict the token at i; position 0, which has
 official generation code: ``cat([logits[:, :1], logits[:, :-1]], 1)``). Every place that turns a forward into
 per-position logits goes through `position_logits` (or, where it already holds a forward's logits, the same index
 map `logit_source_positions`), so the shift is written once.
+
+SDAR (block diffusion: attention causal across blocks of ``block_size`` positions counted from the first real
+token, bidirectional inside one) loads natively (`dllm_ais.models.sdar`) but is in `LOAD_ONLY_MODEL_TYPES`: its
+decoding — blocks aligned to the prompt's first token, not the completion's, denoised against an exact cache of the
+finished blocks — and its likelihood (each block conditioned on clean earlier blocks) are not the sampler's and the
+estimators' yet, so a run refuses it rather than sample or train it as another family.
 
 A third family is its model module under ``dllm_ais/models/`` plus one row here: its model_type in
 `DIFFUSION_MODEL_TYPES`, and in `SHIFTED_LOGITS_MODEL_TYPES` when it reads position i from i - 1.
@@ -29,7 +36,14 @@ DIFFUSION_MODEL_TYPES = frozenset({"llada", "Dream"})
 SHIFTED_LOGITS_MODEL_TYPES = frozenset({"Dream"})
 """model_types whose logits at position i - 1 predict the token at position i."""
 
-__all__ = ["DIFFUSION_MODEL_TYPES", "SHIFTED_LOGITS_MODEL_TYPES", "logit_source_positions", "logits_are_shifted",
+LOAD_ONLY_MODEL_TYPES = {
+    "sdar": "SDAR (block diffusion) loads natively, but dllm-ais does not sample or train it yet: its blocks start "
+            "at the prompt's first token and condition on clean earlier blocks, which the sampler and the "
+            "likelihood estimators do not do; use a LLaDA, Dream or autoregressive model",
+}
+"""model_types dllm_ais loads (and registers with the Auto classes) but cannot sample or train: why, per type."""
+
+__all__ = ["DIFFUSION_MODEL_TYPES", "LOAD_ONLY_MODEL_TYPES", "SHIFTED_LOGITS_MODEL_TYPES", "logit_source_positions", "logits_are_shifted",
            "model_type_of", "position_logits", "shift_logits_right"]
 
 

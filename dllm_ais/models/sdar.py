@@ -1,0 +1,356 @@
+"""Native SDAR: the block-diffusion transformer of JetLM/SDAR-{1.7B,4B,8B}-Chat (continued from Qwen3), registered
+with transformers' Auto classes under model_type "sdar" (the official checkpoints' own type).
+
+SDAR is Qwen3 with a block-causal attention mask. The module tree mirrors the official ``modeling_sdar.py`` so the
+Hub safetensors load unchanged and what we save loads in the official code::
+
+    model.embed_tokens                               token embedding (padding_idx = pad_token_id)
+    model.layers.{i}.input_layernorm                 RMSNorm
+    model.layers.{i}.self_attn.{q,k,v,o}_proj        biases iff attention_bias
+    model.layers.{i}.self_attn.{q,k}_norm            RMSNorm over each head's head_dim features, before RoPE
+    model.layers.{i}.post_attention_layernorm        RMSNorm
+    model.layers.{i}.mlp.{gate,up,down}_proj         SwiGLU: down(act(gate(x)) * up(x)), no biases
+    model.norm                                       final RMSNorm
+    lm_head                                          LM head (tied to embed_tokens with tie_word_embeddings)
+
+The class names are the official ones: `SDARForCausalLM` is the LM (``architectures: ["SDARForCausalLM"]``),
+`SDARModel` the transformer under ``model`` (what the official ``auto_map`` gives AutoModel).
+
+Attention: the tokens are cut into blocks of ``config.block_size`` positions counted from the first real token
+(block of a token = its position id // block_size); a query attends to every real key whose block is not after its
+own — bidirectional inside a block, causal across blocks. That is the mask the official ``generate.py`` passes
+(``tril`` over blocks, blocks from canvas index 0 of an unpadded prompt; the official forward builds none itself at
+inference). The logits are not shifted: the logits at position i predict the token at i (the official generation
+reads a masked position's proposal there, and its training loss pairs each noisy position's hidden state with its
+own label).
+
+Key/value cache, with the interface of dllm_ais' LLaDA and Dream: a forward with ``use_cache=True`` returns every
+layer's keys (RoPE applied) and values at every position, ``past_key_values`` = one ``(keys, values)`` pair of
+[B, num_key_value_heads, T, head_dim] tensors per layer. A later forward may run on a subset of the T canvas
+positions: ``input_ids`` [B, n] are the tokens at canvas positions ``cache_position`` [n]; their keys and values are
+written into the cache there (in place; into a copy under grad) and their queries attend to the cached positions
+their blocks allow. Because a block's keys/values depend on that block and the blocks before it only, the cache of
+finished blocks is exact: once a block's tokens are final and a forward has written their keys/values (the official
+generation stores them by one forward of the clean block), a forward of a later block against the cache gives the
+logits of the full forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
+from transformers.activations import ACT2FN
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+from .dream import DreamMLP, canvas_positions  # relative: an export ships these files as remote code
+from .llada import RMSNorm, apply_rotary, rotary_cos_sin, write_into_layer_cache
+
+__all__ = ["SDARConfig", "SDARForCausalLM", "SDARModel", "block_causal_mask"]
+
+KeyValueCache = list[tuple[torch.Tensor, torch.Tensor]]
+"""Per layer, (keys, values) of shape [B, num_key_value_heads, T, head_dim]; the keys have RoPE applied."""
+
+
+@dataclass(repr=False)
+class SDARConfig(PreTrainedConfig):
+    """Configuration of an SDAR model, with the field names of the official ``configuration_sdar.py`` and
+    config.json.
+
+    Defaults are the values of SDAR-4B-Chat's config.json (Qwen3-4B's shape: head_dim 128 with hidden_size 2560 and
+    32 heads; mask 151669 ``<|MASK|>``, block_size 4). `block_size` is the block of the attention mask and of
+    training; `fuse_cross_entropy` (the official training loss kernel) and `max_window_layers` are kept so configs
+    round-trip. Sliding windows and RoPE scaling are rejected at model construction with a message naming the field.
+    """
+
+    model_type = "sdar"
+
+    vocab_size: int = 151936
+    hidden_size: int = 2560
+    intermediate_size: int = 9728
+    num_hidden_layers: int = 36
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = 8
+    head_dim: int | None = 128
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 32768
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    use_cache: bool = False
+    tie_word_embeddings: bool = False
+    rope_theta: float = 1000000.0
+    rope_scaling: dict | None = None
+    attention_bias: bool = False
+    use_sliding_window: bool = False
+    sliding_window: int | None = None
+    max_window_layers: int = 36
+    attention_dropout: float = 0.0
+    block_size: int = 4
+    fuse_cross_entropy: bool = True
+    mask_token_id: int | None = 151669
+    pad_token_id: int | None = None
+    bos_token_id: int | None = 151643
+    eos_token_id: int | None = 151643
+
+    def __post_init__(self, **kwargs):
+        # The official config.json asks for "flex_attention", the official training kernel; this model always
+        # attends through SDPA under its block-causal mask, and transformers would refuse to build it on that request.
+        kwargs.pop("attn_implementation", None)
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        super().__post_init__(**kwargs)
+
+    def check_supported(self) -> None:
+        """Raise ValueError naming every config value this implementation does not support."""
+        problems = []
+        if self.use_sliding_window:
+            problems.append("use_sliding_window=True (supported: false)")
+        scaling = self.rope_scaling or {}
+        if scaling.get("rope_type", scaling.get("type", "default")) != "default":
+            problems.append(f"rope_scaling={self.rope_scaling!r} (supported: null)")
+        if self.hidden_act not in ACT2FN:
+            problems.append(f"hidden_act={self.hidden_act!r} is not a transformers activation")
+        if self.num_attention_heads % self.num_key_value_heads:
+            problems.append(f"num_attention_heads={self.num_attention_heads} is not divisible by "
+                            f"num_key_value_heads={self.num_key_value_heads}")
+        if self.head_dim % 2:
+            problems.append(f"head_dim={self.head_dim} is odd (RoPE rotates pairs)")
+        if self.block_size < 1:
+            problems.append(f"block_size={self.block_size} (supported: 1 or more)")
+        if problems:
+            raise ValueError("This SDAR config uses options dllm_ais does not implement: " + "; ".join(problems)
+                             + ". Edit config.json or use the official remote code (trust_remote_code=True).")
+
+
+def block_causal_mask(query_position_ids: torch.Tensor, key_position_ids: torch.Tensor, block_size: int,
+                      attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """[B or 1, 1, n, T] bool (True = attended): query i sees key j iff j's block (position id // `block_size`) is
+    not after i's and j is a real token (1 in `attention_mask` [B, T], when given). Built from tensors only: no
+    host synchronisation inside a forward."""
+    query_blocks = torch.div(query_position_ids, block_size, rounding_mode="floor")
+    key_blocks = torch.div(key_position_ids, block_size, rounding_mode="floor")
+    allowed = key_blocks[:, None, None, :] <= query_blocks[:, None, :, None]
+    if attention_mask is not None:
+        allowed = allowed & attention_mask.bool()[:, None, None, :]
+    return allowed
+
+
+class SDARAttention(nn.Module):
+    """Grouped-query SDPA attention under the block-causal mask, with RMSNorm on each query and key head before
+    RoPE (Qwen3); RoPE applied in the activations' dtype, as the official code does."""
+
+    def __init__(self, config: SDARConfig):
+        super().__init__()
+        d, self.n_heads, self.n_kv_heads, self.head_dim = (config.hidden_size, config.num_attention_heads,
+                                                            config.num_key_value_heads, config.head_dim)
+        self.attention_dropout = config.attention_dropout
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(d, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn_mask: torch.Tensor,
+        layer_cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cache_position: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """x [B, n, d], cos/sin [B, 1, n, head_dim] in x's dtype, attn_mask bool [B or 1, 1, n, T] → ([B, n, d],
+        (keys, values) [B, n_kv_heads, T, head_dim] attended to).
+
+        Without `layer_cache` T = n. With it, the inputs' keys/values are written into the cached pair at
+        `cache_position` [n] (in place; into a copy under grad) and the queries attend to the T cached positions
+        under `attn_mask`."""
+        batch, length, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(batch, length, self.n_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(batch, length, self.n_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if layer_cache is not None:
+            k, v = write_into_layer_cache(layer_cache, cache_position, k, v)
+        attn = F.scaled_dot_product_attention(
+            q, k.to(q.dtype), v.to(q.dtype), attn_mask=attn_mask, is_causal=False,
+            dropout_p=self.attention_dropout if self.training else 0.0,
+            enable_gqa=self.n_kv_heads != self.n_heads,
+        )
+        return self.o_proj(attn.transpose(1, 2).reshape(batch, length, -1)), (k, v)
+
+
+class SDARDecoderLayer(GradientCheckpointingLayer):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: SDARConfig):
+        super().__init__()
+        self.self_attn = SDARAttention(config)
+        self.mlp = DreamMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn_mask: torch.Tensor,
+        layer_cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cache_position: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """(output [B, n, d], (keys, values) attended to); see `SDARAttention.forward` for the cache."""
+        attn, key_values = self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, layer_cache, cache_position)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), key_values
+
+
+class SDARPreTrainedModel(PreTrainedModel):
+    """Weights are initialised by transformers' default `_init_weights`, which is the official SDAR one: normal(0,
+    initializer_range) Linear and Embedding weights, zero biases, the padding embedding row zeroed, RMSNorm weights 1
+    (and none of it over weights a checkpoint loaded)."""
+
+    config_class = SDARConfig
+    config: SDARConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["SDARDecoderLayer"]
+    _supports_sdpa = True
+
+
+class SDARModel(SDARPreTrainedModel):
+    """The SDAR transformer (the official `SDARModel`): final-normed hidden states (and, on request, the layers'
+    keys/values) as a `BaseModelOutputWithPast`."""
+
+    def __init__(self, config: SDARConfig):
+        super().__init__(config)
+        config.check_supported()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = nn.ModuleList(SDARDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        past_key_values: KeyValueCache | None = None,
+        cache_position: torch.Tensor | None = None,
+        use_cache: bool = False,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        """Hidden states [B, n, d] of the n inputs (and the layers' (keys, values) with `use_cache`); see
+        `SDARForCausalLM.forward` for the mask, the positions and the cache."""
+        unexpected = {k for k, v in kwargs.items() if v is not None and k != "return_dict"}
+        if unexpected:
+            raise TypeError(f"{type(self).__name__}.forward got unsupported arguments: {sorted(unexpected)} "
+                            "(supported: input_ids, attention_mask, position_ids, inputs_embeds, logits_to_keep "
+                            "(the LM), past_key_values, cache_position, use_cache, return_dict)")
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        first_layer, cache_position, position_ids, key_position_ids = canvas_positions(
+            x, attention_mask, position_ids, past_key_values, cache_position, len(self.layers),
+            self.config.max_position_embeddings)
+        cos, sin = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
+        cos, sin = cos.to(x.dtype)[:, None], sin.to(x.dtype)[:, None]
+        attn_mask = block_causal_mask(position_ids, key_position_ids, self.config.block_size, attention_mask)
+        new_cache = [] if use_cache else None
+        for index, layer in enumerate(self.layers):
+            layer_cache = None
+            if past_key_values is not None:
+                layer_cache = first_layer if index == 0 else past_key_values[index]
+            x, key_values = layer(x, cos, sin, attn_mask, layer_cache, cache_position)
+            if use_cache:
+                new_cache.append(key_values)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(x), past_key_values=new_cache)
+
+
+class SDARForCausalLM(SDARPreTrainedModel):
+    """SDAR for block-diffusion language modelling (the official `SDARForCausalLM`: transformer + LM head);
+    `forward` returns `CausalLMOutputWithPast` with unshifted logits.
+
+    Registered for `AutoModelForCausalLM` (and `SDARModel` for `AutoModel`, as the official `auto_map` has them), so
+    `AutoModelForCausalLM.from_pretrained("JetLM/SDAR-4B-Chat")` needs no trust_remote_code.
+    """
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: SDARConfig):
+        super().__init__(config)
+        self.model = SDARModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        past_key_values: KeyValueCache | None = None,
+        cache_position: torch.Tensor | None = None,
+        use_cache: bool = False,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        """Logits [B, n', V] of the n input positions, unshifted: all of them (`logits_to_keep` = 0), the last
+        `logits_to_keep` (an int), or those at the indices `logits_to_keep` (a 1-D tensor into the n inputs).
+
+        Attention is block-causal over blocks of `config.block_size` position ids (module docstring);
+        `attention_mask` (1 = real token, 0 = padding) hides padded keys besides. It covers the inputs [B, n], or
+        with `past_key_values` every cached position [B, T]. `position_ids` [B, n] (RoPE and the queries' blocks)
+        default to the real tokens numbered from 0 in each row (cumsum(attention_mask) - 1 over the whole canvas,
+        read at `cache_position` with a cache), or the inputs' canvas positions `cache_position` (default 0..n-1)
+        without a mask; so a left-padded row's real tokens get the logits they would get unpadded. The cached keys'
+        blocks follow the same numbering over the canvas.
+
+        `past_key_values` (from a forward with `use_cache=True` over the whole canvas: per layer (keys, values)
+        [B, num_key_value_heads, T, head_dim], keys with RoPE; or any sequence of such pairs, e.g. an
+        `FP8KeyValueCache`) is written at `cache_position` [n] (the inputs' canvas indices; in place, into a copy
+        under grad) and attended to under the block-causal mask. `use_cache=True` returns the layers' (keys, values)
+        in the output's `past_key_values` (the updated cache with `past_key_values`, a new one without).
+        """
+        output = self.model(input_ids, attention_mask, position_ids, inputs_embeds, past_key_values, cache_position,
+                            bool(use_cache), **kwargs)
+        x = output.last_hidden_state
+        if isinstance(logits_to_keep, torch.Tensor):
+            x = x[:, logits_to_keep]
+        elif logits_to_keep:
+            x = x[:, -logits_to_keep:]
+        return CausalLMOutputWithPast(logits=self.lm_head(x), past_key_values=output.past_key_values)
+
+
+def register_with_auto_classes() -> None:
+    """Make `AutoConfig`/`AutoModel`/`AutoModelForCausalLM` resolve model_type "sdar" to this implementation."""
+    AutoConfig.register(SDARConfig.model_type, SDARConfig, exist_ok=True)
+    AutoModel.register(SDARConfig, SDARModel, exist_ok=True)
+    AutoModelForCausalLM.register(SDARConfig, SDARForCausalLM, exist_ok=True)
