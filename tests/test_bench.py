@@ -69,7 +69,7 @@ def test_precision_benchmark_runs_every_chosen_notch_at_the_tiny_shape_without_c
                  "--prompt-length", "8", "--gen-length", "16", "--block-length", "8", "--steps", "4",
                  "--step-batch", "4", "--micro-batch", "2"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("no CUDA device") and "model: LLaDA d_model=64" in out
+    assert out.startswith("no CUDA device") and "model: LLaDAModelLM hidden=64 layers=2" in out
     rollouts = [line for line in out.splitlines() if " tokens/s " in line]
     assert [line.split()[:6] for line in rollouts] == [  # the eager bf16 engine also with the FP8-stored cache
         ["bf16", "eager", "batch", "2", "cache", cache] for cache in ("none", "dual", "dual+fp8")] + [
@@ -86,6 +86,20 @@ def test_precision_benchmark_runs_every_chosen_notch_at_the_tiny_shape_without_c
     assert [line[0].split()[1:3] for line in whole] == [["bf16", "eager"], ["fp8", "eager"]]
     assert all([part.split()[0] for part in line[1:7]] == ["sync", "rollout", "logp_rollout", "logp_old", "train",
                                                             "total"] for line in whole)
+
+
+def test_precision_benchmark_runs_dreams_shape(capsys):
+    """`--shape dream-7b` benches a Dream (shifted logits, Qwen2.5's layout) through the same rollouts and step; on
+    CPU at a tiny Dream shape."""
+    assert main(["bench", "precision", "--device", "cpu", "--shape", "dream-7b", "--precisions", "bf16,fp8",
+                 "--batch", "2", "--prompt-length", "8", "--gen-length", "16", "--block-length", "8", "--steps", "4",
+                 "--parts", "rollouts,step", "--step-batch", "4", "--micro-batch", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "model: DreamModel hidden=64 layers=2" in out
+    rollouts = [line for line in out.splitlines() if " tokens/s " in line]
+    assert {line.split()[0] for line in rollouts} == {"bf16", "fp8"}
+    assert all(float(line.split()[7]) > 0 for line in rollouts)
+    assert [line.split(" | ")[0].split()[1] for line in out.splitlines() if line.startswith("step ")] == ["bf16", "fp8"]
 
 
 def test_precision_benchmark_reports_a_failing_notch_in_one_line_and_runs_the_others(capsys, monkeypatch):

@@ -4,6 +4,9 @@
 # then `dllm-ais bench precision` (bf16 and fp8, eager and compiled, batch 8 and 64, a whole GRPO step). Run from the
 # repository root with the package importable (PYTHONPATH=$PWD, or installed); wheels under .whl/ are installed into
 # /tmp/site first (a machine without a registry). Logs go to $OUT (default outputs/gpu-checks).
+# The recipe's own decoding and Dream-7B's shape, the rollouts only (about 4 minutes each):
+#   TESTS_TIMEOUT=1 PARTS=rollouts BENCH_ARGS="--steps 128 --engines eager,compiled" bash tools/gpu_checks.sh
+#   TESTS_TIMEOUT=1 PARTS=rollouts BENCH_ARGS="--shape dream-7b" bash tools/gpu_checks.sh
 set -uo pipefail
 OUT=${OUT:-outputs/gpu-checks}
 mkdir -p "$OUT"

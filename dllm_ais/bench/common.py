@@ -57,6 +57,20 @@ def random_llada(vocab: int, d_model: int, n_layers: int, n_heads: int, mlp_hidd
                                     pad_token_id=vocab - 2))
 
 
+TINY_DREAM = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "intermediate_size": 128, "vocab_size": 160, "mask_token_id": 159, "pad_token_id": 158,
+              "eos_token_id": 158, "bos_token_id": 157}
+
+
+def random_dream(max_length: int, tiny: bool = False):
+    """A randomly initialised Dream (seed 0) at Dream-v0-7B's shape (`DreamConfig`'s defaults: Qwen2.5-7B's), or a
+    tiny one, with room for `max_length` positions."""
+    from dllm_ais.models import DreamConfig, DreamModel
+
+    torch.manual_seed(0)
+    return DreamModel(DreamConfig(max_position_embeddings=max_length, **(TINY_DREAM if tiny else {})))
+
+
 def peak_resident_bytes() -> int:
     """This process's peak resident set size so far (`ru_maxrss`, kilobytes on Linux)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -1,12 +1,13 @@
-"""The precision ladder on one CUDA GPU at LLaDA-8B's shape: rollout throughput per notch and engine (eager or
-compiled), engine sync, a whole GRPO step timed part by part, step memory.
+"""The precision ladder on one CUDA GPU at LLaDA-8B's (or Dream-7B's) shape: rollout throughput per notch and engine
+(eager or compiled), engine sync, a whole GRPO step timed part by part, step memory.
 
     dllm-ais bench precision                   # CUDA: LLaDA-8B shape, random weights, gen 256; no CUDA: --tiny
     dllm-ais bench precision --precisions bf16,fp8 --batch 8,64 --parts rollouts,step
     dllm-ais bench precision --tiny            # the same code at a tiny shape (CPU or GPU): a code-path check
+    dllm-ais bench precision --shape dream-7b --steps 128   # Dream-7B's shape, 128 denoising steps
 
 The model is `LLaDAModelLM` with LLaDA-8B's config (d_model 4096, 32 layers, 32 heads, MLP 12288, vocabulary 126464;
-`LLaDAConfig`'s defaults) and random weights in bfloat16 (nothing is downloaded), wrapped as the trainer is: LoRA
+`LLaDAConfig`'s defaults; `--shape dream-7b`: `DreamModel` with `DreamConfig`'s, Qwen2.5-7B's) and random weights in bfloat16 (nothing is downloaded), wrapped as the trainer is: LoRA
 (rank --lora-r) on every block linear. Figures, each printed beside the device, torch and torchao versions, the
 engine (eager, or compiled: `RolloutEngine(compile=True)`, `dllm_ais.sampling.static_forwards`) and the kernel path
 that ran it (`RolloutEngine.kernel_path`):
@@ -39,10 +40,11 @@ import time
 
 import torch
 
-from dllm_ais.bench.common import describe_device, random_llada, resolve_device, synchronize
+from dllm_ais.bench.common import describe_device, random_dream, random_llada, resolve_device, synchronize
 from dllm_ais.choices import PRECISIONS
 
 TINY = {"d_model": 64, "n_layers": 2, "n_heads": 4, "mlp_hidden_size": 128, "vocab": 128}
+SHAPES = ("llada-8b", "dream-7b")
 ESTIMATORS = ("one_step", "trajectory")
 CACHES = (("none", "none"), ("dual", "none"), ("dual", "fp8"))  # (cache, cache_dtype); the FP8 KV cache with bf16 only
 
@@ -50,7 +52,9 @@ CACHES = (("none", "none"), ("dual", "none"), ("dual", "fp8"))  # (cache, cache_
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dllm-ais bench precision", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tiny", action="store_true", help="a tiny LLaDA instead of LLaDA-8B's shape (automatic "
+    parser.add_argument("--shape", choices=SHAPES, default="llada-8b",
+                        help="the model's shape: LLaDA-8B (LLaDAConfig's defaults) or Dream-7B (DreamConfig's)")
+    parser.add_argument("--tiny", action="store_true", help="a tiny model of --shape's family (automatic "
                                                             "without CUDA)")
     parser.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cuda or cpu")
     parser.add_argument("--precisions", default=",".join(PRECISIONS), help="comma-separated notches (bf16 first)")
@@ -89,27 +93,32 @@ def device_line(device: torch.device) -> str:
 
 
 def build_trainer(args: argparse.Namespace, device: torch.device):
-    """The LoRA-wrapped random LLaDA (LLaDA-8B's shape, or TINY with --tiny) in bfloat16 on `device`, built there."""
+    """The LoRA-wrapped random model of --shape (LLaDA-8B's or Dream-7B's, or TINY LLaDA with --tiny) in bfloat16 on
+    `device`, built there."""
     from peft import LoraConfig, get_peft_model
 
     from dllm_ais.models import LLaDAConfig
     from dllm_ais.policy import lora_target_modules
 
-    shape = TINY if args.tiny else {"d_model": LLaDAConfig.d_model, "n_layers": LLaDAConfig.n_layers,
-                                    "n_heads": LLaDAConfig.n_heads, "mlp_hidden_size": LLaDAConfig.mlp_hidden_size,
-                                    "vocab": LLaDAConfig.vocab_size}
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device(device):
-            model = random_llada(shape["vocab"], shape["d_model"], shape["n_layers"], shape["n_heads"],
-                                 shape["mlp_hidden_size"], args.prompt_length + args.gen_length)
+            if args.shape == "dream-7b":
+                model = random_dream(args.prompt_length + args.gen_length, tiny=args.tiny)
+            else:
+                shape = TINY if args.tiny else {
+                    "d_model": LLaDAConfig.d_model, "n_layers": LLaDAConfig.n_layers, "n_heads": LLaDAConfig.n_heads,
+                    "mlp_hidden_size": LLaDAConfig.mlp_hidden_size, "vocab": LLaDAConfig.vocab_size}
+                model = random_llada(shape["vocab"], shape["d_model"], shape["n_layers"], shape["n_heads"],
+                                     shape["mlp_hidden_size"], args.prompt_length + args.gen_length)
     finally:
         torch.set_default_dtype(default_dtype)
-    print(f"model: LLaDA d_model={shape['d_model']} layers={shape['n_layers']} heads={shape['n_heads']} "
-          f"mlp={shape['mlp_hidden_size']} vocab={shape['vocab']}, random weights, bfloat16, LoRA r={args.lora_r}")
+    config = model.config
+    print(f"model: {type(model).__name__} hidden={config.hidden_size} layers={config.num_hidden_layers} "
+          f"heads={config.num_attention_heads} vocab={config.vocab_size}, random weights, bfloat16, LoRA r={args.lora_r}")
     return get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r,
-                                            target_modules=lora_target_modules("llada")))
+                                            target_modules=lora_target_modules(config.model_type)))
 
 
 def sampler_config(args: argparse.Namespace, model_config, cache: str, cache_dtype: str = "none",
@@ -148,9 +157,11 @@ def build_engine(trainer, precision: str, engine: str):
 
 
 def random_prompts(trainer, batch: int, length: int, device: torch.device) -> torch.Tensor:
-    """[batch, length] random token ids below the mask and EOS ids (seed 0)."""
+    """[batch, length] random token ids below the mask, pad and EOS ids (seed 0)."""
+    config = trainer.config
+    below = min(config.vocab_size, config.mask_token_id, config.pad_token_id, config.eos_token_id)
     generator = torch.Generator().manual_seed(0)
-    return torch.randint(0, trainer.config.vocab_size - 2, (batch, length), generator=generator).to(device)
+    return torch.randint(0, below, (batch, length), generator=generator).to(device)
 
 
 def bench_rollouts(args: argparse.Namespace, trainer, device: torch.device) -> None:
@@ -368,7 +379,8 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     device = resolve_device(args.device)
     if device.type != "cuda" and not args.tiny:
-        print("no CUDA device: LLaDA-8B's shape needs one; running --tiny on cpu (a code-path check, not a measurement)")
+        print(f"no CUDA device: {args.shape}'s shape needs one; running --tiny on cpu (a code-path check, not a "
+              "measurement)")
         args.tiny = True
     args.engines = args.engines or ("eager,compiled" if device.type == "cuda" else "eager")
     args.step_engines = args.step_engines or ",".join(f"{precision}:{engine}" for precision in ("bf16", "fp8")
