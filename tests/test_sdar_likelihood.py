@@ -173,12 +173,13 @@ def padded_batch(prompt_lengths=(5, 7), gen_length=10):
     return sequences, attention_mask, sequences.shape[1] - gen_length
 
 
-def test_one_step_scores_each_block_fully_masked_against_the_clean_blocks_before_it():
+@pytest.mark.parametrize("prompt_lengths", [(5, 7), (6, 6)])
+def test_one_step_scores_each_block_fully_masked_against_the_clean_blocks_before_it(prompt_lengths):
     """The one-step surrogate of a block-causal model is one per block: every completion token at its block fully
     masked, conditioned on the (d1-masked) prompt and the clean completion blocks before it — equal to a direct
-    forward per block."""
+    forward per block, padded or not."""
     model = official_model()
-    sequences, attention_mask, prompt_length = padded_batch()
+    sequences, attention_mask, prompt_length = padded_batch(prompt_lengths)
     with torch.no_grad():
         scored = one_step_logprobs(model, sequences, attention_mask, prompt_length, MASK, seed=3, p_mask_prompt=0.5)
         noisy = one_step_masked_input(sequences, attention_mask, prompt_length, MASK, seed=3, p_mask_prompt=0.5)

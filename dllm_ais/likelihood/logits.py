@@ -20,6 +20,7 @@ from transformers import TopKLogitsWarper, TopPLogitsWarper
 
 from dllm_ais.models.families import position_logits
 from dllm_ais.models.sdar import block_diffusion_logits, is_block_causal
+from dllm_ais.rollout import padding_or_none
 
 
 DEFAULT_CHUNK_ROWS = 512
@@ -54,7 +55,8 @@ def noisy_canvas_logits(model: nn.Module, noisy: Tensor, completion: Tensor, att
     if not is_block_causal(model):
         return logits_fn(model, noisy, attention_mask, logits_to_keep)
     clean = torch.cat([noisy[:, :noisy.shape[1] - completion.shape[1]], completion], dim=1)
-    return block_diffusion_logits(model, noisy, clean, attention_mask, logits_to_keep)
+    # unpadded canvases share one [2T, 2T] mask rather than one per row
+    return block_diffusion_logits(model, noisy, clean, padding_or_none(attention_mask), logits_to_keep)
 
 
 def _rows_log_prob(rows: Tensor, targets: Tensor, process_logits: LogitsProcessor | None) -> Tensor:
