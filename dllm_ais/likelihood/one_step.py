@@ -59,7 +59,8 @@ def one_step_logprobs(
     x̃ = `one_step_masked_input(...)` (all completion tokens masked, each real prompt token masked with
     probability p_mask_prompt, drawn from a generator seeded with `seed`); plain softmax, no temperature
     (as d1). A block-causal family (SDAR) scores each block fully masked against the clean completion blocks before
-    it and the masked prompt (`noisy_canvas_logits`): the one-step surrogate per block. Reuse the same `seed` for ℓ_rollout, ℓ_old, ℓ_ref and ℓ_θ of one inner iteration.
+    it and the masked prompt (`noisy_canvas_logits`): the one-step surrogate per block. Reuse the same `seed` for
+    ℓ_rollout, ℓ_old, ℓ_ref and ℓ_θ of one inner iteration.
     Returns [B, L] float32 for every completion position (apply the completion mask downstream); with
     `compute_entropy`, also the entropy [B, L] of the distribution scored at each position (from the same logits).
     """

@@ -96,9 +96,10 @@ def _staged_pieces(model: nn.Module, rollout: Rollout, stage: Tensor, mask_token
     `stage` [B, L] ≥ 0 says at which stage each completion token is scored, monotone in its commit step within a
     row (within a block, for a block-causal family). For each distinct stage s the canvas is `rollout.sequences` with
     every completion position of stage ≥ s reset to the mask id, and the tokens of stage s get
-    ℓ = log softmax(f(canvas_s) / τ)[token] (τ = 0: plain softmax; f: `noisy_canvas_logits`). One piece per forward, `stages_per_forward` canvases stacked along the batch; each forward computes
-    logits only at the columns its stages score. Lazy: a forward runs when its piece is asked for. `positions`
-    [B, L] bool (None: all) restricts the scoring to those tokens: a stage none of them is in takes no forward.
+    ℓ = log softmax(f(canvas_s) / τ)[token] (τ = 0: plain softmax; f: `noisy_canvas_logits`). One piece per
+    forward, `stages_per_forward` canvases stacked along the batch; each forward computes logits only at the columns
+    its stages score. Lazy: a forward runs when its piece is asked for. `positions` [B, L] bool (None: all) restricts
+    the scoring to those tokens: a stage none of them is in takes no forward.
     """
     completion = rollout.completion_ids
     attention_mask = _check_canvas(rollout.sequences, rollout.attention_mask, rollout.prompt_length)
