@@ -12,6 +12,7 @@ from dllm_ais.likelihood import (
     masked_completion_logprobs,
     one_step_logprobs,
     one_step_masked_input,
+    step_merge_logprobs,
     trajectory_logprobs,
     trajectory_pieces,
 )
@@ -118,8 +119,9 @@ def reference_rollout(model, prompt_lengths=(5, 7), gen_length=10, seed=0) -> Ro
 
 
 def test_trajectory_replay_reproduces_the_block_by_block_sampler_in_one_forward_per_round():
-    """Every token's recorded log-prob comes back from the training-mode replay (through the registry too), and the
-    replay takes one forward per round — as many as the most steps one block took — not one per step."""
+    """Every token's recorded log-prob comes back from the training-mode replay (through the registry too, and from
+    StepMerge with a segment per step), and the replay takes one forward per round — as many as the most steps one
+    block took — not one per step."""
     model = official_model()
     rollout = reference_rollout(model)
     assert bool((rollout.commit_step >= 0).all())
@@ -128,8 +130,10 @@ def test_trajectory_replay_reproduces_the_block_by_block_sampler_in_one_forward_
         settings = EstimatorSettings(mask_token_id=MASK, temperature=TEMPERATURE)
         registered = DIFFUSION_ESTIMATORS["trajectory"].logprobs(model, rollout, settings, 0, False)
         pieces = list(trajectory_pieces(model, rollout, MASK, TEMPERATURE))
+        merged = step_merge_logprobs(model, rollout, MASK, TEMPERATURE, num_segments=int(rollout.commit_step.max()) + 1)
     torch.testing.assert_close(replayed, rollout.step_logprobs, atol=1e-5, rtol=0)
     torch.testing.assert_close(registered, rollout.step_logprobs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(merged, rollout.step_logprobs, atol=1e-5, rtol=0)
     real_prompt_lengths = rollout.attention_mask[:, :rollout.prompt_length].sum(1, keepdim=True)
     blocks = (real_prompt_lengths + torch.arange(rollout.gen_length)) // BLOCK  # [B, L]
     steps_per_block = [len(torch.unique(rollout.commit_step[row][blocks[row] == block]))
