@@ -8,10 +8,13 @@ and ℓ_θ under grad. Canvases are `[left-padded prompt (P) | completion (L)]`,
 
 One module per job, each importing only the ones above it in this list:
 - `logits`      float32 log-probs from logits (`selective_log_softmax`), the sampling distribution (`shape_logits`),
-                entropies, the canvas checks and the seeded mask generator (`mask_generator`).
+                entropies, the canvas checks, the seeded mask generator (`mask_generator`), and the logits every
+                diffusion estimator scores on a noisy canvas (`noisy_canvas_logits`: for a block-causal family, SDAR,
+                its training-mode forward, each block against the clean blocks before it).
 - `one_step`    `one_step_logprobs`, the diffu-GRPO one-step surrogate (default estimator, one forward).
 - `trajectory`  `trajectory_logprobs`, the exact log-prob of the recorded denoising trajectory (one forward per step,
-                or the rollout decoder's own logits: `decoder_trajectory_pieces`), and `step_merge_logprobs`, d2's
+                per round of every block's r-th step for SDAR: `trajectory_stages`, or the rollout decoder's own
+                logits: `decoder_trajectory_pieces`), and `step_merge_logprobs`, d2's
                 StepMerge (one forward per segment); both also piece by piece (`LogprobPiece`).
 - `bounds`      `mc_elbo`, LLaDA's Monte-Carlo lower bound (optionally with coupled masks; the `elbo` estimator), and
                 `eubo_from_draws` / `sandwiched_log_likelihood`, SPG's upper bound and its sandwich with the ELBO by
@@ -38,6 +41,7 @@ from dllm_ais.likelihood.logits import (
     check_sampling_parameters,
     is_plain_int,
     mask_generator,
+    noisy_canvas_logits,
     plain_logits,
     selective_log_softmax,
     shape_logits,
@@ -52,6 +56,7 @@ from dllm_ais.likelihood.registry import (
 )
 from dllm_ais.likelihood.trajectory import (
     LogprobPiece,
+    block_step_ranks,
     decoder_trajectory_pieces,
     merges_no_steps,
     step_merge_logprobs,
@@ -60,6 +65,7 @@ from dllm_ais.likelihood.trajectory import (
     sum_pieces,
     trajectory_logprobs,
     trajectory_pieces,
+    trajectory_stages,
     whole_piece,
 )
 
@@ -73,6 +79,7 @@ __all__ = [
     "LogitsFn",
     "MaskDraw",
     "block_mask_draws",
+    "block_step_ranks",
     "LogprobPiece",
     "causal_logprobs",
     "causal_position_ids",
@@ -85,6 +92,7 @@ __all__ = [
     "masked_completion_logprobs",
     "mc_elbo",
     "merges_no_steps",
+    "noisy_canvas_logits",
     "one_step_logprobs",
     "one_step_masked_input",
     "plain_logits",
@@ -101,5 +109,6 @@ __all__ = [
     "sum_pieces",
     "trajectory_logprobs",
     "trajectory_pieces",
+    "trajectory_stages",
     "whole_piece",
 ]

@@ -20,6 +20,7 @@ from dllm_ais.likelihood.logits import (
     _scatter_to_positions,
     is_plain_int,
     mask_generator,
+    noisy_canvas_logits,
     plain_logits,
     selective_log_softmax,
 )
@@ -115,7 +116,9 @@ def masked_completion_logprobs(
 ) -> Tensor | tuple[Tensor, Tensor]:
     """ℓ_k = log softmax(f(x̃)_{P+k})[o^k] at the completion positions `masked` [B, L] puts under the mask token,
     0 elsewhere: [B, L] float32, one forward; x̃ = `sequences` with those positions (and the prompt positions
-    `prompt_masked` [B, P], if given) replaced by the mask id. With `compute_entropy`, also the entropy there."""
+    `prompt_masked` [B, P], if given) replaced by the mask id; for a block-causal family (SDAR) each block against
+    the clean completion blocks before it (`noisy_canvas_logits`: with the 1/t weight of `elbo_from_draws`, SDAR's
+    own training loss). With `compute_entropy`, also the entropy there."""
     device = sequences.device
     completion = sequences[:, prompt_length:]
     prompt = sequences[:, :prompt_length]
@@ -123,7 +126,7 @@ def masked_completion_logprobs(
         prompt = prompt.masked_fill(prompt_masked.to(device), mask_token_id)
     masked = masked.to(device)
     noisy = torch.cat([prompt, completion.masked_fill(masked, mask_token_id)], dim=1)
-    logits = logits_fn(model, noisy, attention_mask, completion.shape[1])
+    logits = noisy_canvas_logits(model, noisy, completion, attention_mask, completion.shape[1], logits_fn)
     scored = selective_log_softmax(logits[masked], completion[masked], chunk_size, compute_entropy=compute_entropy)
     if compute_entropy:
         return _scatter_to_positions(masked, scored[0]), _scatter_to_positions(masked, scored[1])

@@ -19,6 +19,8 @@ from torch.utils.checkpoint import checkpoint
 from transformers import TopKLogitsWarper, TopPLogitsWarper
 
 from dllm_ais.models.families import position_logits
+from dllm_ais.models.sdar import block_diffusion_logits, is_block_causal
+from dllm_ais.rollout import padding_or_none
 
 
 DEFAULT_CHUNK_ROWS = 512
@@ -30,13 +32,31 @@ LogitsFn = Callable[[nn.Module, Tensor, Tensor, "Tensor | int"], Tensor]
 """`logits_fn(model, input_ids [B, T], attention_mask [B, T], logits_to_keep) -> logits [B, K, V]`: how a diffusion
 estimator turns a canvas into the logits it scores. `plain_logits` is the model's own; a sampler's
 `MaskedDiffusionSampler.scoring_logits` adds the logit processing it samples with (e.g. guidance), so that an
-estimator scores the distribution the sampler drew from."""
+estimator scores the distribution the sampler drew from. A block-causal family (SDAR) is scored by its training-mode
+forward instead (`noisy_canvas_logits`), to which no logit processing applies."""
 
 
 def plain_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: Tensor | int) -> Tensor:
     """The model's logits predicting the kept positions (`dllm_ais.models.families.position_logits`: the forward's own
     positions, or for a shifted family such as Dream the positions before them)."""
     return position_logits(model, input_ids, attention_mask, logits_to_keep)
+
+
+def noisy_canvas_logits(model: nn.Module, noisy: Tensor, completion: Tensor, attention_mask: Tensor,
+                        logits_to_keep: Tensor | int, logits_fn: LogitsFn = plain_logits) -> Tensor:
+    """The logits [B, K, V] a diffusion estimator scores at the kept positions of noisy canvases `noisy`
+    [B, P + L] whose clean completions are `completion` [B, L].
+
+    A family whose tokens see the whole canvas: `logits_fn(model, noisy, attention_mask, logits_to_keep)`. A
+    block-causal family (SDAR: `is_block_causal`): its training-mode forward (`block_diffusion_logits`), each block
+    of `noisy` against the clean blocks before it — those of `noisy` with the completion restored to `completion`
+    (the prompt as the estimator gives it, in both copies) — as SDAR is trained and samples; a single forward of a
+    canvas with masks in several blocks would condition each block on the noise of the blocks before it."""
+    if not is_block_causal(model):
+        return logits_fn(model, noisy, attention_mask, logits_to_keep)
+    clean = torch.cat([noisy[:, :noisy.shape[1] - completion.shape[1]], completion], dim=1)
+    # unpadded canvases share one [2T, 2T] mask rather than one per row
+    return block_diffusion_logits(model, noisy, clean, padding_or_none(attention_mask), logits_to_keep)
 
 
 def _rows_log_prob(rows: Tensor, targets: Tensor, process_logits: LogitsProcessor | None) -> Tensor:

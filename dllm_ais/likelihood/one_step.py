@@ -11,6 +11,7 @@ from dllm_ais.likelihood.logits import (
     _check_canvas,
     _check_mask_token,
     mask_generator,
+    noisy_canvas_logits,
     plain_logits,
     selective_log_softmax,
 )
@@ -57,7 +58,9 @@ def one_step_logprobs(
 
     x̃ = `one_step_masked_input(...)` (all completion tokens masked, each real prompt token masked with
     probability p_mask_prompt, drawn from a generator seeded with `seed`); plain softmax, no temperature
-    (as d1). Reuse the same `seed` for ℓ_rollout, ℓ_old, ℓ_ref and ℓ_θ of one inner iteration.
+    (as d1). A block-causal family (SDAR) scores each block fully masked against the clean completion blocks before
+    it and the masked prompt (`noisy_canvas_logits`): the one-step surrogate per block. Reuse the same `seed` for
+    ℓ_rollout, ℓ_old, ℓ_ref and ℓ_θ of one inner iteration.
     Returns [B, L] float32 for every completion position (apply the completion mask downstream); with
     `compute_entropy`, also the entropy [B, L] of the distribution scored at each position (from the same logits).
     """
@@ -65,5 +68,5 @@ def one_step_logprobs(
     attention_mask = _check_canvas(sequences, attention_mask, prompt_length)
     noisy = one_step_masked_input(sequences, attention_mask, prompt_length, mask_token_id, seed, p_mask_prompt)
     gen_length = sequences.shape[1] - prompt_length
-    logits = logits_fn(model, noisy, attention_mask, gen_length)
+    logits = noisy_canvas_logits(model, noisy, sequences[:, prompt_length:], attention_mask, gen_length, logits_fn)
     return selective_log_softmax(logits, sequences[:, prompt_length:], chunk_size, compute_entropy=compute_entropy)

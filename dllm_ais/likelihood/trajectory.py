@@ -24,10 +24,12 @@ from dllm_ais.likelihood.logits import (
     _scatter_to_positions,
     check_sampling_parameters,
     is_plain_int,
+    noisy_canvas_logits,
     plain_logits,
     selective_log_softmax,
     shape_logits,
 )
+from dllm_ais.models.sdar import block_size_of, canvas_blocks, is_block_causal
 from dllm_ais.rollout import Rollout
 
 
@@ -92,11 +94,12 @@ def _staged_pieces(model: nn.Module, rollout: Rollout, stage: Tensor, mask_token
     """The shared core of the trajectory-type estimators: the completion scored stage by stage.
 
     `stage` [B, L] ≥ 0 says at which stage each completion token is scored, monotone in its commit step within a
-    row. For each distinct stage s the canvas is `rollout.sequences` with every completion position of stage ≥ s
-    reset to the mask id, and the tokens of stage s get ℓ = log softmax(f(canvas_s) / τ)[token] (τ = 0: plain
-    softmax). One piece per forward, `stages_per_forward` canvases stacked along the batch; each forward computes
-    logits only at the columns its stages score. Lazy: a forward runs when its piece is asked for. `positions`
-    [B, L] bool (None: all) restricts the scoring to those tokens: a stage none of them is in takes no forward.
+    row (within a block, for a block-causal family). For each distinct stage s the canvas is `rollout.sequences` with
+    every completion position of stage ≥ s reset to the mask id, and the tokens of stage s get
+    ℓ = log softmax(f(canvas_s) / τ)[token] (τ = 0: plain softmax; f: `noisy_canvas_logits`). One piece per
+    forward, `stages_per_forward` canvases stacked along the batch; each forward computes logits only at the columns
+    its stages score. Lazy: a forward runs when its piece is asked for. `positions` [B, L] bool (None: all) restricts
+    the scoring to those tokens: a stage none of them is in takes no forward.
     """
     completion = rollout.completion_ids
     attention_mask = _check_canvas(rollout.sequences, rollout.attention_mask, rollout.prompt_length)
@@ -111,8 +114,9 @@ def _staged_pieces(model: nn.Module, rollout: Rollout, stage: Tensor, mask_token
         canvases = torch.cat(
             [rollout.prompt_ids.expand(len(stages), -1, -1), torch.where(hidden, mask_token_id, completion)], dim=2
         )
-        logits = logits_fn(model, canvases.flatten(0, 1), attention_mask.repeat(len(stages), 1),
-                           columns + rollout.prompt_length).unflatten(0, (len(stages), batch))  # [S, B, C, V]
+        logits = noisy_canvas_logits(model, canvases.flatten(0, 1), completion.repeat(len(stages), 1),
+                                     attention_mask.repeat(len(stages), 1), columns + rollout.prompt_length,
+                                     logits_fn).unflatten(0, (len(stages), batch))  # [S, B, C, V]
         kept = scored[..., columns]
         targets = completion[:, columns].expand(len(stages), -1, -1)
         values = selective_log_softmax(logits[kept], targets[kept], chunk_size, process_logits=scale,
@@ -123,6 +127,42 @@ def _staged_pieces(model: nn.Module, rollout: Rollout, stage: Tensor, mask_token
             _scatter_to_positions(scored, logprobs).sum(dim=0),
             None if entropy is None else _scatter_to_positions(scored, entropy).sum(dim=0),
         )
+
+
+def block_step_ranks(commit_step: Tensor, blocks: Tensor) -> Tensor:
+    """Each completion token's commit step numbered among the distinct steps of its own block (0, 1, ...), [B, L],
+    given the block of each position `blocks` [B, L] (non-decreasing along a row): the round in which a block-causal
+    replay scores it, round r holding the r-th step of every block.
+
+    Raise ValueError unless every row commits its blocks one after another — every token after every token of the
+    blocks before it, as SDAR's sampler decodes — since the replay scores each block against the clean blocks before
+    it, which is the canvas the sampler saw only then."""
+    length = commit_step.shape[1]
+    starts_block = torch.ones_like(commit_step, dtype=torch.bool)
+    starts_block[:, 1:] = blocks[:, 1:] != blocks[:, :-1]
+    index = torch.arange(length, device=commit_step.device).expand_as(commit_step)
+    block_start = torch.where(starts_block, index, 0).cummax(dim=1).values  # [B, L]: where each token's block starts
+    latest = commit_step.cummax(dim=1).values
+    latest_before_block = torch.where(block_start > 0, latest.gather(1, (block_start - 1).clamp_min(0)), -1)
+    if bool((commit_step <= latest_before_block).any()):
+        raise ValueError("rollout.commit_step commits a token of a block before the blocks ahead of it are done: "
+                         "a block-causal (SDAR) trajectory replay needs block-by-block decoding on the model's blocks "
+                         "(config.block_size positions from each row's first real token), as SDAR's sampler does.")
+    rank, _ = _row_step_ranks(commit_step)
+    segment = starts_block.long().cumsum(dim=1) - 1  # [B, L]: the row's block number of each token
+    first_rank = torch.full_like(rank, length).scatter_reduce(1, segment, rank, "amin")
+    return rank - first_rank.gather(1, segment)
+
+
+def trajectory_stages(model: nn.Module, rollout: Rollout) -> Tensor:
+    """The stage [B, L] at which the trajectory replay scores each completion token: its commit step; for a
+    block-causal family (SDAR) its step's rank within its block (`block_step_ranks`), so that one forward scores a
+    step of every block, each against the clean blocks before it."""
+    if not is_block_causal(model):
+        return rollout.commit_step
+    blocks = canvas_blocks(rollout.attention_mask, rollout.sequences.shape[1], block_size_of(model),
+                           rollout.sequences.device)
+    return block_step_ranks(rollout.commit_step, blocks[:, rollout.prompt_length:].expand_as(rollout.commit_step))
 
 
 def trajectory_pieces(
@@ -141,8 +181,8 @@ def trajectory_pieces(
     tokens at `positions` [B, L] (None: all), and only the steps that commit one of them. Arguments are checked at
     the call, before any forward."""
     _check_staged_scoring(model, rollout, mask_token_id, temperature, steps_per_forward, "steps_per_forward")
-    return _staged_pieces(model, rollout, rollout.commit_step, mask_token_id, temperature, steps_per_forward,
-                          chunk_size, compute_entropy, logits_fn, positions)
+    return _staged_pieces(model, rollout, trajectory_stages(model, rollout), mask_token_id, temperature,
+                          steps_per_forward, chunk_size, compute_entropy, logits_fn, positions)
 
 
 def trajectory_logprobs(
@@ -166,7 +206,10 @@ def trajectory_logprobs(
     plain model by default, the sampler's processing with its `MaskedDiffusionSampler.scoring_logits`.
 
     Cost: one forward per distinct step, `steps_per_forward` canvases stacked along the batch per
-    forward (memory grows linearly with it; the result does not depend on it). Each forward computes
+    forward (memory grows linearly with it; the result does not depend on it). A block-causal family (SDAR,
+    decoded block by block) replays in rounds instead (`trajectory_stages`): round r is one training-mode forward
+    holding the r-th step of every block, each block against the clean blocks before it — the canvas its sampler
+    saw with its exact cache — so as many forwards as the most steps one block took. Each forward computes
     logits only at the completion positions committed at its steps (one position per step in
     autoregressive order), not over the whole completion. Under grad, every forward stays in the graph
     until the backward; `trajectory_pieces` hands them out one at a time instead.

@@ -33,6 +33,15 @@ their blocks allow. Because a block's keys/values depend on that block and the b
 finished blocks is exact: once a block's tokens are final and a forward has written their keys/values (the official
 generation stores them by one forward of the clean block), a forward of a later block against the cache gives the
 logits of the full forward.
+
+Training-mode forward (`block_diffusion_logits`): the block-diffusion objective scores each noisy block against the
+CLEAN blocks before it, which one block-causal forward of a canvas with masks in several blocks does not do (a block
+would see the noise of the blocks before it). The official training doubles the input, [x_t | x_0], under a mask in
+which a noisy block attends to itself (both directions) and to the clean blocks before it, and a clean block to the
+clean blocks up to itself; x_0 takes the positions of x_t again. Here that is a mask and positions
+(`block_diffusion_inputs`) passed to the ordinary forward (a 4-D ``attention_mask`` is used as the mask itself), so
+a wrapped model (DDP, FSDP, LoRA) runs it as any forward; it equals, block by block, a forward of the noisy block
+against the cache of the clean blocks before it (tests/test_sdar_likelihood.py).
 """
 
 from __future__ import annotations
@@ -48,9 +57,11 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from .dream import DreamMLP, canvas_positions  # relative: an export ships these files as remote code
+from .families import model_type_of, position_logits
 from .llada import RMSNorm, apply_rotary, rotary_cos_sin, write_into_layer_cache
 
-__all__ = ["SDARConfig", "SDARForCausalLM", "SDARModel", "block_causal_mask"]
+__all__ = ["SDARConfig", "SDARForCausalLM", "SDARModel", "block_causal_mask", "block_diffusion_inputs",
+           "block_diffusion_logits", "block_size_of", "canvas_blocks", "canvas_position_ids", "is_block_causal"]
 
 KeyValueCache = list[tuple[torch.Tensor, torch.Tensor]]
 """Per layer, (keys, values) of shape [B, num_key_value_heads, T, head_dim]; the keys have RoPE applied."""
@@ -141,6 +152,81 @@ def block_causal_mask(query_position_ids: torch.Tensor, key_position_ids: torch.
     return allowed
 
 
+def is_block_causal(model: object) -> bool:
+    """Whether a model (or a wrapper holding one) is a block-diffusion family: attention causal across blocks,
+    each block scored against the clean blocks before it (SDAR)."""
+    return model_type_of(model) == SDARConfig.model_type
+
+
+def block_size_of(model: object) -> int:
+    """``config.block_size`` of a block-causal model, or of the model a wrapper (DDP, FSDP, torch.compile) holds."""
+    for candidate in (model, getattr(model, "module", None), getattr(model, "_orig_mod", None)):
+        block_size = getattr(getattr(candidate, "config", None), "block_size", None)
+        if block_size is not None:
+            return block_size
+    raise ValueError(f"{type(model).__name__} has no config.block_size: pass an SDAR model (model_type 'sdar').")
+
+
+def canvas_position_ids(attention_mask: torch.Tensor | None, length: int,
+                        device: torch.device | str | None = None) -> torch.Tensor:
+    """The position ids of a canvas as the forward numbers them, [B, length] (or [1, length] without
+    `attention_mask`): real tokens from 0 in each row, padding 0."""
+    if attention_mask is None:
+        return torch.arange(length, device=device)[None]
+    return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
+def canvas_blocks(attention_mask: torch.Tensor | None, length: int, block_size: int,
+                  device: torch.device | str | None = None) -> torch.Tensor:
+    """The block of each canvas position, [B, length] (or [1, length] without `attention_mask`): its position id
+    (`canvas_position_ids`) // `block_size`."""
+    return torch.div(canvas_position_ids(attention_mask, length, device), block_size, rounding_mode="floor")
+
+
+def block_diffusion_inputs(noisy_ids: torch.Tensor, clean_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                           block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The training-mode forward's inputs for noisy canvases `noisy_ids` [B, T] and their clean versions `clean_ids`
+    [B, T] (`attention_mask` [B, T]: 1 = real token; None = none padded): (input_ids [B, 2T] = [x_t | x_0],
+    position_ids [B, 2T] = the canvas's position ids twice, attention mask [B or 1, 1, 2T, 2T] bool, True =
+    attended).
+
+    With blocks by position id // `block_size`: a noisy query of block b attends to the noisy keys of block b and to
+    the clean keys of the blocks before b; a clean query of block b to the clean keys of blocks up to b; padded keys
+    to none."""
+    if noisy_ids.shape != clean_ids.shape or noisy_ids.dim() != 2:
+        raise ValueError(f"noisy_ids and clean_ids must be two [B, T] canvases of one shape; got "
+                         f"{tuple(noisy_ids.shape)} and {tuple(clean_ids.shape)}")
+    length = noisy_ids.shape[1]
+    position_ids = canvas_position_ids(attention_mask, length, noisy_ids.device)
+    blocks = torch.div(position_ids, block_size, rounding_mode="floor").repeat(1, 2)  # [B or 1, 2T]
+    real = (torch.ones(1, length, dtype=torch.bool, device=noisy_ids.device) if attention_mask is None
+            else attention_mask.bool()).repeat(1, 2)
+    clean = torch.arange(2 * length, device=noisy_ids.device) >= length  # [2T]: the x_0 half
+    query_blocks, key_blocks = blocks[:, :, None], blocks[:, None, :]
+    noisy_to_noisy = ~clean[:, None] & ~clean[None, :] & (key_blocks == query_blocks)
+    to_clean_before = ~clean[:, None] & clean[None, :] & (key_blocks < query_blocks)
+    clean_to_clean = clean[:, None] & clean[None, :] & (key_blocks <= query_blocks)
+    allowed = (noisy_to_noisy | to_clean_before | clean_to_clean) & real[:, None, :]
+    input_ids = torch.cat([noisy_ids, clean_ids], dim=1)
+    return input_ids, position_ids.repeat(1, 2).expand(len(input_ids), -1), allowed[:, None]
+
+
+def block_diffusion_logits(model: nn.Module, noisy_ids: torch.Tensor, clean_ids: torch.Tensor,
+                           attention_mask: torch.Tensor | None, logits_to_keep: torch.Tensor | int = 0
+                           ) -> torch.Tensor:
+    """The block-diffusion training-mode forward: logits [B, K, V] at the kept positions of the noisy canvases
+    `noisy_ids` [B, T] (all, `logits_to_keep` = 0; the last ones, an int; the canvas positions of a 1-D tensor),
+    each block computed against the clean blocks of `clean_ids` [B, T] before it — one forward of the doubled canvas
+    `block_diffusion_inputs` builds, through `model` itself (any wrapper: DDP, FSDP, LoRA)."""
+    length = noisy_ids.shape[1]
+    if not isinstance(logits_to_keep, torch.Tensor):
+        logits_to_keep = torch.arange(length - logits_to_keep if logits_to_keep else 0, length,
+                                      device=noisy_ids.device)
+    input_ids, position_ids, mask = block_diffusion_inputs(noisy_ids, clean_ids, attention_mask,
+                                                           block_size_of(model))
+    return position_logits(model, input_ids, mask, logits_to_keep, shifted=False, position_ids=position_ids)
+
+
 class SDARAttention(nn.Module):
     """Grouped-query SDPA attention under the block-causal mask, with RMSNorm on each query and key head before
     RoPE (Qwen3); RoPE applied in the activations' dtype, as the official code does."""
@@ -226,6 +312,23 @@ class SDARPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
 
 
+def check_given_mask(attention_mask: torch.Tensor, inputs: torch.Tensor, position_ids: torch.Tensor | None,
+                     past_key_values: KeyValueCache | None) -> None:
+    """Raise ValueError unless a 4-D `attention_mask` (the mask itself, [B or 1, 1, n, n]) comes with the inputs'
+    `position_ids` [B, n] and without a cache."""
+    batch, length = inputs.shape[:2]
+    problems = []
+    if attention_mask.shape[1:] != (1, length, length) or attention_mask.shape[0] not in (1, batch):
+        problems.append(f"a 4-D attention_mask must be [B or 1, 1, {length}, {length}]; got "
+                        f"{tuple(attention_mask.shape)}")
+    if position_ids is None or position_ids.shape != (batch, length):
+        problems.append(f"a 4-D attention_mask needs position_ids [{batch}, {length}]")
+    if past_key_values is not None:
+        problems.append("a 4-D attention_mask is for a forward without past_key_values")
+    if problems:
+        raise ValueError("; ".join(problems) + " (see dllm_ais.models.sdar.block_diffusion_inputs).")
+
+
 class SDARModel(SDARPreTrainedModel):
     """The SDAR transformer (the official `SDARModel`): final-normed hidden states (and, on request, the layers'
     keys/values) as a `BaseModelOutputWithPast`."""
@@ -265,12 +368,16 @@ class SDARModel(SDARPreTrainedModel):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        first_layer, cache_position, position_ids, key_position_ids = canvas_positions(
-            x, attention_mask, position_ids, past_key_values, cache_position, len(self.layers),
-            self.config.max_position_embeddings)
+        if attention_mask is not None and attention_mask.dim() == 4:
+            check_given_mask(attention_mask, x, position_ids, past_key_values)
+            first_layer, attn_mask = None, attention_mask.bool()
+        else:
+            first_layer, cache_position, position_ids, key_position_ids = canvas_positions(
+                x, attention_mask, position_ids, past_key_values, cache_position, len(self.layers),
+                self.config.max_position_embeddings)
+            attn_mask = block_causal_mask(position_ids, key_position_ids, self.config.block_size, attention_mask)
         cos, sin = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
         cos, sin = cos.to(x.dtype)[:, None], sin.to(x.dtype)[:, None]
-        attn_mask = block_causal_mask(position_ids, key_position_ids, self.config.block_size, attention_mask)
         new_cache = [] if use_cache else None
         for index, layer in enumerate(self.layers):
             layer_cache = None
@@ -327,7 +434,9 @@ class SDARForCausalLM(SDARPreTrainedModel):
 
         Attention is block-causal over blocks of `config.block_size` position ids (module docstring);
         `attention_mask` (1 = real token, 0 = padding) hides padded keys besides. It covers the inputs [B, n], or
-        with `past_key_values` every cached position [B, T]. `position_ids` [B, n] (RoPE and the queries' blocks)
+        with `past_key_values` every cached position [B, T]. A 4-D bool `attention_mask` [B or 1, 1, n, n] (True =
+        attended) is the mask itself, with explicit `position_ids` and no cache: the training-mode forward's
+        (`block_diffusion_inputs`). `position_ids` [B, n] (RoPE and the queries' blocks)
         default to the real tokens numbered from 0 in each row (cumsum(attention_mask) - 1 over the whole canvas,
         read at `cache_position` with a cache), or the inputs' canvas positions `cache_position` (default 0..n-1)
         without a mask; so a left-padded row's real tokens get the logits they would get unpadded. The cached keys'
