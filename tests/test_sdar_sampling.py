@@ -2,6 +2,7 @@
 row, and the same row inside a left-padded batch), the exact cache of finished blocks against full forwards, the
 recorded log-probs against a teacher-forced replay, SDAR's dynamic threshold rule."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from dllm_ais.sampling.diffusion import (
     filter_top_p_top_k,
     sampling_logprobs,
 )
+from dllm_ais.sampling.static_forwards import StaticForwards
 
 OFFICIAL = Path(__file__).parent / "data" / "sdar_official"
 MASK, PAD, BLOCK = 271, 270, 4
@@ -103,9 +105,11 @@ def test_recorded_logprobs_equal_a_teacher_forced_replay_without_cache(model, of
     ids, mask = left_padded([prompt[0], *other_prompts()])
     sampler = sdar_sampler(**settings)
     rollout = sampler.sample(model, ids, mask, generator=torch.Generator().manual_seed(0))
-    exact = sampler.with_config(sampler.config.exact())
+    uncached = sampler.with_config(dataclasses.replace(sampler.config, cache="none"))
+    assert torch.equal(uncached.sample(model, ids, mask, generator=torch.Generator().manual_seed(0)).sequences,
+                       rollout.sequences)  # the same draws from the same logits
     replayed = torch.full(rollout.step_logprobs.shape, float("nan"))
-    for replay in (exact, sampler):
+    for replay in (uncached, sampler):
         for window, committed, logits in replay.decoder_logits(model, rollout):
             logits = filter_top_p_top_k(logits, sampler.config.temperature, sampler.config.top_p, sampler.config.top_k)
             logprobs = sampling_logprobs(logits, completion_window(rollout.completion_ids, window),
@@ -150,3 +154,21 @@ def test_right_padded_prompts_are_refused(model):
     ids, mask = left_padded(other_prompts())
     with pytest.raises(ValueError, match="must be left-padded"):
         sdar_sampler().sample(model, ids.flip(1), mask.flip(1))
+
+
+def test_the_compiled_engines_static_forwards_decode_as_the_model_does(model, official):
+    """With static forwards (`rollout.compile`; here without CUDA graphs, which need a GPU) the cache lives in the
+    engine's buffers of the canvas shape, written in place: the same tokens and log-probs as the eager cache."""
+    prompt, _, _ = official
+    ids, mask = left_padded([prompt[0], *other_prompts()])
+    sampler = sdar_sampler(temperature=0.8)
+    eager = sampler.sample(model, ids, mask, generator=torch.Generator().manual_seed(2))
+    model.static_forwards = StaticForwards(model, cuda_graphs=False)
+    try:
+        for _ in range(2):  # the second call reuses the buffers
+            static = sampler.sample(model, ids, mask, generator=torch.Generator().manual_seed(2))
+            assert torch.equal(static.sequences, eager.sequences)
+            torch.testing.assert_close(static.step_logprobs, eager.step_logprobs, atol=1e-5, rtol=0)
+        assert len(model.static_forwards.buffers) == 1
+    finally:
+        del model.static_forwards

@@ -725,18 +725,19 @@ def block_aligned_layout(input_ids: torch.LongTensor, attention_mask: torch.Tens
     """A block-causal model's canvas: each left-padded prompt moved so that its real tokens start at a multiple of
     `block_length`, hence every row's blocks (counted from its first real token) at the same canvas slices.
 
-    With n_b real prompt tokens in row b and J = max_b ⌊n_b / block_length⌋, row b's completion starts at
-    s_b = J·block_length + (n_b mod block_length), inside the first decoded block J, and its prompt at s_b − n_b (a
-    multiple of `block_length`); the canvas holds max_b s_b + `gen_length` positions, `padding_id` (attention 0)
-    before each prompt and after each completion. The blocks are the slices from J·block_length on, the last one cut
-    at the canvas end.
+    With P the prompts' padded width, n_b ≤ P real prompt tokens in row b and J = ⌊P / block_length⌋, row b's
+    completion starts at s_b = J·block_length + (n_b mod block_length), inside the first decoded block J, and its
+    prompt at s_b − n_b (a multiple of `block_length`); the canvas holds (J + 1)·block_length + `gen_length`
+    positions (one shape per prompt width, as the compiled engine's graphs want), `padding_id` (attention 0) before
+    each prompt and after each completion. The blocks are the slices of `block_length` from J·block_length on; a
+    block past every row's completion is left without a forward.
     """
     batch, width = input_ids.shape
     device = input_ids.device
     lengths = attention_mask.long().sum(dim=1) if attention_mask is not None else torch.full((batch,), width, device=device)
-    first_block = int((lengths // block_length).max())
+    first_block = width // block_length
     completion_start = first_block * block_length + lengths % block_length
-    total = int(completion_start.max()) + gen_length
+    total = (first_block + 1) * block_length + gen_length
     positions = torch.arange(total, device=device).expand(batch, -1)
     in_prompt = (positions >= (completion_start - lengths)[:, None]) & (positions < completion_start[:, None])
     in_completion = (positions >= completion_start[:, None]) & (positions < (completion_start + gen_length)[:, None])
@@ -744,8 +745,7 @@ def block_aligned_layout(input_ids: torch.LongTensor, attention_mask: torch.Tens
     canvas = torch.where(in_prompt, input_ids.gather(1, source), padding_id).masked_fill(in_completion, mask_id)
     attention = (in_prompt | in_completion).to(attention_mask.dtype if attention_mask is not None else torch.long)
     completion_index = completion_start[:, None] + torch.arange(gen_length, device=device)
-    blocks = [slice(start, min(start + block_length, total))
-              for start in range(first_block * block_length, total, block_length)]
+    blocks = [slice(start, start + block_length) for start in range(first_block * block_length, total, block_length)]
     return CanvasLayout(canvas, padding_or_none(attention), completion_index, blocks, first_block * block_length)
 
 
@@ -812,7 +812,10 @@ class BlockCache:
         before `block` holding its final token (the blocks are decoded in order).
 
         The first call runs positions [0, block.stop) and keeps their keys/values in buffers of the canvas length
-        (the later positions zero until written: a block never attends to later blocks). Every later call runs
+        (the later positions zero until written: a block never attends to later blocks); with the rollout engine's
+        static forwards, it runs the whole canvas into the engine's buffers of that shape instead (the later
+        positions then hold keys/values of masks, rewritten before a later block reads them), and every call replays
+        a captured forward. Every later call runs
         [`stored_until`, block.stop) against the buffers, writing those positions: the current block alone, or, at a
         block's first step, also the block finished before it, whose clean keys/values are stored so. The block's
         own keys/values, written while it is still masked, are rewritten by the next block's first forward before
@@ -820,7 +823,10 @@ class BlockCache:
         the model writes into copies of the buffers, which the cache keeps instead.
         """
         positions = torch.arange(block.start, block.stop, device=inputs.device)
-        if self.past_key_values is None:
+        forwards = static_forwards_of(model)
+        if self.past_key_values is None and forwards is not None:  # the engine's buffers, written over the canvas
+            self.past_key_values, logits = forwards.key_value_buffers(inputs, attention_mask, positions)
+        elif self.past_key_values is None:
             stop = block.stop
             output = model(inputs[:, :stop], attention_mask=None if attention_mask is None else attention_mask[:, :stop],
                            use_cache=True, logits_to_keep=positions)
@@ -830,12 +836,15 @@ class BlockCache:
             logits = output.logits
         else:
             start = self.stored_until
-            output = model(inputs[:, start:block.stop], attention_mask=attention_mask, use_cache=True,
-                           past_key_values=self.past_key_values,
-                           cache_position=torch.arange(start, block.stop, device=inputs.device),
-                           logits_to_keep=positions - start)
-            self.past_key_values = output.past_key_values  # the buffers themselves, or their written copy under grad
-            logits = output.logits
+            cached = {"attention_mask": attention_mask, "logits_to_keep": positions - start,
+                      "past_key_values": self.past_key_values,
+                      "cache_position": torch.arange(start, block.stop, device=inputs.device)}
+            if forwards is not None:
+                logits = forwards.logits(inputs[:, start:block.stop], **cached)
+            else:
+                output = model(inputs[:, start:block.stop], use_cache=True, **cached)
+                self.past_key_values = output.past_key_values  # the buffers, or their written copy under grad
+                logits = output.logits
         self.stored_until = block.start
         return logits
 
@@ -978,11 +987,12 @@ class MaskedDiffusionSampler:
                 "pass the mask the tokenizer returned with the left-padded prompts."
             )
         max_length = _max_canvas_length(model)
-        canvas_length = input_ids.shape[1] + self.config.gen_length
+        canvas_length = self.canvas_length(input_ids.shape[1], token_ids)
         if canvas_length > max_length:
             raise PromptError(
-                f"prompt length {input_ids.shape[1]} + gen_length {self.config.gen_length} = {canvas_length} exceeds the "
-                f"model's max_sequence_length={max_length}: truncate the prompts or lower gen_length."
+                f"prompt length {input_ids.shape[1]} + gen_length {self.config.gen_length} (a canvas of {canvas_length} "
+                f"positions) exceeds the model's max_sequence_length={max_length}: truncate the prompts or lower "
+                "gen_length."
             )
         if token_ids.block_causal and attention_mask is not None and bool((attention_mask.diff(dim=1) < 0).any()):
             raise ValueError("A block-causal model's prompts must be left-padded (attention_mask 0…0 1…1 per row): "
@@ -1045,7 +1055,7 @@ class MaskedDiffusionSampler:
         bucket_padding = 0
         if static_forwards_of(model) is not None:  # static shapes: prompts left-padded to a length bucket
             bucket_padding = bucketed_prompt_length(input_ids.shape[1]) - input_ids.shape[1]
-            if input_ids.shape[1] + bucket_padding + self.config.gen_length > _max_canvas_length(model):
+            if self.canvas_length(input_ids.shape[1] + bucket_padding, token_ids) > _max_canvas_length(model):
                 bucket_padding = 0
             if bucket_padding:
                 real = torch.ones_like(input_ids) if attention_mask is None else attention_mask
@@ -1057,6 +1067,14 @@ class MaskedDiffusionSampler:
         return dataclasses.replace(
             rollout, sequences=rollout.sequences[:, bucket_padding:],
             attention_mask=rollout.attention_mask[:, bucket_padding:], prompt_length=rollout.prompt_length - bucket_padding)
+
+    def canvas_length(self, prompt_length: int, token_ids: SpecialTokenIds) -> int:
+        """The canvas length of `canvas_layout` for prompts `prompt_length` wide: prompt + completion, up to a block
+        more for a block-causal model (`block_aligned_layout`)."""
+        block = self.config.block_length
+        if token_ids.block_causal:
+            return (prompt_length // block + 1) * block + self.config.gen_length
+        return prompt_length + self.config.gen_length
 
     def canvas_layout(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None,
                       token_ids: SpecialTokenIds) -> CanvasLayout:
