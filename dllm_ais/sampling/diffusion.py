@@ -734,7 +734,8 @@ def block_aligned_layout(input_ids: torch.LongTensor, attention_mask: torch.Tens
     """
     batch, width = input_ids.shape
     device = input_ids.device
-    lengths = attention_mask.long().sum(dim=1) if attention_mask is not None else torch.full((batch,), width, device=device)
+    lengths = (attention_mask.long().sum(dim=1) if attention_mask is not None
+               else torch.full((batch,), width, device=device))
     first_block = width // block_length
     completion_start = first_block * block_length + lengths % block_length
     total = (first_block + 1) * block_length + gen_length
@@ -1366,8 +1367,8 @@ class MaskedDiffusionSampler:
         if rollout.gen_length != self.config.gen_length:
             raise ValueError(f"decoder_logits got completions of {rollout.gen_length} positions; this sampler decodes "
                              f"gen_length={self.config.gen_length}")
-        layout = self.canvas_layout(rollout.prompt_ids, padding_or_none(rollout.attention_mask[:, :rollout.prompt_length]),
-                                    token_ids)
+        prompt_attention = padding_or_none(rollout.attention_mask[:, :rollout.prompt_length])
+        layout = self.canvas_layout(rollout.prompt_ids, prompt_attention, token_ids)
         final_canvas = layout.canvas.scatter(1, layout.completion_index, rollout.completion_ids)
         commit_step = layout.on_canvas(rollout.commit_step, -1)  # -1 off the completion
         in_completion = layout.on_canvas(torch.ones_like(rollout.commit_step, dtype=torch.bool), False)
