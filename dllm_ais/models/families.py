@@ -15,10 +15,10 @@ per-position logits goes through `position_logits` (or, where it already holds a
 map `logit_source_positions`), so the shift is written once.
 
 SDAR (block diffusion: attention causal across blocks of ``block_size`` positions counted from the first real
-token, bidirectional inside one) loads natively (`dllm_ais.models.sdar`) but is in `LOAD_ONLY_MODEL_TYPES`: its
-decoding — blocks aligned to the prompt's first token, not the completion's, denoised against an exact cache of the
-finished blocks — and its likelihood (each block conditioned on clean earlier blocks) are not the sampler's and the
-estimators' yet, so a run refuses it rather than sample or train it as another family.
+token, bidirectional inside one) is in `BLOCK_CAUSAL_MODEL_TYPES`: the sampler decodes it block by block along each
+row's own blocks, against the exact cache of the finished blocks (`dllm_ais.sampling.diffusion`, "Block-causal
+models"). It is still in `LOAD_ONLY_MODEL_TYPES`: its likelihood (each block conditioned on clean earlier blocks) is
+not the estimators' yet, so a run refuses it rather than train it as another family.
 
 A third family is its model module under ``dllm_ais/models/`` plus one row here: its model_type in
 `DIFFUSION_MODEL_TYPES`, and in `SHIFTED_LOGITS_MODEL_TYPES` when it reads position i from i - 1.
@@ -30,21 +30,26 @@ from typing import Any
 
 import torch
 
-DIFFUSION_MODEL_TYPES = frozenset({"llada", "Dream"})
+DIFFUSION_MODEL_TYPES = frozenset({"llada", "Dream", "sdar"})
 """model_types that are masked-diffusion models (``policy: auto`` trains them with the diffusion policy)."""
 
 SHIFTED_LOGITS_MODEL_TYPES = frozenset({"Dream"})
 """model_types whose logits at position i - 1 predict the token at position i."""
 
+BLOCK_CAUSAL_MODEL_TYPES = frozenset({"sdar"})
+"""model_types whose attention is causal across blocks of ``config.block_size`` positions counted from each row's
+first real token and bidirectional inside one (block diffusion)."""
+
 LOAD_ONLY_MODEL_TYPES = {
-    "sdar": "SDAR (block diffusion) loads natively, but dllm-ais does not sample or train it yet: its blocks start "
-            "at the prompt's first token and condition on clean earlier blocks, which the sampler and the "
-            "likelihood estimators do not do; use a LLaDA, Dream or autoregressive model",
+    "sdar": "SDAR (block diffusion) loads natively and MaskedDiffusionSampler decodes it, but a run does not sample "
+            "or train it yet: its blocks condition on clean earlier blocks, which the likelihood estimators do not "
+            "do; use a LLaDA, Dream or autoregressive model",
 }
 """model_types dllm_ais loads (and registers with the Auto classes) but cannot sample or train: why, per type."""
 
-__all__ = ["DIFFUSION_MODEL_TYPES", "LOAD_ONLY_MODEL_TYPES", "SHIFTED_LOGITS_MODEL_TYPES", "logit_source_positions", "logits_are_shifted",
-           "model_type_of", "position_logits", "shift_logits_right"]
+__all__ = ["BLOCK_CAUSAL_MODEL_TYPES", "DIFFUSION_MODEL_TYPES", "LOAD_ONLY_MODEL_TYPES", "SHIFTED_LOGITS_MODEL_TYPES",
+           "is_block_causal", "logit_source_positions", "logits_are_shifted", "model_type_of", "position_logits",
+           "shift_logits_right"]
 
 
 def model_type_of(model: Any) -> str | None:
@@ -57,10 +62,18 @@ def model_type_of(model: Any) -> str | None:
     return None
 
 
+def _model_type(model_or_type: Any) -> str | None:
+    return model_or_type if isinstance(model_or_type, str) or model_or_type is None else model_type_of(model_or_type)
+
+
 def logits_are_shifted(model_or_type: Any) -> bool:
     """Whether a diffusion model (or a model_type string) predicts position i from the logits at i - 1."""
-    model_type = model_or_type if isinstance(model_or_type, str) or model_or_type is None else model_type_of(model_or_type)
-    return model_type in SHIFTED_LOGITS_MODEL_TYPES
+    return _model_type(model_or_type) in SHIFTED_LOGITS_MODEL_TYPES
+
+
+def is_block_causal(model_or_type: Any) -> bool:
+    """Whether a diffusion model (or a model_type string) attends causally across blocks (`BLOCK_CAUSAL_MODEL_TYPES`)."""
+    return _model_type(model_or_type) in BLOCK_CAUSAL_MODEL_TYPES
 
 
 def shift_logits_right(logits: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,28 @@ Faster rollouts (Fast-dLLM style) are options of the same sampler:
 All three change the behaviour policy: the recorded log-probs are those of the (approximate) logits the tokens were
 actually drawn from, so the trajectory estimator's importance ratio sees the approximation.
 
+Block-causal models (SDAR: `dllm_ais.models.families.BLOCK_CAUSAL_MODEL_TYPES`, or ``block_causal=True``) attend
+causally across blocks of ``config.block_size`` positions counted from each row's first real token. Their official
+decoder (JetAstra/SDAR ``generate.py``, one row) decodes the model's own blocks in turn, the first of them holding
+the prompt's tail as fixed tokens, each against the cache of the finished blocks. The sampler does the same for every
+row of a batch, on a block-aligned canvas (`block_aligned_layout`): each left-padded prompt is moved right by whole
+blocks' worth of padding so that every row's blocks start at the same canvas positions; one slice of the canvas is
+then the current block of every row, and one forward with one ``cache_position`` serves the batch (the model numbers
+positions from each row's first real token, so the extra padding changes no logit). Where a row's completion starts
+mid-block, its first decoded block holds the prompt's tail and its last one is cut at ``gen_length`` (the official
+decoder would fill that block past ``gen_length``; a block ending at ``gen_length`` is decoded exactly as there).
+The records are mapped back to the rollout's left-padded layout. What the official decoder's settings are here:
+``block_length`` = the model's ``block_size``; ``steps`` = its ``denoising_steps`` × the number of blocks of
+``gen_length`` (each block's commits split ``block_length`` evenly over its steps, as ``get_num_transfer_tokens``;
+a block holding fewer masked positions commits them in its first steps); ``remasking="maskgit_plus"`` its
+``low_confidence_static`` (the drawn token's probability under the distribution it was drawn from),
+``"left_to_right"`` its ``sequential``, and ``maskgit_plus`` with ``threshold`` its ``low_confidence_dynamic`` (every
+position above the threshold, at least the step's scheduled count). Any cache mode uses the exact cache: the prompt's
+full blocks written once, each step a forward of the current block alone against the cache, and a finished block's
+clean keys/values written by the next block's first forward (over both blocks); ``cache="none"`` runs every step
+over the whole canvas, with the same logits. Its ``entropy_bounded`` strategy is broken upstream and not offered; a
+stop token ends the completion (its mask) but not the decoding, which later blocks cannot change.
+
 Besides the tokens, every committed token's step index and log-probability under the distribution it was drawn
 from are recorded in the returned `Rollout` (``commit_step``, ``step_logprobs``): these are the behaviour-policy
 probabilities that the importance-sampling correction compares with the trainer's. With ``position_temperature``
@@ -83,7 +105,7 @@ import torch
 import torch.nn.functional as F
 
 from dllm_ais.choices import CACHE_DTYPES, CACHE_MODES, COMMIT_SCHEDULES
-from dllm_ais.models.families import logit_source_positions, logits_are_shifted
+from dllm_ais.models.families import is_block_causal, logit_source_positions, logits_are_shifted
 from dllm_ais.rollout import PromptError, Rollout, completion_mask_through_first_eos, padding_or_none, token_id_tuple
 from dllm_ais.sampling.fp8_cache import FP8KeyValueCache
 from dllm_ais.sampling.static_forwards import bucketed_prompt_length, static_forwards_of
@@ -91,6 +113,9 @@ from dllm_ais.sampling.static_forwards import bucketed_prompt_length, static_for
 __all__ = [
     "CACHE_MODES",
     "BlockCache",
+    "CanvasLayout",
+    "block_aligned_layout",
+    "completion_window",
     "DiffusionSamplerConfig",
     "MaskedDiffusionSampler",
     "REMASKING_RULES",
@@ -481,6 +506,8 @@ class DiffusionSamplerConfig:
             `discarded_candidates`. 0 = the deterministic rules (top scores; every score above the threshold).
         logits_shifted: whether the model's logits at position i − 1 predict position i (Dream);
             None = from ``model.config.model_type`` (`dllm_ais.models.families`).
+        block_causal: whether the model attends causally across blocks of ``model.config.block_size`` positions
+            (SDAR: module docstring, "Block-causal models"); None = from ``model.config.model_type``.
 
     The cache and parallel decoding change the behaviour policy; the recorded log-probs stay those of the
     distribution each token was drawn from, and the correction treats the change like quantization.
@@ -506,6 +533,7 @@ class DiffusionSamplerConfig:
     top_k: int = 0
     position_temperature: float = 0.0
     logits_shifted: bool | None = None
+    block_causal: bool | None = None
 
     @property
     def parallel_decoding(self) -> bool:
@@ -582,19 +610,41 @@ class DiffusionSamplerConfig:
         pad_problem = _pad_equals_mask_problem(self.pad_token_id, self.mask_token_id)
         if pad_problem:
             problems.append(pad_problem)
+        if self.block_causal:
+            problems.extend(self.block_causal_problems())
         if problems:
             raise ValueError("Invalid DiffusionSamplerConfig: " + "; ".join(problems) + ".")
         resolve_remasking_rule(self.remasking)
+
+    def block_causal_problems(self) -> list[str]:
+        """The settings a block-causal model's decoding does not take (module docstring, "Block-causal models")."""
+        problems = []
+        if self.cfg_scale > 0:
+            problems.append("cfg_scale > 0: classifier-free guidance is not defined for a block-causal model")
+        if self.cache_dtype != "none":
+            problems.append(f"cache_dtype={self.cache_dtype!r}: a block-causal model's cache of finished blocks is "
+                            "kept in the model's dtype")
+        if self.cache_refresh_interval is not None:
+            problems.append("cache_refresh_interval: a block-causal model's cache is exact and never refreshed")
+        if self.threshold is not None and self.position_temperature > 0:
+            problems.append("threshold with position_temperature > 0 is not implemented for a block-causal model")
+        n_blocks = self.gen_length // self.block_length
+        if self.parallel_decoding and self.steps % n_blocks:
+            problems.append(f"steps={self.steps} is not a multiple of the number of blocks {n_blocks}: a block-causal "
+                            "model's parallel decoding commits at least the per-block schedule of steps / blocks steps")
+        return problems
 
 
 @dataclass(frozen=True)
 class SpecialTokenIds:
     """The token ids a sampling run uses, resolved from the sampler config with the model config as fallback, and
-    whether the model's logits at position i − 1 predict position i (`logits_shifted`, Dream)."""
+    whether the model's logits at position i − 1 predict position i (`logits_shifted`, Dream) and whether it attends
+    causally across blocks (`block_causal`, SDAR)."""
 
     mask: int
     eos: tuple[int, ...]
     logits_shifted: bool = False
+    block_causal: bool = False
 
 
 def _checked_scores(scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
@@ -607,6 +657,103 @@ def _checked_scores(scores: torch.Tensor, candidates: torch.Tensor) -> torch.Ten
     return scores if scores.is_floating_point() else scores.float()
 
 
+@dataclass(frozen=True)
+class CanvasLayout:
+    """Where one sampling call's prompts and completions sit on its canvas.
+
+    canvas [B, T]: the prompt tokens, the mask id at every completion position, padding elsewhere; attention [B, T]
+    (1 = a real token) or None when no row is padded; completion_index [B, L]: the canvas position of each completion
+    position; blocks: the canvas slices decoded in turn; prompt_length: the canvas positions before the first block
+    (classifier-free guidance masks them).
+
+    LLaDA and Dream decode `completion_layout` (the left-padded prompts, then the completion); a block-causal model
+    decodes `block_aligned_layout`.
+    """
+
+    canvas: torch.Tensor
+    attention: torch.Tensor | None
+    completion_index: torch.LongTensor
+    blocks: list[slice]
+    prompt_length: int
+
+    def completion(self, values: torch.Tensor) -> torch.Tensor:
+        """`values` [B, T, ...] laid out on the canvas, read at the completion positions: [B, L, ...]."""
+        index = self.completion_index.view(*self.completion_index.shape, *[1] * (values.dim() - 2))
+        return values.gather(1, index.expand(-1, -1, *values.shape[2:]))
+
+    def on_canvas(self, values: torch.Tensor, fill: int | float | bool) -> torch.Tensor:
+        """`values` [B, L] of the completion positions laid out on the canvas [B, T], `fill` elsewhere."""
+        return values.new_full(self.canvas.shape, fill).scatter(1, self.completion_index, values)
+
+    def completion_window(self, block: slice) -> slice | torch.LongTensor:
+        """The completion positions of the canvas slice `block`: a slice when every row's completion starts at the same
+        canvas position, else [B, Lb] indices, −1 where a row's position in the block is not a completion position
+        (its prompt's tail, or past its completion)."""
+        starts = self.completion_index[:, 0]
+        if bool((starts == self.prompt_length).all()):
+            return slice(block.start - self.prompt_length, block.stop - self.prompt_length)
+        index = torch.arange(block.start, block.stop, device=starts.device) - starts[:, None]
+        return index.masked_fill((index < 0) | (index >= self.completion_index.shape[1]), -1)
+
+
+def completion_window(values: torch.Tensor, window: slice | torch.LongTensor) -> torch.Tensor:
+    """`values` [B, L, ...] at a block's completion positions (`CanvasLayout.completion_window`): ``values[:, window]``
+    for a slice; gathered at the [B, Lb] indices otherwise, position 0's value where the index is −1."""
+    if isinstance(window, slice):
+        return values[:, window]
+    index = window.clamp_min(0).view(*window.shape, *[1] * (values.dim() - 2))
+    return values.gather(1, index.expand(-1, -1, *values.shape[2:]))
+
+
+def completion_layout(input_ids: torch.LongTensor, attention_mask: torch.Tensor | None, gen_length: int,
+                      block_length: int, mask_id: int) -> CanvasLayout:
+    """The canvas ``[left-padded prompts | MASK × gen_length]``, decoded in blocks of `block_length` from the
+    prompts' end."""
+    batch, prompt_length = input_ids.shape
+    canvas = torch.cat([input_ids, input_ids.new_full((batch, gen_length), mask_id)], dim=1)
+    attention = padding_or_none(attention_mask)
+    if attention is not None:
+        attention = torch.cat([attention, attention.new_ones((batch, gen_length))], dim=1)
+    completion_index = prompt_length + torch.arange(gen_length, device=input_ids.device).expand(batch, -1)
+    blocks = [slice(start, start + block_length) for start in range(prompt_length, prompt_length + gen_length,
+                                                                    block_length)]
+    return CanvasLayout(canvas, attention, completion_index, blocks, prompt_length)
+
+
+def block_aligned_layout(input_ids: torch.LongTensor, attention_mask: torch.Tensor | None, gen_length: int,
+                         block_length: int, mask_id: int, padding_id: int) -> CanvasLayout:
+    """A block-causal model's canvas: each left-padded prompt moved so that its real tokens start at a multiple of
+    `block_length`, hence every row's blocks (counted from its first real token) at the same canvas slices.
+
+    With P the prompts' padded width, n_b ≤ P real prompt tokens in row b and J = ⌊P / block_length⌋, row b's
+    completion starts at s_b = J·block_length + (n_b mod block_length), inside the first decoded block J, and its
+    prompt at s_b − n_b (a multiple of `block_length`); the canvas holds (J + 1)·block_length + `gen_length`
+    positions (one shape per prompt width, as the compiled engine's graphs want), `padding_id` (attention 0) before
+    each prompt and after each completion. The blocks are the slices of `block_length` from J·block_length on; a
+    block past every row's completion is left without a forward.
+    """
+    batch, width = input_ids.shape
+    device = input_ids.device
+    lengths = (attention_mask.long().sum(dim=1) if attention_mask is not None
+               else torch.full((batch,), width, device=device))
+    first_block = width // block_length
+    completion_start = first_block * block_length + lengths % block_length
+    total = (first_block + 1) * block_length + gen_length
+    positions = torch.arange(total, device=device).expand(batch, -1)
+    in_prompt = (positions >= (completion_start - lengths)[:, None]) & (positions < completion_start[:, None])
+    in_completion = (positions >= completion_start[:, None]) & (positions < (completion_start + gen_length)[:, None])
+    source = (positions + (width - completion_start)[:, None]).clamp(0, width - 1)
+    canvas = torch.where(in_prompt, input_ids.gather(1, source), padding_id).masked_fill(in_completion, mask_id)
+    attention = (in_prompt | in_completion).to(attention_mask.dtype if attention_mask is not None else torch.long)
+    completion_index = completion_start[:, None] + torch.arange(gen_length, device=device)
+    blocks = [slice(start, start + block_length) for start in range(first_block * block_length, total, block_length)]
+    return CanvasLayout(canvas, padding_or_none(attention), completion_index, blocks, first_block * block_length)
+
+
+BLOCK_CAUSAL_CACHE = "block_causal"
+"""`BlockCache.mode` of a block-causal model's exact cache of finished blocks (whatever `config.cache` names)."""
+
+
 @dataclass
 class BlockCache:
     """The block KV cache of one `sample` call: the model's cached keys/values and whether the next forward refreshes
@@ -614,12 +761,16 @@ class BlockCache:
 
     mode: "prefix" or "dual"; dtype: the storage, "none" (as the model returns it) or "fp8" (`FP8KeyValueCache`);
     past_key_values: what the last refreshing forward returned, so stored.
+
+    mode `BLOCK_CAUSAL_CACHE` is a block-causal model's exact cache instead (`block_causal_forward`): never
+    refreshed; `stored_until` is the canvas position up to which it holds the keys/values of finished blocks.
     """
 
     mode: str
     dtype: str = "none"
     past_key_values: Any = None
     refresh: bool = True
+    stored_until: int = 0
 
     def block_forward(
         self, model: Any, inputs: torch.Tensor, attention_mask: torch.Tensor | None, block: slice,
@@ -633,6 +784,8 @@ class BlockCache:
         [start, block.stop) (dual) only, at their absolute positions, attending to the cached keys/values elsewhere;
         start is block.start, or block.start − 1 for a shifted family, whose first block position is predicted there.
         """
+        if self.mode == BLOCK_CAUSAL_CACHE:
+            return self.block_causal_forward(model, inputs, attention_mask, block)
         positions = torch.arange(block.start, block.stop, device=inputs.device)
         sources = logit_source_positions(positions, logits_shifted)
         forwards = static_forwards_of(model)
@@ -654,14 +807,57 @@ class BlockCache:
             return forwards.logits(inputs[:, start:stop], **cached)
         return model(inputs[:, start:stop], **cached).logits
 
+    def block_causal_forward(self, model: Any, inputs: torch.Tensor, attention_mask: torch.Tensor | None,
+                             block: slice) -> torch.Tensor:
+        """Logits [B, Lb, V] of the `block` positions of a block-causal model's canvas `inputs` [B, T], every position
+        before `block` holding its final token (the blocks are decoded in order).
+
+        The first call runs positions [0, block.stop) and keeps their keys/values in buffers of the canvas length
+        (the later positions zero until written: a block never attends to later blocks); with the rollout engine's
+        static forwards, it runs the whole canvas into the engine's buffers of that shape instead (the later
+        positions then hold keys/values of masks, rewritten before a later block reads them), and every call replays
+        a captured forward. Every later call runs
+        [`stored_until`, block.stop) against the buffers, writing those positions: the current block alone, or, at a
+        block's first step, also the block finished before it, whose clean keys/values are stored so. The block's
+        own keys/values, written while it is still masked, are rewritten by the next block's first forward before
+        any later block reads them; the logits are those of the full block-causal forward. Under grad (a replay)
+        the model writes into copies of the buffers, which the cache keeps instead.
+        """
+        positions = torch.arange(block.start, block.stop, device=inputs.device)
+        forwards = static_forwards_of(model)
+        if self.past_key_values is None and forwards is not None:  # the engine's buffers, written over the canvas
+            self.past_key_values, logits = forwards.key_value_buffers(inputs, attention_mask, positions)
+        elif self.past_key_values is None:
+            stop = block.stop
+            output = model(inputs[:, :stop], attention_mask=None if attention_mask is None else attention_mask[:, :stop],
+                           use_cache=True, logits_to_keep=positions)
+            room = inputs.shape[1] - stop
+            self.past_key_values = [tuple(F.pad(tensor, (0, 0, 0, room)) for tensor in layer)
+                                    for layer in output.past_key_values]
+            logits = output.logits
+        else:
+            start = self.stored_until
+            cached = {"attention_mask": attention_mask, "logits_to_keep": positions - start,
+                      "past_key_values": self.past_key_values,
+                      "cache_position": torch.arange(start, block.stop, device=inputs.device)}
+            if forwards is not None:
+                logits = forwards.logits(inputs[:, start:block.stop], **cached)
+            else:
+                output = model(inputs[:, start:block.stop], use_cache=True, **cached)
+                self.past_key_values = output.past_key_values  # the buffers, or their written copy under grad
+                logits = output.logits
+        self.stored_until = block.start
+        return logits
+
 
 @dataclass
 class _ChoiceRecord:
     """What a sampling call with a stochastic commit rule (``position_temperature`` > 0) records of its choices
-    besides the committed tokens, as the `Rollout` fields of the same names: `choice_logprobs` [B, L] (each step's
-    `MaskedDiffusionSampler.step_choice_logprobs`, added up per position), `commit_rank` [B, L] (the draw order among
-    a step's commits) and, when the sampler's ratio needs them (`records_discarded_candidates`),
-    `discarded_candidates` [B, L, block_length] (the candidate drawn at a position at the k-th forward of its block
+    besides the committed tokens, as the `Rollout` fields of the same names, per canvas position [B, T] until
+    `fields` reads them at the completion's: `choice_logprobs` (each step's
+    `MaskedDiffusionSampler.step_choice_logprobs`, added up per position), `commit_rank` (the draw order among a
+    step's commits) and, when the sampler's ratio needs them (`records_discarded_candidates`),
+    `discarded_candidates` [B, T, block_length] (the candidate drawn at a position at the k-th forward of its block
     and left uncommitted, −1 where none)."""
 
     choice_logprobs: torch.Tensor
@@ -669,28 +865,27 @@ class _ChoiceRecord:
     discarded_candidates: torch.LongTensor | None
 
     @classmethod
-    def empty(cls, batch: int, sampler: "MaskedDiffusionSampler", device: torch.device) -> "_ChoiceRecord":
-        shape = (batch, sampler.config.gen_length)
+    def empty(cls, shape: torch.Size, sampler: "MaskedDiffusionSampler", device: torch.device) -> "_ChoiceRecord":
         discarded = (torch.full((*shape, sampler.config.block_length), -1, dtype=torch.long, device=device)
                      if sampler.records_discarded_candidates else None)
         return cls(torch.zeros(shape, dtype=torch.float32, device=device),
                    torch.zeros(shape, dtype=torch.long, device=device), discarded)
 
-    def add_step(self, sampler: "MaskedDiffusionSampler", completion_block: slice, forward_in_block: int,
+    def add_step(self, sampler: "MaskedDiffusionSampler", block: slice, forward_in_block: int,
                  logits: torch.Tensor, scores: torch.Tensor, still_masked: torch.Tensor, commit: torch.Tensor,
                  commit_rank: torch.Tensor | None, candidates: torch.Tensor, candidate_logprobs: torch.Tensor) -> None:
-        """Record one step of the block `completion_block` (its `forward_in_block`-th forward, from 0)."""
-        self.choice_logprobs[:, completion_block] += sampler.step_choice_logprobs(
+        """Record one step of the canvas block `block` (its `forward_in_block`-th forward, from 0)."""
+        self.choice_logprobs[:, block] += sampler.step_choice_logprobs(
             logits, scores, still_masked, commit, commit_rank, candidate_logprobs)
         if commit_rank is not None:
-            ranks = self.commit_rank[:, completion_block]
-            self.commit_rank[:, completion_block] = torch.where(commit, commit_rank, ranks)
+            self.commit_rank[:, block] = torch.where(commit, commit_rank, self.commit_rank[:, block])
         if self.discarded_candidates is not None:
-            self.discarded_candidates[:, completion_block, forward_in_block] = torch.where(
-                still_masked & ~commit, candidates, -1)
+            self.discarded_candidates[:, block, forward_in_block] = torch.where(still_masked & ~commit, candidates, -1)
 
-    def fields(self) -> dict[str, torch.Tensor | None]:
-        return dataclasses.asdict(self)
+    def fields(self, layout: CanvasLayout) -> dict[str, torch.Tensor | None]:
+        """The records at the completion positions of `layout`, by field name."""
+        return {field.name: None if getattr(self, field.name) is None else layout.completion(getattr(self, field.name))
+                for field in dataclasses.fields(self)}
 
 
 def _max_canvas_length(model: Any) -> float:
@@ -763,8 +958,18 @@ class MaskedDiffusionSampler:
         if pad_problem:
             raise ValueError(pad_problem)
         shifted = self.config.logits_shifted
+        block_causal = is_block_causal(model) if self.config.block_causal is None else self.config.block_causal
+        if block_causal:
+            block_size = getattr(model_config, "block_size", None)
+            problems = self.config.block_causal_problems()
+            if block_size is not None and block_size != self.config.block_length:
+                problems.append(f"block_length={self.config.block_length} differs from the model's block_size="
+                                f"{block_size}: set rollout.block_length to {block_size}")
+            if problems:
+                raise ValueError("This sampler cannot decode a block-causal model: " + "; ".join(problems) + ".")
         return SpecialTokenIds(mask=int(mask), eos=eos,
-                               logits_shifted=logits_are_shifted(model) if shifted is None else shifted)
+                               logits_shifted=logits_are_shifted(model) if shifted is None else shifted,
+                               block_causal=block_causal)
 
     def check_inputs(
         self,
@@ -783,12 +988,16 @@ class MaskedDiffusionSampler:
                 "pass the mask the tokenizer returned with the left-padded prompts."
             )
         max_length = _max_canvas_length(model)
-        canvas_length = input_ids.shape[1] + self.config.gen_length
+        canvas_length = self.canvas_length(input_ids.shape[1], token_ids)
         if canvas_length > max_length:
             raise PromptError(
-                f"prompt length {input_ids.shape[1]} + gen_length {self.config.gen_length} = {canvas_length} exceeds the "
-                f"model's max_sequence_length={max_length}: truncate the prompts or lower gen_length."
+                f"prompt length {input_ids.shape[1]} + gen_length {self.config.gen_length} (a canvas of {canvas_length} "
+                f"positions) exceeds the model's max_sequence_length={max_length}: truncate the prompts or lower "
+                "gen_length."
             )
+        if token_ids.block_causal and attention_mask is not None and bool((attention_mask.diff(dim=1) < 0).any()):
+            raise ValueError("A block-causal model's prompts must be left-padded (attention_mask 0…0 1…1 per row): "
+                             "tokenize them with padding_side='left'.")
         rows_with_mask = (input_ids == token_ids.mask).any(dim=1).nonzero().flatten().tolist()
         if rows_with_mask:
             raise PromptError(
@@ -847,7 +1056,7 @@ class MaskedDiffusionSampler:
         bucket_padding = 0
         if static_forwards_of(model) is not None:  # static shapes: prompts left-padded to a length bucket
             bucket_padding = bucketed_prompt_length(input_ids.shape[1]) - input_ids.shape[1]
-            if input_ids.shape[1] + bucket_padding + self.config.gen_length > _max_canvas_length(model):
+            if self.canvas_length(input_ids.shape[1] + bucket_padding, token_ids) > _max_canvas_length(model):
                 bucket_padding = 0
             if bucket_padding:
                 real = torch.ones_like(input_ids) if attention_mask is None else attention_mask
@@ -860,6 +1069,33 @@ class MaskedDiffusionSampler:
             rollout, sequences=rollout.sequences[:, bucket_padding:],
             attention_mask=rollout.attention_mask[:, bucket_padding:], prompt_length=rollout.prompt_length - bucket_padding)
 
+    def canvas_length(self, prompt_length: int, token_ids: SpecialTokenIds) -> int:
+        """The canvas length of `canvas_layout` for prompts `prompt_length` wide: prompt + completion, up to a block
+        more for a block-causal model (`block_aligned_layout`)."""
+        block = self.config.block_length
+        if token_ids.block_causal:
+            return (prompt_length // block + 1) * block + self.config.gen_length
+        return prompt_length + self.config.gen_length
+
+    def canvas_layout(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None,
+                      token_ids: SpecialTokenIds) -> CanvasLayout:
+        """The canvas a sampling or replay call of these prompts decodes: `block_aligned_layout` for a block-causal
+        model, `completion_layout` otherwise."""
+        config = self.config
+        if token_ids.block_causal:
+            return block_aligned_layout(input_ids, attention_mask, config.gen_length, config.block_length,
+                                        token_ids.mask, token_ids.eos[0])
+        return completion_layout(input_ids, attention_mask, config.gen_length, config.block_length, token_ids.mask)
+
+    def block_cache(self, token_ids: SpecialTokenIds, sampling: bool = True) -> BlockCache | None:
+        """A fresh cache for one sampling call (`sampling`, in `config.cache_dtype`) or replay (in the model's dtype):
+        a block-causal model's exact cache whatever the mode, none with ``cache="none"``."""
+        if self.config.cache == "none":
+            return None
+        if token_ids.block_causal:
+            return BlockCache(BLOCK_CAUSAL_CACHE)
+        return BlockCache(self.config.cache, self.config.cache_dtype if sampling else "none")
+
     def _denoise_canvas(
         self,
         model: Any,
@@ -869,55 +1105,57 @@ class MaskedDiffusionSampler:
         token_ids: SpecialTokenIds,
         forced_completion: torch.LongTensor | None,
     ) -> Rollout:
-        """The denoising loop over the canvas ``[input_ids | MASK x gen_length]``.
+        """The denoising loop over the canvas of `canvas_layout` (``[input_ids | MASK x gen_length]`` but for a
+        block-causal model), its records mapped back to the rollout's ``[input_ids | completion]``.
 
         Host synchronisation: none per step with the fixed schedules (every row of a fresh block holds
         `block_length` masked positions, so the counts are known on the host), except ``origin``'s random counts;
-        one per step with parallel decoding (its data-dependent counts, which also tell when a block is filled)."""
+        one per step with parallel decoding (its data-dependent counts, which also tell when a block is filled); one
+        per block for a block-causal model (its rows' masked positions in the block)."""
         config = self.config
-        batch, prompt_length = input_ids.shape
+        batch = input_ids.shape[0]
         device = input_ids.device
-        canvas = torch.cat([input_ids, input_ids.new_full((batch, config.gen_length), token_ids.mask)], dim=1)
-        canvas_attention = padding_or_none(attention_mask)
-        if canvas_attention is not None:
-            canvas_attention = torch.cat([attention_mask, attention_mask.new_ones((batch, config.gen_length))], dim=1)
-        step_logprobs = torch.zeros(batch, config.gen_length, dtype=torch.float32, device=device)
-        commit_step = torch.full((batch, config.gen_length), -1, dtype=torch.long, device=device)
+        layout = self.canvas_layout(input_ids, attention_mask, token_ids)
+        canvas = layout.canvas
+        forced_canvas = None if forced_completion is None else layout.on_canvas(forced_completion, token_ids.mask)
+        step_logprobs = torch.zeros(canvas.shape, dtype=torch.float32, device=device)
+        commit_step = torch.full(canvas.shape, -1, dtype=torch.long, device=device)
         num_steps = torch.zeros(batch, dtype=torch.long, device=device)
-        cache = BlockCache(config.cache, config.cache_dtype) if config.cache != "none" else None
-        choice = _ChoiceRecord.empty(batch, self, device) if config.position_temperature > 0 else None
+        cache = self.block_cache(token_ids)
+        choice = _ChoiceRecord.empty(canvas.shape, self, device) if config.position_temperature > 0 else None
 
         rows = torch.arange(batch, device=device).unsqueeze(1)
-        n_blocks = config.gen_length // config.block_length
-        steps_per_block = config.steps // n_blocks
+        steps_per_block = config.steps // (config.gen_length // config.block_length)
+        block_schedule = transfer_schedule(torch.tensor([config.block_length]), steps_per_block)[0].tolist()
         step = 0  # global step index, shared by the rows (they step in lockstep)
-        for block_index in range(n_blocks):
-            block_start = prompt_length + block_index * config.block_length
-            block = slice(block_start, block_start + config.block_length)
-            completion_block = slice(block.start - prompt_length, block.stop - prompt_length)
+        for block in layout.blocks:
             still_masked = canvas[:, block] == token_ids.mask
-            masked_left = [config.block_length] * batch  # per row, its still-masked positions in the block
-            even_schedule = transfer_schedule(torch.tensor(masked_left), steps_per_block).tolist()
+            # per row, its still-masked positions in the block (fewer than block_length in a block-causal model's
+            # first and last blocks)
+            masked_left = (still_masked.sum(dim=1).tolist() if token_ids.block_causal
+                           else [config.block_length] * batch)
             step_in_block = forwards_in_block = 0
             while step_in_block < steps_per_block if not config.parallel_decoding else max(masked_left) > 0:
-                counts = None
-                if not config.parallel_decoding:
-                    counts = self._scheduled_counts(masked_left, even_schedule, step_in_block, steps_per_block,
-                                                    generator)
+                scheduled = None  # the fixed schedule's counts (a block-causal model's floor with parallel decoding)
+                if not config.parallel_decoding or token_ids.block_causal:
+                    scheduled = self._scheduled_counts(masked_left, block_schedule, step_in_block, steps_per_block,
+                                                       generator)
+                counts = None if config.parallel_decoding else scheduled
                 step_in_block += 1
                 if counts is not None and max(counts) == 0:
                     continue  # the official loops run a forward here that commits nothing
                 if cache is not None:
                     cache.refresh = config.refreshes_cache(forwards_in_block)
                 forwards_in_block += 1
-                logits = self.block_logits(model, canvas, canvas_attention, prompt_length, block, token_ids, cache)
+                logits = self.block_logits(model, canvas, layout.attention, layout.prompt_length, block, token_ids,
+                                           cache)
                 logits = filter_top_p_top_k(logits, config.temperature, config.top_p, config.top_k)
                 # Tokens are drawn only for still-masked positions, gathered to the front of a [B, M, V] tensor.
                 active = masked_positions_first(still_masked, max(masked_left))
-                if forced_completion is None:
+                if forced_canvas is None:
                     drawn, drawn_logprobs = self.propose_tokens(logits[rows, active], generator)
                 else:
-                    drawn = forced_completion[:, completion_block].gather(1, active)
+                    drawn = forced_canvas[:, block].gather(1, active)
                     drawn_logprobs = self.token_logprobs(logits[rows, active], drawn)
                 candidates = canvas[:, block].scatter(1, active, drawn)
                 scores = self.rule_scores(logits, candidates, generator)
@@ -929,6 +1167,8 @@ class MaskedDiffusionSampler:
                 else:
                     if counts is None:
                         counts = parallel_commit_counts(scores, still_masked, config.threshold, config.factor).tolist()
+                        if token_ids.block_causal:  # SDAR's low_confidence_dynamic: at least the step's count
+                            counts = list(map(max, counts, scheduled))
                     row_scores = scores.new_full(canvas.shape, -math.inf)
                     row_scores[:, block] = scores.masked_fill(~still_masked, -math.inf)
                     if config.position_temperature > 0:
@@ -936,40 +1176,48 @@ class MaskedDiffusionSampler:
                     commit = self.choose_positions(row_scores, counts)[:, block] & still_masked
                     if choice is not None:
                         commit_rank = draw_ranks(row_scores[:, block], commit)
-                logprobs = torch.zeros_like(step_logprobs[:, completion_block]).scatter(1, active, drawn_logprobs)
+                logprobs = torch.zeros_like(step_logprobs[:, block]).scatter(1, active, drawn_logprobs)
                 if choice is not None:
-                    choice.add_step(self, completion_block, forwards_in_block - 1, logits, scores, still_masked,
-                                    commit, commit_rank, candidates, logprobs)
+                    choice.add_step(self, block, forwards_in_block - 1, logits, scores, still_masked, commit,
+                                    commit_rank, candidates, logprobs)
                 canvas[:, block] = torch.where(commit, candidates, canvas[:, block])
-                step_logprobs[:, completion_block] = torch.where(commit, logprobs, step_logprobs[:, completion_block])
-                commit_step[:, completion_block].masked_fill_(commit, step)
+                step_logprobs[:, block] = torch.where(commit, logprobs, step_logprobs[:, block])
+                commit_step[:, block].masked_fill_(commit, step)
                 num_steps += commit.any(dim=1)
                 still_masked &= ~commit
                 masked_left = [max(left - count, 0) for left, count in zip(masked_left, counts)]
                 step += 1
 
+        completion = layout.completion(canvas)
+        sequences = torch.cat([input_ids, completion], dim=1)
+        prompt_attention = padding_or_none(attention_mask)
         return Rollout(
-            sequences=canvas,
-            attention_mask=canvas_attention if canvas_attention is not None else torch.ones_like(canvas),
-            completion_mask=completion_mask_through_first_eos(canvas[:, prompt_length:], token_ids.eos),
-            step_logprobs=step_logprobs,
-            commit_step=commit_step,
-            prompt_length=prompt_length,
+            sequences=sequences,
+            attention_mask=(torch.ones_like(sequences) if prompt_attention is None else
+                            torch.cat([prompt_attention, prompt_attention.new_ones(completion.shape)], dim=1)),
+            completion_mask=completion_mask_through_first_eos(completion, token_ids.eos),
+            step_logprobs=layout.completion(step_logprobs),
+            commit_step=layout.completion(commit_step),
+            prompt_length=input_ids.shape[1],
             num_steps=num_steps,
-            **({} if choice is None else choice.fields()),
+            **({} if choice is None else choice.fields(layout)),
         )
 
-    def _scheduled_counts(self, masked_left: list[int], even_schedule: list[list[int]], step_in_block: int,
+    def _scheduled_counts(self, masked_left: list[int], block_schedule: list[int], step_in_block: int,
                           steps_per_block: int, generator: torch.Generator | None) -> list[int]:
         """Per row, the tokens the fixed schedule commits at this step of the block: Binomial for ``origin``
-        (`origin_commit_counts`), else the `config.schedule`'s count."""
+        (`origin_commit_counts`), else the `config.schedule`'s count: ``time_linear``'s of the masked positions left,
+        or the even split of a whole block over its steps (`block_schedule`, `transfer_schedule`), at most the masked
+        positions left (a block-causal model's first and last blocks hold fewer than block_length)."""
         config = self.config
         if config.remasking == "origin":
             return origin_commit_counts(masked_left, step_in_block, steps_per_block, config.schedule_eps, generator)
         if config.schedule == "time_linear":
             return [time_linear_commit_count(left, step_in_block, steps_per_block, config.schedule_eps)
                     for left in masked_left]
-        return [row[step_in_block] for row in even_schedule]
+        if step_in_block >= steps_per_block:  # parallel decoding past the schedule's steps
+            return [0] * len(masked_left)
+        return [min(block_schedule[step_in_block], left) for left in masked_left]
 
     def rule_scores(self, logits: torch.Tensor, candidates: torch.Tensor,
                     generator: torch.Generator | None) -> torch.Tensor:
@@ -1069,36 +1317,42 @@ class MaskedDiffusionSampler:
         config = self.config
         completion = rollout.completion_ids
         result = torch.zeros(completion.shape, dtype=torch.float32, device=completion.device)
-        block_start, still_masked, step = None, None, 0
-        for block, committed, logits in self.decoder_logits(model, rollout):
-            if block.start != block_start:
-                block_start, step = block.start, 0
-                still_masked = torch.ones_like(committed)
+        block, still_masked, step = None, None, 0
+        for window, committed, logits in self.decoder_logits(model, rollout):
+            if window is not block:  # a new block: every completion position in it masked
+                block, step = window, 0
+                still_masked = torch.ones_like(committed) if isinstance(window, slice) else window >= 0
             logits = filter_top_p_top_k(logits, config.temperature, config.top_p, config.top_k)
-            candidates = completion[:, block]
+            candidates = completion_window(completion, window)
             if self.records_discarded_candidates:
-                discarded = rollout.discarded_candidates[:, block, step]
+                discarded = completion_window(rollout.discarded_candidates[:, :, step], window)
                 candidates = torch.where(committed | (discarded < 0), candidates, discarded)
             scores = self.rule_scores(logits, candidates, None) if self.commit_choice_depends_on_model else None
-            result[:, block] += self.step_choice_logprobs(logits, scores, still_masked, committed,
-                                                          rollout.commit_rank[:, block],
-                                                          self.token_logprobs(logits, candidates))
+            terms = self.step_choice_logprobs(logits, scores, still_masked, committed,
+                                              completion_window(rollout.commit_rank, window),
+                                              self.token_logprobs(logits, candidates))
+            if isinstance(window, slice):
+                result[:, window] += terms
+            else:
+                result.scatter_add_(1, window.clamp_min(0), torch.where(window >= 0, terms, 0.0))
             still_masked = still_masked & ~committed
             step += 1
         return result
 
     def decoder_logits(self, model: Any, rollout: Rollout, positions: torch.Tensor | None = None
-                       ) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
+                       ) -> Iterator[tuple[slice | torch.LongTensor, torch.Tensor, torch.Tensor]]:
         """The logits each completion token of `rollout` was drawn from, recomputed as this sampler computed them
         while sampling: step by step along `rollout.commit_step`, by `block_logits` with this sampler's block cache
         rebuilt at the steps where sampling rebuilt it (`DiffusionSamplerConfig.refreshes_cache`), so a cached
         step attends to the keys/values of the canvas at its block's last refresh. Under grad when grad is enabled.
 
         Yields, for each step that commits a token or refreshes the cache, ``(block, committed, logits)``: `block`
-        the slice of completion positions of the current block, `committed` [B, Lb] the block positions committed
-        at that step, `logits` [B, Lb, V] of the block. The steps of a block come in order, and a block's steps
-        share its cache (a caller that backpropagates block by block keeps one block's graph at a time). Lazy:
-        a forward runs when its step is asked for.
+        the completion positions of the current block (a slice; for a block-causal model whose rows' completions
+        start at different offsets in their blocks, [B, Lb] indices with −1 where a row's block position is no
+        completion position: `CanvasLayout.completion_window`, read with `completion_window`), `committed` [B, Lb]
+        the block positions committed at that step, `logits` [B, Lb, V] of the block. The steps of a block come in
+        order, and a block's steps share its cache (a caller that backpropagates block by block keeps one block's
+        graph at a time). Lazy: a forward runs when its step is asked for.
 
         A row's steps are counted from its block's first step (every row commits at least one token then), so
         rollouts sampled in separate calls, whose global step indices differ, replay together. Without a cache this
@@ -1110,19 +1364,24 @@ class MaskedDiffusionSampler:
         sees like the engine's weight precision; the trainer's ℓ_old and ℓ_θ are the same replay.
         """
         token_ids = self.resolve_token_ids(model)
-        prompt_length, gen_length = rollout.prompt_length, rollout.gen_length
-        if gen_length != self.config.gen_length:
-            raise ValueError(f"decoder_logits got completions of {gen_length} positions; this sampler decodes "
+        if rollout.gen_length != self.config.gen_length:
+            raise ValueError(f"decoder_logits got completions of {rollout.gen_length} positions; this sampler decodes "
                              f"gen_length={self.config.gen_length}")
-        completion, commit_step = rollout.completion_ids, rollout.commit_step
-        attention_mask = padding_or_none(rollout.attention_mask)
-        cache = BlockCache(self.config.cache) if self.config.cache != "none" else None
-        for start in range(0, gen_length, self.config.block_length):
-            block = slice(start, start + self.config.block_length)
-            if positions is not None and not bool(positions[:, block].any()):
+        prompt_attention = padding_or_none(rollout.attention_mask[:, :rollout.prompt_length])
+        layout = self.canvas_layout(rollout.prompt_ids, prompt_attention, token_ids)
+        final_canvas = layout.canvas.scatter(1, layout.completion_index, rollout.completion_ids)
+        commit_step = layout.on_canvas(rollout.commit_step, -1)  # -1 off the completion
+        in_completion = layout.on_canvas(torch.ones_like(rollout.commit_step, dtype=torch.bool), False)
+        not_in_block = commit_step.max() + 1  # a row with no completion position in a block: steps from here
+        cache = self.block_cache(token_ids, sampling=False)
+        for block in layout.blocks:
+            window = layout.completion_window(block)
+            if positions is not None and not bool((completion_window(positions, window)
+                                                   & in_completion[:, block]).any()):
                 continue
-            first = commit_step[:, block].amin(dim=1, keepdim=True)  # [B, 1] each row's first step of the block
-            step_in_block = commit_step - first  # [B, L]: < 0 before the block, >= 0 in it and after it
+            block_steps = commit_step[:, block]
+            first = torch.where(block_steps >= 0, block_steps, not_in_block).amin(dim=1, keepdim=True)
+            step_in_block = commit_step - first  # [B, T]: < 0 before the block and off the completion
             for step in range(int(step_in_block[:, block].max()) + 1):
                 committed = step_in_block[:, block] == step
                 refresh = cache is not None and self.config.refreshes_cache(step)
@@ -1130,11 +1389,9 @@ class MaskedDiffusionSampler:
                     continue
                 if cache is not None:
                     cache.refresh = refresh
-                hidden = step_in_block >= step
-                canvas = torch.cat([rollout.prompt_ids, torch.where(hidden, token_ids.mask, completion)], dim=1)
-                canvas_block = slice(prompt_length + block.start, prompt_length + block.stop)
-                yield block, committed, self.block_logits(model, canvas, attention_mask, prompt_length, canvas_block,
-                                                          token_ids, cache)
+                canvas = torch.where((step_in_block >= step) & in_completion, token_ids.mask, final_canvas)
+                yield window, committed, self.block_logits(model, canvas, layout.attention, layout.prompt_length,
+                                                           block, token_ids, cache)
 
     def block_logits(
         self,
