@@ -18,8 +18,8 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from transformers import TopKLogitsWarper, TopPLogitsWarper
 
-from dllm_ais.models.families import position_logits
-from dllm_ais.models.sdar import block_diffusion_logits, is_block_causal
+from dllm_ais.models.families import is_block_causal, position_logits
+from dllm_ais.models.sdar import block_diffusion_logits
 from dllm_ais.rollout import padding_or_none
 
 

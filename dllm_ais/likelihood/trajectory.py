@@ -29,7 +29,8 @@ from dllm_ais.likelihood.logits import (
     selective_log_softmax,
     shape_logits,
 )
-from dllm_ais.models.sdar import block_size_of, canvas_blocks, is_block_causal
+from dllm_ais.models.families import is_block_causal
+from dllm_ais.models.sdar import block_size_of, canvas_blocks
 from dllm_ais.rollout import Rollout
 
 

@@ -57,11 +57,11 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from .dream import DreamMLP, canvas_positions  # relative: an export ships these files as remote code
-from .families import model_type_of, position_logits
+from .families import position_logits
 from .llada import RMSNorm, apply_rotary, rotary_cos_sin, write_into_layer_cache
 
 __all__ = ["SDARConfig", "SDARForCausalLM", "SDARModel", "block_causal_mask", "block_diffusion_inputs",
-           "block_diffusion_logits", "block_size_of", "canvas_blocks", "canvas_position_ids", "is_block_causal"]
+           "block_diffusion_logits", "block_size_of", "canvas_blocks", "canvas_position_ids"]
 
 KeyValueCache = list[tuple[torch.Tensor, torch.Tensor]]
 """Per layer, (keys, values) of shape [B, num_key_value_heads, T, head_dim]; the keys have RoPE applied."""
@@ -150,12 +150,6 @@ def block_causal_mask(query_position_ids: torch.Tensor, key_position_ids: torch.
     if attention_mask is not None:
         allowed = allowed & attention_mask.bool()[:, None, None, :]
     return allowed
-
-
-def is_block_causal(model: object) -> bool:
-    """Whether a model (or a wrapper holding one) is a block-diffusion family: attention causal across blocks,
-    each block scored against the clean blocks before it (SDAR)."""
-    return model_type_of(model) == SDARConfig.model_type
 
 
 def block_size_of(model: object) -> int:
