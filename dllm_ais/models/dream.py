@@ -39,7 +39,7 @@ that the caller chooses.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -184,17 +184,24 @@ def canvas_positions(x: torch.Tensor, attention_mask: torch.Tensor | None, posit
 
 
 class DreamAttention(nn.Module):
-    """Bidirectional grouped-query SDPA attention; RoPE applied in the activations' dtype, as the official code does."""
+    """Grouped-query SDPA attention; RoPE applied in the activations' dtype, as the official code does. Dream's
+    (Qwen2.5's) has biases on the query/key/value projections only; with `qk_norm` (Qwen3's, SDAR's) each query and
+    key head is RMS-normed before RoPE, and `qkv_bias` / `output_bias` say which projections carry biases."""
 
-    def __init__(self, config: DreamConfig):
+    def __init__(self, config: PreTrainedConfig, qkv_bias: bool = True, output_bias: bool = False,
+                 qk_norm: bool = False):
         super().__init__()
         d, self.n_heads, self.n_kv_heads, self.head_dim = (config.hidden_size, config.num_attention_heads,
                                                             config.num_key_value_heads, config.head_dim)
         self.attention_dropout = config.attention_dropout
-        self.q_proj = nn.Linear(d, self.n_heads * self.head_dim, bias=True)
-        self.k_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=True)
-        self.v_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=True)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=False)
+        self.q_proj = nn.Linear(d, self.n_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=output_bias)
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = qk_norm
 
     def forward(
         self,
@@ -205,17 +212,19 @@ class DreamAttention(nn.Module):
         layer_cache: tuple[torch.Tensor, torch.Tensor] | None = None,
         cache_position: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """x [B, n, d], cos/sin [B, 1, n, head_dim] in x's dtype, attn_mask None or bool [B, 1, 1, T] (True = key
-        attended to) → ([B, n, d], (keys, values) [B, n_kv_heads, T, head_dim] attended to).
+        """x [B, n, d], cos/sin [B, 1, n, head_dim] in x's dtype, attn_mask None or bool [B or 1, 1, 1 or n, T]
+        (True = key attended to) → ([B, n, d], (keys, values) [B, n_kv_heads, T, head_dim] attended to).
 
         Without `layer_cache` T = n. With it, the inputs' keys/values are written into the cached pair at
         `cache_position` [n] (in place; into a copy under grad, where the cache may be part of the graph) and the
-        queries attend to all T cached positions."""
+        queries attend to the T cached positions under `attn_mask`."""
         batch, length, _ = x.shape
-        q = self.q_proj(x).view(batch, length, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(batch, length, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(batch, length, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q.transpose(1, 2), cos, sin), apply_rotary(k.transpose(1, 2), cos, sin)
         if layer_cache is not None:
             k, v = write_into_layer_cache(layer_cache, cache_position, k, v)
         attn = F.scaled_dot_product_attention(
@@ -241,11 +250,11 @@ class DreamMLP(nn.Module):
 
 
 class DreamDecoderLayer(GradientCheckpointingLayer):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); `attention` defaults to Dream's."""
 
-    def __init__(self, config: DreamConfig):
+    def __init__(self, config: PreTrainedConfig, attention: nn.Module | None = None):
         super().__init__()
-        self.self_attn = DreamAttention(config)
+        self.self_attn = attention if attention is not None else DreamAttention(config)
         self.mlp = DreamMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -263,6 +272,39 @@ class DreamDecoderLayer(GradientCheckpointingLayer):
         attn, key_values = self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, layer_cache, cache_position)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), key_values
+
+
+def run_layers(layers: nn.ModuleList, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               attn_mask: torch.Tensor | None, past_key_values: KeyValueCache | None, first_layer: Any,
+               cache_position: torch.Tensor | None, use_cache: bool) -> tuple[torch.Tensor, KeyValueCache | None]:
+    """(hidden states after every layer, the layers' (keys, values) with `use_cache` else None): the decoder layers in
+    turn, each on its cached pair of `past_key_values` (the first layer's as `canvas_positions` prepared it)."""
+    new_cache = [] if use_cache else None
+    for index, layer in enumerate(layers):
+        layer_cache = None
+        if past_key_values is not None:
+            layer_cache = first_layer if index == 0 else past_key_values[index]
+        x, key_values = layer(x, cos, sin, attn_mask, layer_cache, cache_position)
+        if use_cache:
+            new_cache.append(key_values)
+    return x, new_cache
+
+
+class LanguageModelEmbeddings:
+    """The embedding accessors transformers asks of an LM holding its transformer as ``model`` (with
+    ``embed_tokens``) and its head as ``lm_head``."""
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
 
 
 class DreamPreTrainedModel(PreTrainedModel):
@@ -312,19 +354,12 @@ class DreamBaseModel(DreamPreTrainedModel):
             self.config.max_position_embeddings)
         cos, sin = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
         cos, sin = cos.to(x.dtype)[:, None], sin.to(x.dtype)[:, None]
-        attn_mask = padding_mask(attention_mask)
-        new_cache = [] if use_cache else None
-        for index, layer in enumerate(self.layers):
-            layer_cache = None
-            if past_key_values is not None:
-                layer_cache = first_layer if index == 0 else past_key_values[index]
-            x, key_values = layer(x, cos, sin, attn_mask, layer_cache, cache_position)
-            if use_cache:
-                new_cache.append(key_values)
+        x, new_cache = run_layers(self.layers, x, cos, sin, padding_mask(attention_mask), past_key_values,
+                                  first_layer, cache_position, use_cache)
         return self.norm(x), new_cache
 
 
-class DreamModel(DreamPreTrainedModel):
+class DreamModel(LanguageModelEmbeddings, DreamPreTrainedModel):
     """Dream for masked-diffusion language modelling (the official `DreamModel`: transformer + LM head);
     `forward` returns `CausalLMOutputWithPast` with unshifted logits.
 
@@ -339,18 +374,6 @@ class DreamModel(DreamPreTrainedModel):
         self.model = DreamBaseModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
-
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.model.embed_tokens
-
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.model.embed_tokens = value
-
-    def get_output_embeddings(self) -> nn.Linear:
-        return self.lm_head
-
-    def set_output_embeddings(self, value: nn.Linear) -> None:
-        self.lm_head = value
 
     def forward(
         self,

@@ -49,16 +49,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
 from transformers.activations import ACT2FN
-from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from .dream import DreamMLP, canvas_positions  # relative: an export ships these files as remote code
+from .dream import (  # relative: an export ships these files as remote code
+    DreamAttention,
+    DreamDecoderLayer,
+    LanguageModelEmbeddings,
+    canvas_positions,
+    run_layers,
+)
 from .families import position_logits
-from .llada import RMSNorm, apply_rotary, rotary_cos_sin, write_into_layer_cache
+from .llada import RMSNorm, rotary_cos_sin
 
 __all__ = ["SDARConfig", "SDARForCausalLM", "SDARModel", "block_causal_mask", "block_diffusion_inputs",
            "block_diffusion_logits", "block_size_of", "canvas_blocks", "canvas_position_ids"]
@@ -221,76 +225,13 @@ def block_diffusion_logits(model: nn.Module, noisy_ids: torch.Tensor, clean_ids:
     return position_logits(model, input_ids, mask, logits_to_keep, shifted=False, position_ids=position_ids)
 
 
-class SDARAttention(nn.Module):
-    """Grouped-query SDPA attention under the block-causal mask, with RMSNorm on each query and key head before
-    RoPE (Qwen3); RoPE applied in the activations' dtype, as the official code does."""
+class SDARDecoderLayer(DreamDecoderLayer):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); Qwen3's attention (each query and key head RMS-normed
+    before RoPE, biases iff ``attention_bias``) under the block-causal mask."""
 
     def __init__(self, config: SDARConfig):
-        super().__init__()
-        d, self.n_heads, self.n_kv_heads, self.head_dim = (config.hidden_size, config.num_attention_heads,
-                                                            config.num_key_value_heads, config.head_dim)
-        self.attention_dropout = config.attention_dropout
         bias = config.attention_bias
-        self.q_proj = nn.Linear(d, self.n_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        attn_mask: torch.Tensor,
-        layer_cache: tuple[torch.Tensor, torch.Tensor] | None = None,
-        cache_position: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """x [B, n, d], cos/sin [B, 1, n, head_dim] in x's dtype, attn_mask bool [B or 1, 1, n, T] → ([B, n, d],
-        (keys, values) [B, n_kv_heads, T, head_dim] attended to).
-
-        Without `layer_cache` T = n. With it, the inputs' keys/values are written into the cached pair at
-        `cache_position` [n] (in place; into a copy under grad) and the queries attend to the T cached positions
-        under `attn_mask`."""
-        batch, length, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(batch, length, self.n_heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(batch, length, self.n_kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if layer_cache is not None:
-            k, v = write_into_layer_cache(layer_cache, cache_position, k, v)
-        attn = F.scaled_dot_product_attention(
-            q, k.to(q.dtype), v.to(q.dtype), attn_mask=attn_mask, is_causal=False,
-            dropout_p=self.attention_dropout if self.training else 0.0,
-            enable_gqa=self.n_kv_heads != self.n_heads,
-        )
-        return self.o_proj(attn.transpose(1, 2).reshape(batch, length, -1)), (k, v)
-
-
-class SDARDecoderLayer(GradientCheckpointingLayer):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
-
-    def __init__(self, config: SDARConfig):
-        super().__init__()
-        self.self_attn = SDARAttention(config)
-        self.mlp = DreamMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        attn_mask: torch.Tensor,
-        layer_cache: tuple[torch.Tensor, torch.Tensor] | None = None,
-        cache_position: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """(output [B, n, d], (keys, values) attended to); see `SDARAttention.forward` for the cache."""
-        attn, key_values = self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, layer_cache, cache_position)
-        x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), key_values
+        super().__init__(config, DreamAttention(config, qkv_bias=bias, output_bias=bias, qk_norm=True))
 
 
 class SDARPreTrainedModel(PreTrainedModel):
@@ -372,18 +313,12 @@ class SDARModel(SDARPreTrainedModel):
             attn_mask = block_causal_mask(position_ids, key_position_ids, self.config.block_size, attention_mask)
         cos, sin = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
         cos, sin = cos.to(x.dtype)[:, None], sin.to(x.dtype)[:, None]
-        new_cache = [] if use_cache else None
-        for index, layer in enumerate(self.layers):
-            layer_cache = None
-            if past_key_values is not None:
-                layer_cache = first_layer if index == 0 else past_key_values[index]
-            x, key_values = layer(x, cos, sin, attn_mask, layer_cache, cache_position)
-            if use_cache:
-                new_cache.append(key_values)
+        x, new_cache = run_layers(self.layers, x, cos, sin, attn_mask, past_key_values, first_layer, cache_position,
+                                  use_cache)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(x), past_key_values=new_cache)
 
 
-class SDARForCausalLM(SDARPreTrainedModel):
+class SDARForCausalLM(LanguageModelEmbeddings, SDARPreTrainedModel):
     """SDAR for block-diffusion language modelling (the official `SDARForCausalLM`: transformer + LM head);
     `forward` returns `CausalLMOutputWithPast` with unshifted logits.
 
@@ -398,18 +333,6 @@ class SDARForCausalLM(SDARPreTrainedModel):
         self.model = SDARModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
-
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.model.embed_tokens
-
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.model.embed_tokens = value
-
-    def get_output_embeddings(self) -> nn.Linear:
-        return self.lm_head
-
-    def set_output_embeddings(self, value: nn.Linear) -> None:
-        self.lm_head = value
 
     def forward(
         self,
