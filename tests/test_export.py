@@ -204,22 +204,12 @@ def test_an_exported_dream_loads_with_transformers_alone(tmp_path):
 
 
 @pytest.mark.slow  # two fresh Python processes load the export
-def test_an_exported_sdar_loads_with_transformers_alone_and_natively(tmp_path):
+def test_an_exported_sdar_loads_with_transformers_alone_and_natively(official_sdar_dir, tmp_path):
     """The official fixture (written by JetLM's code, its auto_map naming their configuration_sdar/modeling_sdar)
     exported: our modeling_sdar.py and the modules it imports ship with an auto_map naming them, so transformers alone
     loads it with trust_remote_code=True, and with dllm_ais imported the native class loads it, remote code or not;
     the logits are the fixture's."""
-    import shutil
-    from pathlib import Path
-
-    from transformers import AutoTokenizer
-
-    official = Path(__file__).parent / "data" / "sdar_official"
-    source = tmp_path / "sdar"
-    source.mkdir()
-    for name in ("config.json", "model.safetensors"):
-        shutil.copyfile(official / name, source / name)
-    AutoTokenizer.from_pretrained(EMBEDDED_MODELS["embedded"]).save_pretrained(source)
+    source = official_sdar_dir
     merged = export_merged_model(source, tmp_path / "merged", torch.float32)
     config = json.loads((merged / "config.json").read_text())
     assert config["model_type"] == "sdar" and config["auto_map"] == {
@@ -234,6 +224,6 @@ def test_an_exported_sdar_loads_with_transformers_alone_and_natively(tmp_path):
     assert "custom code" in remote["False"]["error"]
     assert remote["True"]["module"].startswith("transformers_modules.") and remote["True"]["module"].endswith("modeling_sdar")
     with torch.no_grad():
-        expected = load_model(str(official), torch.float32).eval()(torch.tensor(PROMPT_IDS)).logits
+        expected = load_model(str(source), torch.float32).eval()(torch.tensor(PROMPT_IDS)).logits
     for name in ("native-False.pt", "native-True.pt", "remote-True.pt"):
         assert torch.equal(torch.load(tmp_path / name, weights_only=True), expected), name
