@@ -84,9 +84,12 @@ def official_sdar_dir(tmp_path_factory, tokenizer):
     return directory
 
 
-@pytest.fixture
-def sdar_runs_allowed(monkeypatch):
-    """Lifts `families.LOAD_ONLY_MODEL_TYPES["sdar"]` for one test (a no-op once the training wiring lifts it)."""
+@pytest.fixture(scope="module")
+def sdar_runs_allowed():
+    """Lifts `families.LOAD_ONLY_MODEL_TYPES["sdar"]` for the tests of one module (a no-op once the training wiring
+    lifts it)."""
     from dllm_ais.models import families
 
-    monkeypatch.delitem(families.LOAD_ONLY_MODEL_TYPES, "sdar", raising=False)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delitem(families.LOAD_ONLY_MODEL_TYPES, "sdar", raising=False)
+        yield

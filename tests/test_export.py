@@ -222,7 +222,8 @@ def test_an_exported_sdar_loads_with_transformers_alone_and_natively(official_sd
     assert native == {"False": {"module": "dllm_ais.models.sdar"}, "True": {"module": "dllm_ais.models.sdar"}}
     remote = fresh_python(BLOCK_DLLM_AIS + LOAD, merged, tmp_path / "remote", tmp_path=tmp_path)
     assert "custom code" in remote["False"]["error"]
-    assert remote["True"]["module"].startswith("transformers_modules.") and remote["True"]["module"].endswith("modeling_sdar")
+    assert remote["True"]["module"].startswith("transformers_modules.")
+    assert remote["True"]["module"].endswith("modeling_sdar")
     with torch.no_grad():
         expected = load_model(str(source), torch.float32).eval()(torch.tensor(PROMPT_IDS)).logits
     for name in ("native-False.pt", "native-True.pt", "remote-True.pt"):
