@@ -500,9 +500,9 @@ def build_parser() -> argparse.ArgumentParser:
     export = commands.add_parser("export", parents=[common], help="merge a LoRA adapter into its base and write a Hub-layout model",
                                  description="Merge an adapter directory (e.g. outputs/dllm-ais/final) into its base "
                                              "model; write safetensors, tokenizer and a model card (base model, "
-                                             "training recipe, evaluation table, how to load it); an exported LLaDA "
-                                             "also ships its modeling file, so transformers alone loads it with "
-                                             "trust_remote_code=True. Optionally upload it in one commit.")
+                                             "training recipe, evaluation table, how to load it); an exported LLaDA, "
+                                             "Dream or SDAR also ships its modeling files, so transformers alone "
+                                             "loads it with trust_remote_code=True. Optionally upload it in one commit.")
     export.add_argument("source", help="adapter directory (or full model directory)")
     export.add_argument("output", help="output directory")
     export.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
