@@ -7,7 +7,7 @@ import logging
 import sys
 from contextlib import contextmanager
 
-from dllm_ais.choices import PRECISIONS, SFT_MASKINGS
+from dllm_ais.choices import EVAL_PROTOCOLS, PRECISIONS, SFT_MASKINGS
 
 MAIN_HELP = """\
 RL fine-tuning of masked-diffusion (LLaDA) and autoregressive (Qwen3) LMs with FP8 rollouts and
@@ -234,6 +234,7 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     from dllm_ais.evaluation import (EvalProtocol, dataset_provenance, device_name, evaluate_policy, library_versions,
                                      markdown_table, model_provenance, report_entry, write_report)
     from dllm_ais.loading import resolve_dtype
+    from dllm_ais.models.families import is_block_causal
     from dllm_ais.policy import build_policy, is_diffusion
     from dllm_ais.rewards import resolve_reward_functions
     from dllm_ais.tasks import get_task
@@ -241,9 +242,11 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     config = inference_config(args, overrides)
     task = get_task(config.task)
     output = eval_output_path(args, config.task)
-    protocol = EvalProtocol.for_task(task, args.gen_lengths, args.block_length, args.temperature, args.protocol)
     reward_funcs = resolve_reward_functions(config.reward_funcs or list(task.reward_funcs))
     model, tokenizer = _load_for_inference(args, config)
+    block_size = model.config.block_size if is_block_causal(model) else None
+    name = args.protocol or ("sdar" if block_size else "d1")
+    protocol = EvalProtocol.for_task(task, args.gen_lengths, args.block_length, args.temperature, name, block_size)
     odd = [length for length in protocol.gen_lengths if length % 2]
     if odd and protocol.name == "d1" and is_diffusion(config.policy, model.config.model_type):
         raise ConfigError(f"--gen_lengths {','.join(map(str, odd))}: the protocol denoises in gen_length / 2 steps, "
@@ -269,7 +272,8 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
         "task": config.task, "split": args.split, "full_split": args.limit is None,
         "dataset": dataset_provenance(task, args.split, config.dataset_path, dataset, config.task_args),
         "protocol": {**protocol.to_dict(),
-                     "name": protocol.name if protocol == EvalProtocol.for_task(task, name=protocol.name) else "custom",
+                     "name": (protocol.name if protocol == EvalProtocol.for_task(task, name=protocol.name,
+                                                                                 block_size=block_size) else "custom"),
                      "batch_size": batch_size},
         "seed": config.seed, "model": model_provenance(config.model_name_or_path, model),
         "dtype": str(resolve_dtype(config.dtype)).removeprefix("torch."), "rollout_precision": args.precision,
@@ -473,9 +477,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "trust_remote_code or imports 'module:function' rewards: pass --trust_remote_code=true or "
                     "--reward_funcs=[...] yourself.")
     evaluate.add_argument("--split", default="test", choices=("test", "validation", "train"))
-    evaluate.add_argument("--protocol", default="d1", choices=("d1", "dream"),
-                          help="d1 (any diffusion model; the default) or dream: Dream's own greedy decoding (one block, "
-                               "a step per token, entropy rule, time-linear schedule)")
+    evaluate.add_argument("--protocol", choices=EVAL_PROTOCOLS,
+                          help="d1 (any diffusion model; the default), dream: Dream's own greedy decoding (one block, "
+                               "a step per token, entropy rule, time-linear schedule), or sdar: SDAR's own (the model's "
+                               "blocks, a step per block position, low_confidence_dynamic at 0.9, exact cache; the "
+                               "default for an SDAR model)")
     evaluate.add_argument("--gen_lengths", type=comma_separated_ints,
                           help="comma-separated completion lengths (default: the task's, 128,256,512)")
     evaluate.add_argument("--block_length", type=int, help="diffusion block length (default: the task's, 32)")
@@ -494,9 +500,9 @@ def build_parser() -> argparse.ArgumentParser:
     export = commands.add_parser("export", parents=[common], help="merge a LoRA adapter into its base and write a Hub-layout model",
                                  description="Merge an adapter directory (e.g. outputs/dllm-ais/final) into its base "
                                              "model; write safetensors, tokenizer and a model card (base model, "
-                                             "training recipe, evaluation table, how to load it); an exported LLaDA "
-                                             "also ships its modeling file, so transformers alone loads it with "
-                                             "trust_remote_code=True. Optionally upload it in one commit.")
+                                             "training recipe, evaluation table, how to load it); an exported LLaDA, "
+                                             "Dream or SDAR also ships its modeling files, so transformers alone "
+                                             "loads it with trust_remote_code=True. Optionally upload it in one commit.")
     export.add_argument("source", help="adapter directory (or full model directory)")
     export.add_argument("output", help="output directory")
     export.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))

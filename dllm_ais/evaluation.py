@@ -4,8 +4,8 @@
 (test split) call. It keeps every prompt's values in dataset order, so two evaluations of the same prompts can be
 compared pairwise.
 
-`dllm-ais eval` runs d1's protocol by default: greedy decoding (temperature 0), block length 32,
-steps = gen_length / 2 at gen lengths 128, 256 and 512, accuracy (the task's correctness check alone, 0/1) on
+`dllm-ais eval` runs d1's protocol by default (SDAR's own for a block-causal model): greedy decoding (temperature 0),
+block length 32, steps = gen_length / 2 at gen lengths 128, 256 and 512, accuracy (the task's correctness check alone, 0/1) on
 the full test split, with the standard error of the accuracy and the mean of every reward function. Its report
 records what is needed to reproduce the number: protocol, seed, model id and revision (or local path and content
 hash), dtype, rollout precision, device, library versions and the command.
@@ -25,7 +25,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from dllm_ais.config import D1_ROLLOUT, DREAM_ROLLOUT, GRPOConfig, with_d1_protocol, with_dream_protocol
+from dllm_ais.config import (D1_ROLLOUT, DREAM_ROLLOUT, SDAR_ROLLOUT, ConfigError, GRPOConfig, with_d1_protocol,
+                             with_dream_protocol, with_sdar_protocol)
 from dllm_ais.loading import resolve_model_path
 from dllm_ais.policy import sample_prompts
 from dllm_ais.rewards import RewardTable, score_rollout_table
@@ -157,8 +158,8 @@ def evaluate_policy(model, tokenizer, policy, dataset, reward_funcs: list[Reward
 class EvalProtocol:
     """How completions are generated for an evaluation: d1's protocol (greedy, steps = gen_length / 2, one block
     length, LLaDA's own sampler: low-confidence remasking, no KV cache, no parallel decoding, no guidance) at each
-    of ``gen_lengths``, whatever the model was trained with. For autoregressive policies gen_length is the number of
-    new tokens and the diffusion settings do not apply."""
+    of ``gen_lengths``, whatever the model was trained with; or a family's own decoding (`choices.EVAL_PROTOCOLS`). For
+    autoregressive policies gen_length is the number of new tokens and the diffusion settings do not apply."""
 
     gen_lengths: tuple[int, ...]
     block_length: int
@@ -167,21 +168,36 @@ class EvalProtocol:
 
     @classmethod
     def for_task(cls, task: Task, gen_lengths: tuple[int, ...] | None = None, block_length: int | None = None,
-                 temperature: float = 0.0, name: str = "d1") -> "EvalProtocol":
-        """The task's protocol (d1's for the real tasks, or with `name` "dream" Dream's decoding: `with_dream_protocol`),
-        with any of its settings replaced."""
+                 temperature: float = 0.0, name: str = "d1", block_size: int | None = None) -> "EvalProtocol":
+        """The task's protocol (d1's for the real tasks; with `name` "dream" Dream's decoding, `with_dream_protocol`;
+        with "sdar" SDAR's, `with_sdar_protocol`, in the blocks of the model's `block_size`), with any of its
+        settings replaced. ConfigError when "sdar" meets a model without blocks or another block length."""
+        if name == "sdar":
+            if block_size is None:
+                raise ConfigError("--protocol sdar decodes a block-causal model (SDAR) in its own blocks; this model "
+                                  "has none: use --protocol d1")
+            if block_length not in (None, block_size):
+                raise ConfigError(f"--block_length {block_length}: the sdar protocol decodes in the model's blocks of "
+                                  f"block_size={block_size}; leave --block_length unset")
+            block_length = block_size
         return cls(tuple(gen_lengths or task.eval_gen_lengths), block_length or task.eval_block_length, temperature,
                    name)
 
     def decoding(self, config: GRPOConfig, gen_length: int) -> GRPOConfig:
-        """`config` decoding with this protocol at ``gen_length`` (`with_d1_protocol` or `with_dream_protocol`)."""
+        """`config` decoding with this protocol at ``gen_length`` (`with_d1_protocol`, `with_dream_protocol` or
+        `with_sdar_protocol`)."""
         if self.name == "dream":
             return with_dream_protocol(config, gen_length)
+        if self.name == "sdar":
+            return with_sdar_protocol(config, gen_length, self.block_length)
         return with_d1_protocol(config, gen_length, self.block_length)
 
     def to_dict(self) -> dict[str, Any]:
         if self.name == "dream":
             return {**asdict(self), **DREAM_ROLLOUT, "block_length": "gen_length", "steps": "gen_length",
+                    "gen_lengths": list(self.gen_lengths)}
+        if self.name == "sdar":
+            return {**asdict(self), **SDAR_ROLLOUT, "steps": "gen_length (block_length per block)",
                     "gen_lengths": list(self.gen_lengths)}
         return {**asdict(self), **D1_ROLLOUT, "steps": "gen_length / 2", "gen_lengths": list(self.gen_lengths)}
 
@@ -384,7 +400,8 @@ def markdown_table(report: dict[str, Any]) -> str:
     lines = [
         f"**{report['task']}** ({report['split']}, {report['results'][0]['num_prompts']} prompts) · model "
         f"`{report['model']['id']}` · {report['protocol']['name']} protocol (temperature "
-        f"{report['protocol']['temperature']}, block {report['protocol']['block_length']}, steps = gen_length / 2) · "
+        f"{report['protocol']['temperature']}, block {report['protocol']['block_length']}, steps = "
+        f"{report['protocol'].get('steps', 'gen_length / 2')}) · "
         f"dtype {report['dtype']}, rollout {report['rollout_precision']} · {report['device']}",
         "",
         "| gen length | accuracy (%) | ± SE | reward | " + " | ".join(names) + " |",

@@ -6,8 +6,8 @@ path), the training recipe (`dllm_ais_config.yaml` beside the source: rollout pr
 estimator, ...) and, when a `dllm-ais eval` report of this model is found or given, its results table.
 
 An exported masked-diffusion model carries our modeling files (LLaDA: `modeling_llada.py`; Dream: `modeling_dream.py`
-with the `llada.py` it shares norms and RoPE with; they import only torch and transformers) and an `auto_map` in
-config.json (`REMOTE_CODE`), so `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)` loads it without
+with the `llada.py` it shares norms and RoPE with; SDAR: `modeling_sdar.py` with the `dream.py`, `llada.py` and
+`families.py` it imports; they import only torch and transformers) and an `auto_map` in config.json (`REMOTE_CODE`), so `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)` loads it without
 dllm-ais installed. With `import dllm_ais` the registered native class is used instead, remote code or not:
 transformers (5.x) prefers a model type registered outside `transformers.*` over a checkpoint's `auto_map`.
 """
@@ -51,6 +51,13 @@ REMOTE_CODE = {
     "Dream": RemoteCode("Dream", {"modeling_dream.py": "dream", "llada.py": "llada"}, {
         "AutoConfig": "modeling_dream.DreamConfig", "AutoModel": "modeling_dream.DreamModel",
         "AutoModelForCausalLM": "modeling_dream.DreamModel"}),
+    # The official SDAR checkpoints ship JetLM's configuration_sdar.py and modeling_sdar.py; an export ships ours
+    # instead (the same module tree and config fields, so the weights and config.json are unchanged) under the
+    # official file name, its auto_map naming our classes.
+    "sdar": RemoteCode("SDAR", {"modeling_sdar.py": "sdar", "dream.py": "dream", "llada.py": "llada",
+                                "families.py": "families"}, {
+        "AutoConfig": "modeling_sdar.SDARConfig", "AutoModel": "modeling_sdar.SDARModel",
+        "AutoModelForCausalLM": "modeling_sdar.SDARForCausalLM"}),
 }
 REMOTE_CODE_FILE = REMOTE_CODE["llada"].main_file
 LLADA_AUTO_MAP = REMOTE_CODE["llada"].auto_map

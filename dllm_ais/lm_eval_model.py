@@ -18,6 +18,17 @@ Masked-diffusion models (LLaDA):
   at `max_gen_toks` tokens, its first EOS and the first `until` string.
 - `loglikelihood_rolling` (perplexity tasks) is refused: there is no left-to-right factorisation to roll.
 
+Block-diffusion models (SDAR, `families.is_block_causal`) take the same paths in their own blocks:
+
+- `loglikelihood` is the same Monte-Carlo estimate with the same draws, each masked token scored with its own block
+  noisy and the blocks before it clean (`likelihood.noisy_canvas_logits`, the training-mode forward): with the 1/t
+  weight, SDAR's block-diffusion ELBO, its own training loss — not an autoregressive score, which SDAR (bidirectional
+  inside a block) does not define. The greedy flag: SDAR's decoder, one token per step by confidence in blocks of
+  ``block_size`` (the continuation's length rounded up to whole blocks), reproduces the continuation.
+- `generate_until` decodes with SDAR's own protocol (`config.with_sdar_protocol`: blocks of the model's
+  ``block_size``, a step per block position, low_confidence_dynamic at 0.9, the exact cache), any sampler setting
+  given in --model_args replacing its value; a block_length other than ``block_size`` is refused.
+
 Causal LMs (Qwen3, ...): teacher-forced log-probs and greedy flags as the harness's `hf` model computes them, and
 generation with `AutoregressiveSampler` (model.generation_config's EOS ids, as `generate` uses).
 
@@ -49,7 +60,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from dllm_ais.choices import CACHE_MODES
-from dllm_ais.config import DTYPES, POLICIES, GRPOConfig, with_d1_protocol
+from dllm_ais.config import DTYPES, POLICIES, GRPOConfig, with_d1_protocol, with_sdar_protocol
 from dllm_ais.statistics import standard_error
 from dllm_ais.likelihood import (
     LogitsFn,
@@ -63,6 +74,7 @@ from dllm_ais.likelihood import (
 )
 from dllm_ais.loading import (SpecialTokens, adapter_base, load_model, load_tokenizer, refuse_remote_code,
                               resolve_dtype, resolve_model_path, special_tokens)
+from dllm_ais.models.families import is_block_causal
 from dllm_ais.policy import diffusion_sampler_config, is_diffusion
 from dllm_ais.sampling.autoregressive import AutoregressiveSampler, AutoregressiveSamplerConfig
 from dllm_ais.sampling.diffusion import DiffusionSamplerConfig, MaskedDiffusionSampler
@@ -170,14 +182,28 @@ def causal_continuation_scores(model: nn.Module, rows: list[list[int]], continua
 # --------------------------------------------------------------------------------------------- generation
 
 
+def protocol_sampler_config(protocol: GRPOConfig, tokens: SpecialTokens, temperature: float,
+                            **settings: Any) -> DiffusionSamplerConfig:
+    """The sampler a protocol's config decodes with at `temperature`, with the model's special tokens and any sampler
+    `settings` that are not None (steps, remasking, cfg_scale, cache, threshold, factor, ...) replaced."""
+    chosen = {key: value for key, value in settings.items() if value is not None}
+    return dataclasses.replace(diffusion_sampler_config(protocol, tokens, temperature), **chosen)
+
+
 def d1_sampler_config(gen_length: int, block_length: int, tokens: SpecialTokens, temperature: float,
                       **settings: Any) -> DiffusionSamplerConfig:
     """The sampler of d1's protocol at `gen_length` (`with_d1_protocol`: blocks of min(block_length, gen_length),
-    gen_length / 2 steps, low-confidence remasking, no cache, no guidance) at `temperature`, with the model's special
-    tokens and any sampler `settings` (steps, remasking, cfg_scale, cache, threshold, factor, ...) replaced."""
-    protocol = with_d1_protocol(GRPOConfig(policy="diffusion"), gen_length, block_length)
-    chosen = {key: value for key, value in settings.items() if value is not None}
-    return dataclasses.replace(diffusion_sampler_config(protocol, tokens, temperature), **chosen)
+    gen_length / 2 steps, low-confidence remasking, no cache, no guidance), see `protocol_sampler_config`."""
+    return protocol_sampler_config(with_d1_protocol(GRPOConfig(policy="diffusion"), gen_length, block_length), tokens,
+                                   temperature, **settings)
+
+
+def sdar_sampler_config(gen_length: int, block_size: int, tokens: SpecialTokens, temperature: float,
+                        **settings: Any) -> DiffusionSamplerConfig:
+    """The sampler of SDAR's protocol at `gen_length` (`with_sdar_protocol`: blocks of the model's `block_size`, a
+    step per block position, low_confidence_dynamic at 0.9, the exact cache), see `protocol_sampler_config`."""
+    return protocol_sampler_config(with_sdar_protocol(GRPOConfig(policy="diffusion"), gen_length, block_size), tokens,
+                                   temperature, **settings)
 
 
 def completion_text(tokenizer, completion_ids: Tensor, completion_mask: Tensor, max_tokens: int,
@@ -380,6 +406,14 @@ class DllmAisLM(TemplateLM):
         self.is_check_greedy = arguments.is_check_greedy
         self.gen_length, self.block_length = arguments.gen_length, arguments.block_length
         self.sampler_settings = arguments.sampler_settings
+        self.block_size = config.block_size if self.diffusion and is_block_causal(self.model) else None
+        if self.block_size is not None:  # SDAR's protocol, each setting given in model_args replacing its own
+            if "block_length" in model_args and arguments.block_length != self.block_size:
+                raise ConfigError(f"--model_args block_length={arguments.block_length}: this block-diffusion model "
+                                  f"decodes in its blocks of block_size={self.block_size}; leave block_length unset")
+            self.block_length = self.block_size
+            self.sampler_settings = {name: value for name, value in arguments.sampler_settings.items()
+                                     if name in model_args}
         if self.diffusion:
             check_monte_carlo_sizes(self.mc_num, self.mc_batch_size)
 
@@ -483,7 +517,11 @@ class DllmAisLM(TemplateLM):
 
     def _scorer(self, continuation_length: int) -> MaskedDiffusionSampler:
         """The exact greedy sampler over a continuation of this length, one token per step (LLaDA's greedy check);
-        its `scoring_logits` are the logits the estimate scores (with guidance when cfg_scale > 0)."""
+        its `scoring_logits` are the logits the estimate scores (with guidance when cfg_scale > 0). A block-diffusion
+        model's: SDAR's decoder without the dynamic rule, over the length rounded up to whole blocks."""
+        if self.block_size is not None:
+            gen_length = -(-continuation_length // self.block_size) * self.block_size
+            return MaskedDiffusionSampler(sdar_sampler_config(gen_length, self.block_size, self.tokens, 0.0).exact())
         settings = {**self.sampler_settings, "steps": continuation_length, "remasking": "low_confidence",
                     "cache": "none", "threshold": None, "factor": None}
         return MaskedDiffusionSampler(d1_sampler_config(continuation_length, continuation_length, self.tokens, 0.0,
@@ -491,18 +529,19 @@ class DllmAisLM(TemplateLM):
 
     def estimate_loglikelihood(self, context: list[int], continuation: list[int]) -> LikelihoodEstimate:
         """`diffusion_loglikelihood` of one request with `mc_num` copies in batches of `mc_batch_size`, its masks drawn
-        from `mask_generator(seed)`."""
+        from `mask_generator(seed)` (a block-diffusion model scores through its training-mode forward, which takes no
+        sampler logits)."""
+        logits_fn = plain_logits if self.block_size is not None else self._scorer(len(continuation)).scoring_logits
         return diffusion_loglikelihood(self.model, torch.tensor(context, device=self._device),
                                        torch.tensor(continuation, device=self._device), self.tokens.mask_token_id,
-                                       self.mc_num, self.mc_batch_size, mask_generator(self.seed),
-                                       self._scorer(len(continuation)).scoring_logits)
+                                       self.mc_num, self.mc_batch_size, mask_generator(self.seed), logits_fn)
 
     def greedy_reproduces(self, context: list[int], continuation: list[int]) -> bool:
         """Whether greedy decoding from the context, one token per step at the most confident masked position,
-        yields exactly the continuation (LLaDA's `suffix_greedy_prediction`)."""
+        yields exactly the continuation (LLaDA's `suffix_greedy_prediction`) as its first tokens."""
         prompt = torch.tensor([context], device=self._device)
         rollout = self._scorer(len(continuation)).sample(self.model, prompt)
-        return rollout.completion_ids[0].tolist() == list(continuation)
+        return rollout.completion_ids[0, :len(continuation)].tolist() == list(continuation)
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """log p(text) of whole texts (perplexity tasks), causal LMs only: the `hf` model's disjoint rolling windows
@@ -559,11 +598,14 @@ class DllmAisLM(TemplateLM):
         if kwargs:
             raise ConfigError(f"generation kwargs {sorted(kwargs)} have no meaning for the masked-diffusion sampler; "
                               "set its settings (block_length, steps, remasking, ...) in --model_args instead")
-        block = self.block_length
+        block, temperature = self.block_length, temperature if do_sample else 0.0
         gen_length = self.gen_length or -(-max_tokens // block) * block
+        if self.block_size is not None:
+            config = sdar_sampler_config(gen_length, block, self.tokens, temperature, **self.sampler_settings)
+            return MaskedDiffusionSampler(config), gen_length
         steps = self.sampler_settings["steps"] or max(gen_length // 2, 1)
         settings = {**self.sampler_settings, "steps": steps}
-        config = d1_sampler_config(gen_length, block, self.tokens, temperature if do_sample else 0.0, **settings)
+        config = d1_sampler_config(gen_length, block, self.tokens, temperature, **settings)
         return MaskedDiffusionSampler(config), gen_length
 
     def _encode_prompts(self, contexts: list[str], gen_length: int) -> tuple[Tensor, Tensor]:

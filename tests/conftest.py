@@ -67,3 +67,29 @@ def config_of(*settings: dict, **overrides) -> GRPOConfig:
         for key, value in mapping.items():
             set_override(values, key, value)
     return GRPOConfig(**values)
+
+
+@pytest.fixture(scope="session")
+def official_sdar_dir(tmp_path_factory, tokenizer):
+    """tests/data/sdar_official (weights and config written by JetLM's code) with the embedded tokenizer saved beside
+    them, as a model directory the CLI, export and lm-eval load (the config's mask 271, pad 270, eos 269 stay)."""
+    import shutil
+    from pathlib import Path
+
+    official = Path(__file__).parent / "data" / "sdar_official"
+    directory = tmp_path_factory.mktemp("sdar_official")
+    for name in ("config.json", "model.safetensors"):
+        shutil.copyfile(official / name, directory / name)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def sdar_runs_allowed():
+    """Lifts `families.LOAD_ONLY_MODEL_TYPES["sdar"]` for the tests of one module (a no-op once the training wiring
+    lifts it)."""
+    from dllm_ais.models import families
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delitem(families.LOAD_ONLY_MODEL_TYPES, "sdar", raising=False)
+        yield

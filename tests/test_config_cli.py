@@ -130,9 +130,14 @@ def test_cli_train_eval_generate_export_on_the_embedded_model(tmp_path, capsys):
     assert merged_config["model_type"] == "llada"
 
 
+SDAR_RUNS_WAIT = pytest.mark.xfail(strict=True, reason="SDAR runs wait for the training wiring (LOAD_ONLY)")
+
+
 @pytest.mark.parametrize("recipe, family", [("llada8b_gsm8k_lora_fp8_ais.yaml", "diffusion"),
                                             ("llada8b_gsm8k_ar_order.yaml", "diffusion"),
                                             ("dream7b_gsm8k_lora_fp8_ais.yaml", "diffusion"),
+                                            pytest.param("sdar8b_gsm8k_lora_fp8_ais.yaml", "diffusion",
+                                                         marks=SDAR_RUNS_WAIT),
                                             ("qwen3_8b_gsm8k_lora_fp8_ais.yaml", "autoregressive")])
 def test_dry_run_of_the_gpu_recipes_runs_one_step_on_cpu(capsys, monkeypatch, tmp_path, recipe, family):
     """Offline, as CI runs (the Hub is not reached: without this each run waited ~20 s on it before falling back to
@@ -158,6 +163,19 @@ def test_a_dream_recipe_gets_a_dream_stand_in():
     assert recipe_model_type(dataclasses.replace(config, model_name_or_path="/nonexistent/Dream-v0-Instruct-7B")) == "Dream"
     stand_in = stand_in_model(True, load_tokenizer("embedded"), "Dream")
     assert stand_in.config.model_type == "Dream" and stand_in.config.mask_token_id is not None
+
+
+def test_an_sdar_recipe_gets_an_sdar_stand_in_in_the_models_blocks():
+    from dllm_ais.dry_run import recipe_model_type, stand_in_model
+    from dllm_ais.loading import load_tokenizer
+
+    config = load_config(ROOT / "recipes" / "sdar8b_gsm8k_lora_fp8_ais.yaml")
+    assert recipe_model_type(dataclasses.replace(config, model_name_or_path="/nonexistent/SDAR-8B-Chat")) == "sdar"
+    tokenizer = load_tokenizer("embedded")
+    stand_in = stand_in_model(True, tokenizer, "sdar")
+    assert stand_in.config.model_type == "sdar" and stand_in.config.block_size == config.rollout.block_length == 4
+    assert stand_in.config.mask_token_id == tokenizer.mask_token_id
+    assert (config.rollout.cache, config.likelihood.estimator, config.rollout.steps) == ("dual", "trajectory", 256)
 
 
 def test_cli_trains_the_tiny_qwen3_through_the_shared_loop(tmp_path, capsys):

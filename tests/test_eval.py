@@ -197,3 +197,52 @@ def test_the_dream_protocol_decodes_the_whole_completion_with_dreams_rule():
     assert (rollout.block_length, rollout.steps, rollout.remasking, rollout.schedule, rollout.cache,
             decoding.top_p, decoding.max_completion_length) == (256, 256, "entropy", "time_linear", "none", 1.0, 256)
     assert EvalProtocol.for_task(get_task("gsm8k"), name="dream").to_dict()["steps"] == "gen_length"
+
+
+def test_the_sdar_protocol_decodes_in_the_models_blocks_with_sdars_dynamic_rule():
+    """SDAR's own generation: blocks of the model's block_size, as many steps per block as it has positions,
+    low_confidence_dynamic (the drawn token's probability, maskgit_plus, above 0.9) with the exact cache; a model
+    without blocks, or another block length, is refused in one line."""
+    from dllm_ais.config import ConfigError, with_sdar_protocol
+
+    config = load_config(ROOT / "recipes" / "dream7b_gsm8k_lora_fp8_ais.yaml")
+    protocol = EvalProtocol.for_task(get_task("gsm8k"), (256,), name="sdar", block_size=4)
+    decoding = protocol.decoding(config, 256)
+    assert decoding == with_sdar_protocol(config, 256, 4)
+    rollout = decoding.rollout
+    assert (rollout.block_length, rollout.steps, rollout.remasking, rollout.threshold, rollout.cache,
+            decoding.top_p, decoding.top_k, decoding.max_completion_length) == (4, 256, "maskgit_plus", 0.9, "dual",
+                                                                              1.0, 0, 256)
+    assert protocol.to_dict()["steps"] == "gen_length (block_length per block)"
+    with pytest.raises(ConfigError, match="--protocol sdar .* use --protocol d1"):
+        EvalProtocol.for_task(get_task("gsm8k"), name="sdar")
+    with pytest.raises(ConfigError, match="--block_length 32: .* block_size=4"):
+        EvalProtocol.for_task(get_task("gsm8k"), block_length=32, name="sdar", block_size=4)
+
+
+def test_eval_of_an_sdar_model_runs_sdars_own_protocol_by_default(official_sdar_dir, sdar_runs_allowed, tmp_path,
+                                                                 capsys):
+    """`dllm-ais eval` of an SDAR checkpoint decodes as SDAR's generate (d1's blocks of 16 would not fit its blocks of
+    4), and the greedy decoder it builds gives the official generation of the fixture token for token."""
+    from safetensors.torch import load_file
+
+    from dllm_ais.loading import load_model
+
+    output = tmp_path / "eval.json"
+    assert main(["eval", "--model", str(official_sdar_dir), "--limit=2", "--output", str(output)]) == 0
+    report = json.loads(output.read_text())
+    protocol = report["protocol"]
+    assert (protocol["name"], protocol["block_length"], protocol["remasking"], protocol["threshold"],
+            protocol["cache"], protocol["temperature"]) == ("sdar", 4, "maskgit_plus", 0.9, "dual", 0.0)
+    assert "sdar protocol" in capsys.readouterr().out and report["results"][0]["num_prompts"] == 2
+
+    model = load_model(str(official_sdar_dir), torch.float32).eval()
+    tokenizer = load_tokenizer(str(official_sdar_dir))
+    config = EvalProtocol.for_task(get_task("digits"), name="sdar", block_size=4).decoding(GRPOConfig(), 12)
+    policy = build_policy(config, model.config, tokenizer, temperature=0.0)
+    official = load_file(DATA / "sdar_official" / "official_outputs.safetensors")
+    prompt, generated = official["prompt_ids"], official["generated_ids"]
+    rollout = policy.sample(model, prompt, torch.ones_like(prompt), None)
+    # the fixture's proposals never pass 0.9, so the dynamic rule commits as the static one it was generated with
+    assert rollout.step_logprobs.exp().max() < 0.9
+    assert torch.equal(rollout.sequences[:, :generated.shape[1]], generated)

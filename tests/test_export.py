@@ -201,3 +201,30 @@ def test_an_exported_dream_loads_with_transformers_alone(tmp_path):
     with torch.no_grad():
         expected = model(torch.tensor(PROMPT_IDS)).logits
     torch.testing.assert_close(torch.load(tmp_path / "remote-True.pt", weights_only=True), expected)
+
+
+@pytest.mark.slow  # two fresh Python processes load the export
+def test_an_exported_sdar_loads_with_transformers_alone_and_natively(official_sdar_dir, tmp_path):
+    """The official fixture (written by JetLM's code, its auto_map naming their configuration_sdar/modeling_sdar)
+    exported: our modeling_sdar.py and the modules it imports ship with an auto_map naming them, so transformers alone
+    loads it with trust_remote_code=True, and with dllm_ais imported the native class loads it, remote code or not;
+    the logits are the fixture's."""
+    source = official_sdar_dir
+    merged = export_merged_model(source, tmp_path / "merged", torch.float32)
+    config = json.loads((merged / "config.json").read_text())
+    assert config["model_type"] == "sdar" and config["auto_map"] == {
+        "AutoConfig": "modeling_sdar.SDARConfig", "AutoModel": "modeling_sdar.SDARModel",
+        "AutoModelForCausalLM": "modeling_sdar.SDARForCausalLM"}
+    assert config["block_size"] == 4 and config["mask_token_id"] == 271
+    assert {path.name for path in merged.glob("*.py")} == {"modeling_sdar.py", "dream.py", "llada.py", "families.py"}
+
+    native = fresh_python("import dllm_ais\n" + LOAD, merged, tmp_path / "native", tmp_path=tmp_path)
+    assert native == {"False": {"module": "dllm_ais.models.sdar"}, "True": {"module": "dllm_ais.models.sdar"}}
+    remote = fresh_python(BLOCK_DLLM_AIS + LOAD, merged, tmp_path / "remote", tmp_path=tmp_path)
+    assert "custom code" in remote["False"]["error"]
+    assert remote["True"]["module"].startswith("transformers_modules.")
+    assert remote["True"]["module"].endswith("modeling_sdar")
+    with torch.no_grad():
+        expected = load_model(str(source), torch.float32).eval()(torch.tensor(PROMPT_IDS)).logits
+    for name in ("native-False.pt", "native-True.pt", "remote-True.pt"):
+        assert torch.equal(torch.load(tmp_path / name, weights_only=True), expected), name

@@ -352,3 +352,73 @@ def test_the_package_and_its_cli_do_not_import_the_harness():
 
     code = "import sys, dllm_ais, dllm_ais.cli; dllm_ais.cli.build_parser(); print('lm_eval' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
+
+
+@pytest.fixture(scope="module")
+def sdar(official_sdar_dir, sdar_runs_allowed):
+    """The official SDAR fixture (blocks of 4, 64 positions) under the harness model."""
+    return DllmAisLM(pretrained=str(official_sdar_dir), batch_size=2, mc_num=8, mc_batch_size=4)
+
+
+def sdar_reference_loglikelihood(model, prefix, target, mask_id, mc_num, batch_size, generator, block):
+    """The block-diffusion ELBO written out with plain forwards: LLaDA's draws (`llada_mask_draw`), and each masked
+    token scored by a forward of the sequence cut after its block, its block noisy and the blocks before it clean
+    (an unpadded row's blocks count from position 0); per copy (1 / t) Σ log p, averaged over the copies."""
+    sequence, start = torch.cat([prefix, target]), len(prefix)
+    values = []
+    for _ in range(mc_num // batch_size):
+        draw = llada_mask_draw(len(target), batch_size, generator)
+        for masked, rate in zip(draw.masked, draw.rate):
+            noisy = sequence.clone()
+            noisy[start:][masked] = mask_id
+            total = 0.0
+            for position in (start + masked.nonzero().flatten()).tolist():
+                begin, end = position // block * block, (position // block + 1) * block
+                canvas = torch.cat([sequence[:begin], noisy[begin:end]])
+                with torch.no_grad():
+                    logits = model(canvas[None]).logits[0, position].float()
+                total += torch.log_softmax(logits, dim=-1)[sequence[position]].item()
+            values.append(total / rate.item())
+    return sum(values) / len(values)
+
+
+def test_sdar_loglikelihood_is_its_block_diffusion_elbo(sdar):
+    """SDAR's score is its own training objective, not LLaDA's whole-canvas forward: every masked token against the
+    clean blocks before its own, with the same draws as LLaDA's estimate."""
+    for context, continuation in (("sort 3 9 1 4", " 1 3 4 9"), ("reverse 4 5", " 5 4")):
+        context_ids, continuation_ids = sdar._encode_pair(context, continuation)
+        (value, _), = sdar.loglikelihood([Instance("loglikelihood", {}, (context, continuation), 0)], disable_tqdm=True)
+        reference = sdar_reference_loglikelihood(sdar.model, torch.tensor(context_ids), torch.tensor(continuation_ids),
+                                                 sdar.tokens.mask_token_id, 8, 4, mask_generator(sdar.seed), 4)
+        assert value == pytest.approx(reference, abs=1e-4)
+
+
+def test_sdar_greedy_check_decodes_in_its_blocks(sdar):
+    """The greedy flag of a 6-token continuation (not whole blocks): SDAR's decoder, one token per step in blocks of
+    4, reproduces it; a continuation differing in one token is not greedy."""
+    context = "sort 3 9 1 4"
+    decoded = sdar._scorer(6).sample(sdar.model, torch.tensor([sdar.tok_encode(context)])).completion_ids[0, :6]
+    assert sdar._scorer(6).config.block_length == 4 and sdar._scorer(6).config.gen_length == 8
+    wrong = decoded.clone()
+    wrong[0] = (wrong[0] + 1) % 100
+    flags = [sdar.greedy_reproduces(sdar.tok_encode(context), ids.tolist()) for ids in (decoded, wrong)]
+    assert flags == [True, False]
+
+
+def test_sdar_generation_decodes_with_sdars_own_protocol(sdar, official_sdar_dir):
+    """generate_until on an SDAR model: its blocks of 4, a step per block position, the dynamic rule at 0.9, the
+    exact cache (d1's blocks of 32 would not fit its blocks); a block_length other than its block_size is refused."""
+    from dllm_ais.config import ConfigError
+
+    sampler, gen_length = sdar._generation_sampler(6, {})
+    config = sampler.config
+    assert (gen_length, config.block_length, config.steps, config.remasking, config.threshold, config.cache,
+            config.temperature) == (8, 4, 8, "maskgit_plus", 0.9, "dual", 0.0)
+    context = "sort 3 9 1 4"
+    text, = sdar.generate_until([Instance("generate_until", {}, (context, {"until": [], "max_gen_toks": 6}), 0)],
+                                disable_tqdm=True)
+    rollout = sampler.sample(sdar.model, torch.tensor([sdar.tok_encode(context)]))
+    tokens = rollout.completion_ids[0][rollout.completion_mask[0].bool()][:6]
+    assert text == sdar.tokenizer.decode(tokens, skip_special_tokens=True)
+    with pytest.raises(ConfigError, match="block_length=32: .* block_size=4"):
+        DllmAisLM(pretrained=str(official_sdar_dir), block_length=32)
