@@ -13,13 +13,18 @@ from dllm_ais.dry_run import stand_in_model
 from dllm_ais.policy import build_policy
 from dllm_ais.tasks.digits import digits_reward, make_digits_dataset
 from dllm_ais.trainer import GRPOTrainer
-from tests.test_trainer import digit_fraction_reward, lora_parameters
+from tests.test_trainer import lora_parameters
 
 BLOCK = 4
 SDAR_TINY = dict(task="digits", eval_size=0, num_generations=2, per_device_train_batch_size=4,
                  gradient_accumulation_steps=1, max_completion_length=8, num_iterations=2, max_steps=2, lora_r=4,
                  lora_alpha=8, lora_dropout=0.0, learning_rate=1e-3, max_prompt_length=64, temperature=1.0,
-                 dtype="float32", rollout={"block_length": BLOCK, "steps": 4})
+                 dtype="float32", weight_decay=0.0, rollout={"block_length": BLOCK, "steps": 4})
+
+
+def distinct_characters(prompts, completions, **kwargs):
+    """A reward that varies between a random model's completions: how many distinct characters each holds."""
+    return [float(len(set(completion[0]["content"]))) for completion in completions]
 
 
 def tiny_sdar(tokenizer, block_size: int = BLOCK):
@@ -29,14 +34,16 @@ def tiny_sdar(tokenizer, block_size: int = BLOCK):
 def sdar_trainer(tokenizer, tmp_path, model=None, **overrides) -> GRPOTrainer:
     config = config_of(SDAR_TINY, output_dir=str(tmp_path), **overrides)
     return GRPOTrainer(config, model=model or tiny_sdar(tokenizer), tokenizer=tokenizer,
-                       reward_funcs=[digit_fraction_reward, digits_reward], train_dataset=make_digits_dataset(16, seed=1))
+                       reward_funcs=[distinct_characters, digits_reward], train_dataset=make_digits_dataset(16, seed=1))
 
 
 def assert_trains(trainer: GRPOTrainer) -> dict:
-    """Two training steps: finite losses, LoRA weights moved; returns the last step's record."""
+    """Two training steps: finite losses, gradients, LoRA weights moved (no weight decay); returns the last step's
+    record."""
     before = lora_parameters(trainer)
     history = trainer.train().history
     assert len(history) == 2 and all(math.isfinite(record["loss"]) for record in history)
+    assert all(record["frac_reward_zero_std"] < 1 and record["grad_norm"] > 0 for record in history)
     assert any(not torch.equal(before[name], value) for name, value in lora_parameters(trainer).items())
     return history[-1]
 
@@ -67,6 +74,16 @@ def test_every_correction_trains_an_sdar_with_fp8_rollouts(tokenizer, tmp_path, 
     record = assert_trains(trainer)
     if not correction.get("bypass_mode"):
         assert record["rollout_corr/k3_kl"] > 0
+
+
+@pytest.mark.parametrize("decoding", [{"rollout": {"cache": "prefix"}, "experimental": {"likelihood_order": "exact"}},
+                                      {"rollout": {"threshold": 0.5}}], ids=["exact_order_replay", "parallel"])
+def test_sdar_trains_along_the_exact_decoders_order_and_with_parallel_commits(tokenizer, tmp_path, decoding):
+    """The trajectory estimator along the exact decoder's order (a replay of the completions block by block), and
+    rollouts with SDAR's low_confidence_dynamic parallel commits: on policy with a bf16 engine, and they train."""
+    trainer = sdar_trainer(tokenizer, tmp_path, **{**decoding, "rollout": {"precision": "bf16", **decoding["rollout"]}},
+                           likelihood={"estimator": "trajectory"}, correction={"method": "ais"})
+    assert assert_trains(trainer)["rollout_corr/k3_kl"] == pytest.approx(0.0, abs=1e-6)
 
 
 @pytest.mark.parametrize("decoder", ["exact", "rollout"])
