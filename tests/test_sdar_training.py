@@ -89,13 +89,16 @@ def test_sdar_trains_along_the_exact_decoders_order_and_with_parallel_commits(to
 @pytest.mark.parametrize("decoder", ["exact", "rollout"])
 def test_the_exact_caches_recorded_logprobs_are_the_trainers_trajectory_replay(tokenizer, tmp_path, decoder):
     """Rollouts decoded with SDAR's exact cache of finished blocks record log-probs the trainer's trajectory replay
-    reproduces: its training-mode forward (each block against the clean blocks before it, likelihood_decoder=exact)
-    or the cached decoder replayed (rollout) — k3 = 0 on a bf16 engine, through the trainer's own step."""
+    reproduces: its training-mode forward (each block against the clean blocks before it, likelihood_decoder=exact:
+    to float rounding) or the cached decoder replayed (rollout: exactly) — k3 = 0 on a bf16 engine, through the
+    trainer's own step."""
     trainer = sdar_trainer(tokenizer, tmp_path, max_steps=1, rollout={"precision": "bf16", "cache": "prefix"},
                            likelihood={"estimator": "trajectory"}, correction={"method": "ais"},
                            experimental={"likelihood_decoder": decoder})
     batch = trainer.make_generation_batch()
     assert trainer.policy.replays_decoder == (decoder == "rollout")
+    if decoder == "rollout":  # the cache written forward for forward as sampling wrote it: the recorded values
+        assert torch.equal(batch.logp_old[0], batch.rollout.step_logprobs)
     torch.testing.assert_close(batch.logp_old[0], batch.rollout.step_logprobs, atol=1e-5, rtol=0)
     assert batch.diagnostics[0]["rollout_corr/k3_kl"] == pytest.approx(0.0, abs=1e-6)
 
