@@ -127,6 +127,8 @@ def test_lora_preset_for_sdar(tokenizer, tmp_path):
     ({"rollout": {"cfg_scale": 1.0}}, "cfg_scale > 0"),
     ({"rollout": {"cache": "prefix", "cache_dtype": "fp8"}}, "cache_dtype='fp8'"),
     ({"rollout": {"cache": "dual", "cache_refresh_interval": 2}}, "cache_refresh_interval"),
+    ({"rollout": {"threshold": 0.5}, "experimental": {"rollout_position_temperature": 0.5}},
+     "threshold with position_temperature > 0"),
 ])
 def test_settings_sdar_cannot_decode_with_are_refused_at_model_load(tokenizer, tmp_path, overrides, named):
     """One line naming the setting, before any rollout (the trainer builds its policies right after loading)."""
