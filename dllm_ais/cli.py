@@ -353,7 +353,7 @@ def _sft(args: argparse.Namespace, overrides: list[str]) -> int:
     from dllm_ais.data import load_task_dataset
     from dllm_ais.loading import load_model, load_tokenizer, resolve_dtype
     from dllm_ais.policy import is_diffusion
-    from dllm_ais.sft import SFTConfig, run_sft
+    from dllm_ais.sft import SFTConfig, block_diffusion_from_causal, run_sft
     from dllm_ais.tasks import get_task
 
     if overrides:
@@ -371,6 +371,13 @@ def _sft(args: argparse.Namespace, overrides: list[str]) -> int:
     check_tokenizer_files(args.model)
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model, resolve_dtype(args.dtype))
+    if args.as_block_diffusion is not None:
+        if args.as_block_diffusion < 1:
+            raise ConfigError(f"--as_block_diffusion={args.as_block_diffusion}: a block size of 1 or more (SDAR: 4)")
+        try:
+            model = block_diffusion_from_causal(model, tokenizer, args.as_block_diffusion)
+        except ValueError as error:
+            raise ConfigError(f"--as_block_diffusion: {error}") from error
     mask_id = model.config.mask_token_id if is_diffusion("auto", model.config.model_type) else None
     dataset = load_task_dataset(args.task, split="train", size=args.dataset_size, seed=args.seed, task_args=task_args)
     config = SFTConfig(steps=args.steps, batch_size=args.batch_size, learning_rate=args.learning_rate,
@@ -516,10 +523,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="replace OUTPUT if it holds an earlier export (a non-empty directory is refused otherwise)")
     export.set_defaults(handler=_export)
 
-    sft = commands.add_parser("sft", parents=[common], help="SFT warm start (LLaDA masked-diffusion loss, or next-token for causal LMs)",
+    sft = commands.add_parser("sft", parents=[common], help="SFT warm start (masked- or block-diffusion loss, or next-token for causal LMs)",
                               description="Supervised fine-tuning on a task's reference answers: the LLaDA "
-                                          "masked-diffusion loss for LLaDA models, next-token cross-entropy for "
-                                          "causal LMs (used to build the embedded tiny models).")
+                                          "masked-diffusion loss for LLaDA and Dream models, SDAR's block-diffusion "
+                                          "loss for SDAR models (--as_block_diffusion makes one from a Qwen3), "
+                                          "next-token cross-entropy for causal LMs (used to build the embedded tiny "
+                                          "models).")
     sft.add_argument("--model", default="embedded")
     sft.add_argument("--task", default="digits")
     sft.add_argument("--task_args", default="{}", help="the task's settings as a YAML mapping, e.g. "
@@ -535,6 +544,10 @@ def build_parser() -> argparse.ArgumentParser:
     sft.add_argument("--masking", choices=SFT_MASKINGS, default="random",
                      help="LLaDA models: i.i.d. masks (LLaDA's SFT), or prefix masks — everything from a random cut in "
                           "the answer masked, so worked answers cannot be learnt by copying their later lines")
+    sft.add_argument("--as_block_diffusion", type=int, default=None, metavar="BLOCK_SIZE",
+                     help="make a causal Qwen3 --model an SDAR block-diffusion model of this block size first (the "
+                          "same weights, a mask token added if the tokenizer has none), then train it with SDAR's "
+                          "block-diffusion loss")
     sft.add_argument("--dataset_size", type=int, default=None)
     sft.add_argument("--dtype", default="auto")
     sft.add_argument("--seed", type=int, default=0)

@@ -39,6 +39,9 @@ EMBEDDED_MODELS = {  # name usable as model_name_or_path -> directory shipped in
     f"{EMBEDDED_MODEL}-qwen3": Path(__file__).parent / "assets" / "tiny_qwen3",
     # a tiny Dream on digits, AR-initialised from the tiny Qwen3 (recipes/tiny_dream_digits.yaml)
     f"{EMBEDDED_MODEL}-dream": Path(__file__).parent / "assets" / "tiny_dream",
+    # a tiny SDAR (block diffusion) on digits, the tiny Qwen3 continued by block-diffusion SFT
+    # (recipes/tiny_sdar_digits.yaml)
+    f"{EMBEDDED_MODEL}-sdar": Path(__file__).parent / "assets" / "tiny_sdar",
     # the long-completion warm starts on reasoning-gym chain sums (recipes/tiny_{llada,qwen3}_chain_sum.yaml)
     f"{EMBEDDED_MODEL}-llada-chain-sum": Path(__file__).parent / "assets" / "tiny_llada_chain_sum",
     f"{EMBEDDED_MODEL}-qwen3-chain-sum": Path(__file__).parent / "assets" / "tiny_qwen3_chain_sum",
@@ -107,9 +110,9 @@ class GRPOConfig:
     # --- model ---
     model_name_or_path: str = field(default=EMBEDDED_MODEL, metadata={**PATH,
         "help": f"Hub id or local directory of the policy; {', '.join(map(repr, EMBEDDED_MODELS))} = the tiny models "
-                "shipped with the package (LLaDA and Qwen3 on digits and on chain sums, Dream on digits)."})
+                "shipped with the package (LLaDA and Qwen3 on digits and on chain sums, Dream and SDAR on digits)."})
     policy: str = field(default="auto", metadata={**choice(*POLICIES),
-        "help": "diffusion (LLaDA-style masked diffusion) or autoregressive; auto: diffusion for llada and Dream."})
+        "help": "diffusion (LLaDA-style masked diffusion) or autoregressive; auto: diffusion for llada, Dream and sdar."})
     dtype: str = field(default="auto", metadata={**choice(*DTYPES),
         "help": "Trainer weights dtype; auto = bfloat16 on CUDA, float32 on CPU."})
     trust_remote_code: bool = field(default=False, metadata={"help": "Passed to from_pretrained (not needed for LLaDA)."})

@@ -41,10 +41,10 @@ def recipe_is_diffusion(config: GRPOConfig) -> bool:
     return is_diffusion(config.policy, recipe_model_type(config) if config.policy == "auto" else None)
 
 
-def stand_in_model(diffusion: bool, tokenizer, model_type: str | None = None) -> torch.nn.Module:
+def stand_in_model(diffusion: bool, tokenizer, model_type: str | None = None, block_size: int = 4) -> torch.nn.Module:
     """A randomly initialised tiny model of the recipe's family over the embedded tokenizer's vocabulary: a Dream
-    for model_type Dream, an SDAR (blocks of 4, as the released models) for sdar, else a LLaDA for a diffusion recipe
-    and a Qwen3 for an autoregressive one."""
+    for model_type Dream, an SDAR of `block_size` for model_type sdar, else a LLaDA for a diffusion recipe and a
+    Qwen3 for an autoregressive one."""
     torch.manual_seed(0)
     vocab = len(tokenizer)
     if diffusion and model_type == "sdar":
@@ -52,9 +52,9 @@ def stand_in_model(diffusion: bool, tokenizer, model_type: str | None = None) ->
 
         return SDARForCausalLM(SDARConfig(
             vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, max_window_layers=2, block_size=4,
-            mask_token_id=tokenizer.mask_token_id, eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.eos_token_id))
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, max_window_layers=2,
+            rope_theta=10000.0, block_size=block_size, mask_token_id=tokenizer.mask_token_id,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.eos_token_id))
     if diffusion and model_type == "Dream":
         from dllm_ais.models import DreamConfig, DreamModel
 
@@ -115,7 +115,7 @@ def run_one_step_on_stand_in(config: GRPOConfig, output_dir: str) -> dict:
         dry_run=False, resume_from_checkpoint=None, overwrite_output_dir=False, lora_target_modules=None,
         output_dir=output_dir)
     tokenizer = load_tokenizer(EMBEDDED_MODEL)
-    model = stand_in_model(diffusion, tokenizer, recipe_model_type(config))
+    model = stand_in_model(diffusion, tokenizer, recipe_model_type(config), block_size=block)
     trainer = GRPOTrainer(small, model=model, tokenizer=tokenizer,
                           train_dataset=dry_run_dataset(config))
     return trainer.train().history[-1]

@@ -22,7 +22,7 @@ from dllm_ais.likelihood import (
     scored_positions, whole_piece,
 )
 from dllm_ais.loading import SpecialTokens, special_tokens
-from dllm_ais.models.families import DIFFUSION_MODEL_TYPES, LOAD_ONLY_MODEL_TYPES
+from dllm_ais.models.families import DIFFUSION_MODEL_TYPES, is_block_causal
 from dllm_ais.sampling.autoregressive import AutoregressiveSampler, AutoregressiveSamplerConfig
 from dllm_ais.sampling.diffusion import DiffusionSamplerConfig, MaskedDiffusionSampler, resolve_remasking_rule
 from dllm_ais.rollout import Rollout
@@ -37,6 +37,7 @@ LORA_TARGET_PRESETS: dict[str, str | list[str]] = {
     "llada": r".*\.blocks\.\d+\.(q_proj|k_proj|v_proj|attn_out|ff_proj|up_proj|ff_out)",
     "Dream": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
     "qwen3": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "sdar": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],  # Qwen3's names
     "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
     "qwen2": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
 }
@@ -242,11 +243,12 @@ def overrides(sampler: MaskedDiffusionSampler, stage: str) -> bool:
 
 def is_diffusion(policy: str, model_type: str | None) -> bool:
     """Whether the `policy` setting (auto, diffusion or autoregressive) names a masked-diffusion policy for a model
-    of `model_type`: with auto, whether the model is of a masked-diffusion family (LLaDA, Dream:
-    `dllm_ais.models.families`). ConfigError for a family dllm_ais loads but cannot sample or train
-    (`families.LOAD_ONLY_MODEL_TYPES`), whatever the policy."""
-    if model_type in LOAD_ONLY_MODEL_TYPES:
-        raise ConfigError(f"model_type {model_type!r}: {LOAD_ONLY_MODEL_TYPES[model_type]}.")
+    of `model_type`: with auto, whether the model is of a masked-diffusion family (LLaDA, Dream, SDAR:
+    `dllm_ais.models.families`). ConfigError for policy=autoregressive with a block-causal model (SDAR), whose
+    positions see the rest of their block: scored as a causal LM, each token would see itself."""
+    if policy == "autoregressive" and is_block_causal(model_type):
+        raise ConfigError(f"model_type {model_type!r} is block diffusion (each position sees the rest of its block), "
+                          "not a causal LM: set policy to auto or diffusion.")
     if policy == "auto":
         return model_type in DIFFUSION_MODEL_TYPES
     return policy == "diffusion"
@@ -269,6 +271,21 @@ def diffusion_sampler_config(config: "GRPOConfig", tokens: SpecialTokens, temper
         **{setting: operator.attrgetter(field)(config) for setting, field in CONFIG_FIELD_OF_SAMPLER_SETTING.items()},
         temperature=temperature, mask_token_id=tokens.mask_token_id, eos_token_ids=tokens.eos_token_ids,
         pad_token_id=tokens.pad_token_id)
+
+
+def block_causal_setting_problems(sampler_config: DiffusionSamplerConfig, model_config) -> list[str]:
+    """The sampler settings a block-causal model (SDAR: `families.is_block_causal`) of `model_config` cannot decode
+    with, one line each ([] for another model): a block length other than the model's ``block_size``, and what
+    `DiffusionSamplerConfig.block_causal_problems` lists (guidance, an FP8 or refreshed cache, ...). The settings are
+    named as the sampler's; their config fields are `CONFIG_FIELD_OF_SAMPLER_SETTING`."""
+    if not is_block_causal(getattr(model_config, "model_type", None)):
+        return []
+    problems = sampler_config.block_causal_problems()
+    block_size = getattr(model_config, "block_size", None)
+    if block_size is not None and block_size != sampler_config.block_length:
+        problems.append(f"block_length={sampler_config.block_length} differs from the model's block_size={block_size}: "
+                        f"set rollout.block_length to {block_size}")
+    return problems
 
 
 CustomSampler = MaskedDiffusionSampler | Callable[[DiffusionSamplerConfig], MaskedDiffusionSampler]
@@ -297,6 +314,11 @@ def build_policy(config: "GRPOConfig", model_config, tokenizer, temperature: flo
     temperature = config.temperature if temperature is None else temperature
     if diffusion:
         sampler_config = diffusion_sampler_config(config, tokens, temperature)
+        problems = block_causal_setting_problems(sampler_config, model_config)
+        if problems:
+            raise ConfigError(f"model_type {model_config.model_type!r} decodes block by block and cannot run with these "
+                              f"rollout settings: {'; '.join(problems)} (position_temperature is "
+                              "experimental.rollout_position_temperature).")
         if isinstance(sampler, MaskedDiffusionSampler):
             sampler = sampler if sampler.config == sampler_config else sampler.with_config(sampler_config)
         elif sampler is not None:

@@ -1,5 +1,6 @@
-"""Supervised fine-tuning to warm-start policies before RL: the LLaDA masked-diffusion objective, and plain
-next-token cross-entropy for causal LMs, on the same `[left-padded prompt | answer + EOS padding]` canvas.
+"""Supervised fine-tuning to warm-start policies before RL: the LLaDA masked-diffusion objective (SDAR's
+block-diffusion one for a block-causal model), and plain next-token cross-entropy for causal LMs, on the same
+`[left-padded prompt | answer + EOS padding]` canvas.
 
 Masked-diffusion loss per sequence with answer length |a|:  t ~ U(0, 1),  p = (1 − ε)·t + ε,  each answer token masked i.i.d. with
 probability p (the prompt never), and
@@ -7,6 +8,12 @@ probability p (the prompt never), and
     L = (1/|a|) · Σ_{masked i} −log p_θ(x_i | x_masked) / p
 
 averaged over the batch. EOS padding after the answer is part of the target, so the model learns to stop.
+
+Block diffusion (SDAR, `dllm_ais.models.families.is_block_causal`): the same masks, loss and weights, but the logits
+are the model's training-mode forward (`dllm_ais.models.sdar.block_diffusion_logits`: [x_t | x_0], each noisy block
+against the clean blocks before it), as SDAR is trained. `block_diffusion_from_causal` makes such a model from a
+causal Qwen3 (SDAR is continued from Qwen3: the same weights under a block-causal mask, plus a mask token), which
+``dllm-ais sft --as_block_diffusion BLOCK_SIZE`` then trains.
 
 Prefix masks (`SFTConfig(masking="prefix")`, beyond LLaDA's recipe): per sequence a cut c drawn uniformly over the
 answer's tokens, the answer before c clean, every position from c on masked, and the `prefix_window` tokens from c
@@ -28,18 +35,30 @@ from tqdm.auto import tqdm
 from dllm_ais.choices import SFT_MASKINGS
 from dllm_ais.data import tokenize_prompts
 from dllm_ais.likelihood import causal_position_ids
-from dllm_ais.models.families import position_logits
+from dllm_ais.models import SDARConfig, SDARForCausalLM
+from dllm_ais.models.families import is_block_causal, position_logits
+from dllm_ais.models.sdar import block_diffusion_logits
+
+BLOCK_DIFFUSION_SOURCE_TYPES = ("qwen3",)
+"""model_types `block_diffusion_from_causal` converts: SDAR's module tree is Qwen3's."""
+ADDED_MASK_TOKEN = "<|MASK|>"
+"""The mask token `block_diffusion_from_causal` adds to a tokenizer without one (SDAR's own)."""
 
 
 def masked_diffusion_sft_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, answer_mask: torch.Tensor,
                               mask_token_id: int, generator: torch.Generator | None = None, eps: float = 1e-3) -> torch.Tensor:
-    """The LLaDA SFT loss above for a batch [B, T]; `answer_mask` marks the positions that may be masked and scored."""
+    """The LLaDA SFT loss above for a batch [B, T]; `answer_mask` marks the positions that may be masked and scored.
+    A block-causal model (SDAR) scores the masked tokens by its training-mode forward, each block against the clean
+    blocks before it (module docstring)."""
     batch = input_ids.shape[0]
     t = torch.rand(batch, generator=generator, device=input_ids.device)
     p_mask = (1 - eps) * t + eps
     masked = (torch.rand(input_ids.shape, generator=generator, device=input_ids.device) < p_mask[:, None]) & answer_mask
     noisy = torch.where(masked, torch.full_like(input_ids, mask_token_id), input_ids)
-    logits = position_logits(model, noisy, attention_mask)
+    if is_block_causal(model):
+        logits = block_diffusion_logits(model, noisy, input_ids, attention_mask)
+    else:
+        logits = position_logits(model, noisy, attention_mask)
     token_loss = F.cross_entropy(logits[masked].float(), input_ids[masked], reduction="none")
     rows = masked.nonzero()[:, 0]
     answer_length = answer_mask.sum(1).clamp(min=1)
@@ -64,6 +83,42 @@ def prefix_masked_sft_loss(model, input_ids: torch.Tensor, attention_mask: torch
     noisy = torch.where(masked, torch.full_like(input_ids, mask_token_id), input_ids)
     logits = position_logits(model, noisy, attention_mask)
     return F.cross_entropy(logits[scored].float(), input_ids[scored])
+
+
+def block_diffusion_from_causal(model: torch.nn.Module, tokenizer, block_size: int) -> SDARForCausalLM:
+    """An SDAR model of blocks of `block_size` holding a causal Qwen3's weights, as SDAR was continued from Qwen3:
+    the same module tree and weights, attention block-causal instead of causal, and ``mask_token_id`` the
+    tokenizer's mask token — `ADDED_MASK_TOKEN`, added to `tokenizer` (in place) when it has none, with an embedding
+    and LM-head row grown for it if the vocabulary has no spare row. ValueError naming the fix for another
+    model_type or an unsupported config (sliding windows, RoPE scaling)."""
+    source = model.config
+    if source.model_type not in BLOCK_DIFFUSION_SOURCE_TYPES:
+        raise ValueError(f"--as_block_diffusion converts a causal {' or '.join(BLOCK_DIFFUSION_SOURCE_TYPES)} model "
+                         f"(SDAR's architecture); got model_type {source.model_type!r}: pass a Qwen3 checkpoint")
+    if tokenizer.mask_token_id is None:
+        tokenizer.add_special_tokens({"mask_token": ADDED_MASK_TOKEN})
+    rope = getattr(source, "rope_parameters", None) or {}
+    config = SDARConfig(
+        vocab_size=max(source.vocab_size, len(tokenizer)), hidden_size=source.hidden_size,
+        intermediate_size=source.intermediate_size, num_hidden_layers=source.num_hidden_layers,
+        num_attention_heads=source.num_attention_heads, num_key_value_heads=source.num_key_value_heads,
+        head_dim=getattr(source, "head_dim", None), hidden_act=source.hidden_act,
+        max_position_embeddings=source.max_position_embeddings, rms_norm_eps=source.rms_norm_eps,
+        rope_theta=float(rope.get("rope_theta", getattr(source, "rope_theta", 10000.0))),
+        rope_scaling=None if rope.get("rope_type", "default") == "default" else rope,
+        use_sliding_window=bool(getattr(source, "use_sliding_window", False)),
+        attention_bias=bool(getattr(source, "attention_bias", False)),
+        tie_word_embeddings=bool(source.tie_word_embeddings), max_window_layers=source.num_hidden_layers,
+        block_size=block_size, mask_token_id=tokenizer.mask_token_id, pad_token_id=source.pad_token_id,
+        bos_token_id=source.bos_token_id, eos_token_id=source.eos_token_id)
+    if source.vocab_size < config.vocab_size:
+        model.resize_token_embeddings(config.vocab_size)
+    sdar = SDARForCausalLM(config).to(dtype=model.dtype, device=model.device)
+    missing, unexpected = sdar.load_state_dict(model.state_dict(), strict=False)
+    missing = [name for name in missing if not (config.tie_word_embeddings and name == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"Qwen3 -> SDAR weight map: missing {missing}, unexpected {unexpected}")
+    return sdar
 
 
 def causal_sft_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, answer_mask: torch.Tensor,
@@ -124,8 +179,12 @@ def run_sft(model, tokenizer, dataset, config: SFTConfig, mask_token_id: int | N
             answer_column: str = "answer") -> list[float]:
     """Train `model` in place on `dataset` (`prompt` + answer column); returns the losses.
 
-    With a `mask_token_id` the model is a masked-diffusion LM (LLaDA SFT loss); without, a causal LM.
+    With a `mask_token_id` the model is a masked-diffusion LM (LLaDA SFT loss; block diffusion's for SDAR); without, a
+    causal LM.
     """
+    if config.masking == "prefix" and is_block_causal(model):
+        raise ValueError("masking='prefix' masks everything after a cut across the whole canvas; a block-diffusion "
+                         "(SDAR) model trains with masking='random' (each block against the clean blocks before it)")
     device = next(model.parameters()).device
     generator = torch.Generator(device).manual_seed(config.seed)
     order = torch.Generator().manual_seed(config.seed)

@@ -83,13 +83,3 @@ def official_sdar_dir(tmp_path_factory, tokenizer):
     tokenizer.save_pretrained(directory)
     return directory
 
-
-@pytest.fixture(scope="module")
-def sdar_runs_allowed():
-    """Lifts `families.LOAD_ONLY_MODEL_TYPES["sdar"]` for the tests of one module (a no-op once the training wiring
-    lifts it)."""
-    from dllm_ais.models import families
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.delitem(families.LOAD_ONLY_MODEL_TYPES, "sdar", raising=False)
-        yield

@@ -130,14 +130,10 @@ def test_cli_train_eval_generate_export_on_the_embedded_model(tmp_path, capsys):
     assert merged_config["model_type"] == "llada"
 
 
-SDAR_RUNS_WAIT = pytest.mark.xfail(strict=True, reason="SDAR runs wait for the training wiring (LOAD_ONLY)")
-
-
 @pytest.mark.parametrize("recipe, family", [("llada8b_gsm8k_lora_fp8_ais.yaml", "diffusion"),
                                             ("llada8b_gsm8k_ar_order.yaml", "diffusion"),
                                             ("dream7b_gsm8k_lora_fp8_ais.yaml", "diffusion"),
-                                            pytest.param("sdar8b_gsm8k_lora_fp8_ais.yaml", "diffusion",
-                                                         marks=SDAR_RUNS_WAIT),
+                                            ("sdar8b_gsm8k_lora_fp8_ais.yaml", "diffusion"),
                                             ("qwen3_8b_gsm8k_lora_fp8_ais.yaml", "autoregressive")])
 def test_dry_run_of_the_gpu_recipes_runs_one_step_on_cpu(capsys, monkeypatch, tmp_path, recipe, family):
     """Offline, as CI runs (the Hub is not reached: without this each run waited ~20 s on it before falling back to

@@ -220,7 +220,7 @@ def test_the_sdar_protocol_decodes_in_the_models_blocks_with_sdars_dynamic_rule(
         EvalProtocol.for_task(get_task("gsm8k"), block_length=32, name="sdar", block_size=4)
 
 
-def test_eval_of_an_sdar_model_runs_sdars_own_protocol_by_default(official_sdar_dir, sdar_runs_allowed, tmp_path,
+def test_eval_of_an_sdar_model_runs_sdars_own_protocol_by_default(official_sdar_dir, tmp_path,
                                                                  capsys):
     """`dllm-ais eval` of an SDAR checkpoint decodes as SDAR's generate (d1's blocks of 16 would not fit its blocks of
     4), and the greedy decoder it builds gives the official generation of the fixture token for token."""

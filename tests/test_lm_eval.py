@@ -355,7 +355,7 @@ def test_the_package_and_its_cli_do_not_import_the_harness():
 
 
 @pytest.fixture(scope="module")
-def sdar(official_sdar_dir, sdar_runs_allowed):
+def sdar(official_sdar_dir):
     """The official SDAR fixture (blocks of 4, 64 positions) under the harness model."""
     return DllmAisLM(pretrained=str(official_sdar_dir), batch_size=2, mc_num=8, mc_batch_size=4)
 

@@ -16,7 +16,7 @@ from dllm_ais.config import ConfigError, GRPOConfig
 from dllm_ais.dry_run import recipe_is_diffusion
 from dllm_ais.loading import load_model
 from dllm_ais.models import SDARConfig, SDARForCausalLM, SDARModel
-from dllm_ais.policy import build_policy
+from dllm_ais.policy import is_diffusion
 
 OFFICIAL = Path(__file__).parent / "data" / "sdar_official"
 OFFICIAL_AUTO_MAP = {"AutoConfig": "configuration_sdar.SDARConfig", "AutoModel": "modeling_sdar.SDARModel",
@@ -213,13 +213,11 @@ def test_default_config_is_sdar_4b_chat():
     assert (config.block_size, config.mask_token_id, config.num_hidden_layers) == (4, 151669, 36)
 
 
-@pytest.mark.parametrize("policy", ["auto", "diffusion", "autoregressive"])
-def test_a_run_refuses_an_sdar_model_rather_than_sample_or_train_it_as_another_family(policy):
-    """Loadable is not trainable: until the sampler decodes SDAR's prompt-aligned blocks, a run on an SDAR
-    checkpoint stops with a one-line message instead of sampling it as LLaDA or scoring it as a causal LM."""
+@pytest.mark.parametrize("policy", ["auto", "diffusion"])
+def test_a_run_takes_an_sdar_checkpoint_as_a_diffusion_policy(policy):
+    """policy auto (or diffusion) trains an SDAR checkpoint with the diffusion policy (its runs:
+    tests/test_sdar_training.py); autoregressive is refused."""
     config = GRPOConfig(model_name_or_path=str(OFFICIAL), task="digits", policy=policy)
-    with pytest.raises(ConfigError, match="'sdar'.*does not sample or train it"):
-        build_policy(config, AutoConfig.from_pretrained(OFFICIAL), tokenizer=None)
-    if policy == "auto":
-        with pytest.raises(ConfigError, match="'sdar'"):
-            recipe_is_diffusion(config)
+    assert recipe_is_diffusion(config)
+    with pytest.raises(ConfigError, match="'sdar' is block diffusion"):
+        is_diffusion("autoregressive", AutoConfig.from_pretrained(OFFICIAL).model_type)

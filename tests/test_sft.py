@@ -129,3 +129,80 @@ def test_prefix_masking_keeps_a_share_of_random_steps_and_rejects_an_unknown_mas
     assert 5 < suffix_steps[0.5] < 35
     with pytest.raises(ValueError, match="masking='blocks'"):
         SFTConfig(masking="blocks")
+
+
+def tiny_sdar(tokenizer):
+    from dllm_ais.dry_run import stand_in_model
+
+    return stand_in_model(True, tokenizer, "sdar", block_size=4)
+
+
+def test_block_diffusion_loss_scores_each_noisy_block_against_the_clean_blocks_before_it():
+    """The SDAR loss is the LLaDA formula on the training-mode forward ([x_t | x_0]): recomputed by hand from
+    `block_diffusion_logits` it agrees; a plain forward of the noisy canvas (each block seeing the noise of the
+    blocks before it) does not."""
+    from dllm_ais.models.families import position_logits
+    from dllm_ais.models.sdar import block_diffusion_logits
+
+    tokenizer = load_tokenizer("embedded")
+    model = tiny_sdar(tokenizer)
+    input_ids, attention_mask, answer_mask = build_sft_batch(tokenizer, [chat("12"), chat("3456")], ["1 2", "3 4 5"],
+                                                             12)
+    mask_id = tokenizer.mask_token_id
+    loss = masked_diffusion_sft_loss(model, input_ids, attention_mask, answer_mask, mask_id,
+                                     generator=torch.Generator().manual_seed(0))
+    draws = torch.Generator().manual_seed(0)
+    p_mask = (1 - 1e-3) * torch.rand(2, generator=draws) + 1e-3
+    masked = (torch.rand(input_ids.shape, generator=draws) < p_mask[:, None]) & answer_mask
+    noisy = input_ids.masked_fill(masked, mask_id)
+    assert masked.any() and not (masked & ~answer_mask).any()
+
+    def formula(logits):
+        token_loss = torch.nn.functional.cross_entropy(logits[masked], input_ids[masked], reduction="none")
+        rows = masked.nonzero()[:, 0]
+        return (token_loss / (p_mask[rows] * answer_mask.sum(1)[rows])).sum() / 2
+
+    with torch.no_grad():
+        expected = formula(block_diffusion_logits(model, noisy, input_ids, attention_mask))
+        plain = formula(position_logits(model, noisy, attention_mask))
+    torch.testing.assert_close(loss.detach(), expected, rtol=1e-5, atol=1e-6)
+    assert not torch.isclose(loss.detach(), plain, rtol=1e-3)
+
+
+def test_a_causal_qwen3_becomes_an_sdar_with_its_weights_and_a_mask_token():
+    """Block size 1 makes the block-causal mask the causal one: the converted model's logits are the Qwen3's. A
+    tokenizer without a mask token gets SDAR's, with an embedding row grown for it."""
+    from dllm_ais.loading import load_model
+    from dllm_ais.sft import ADDED_MASK_TOKEN, block_diffusion_from_causal
+
+    tokenizer = load_tokenizer("embedded-qwen3")
+    qwen3 = load_model("embedded-qwen3", torch.float32).eval()
+    ids = torch.randint(0, tokenizer.mask_token_id, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        causal = qwen3(ids).logits
+        sdar = block_diffusion_from_causal(qwen3, tokenizer, 1).eval()
+        torch.testing.assert_close(sdar(ids).logits, causal, rtol=0, atol=1e-6)
+    assert (sdar.config.model_type, sdar.config.mask_token_id) == ("sdar", tokenizer.mask_token_id)
+
+    tokenizer.mask_token = None
+    vocab = len(tokenizer)
+    sdar = block_diffusion_from_causal(load_model("embedded-qwen3", torch.float32), tokenizer, 4)
+    assert tokenizer.mask_token == ADDED_MASK_TOKEN and sdar.config.mask_token_id == vocab == len(tokenizer) - 1
+    assert sdar.get_input_embeddings().weight.shape[0] == sdar.lm_head.weight.shape[0] == vocab + 1
+    with pytest.raises(ValueError, match="model_type 'llada': pass a Qwen3 checkpoint"):
+        block_diffusion_from_causal(load_model("embedded", torch.float32), load_tokenizer("embedded"), 4)
+
+
+def test_sft_cli_makes_and_trains_an_sdar_from_the_tiny_qwen3(tmp_path, capsys):
+    from dllm_ais.cli import main
+    from dllm_ais.loading import load_model
+
+    out = tmp_path / "sdar"
+    assert main(["sft", "--model", "embedded-qwen3", "--as_block_diffusion", "4", "--steps", "2", "--batch_size", "4",
+                 "--output_dir", str(out), "--dtype", "float32"]) == 0
+    model = load_model(str(out), torch.float32)
+    assert (model.config.model_type, model.config.block_size, model.config.mask_token_id) == ("sdar", 4, 6)
+    assert "SFT loss" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="masking='prefix'.*SDAR"):
+        run_sft(model, load_tokenizer(str(out)), datasets.Dataset.from_dict({"prompt": [chat("1")], "answer": ["1"]}),
+                SFTConfig(steps=1, batch_size=1, masking="prefix"), mask_token_id=6)

@@ -5,6 +5,8 @@ long-completion warm starts on reasoning-gym's chain sums.
     python tools/build_tiny_model.py --family qwen3   # tiny Qwen3  -> dllm_ais/assets/tiny_qwen3  (next-token SFT)
     python tools/build_tiny_model.py --family dream   # tiny Dream  -> dllm_ais/assets/tiny_dream  (AR init from
                                                         # the tiny Qwen3, then masked-diffusion SFT)
+    python tools/build_tiny_model.py --family sdar    # tiny SDAR   -> dllm_ais/assets/tiny_sdar  (the tiny Qwen3
+                                                        # as block diffusion, blocks of 4, then block-diffusion SFT)
     python tools/build_tiny_model.py --task chain_sum --family qwen3
                                                         # -> dllm_ais/assets/tiny_qwen3_chain_sum (embedded-qwen3-chain-sum)
     python tools/build_tiny_model.py --task chain_sum # -> dllm_ais/assets/tiny_llada_chain_sum (embedded-llada-chain-sum)
@@ -64,6 +66,12 @@ loss 2.432 -> 0.037; from random weights the same SFT reaches 0.664 (28.9 %, los
 0.683 (54.7 %). What dropping the query/key norms costs on its own: the tiny Qwen3 without them scores 0.617 (27.3 %)
 against 0.721 (64.1 %) under its own greedy decoding.
 
+SDAR (`--family sdar`, digits only) is continued from the same tiny Qwen3 as SDAR was from Qwen3:
+`dllm_ais.sft.block_diffusion_from_causal` keeps every weight (query/key norms included: SDAR is Qwen3's module tree)
+under a block-causal mask of `--block-size` (4, SDAR's) positions, the tokenizer's `<|mdm_mask|>` its mask token; then
+block-diffusion SFT (`run_sft`: the LLaDA loss on SDAR's [x_t | x_0] training forward) on the same noisy
+demonstrations. The builder prints the greedy validation reward before SFT too (d1's protocol in blocks of 4).
+
 `--init-from MODEL` continues a warm start instead (its weights and tokenizer; `--steps 0` skips straight to the
 prefix-mask stage) into `--output-dir`, on the training rows of `--seed`'s block. From that earlier LLaDA warm start
 (the pilot's 5250 prefix steps; git history before 2026-11-27), `--steps 0 --prefix-steps 2000 --seed 2` took
@@ -98,7 +106,7 @@ from dllm_ais.evaluation import evaluate_policy  # noqa: E402
 from dllm_ais.loading import load_model, load_tokenizer, resolve_model_path  # noqa: E402
 from dllm_ais.models import DreamConfig, DreamModel, LLaDAConfig, LLaDAModelLM  # noqa: E402
 from dllm_ais.policy import build_policy  # noqa: E402
-from dllm_ais.sft import SFTConfig, run_sft  # noqa: E402
+from dllm_ais.sft import SFTConfig, block_diffusion_from_causal, run_sft  # noqa: E402
 from dllm_ais.tasks import get_task  # noqa: E402
 
 LONG_TASK_ARGS = {"dataset": "chain_sum", "min_terms": 3, "max_terms": 3, "min_digits": 2, "max_digits": 3}
@@ -217,14 +225,16 @@ class WarmStartTask:
     diffusion_prefix_steps: int = 0  # LLaDA: then this many prefix-mask SFT steps (SFTConfig.masking) at half the rate
 
 
-DREAM_SOURCE = "embedded-qwen3"  # the autoregressive warm start the tiny Dream is initialised from
+DREAM_SOURCE = "embedded-qwen3"  # the autoregressive warm start the tiny Dream and the tiny SDAR are initialised from
 
 WARM_START_TASKS = {
-    "digits": WarmStartTask("digits", noisy_demonstrations, noise_fractions={"llada": 0.6, "qwen3": 0.6, "dream": 0.6},
+    "digits": WarmStartTask("digits", noisy_demonstrations,
+                            noise_fractions={"llada": 0.6, "qwen3": 0.6, "dream": 0.6, "sdar": 0.6},
                             gen_length=16, max_positions=512,
                             output_dirs={"llada": EMBEDDED_MODELS["embedded"],
                                          "qwen3": EMBEDDED_MODELS["embedded-qwen3"],
-                                         "dream": EMBEDDED_MODELS["embedded-dream"]}),
+                                         "dream": EMBEDDED_MODELS["embedded-dream"],
+                                         "sdar": EMBEDDED_MODELS["embedded-sdar"]}),
     # Qwen3 at 0.5: greedy accuracy 79 % (too little headroom); at 0.7: 25 %.
     "chain_sum": WarmStartTask("reasoning_gym", chain_sum_demonstrations, noise_fractions={"llada": 0.5, "qwen3": 0.7},
                                gen_length=128, max_positions=1024, task_args=LONG_TASK_ARGS, word_vocab_size=256,
@@ -245,7 +255,8 @@ def tokenizer_backend(spec: WarmStartTask, train):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--family", choices=("llada", "qwen3", "dream"), default="llada")
+    parser.add_argument("--family", choices=("llada", "qwen3", "dream", "sdar"), default="llada")
+    parser.add_argument("--block-size", type=int, default=4, help="sdar: the model's block size")
     parser.add_argument("--dream-init", choices=("qwen3", "random"), default="qwen3",
                         help="dream: map the embedded Qwen3 warm start's weights (default) or start from random ones")
     parser.add_argument("--task", choices=tuple(WARM_START_TASKS), default="digits")
@@ -256,14 +267,14 @@ def main() -> None:
                         help="continue the SFT of this warm start (an embedded name or a directory) with its own "
                              "tokenizer instead of building a new model; needs --output-dir")
     parser.add_argument("--steps", type=int, default=None,
-                        help="default: llada 2400, qwen3 800, dream 600; 0 with --init-from skips to the prefix-mask "
+                        help="default: llada 2400, qwen3 800, dream and sdar 600; 0 with --init-from skips to the prefix-mask "
                              "stage")
     parser.add_argument("--prefix-steps", type=int, default=None,
                         help="LLaDA: prefix-mask SFT steps after the i.i.d.-mask ones, at half the learning rate "
                              "(default: " + ", ".join(f"{name} {spec.diffusion_prefix_steps}"
                                                       for name, spec in WARM_START_TASKS.items()) + ")")
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--learning-rate", type=float, default=None, help="default: llada 1e-3, qwen3 2e-3, dream 1e-3")
+    parser.add_argument("--learning-rate", type=float, default=None, help="default: llada 1e-3, qwen3 2e-3, dream and sdar 1e-3")
     parser.add_argument("--train-size", type=int, default=None,
                         help="SFT rows (default: the task's training split, 10,000 for chain_sum)")
     parser.add_argument("--eval-size", type=int, default=128, help="held-out prompts scored at the end")
@@ -279,11 +290,11 @@ def main() -> None:
     # steps, greedy reward 0.29) than next-token SFT at the same size.
     if args.init_from and not args.output_dir:
         parser.error("--init-from needs --output-dir (the default is the embedded model's own directory)")
-    if args.family == "dream" and args.task != "digits":
-        parser.error("--family dream builds the digits warm start only")
+    if args.family in ("dream", "sdar") and args.task != "digits":
+        parser.error(f"--family {args.family} builds the digits warm start only")
     if args.steps is None:
-        args.steps = {"llada": 2400, "qwen3": 800, "dream": 600}[args.family]
-    args.learning_rate = args.learning_rate or {"llada": 1e-3, "qwen3": 2e-3, "dream": 1e-3}[args.family]
+        args.steps = {"llada": 2400, "qwen3": 800, "dream": 600, "sdar": 600}[args.family]
+    args.learning_rate = args.learning_rate or {"llada": 1e-3, "qwen3": 2e-3, "dream": 1e-3, "sdar": 1e-3}[args.family]
     noise_fraction = spec.noise_fractions[args.family] if args.noise_fraction is None else args.noise_fraction
     output_dir = args.output_dir or spec.output_dirs[args.family]
 
@@ -294,12 +305,15 @@ def main() -> None:
         saved_tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.init_from))  # as it was shipped
         tokenizer = load_tokenizer(args.init_from)
         model = load_model(args.init_from, torch.float32).to(args.device)
-    elif args.family == "dream":  # the tiny Qwen3's tokenizer (the character one) and, by default, its weights
+    elif args.family in ("dream", "sdar"):  # the tiny Qwen3's tokenizer (the character one) and its weights
         saved_tokenizer = build_hf_tokenizer(None)  # as built, like the others (not as loaded: no loader fields)
         tokenizer = load_tokenizer(DREAM_SOURCE)
         if saved_tokenizer.get_vocab() != tokenizer.get_vocab() or saved_tokenizer.mask_token != tokenizer.mask_token:
             raise SystemExit(f"{DREAM_SOURCE}'s tokenizer is not the character tokenizer this builder makes")
-        if args.dream_init == "qwen3":
+        if args.family == "sdar":
+            model = block_diffusion_from_causal(load_model(DREAM_SOURCE, torch.float32), tokenizer,
+                                                args.block_size).to(args.device)
+        elif args.dream_init == "qwen3":
             model = dream_from_qwen3(load_model(DREAM_SOURCE, torch.float32), tokenizer).to(args.device)
         else:
             model = tiny_model("dream", tokenizer, args.d_model, args.n_layers, spec.max_positions).to(args.device)
@@ -310,9 +324,10 @@ def main() -> None:
         tokenizer.padding_side = "left"
         model = tiny_model(args.family, tokenizer, args.d_model, args.n_layers, spec.max_positions).to(args.device)
     train = fitting(train, tokenizer, spec.gen_length)
-    diffusion = args.family in ("llada", "dream")
+    diffusion = args.family in ("llada", "dream", "sdar")
     config = with_d1_protocol(GRPOConfig(policy="diffusion" if diffusion else "autoregressive",
-                                         task=spec.task, task_args=spec.task_args), spec.gen_length, 32)
+                                         task=spec.task, task_args=spec.task_args), spec.gen_length,
+                              args.block_size if args.family == "sdar" else 32)
     held_out = load_task_dataset(spec.task, "validation", size=args.eval_size, seed=args.seed,
                                  task_args=spec.task_args)
     task = get_task(spec.task)
@@ -324,9 +339,9 @@ def main() -> None:
                                max_prompt_length=spec.max_positions - spec.gen_length,
                                accuracy=task.accuracy).summary()
 
-    if args.family == "dream":
+    if args.family in ("dream", "sdar"):
         before = greedy_score()
-        print(f"dream ({args.dream_init} init) before SFT: greedy held-out {args.task} reward "
+        print(f"{args.family} ({args.dream_init if args.family == 'dream' else 'qwen3'} init) before SFT: greedy held-out {args.task} reward "
               f"{before['eval/reward']:.3f}, accuracy {before['eval/accuracy']:.3f} ({len(held_out)} prompts)")
         model.train()
     sft = SFTConfig(steps=args.steps, batch_size=args.batch_size, learning_rate=args.learning_rate,

@@ -253,21 +253,37 @@ def decoder_trajectory_pieces(
     scale = partial(shape_logits, temperature=temperature)
     completion = rollout.completion_ids
     wanted = torch.ones_like(completion, dtype=torch.bool) if positions is None else positions.bool()
-    for _, steps in groupby(decoder_logits(model, rollout, positions), key=lambda step: step[0].start):
+    for _, steps in groupby(decoder_logits(model, rollout, positions), key=lambda step: _block_key(step[0])):
         logprobs = entropy = 0
         piece_positions = torch.zeros_like(completion, dtype=torch.bool)
-        for block, step_committed, logits in steps:
-            committed = step_committed & wanted[:, block]
-            values = selective_log_softmax(logits[committed], completion[:, block][committed], chunk_size,
-                                           process_logits=scale, compute_entropy=compute_entropy)
+        for window, step_committed, logits in steps:
+            index = _window_index(window, completion)
+            committed = step_committed & (index >= 0) & wanted.gather(1, index.clamp_min(0))
+            values = selective_log_softmax(logits[committed], completion.gather(1, index.clamp_min(0))[committed],
+                                           chunk_size, process_logits=scale, compute_entropy=compute_entropy)
             step_logprobs, step_entropy = values if compute_entropy else (values, None)
             placed = torch.zeros_like(completion, dtype=torch.bool)
-            placed[:, block] = committed
+            placed[committed.nonzero(as_tuple=True)[0], index[committed]] = True
             piece_positions |= placed
             logprobs = logprobs + _scatter_to_positions(placed, step_logprobs)
             if compute_entropy:
                 entropy = entropy + _scatter_to_positions(placed, step_entropy)
         yield LogprobPiece(piece_positions, logprobs, entropy if compute_entropy else None)
+
+
+def _block_key(window: slice | Tensor) -> int:
+    """What tells `decoder_logits`' blocks apart, for grouping its steps lazily: a slice's start, or the largest
+    completion index of a block-causal model's [B, Lb] index window (the blocks follow one another along the
+    completion)."""
+    return window.start if isinstance(window, slice) else int(window.max())
+
+
+def _window_index(window: slice | Tensor, completion: Tensor) -> Tensor:
+    """A block's completion positions as [B, Lb] indices into `completion` [B, L] (−1 where a row's block position
+    is none: `MaskedDiffusionSampler.decoder_logits`), from a slice or such an index tensor."""
+    if isinstance(window, Tensor):
+        return window
+    return torch.arange(window.start, window.stop, device=completion.device).expand(completion.shape[0], -1)
 
 
 def _row_step_ranks(commit_step: Tensor) -> tuple[Tensor, Tensor]:

@@ -17,8 +17,10 @@ map `logit_source_positions`), so the shift is written once.
 SDAR (block diffusion: attention causal across blocks of ``block_size`` positions counted from the first real
 token, bidirectional inside one) is in `BLOCK_CAUSAL_MODEL_TYPES`: the sampler decodes it block by block along each
 row's own blocks, against the exact cache of the finished blocks (`dllm_ais.sampling.diffusion`, "Block-causal
-models"). It is still in `LOAD_ONLY_MODEL_TYPES`: its likelihood (each block conditioned on clean earlier blocks) is
-not the estimators' yet, so a run refuses it rather than train it as another family.
+models"), and every likelihood estimator scores each of its blocks against the clean blocks before it (its
+training-mode forward, `dllm_ais.models.sdar.block_diffusion_logits`). A position sees the later positions of its own
+block, so a block-causal model is never scored as a causal LM (`policy.is_diffusion` refuses
+``policy: autoregressive`` for it).
 
 A third family is its model module under ``dllm_ais/models/`` plus one row here: its model_type in
 `DIFFUSION_MODEL_TYPES`, and in `SHIFTED_LOGITS_MODEL_TYPES` when it reads position i from i - 1.
@@ -40,14 +42,7 @@ BLOCK_CAUSAL_MODEL_TYPES = frozenset({"sdar"})
 """model_types whose attention is causal across blocks of ``config.block_size`` positions counted from each row's
 first real token and bidirectional inside one (block diffusion)."""
 
-LOAD_ONLY_MODEL_TYPES = {
-    "sdar": "SDAR (block diffusion) loads natively and MaskedDiffusionSampler decodes it, but a run does not sample "
-            "or train it yet: its blocks condition on clean earlier blocks, which the likelihood estimators do not "
-            "do; use a LLaDA, Dream or autoregressive model",
-}
-"""model_types dllm_ais loads (and registers with the Auto classes) but cannot sample or train: why, per type."""
-
-__all__ = ["BLOCK_CAUSAL_MODEL_TYPES", "DIFFUSION_MODEL_TYPES", "LOAD_ONLY_MODEL_TYPES", "SHIFTED_LOGITS_MODEL_TYPES",
+__all__ = ["BLOCK_CAUSAL_MODEL_TYPES", "DIFFUSION_MODEL_TYPES", "SHIFTED_LOGITS_MODEL_TYPES",
            "is_block_causal", "logit_source_positions", "logits_are_shifted", "model_type_of", "position_logits",
            "shift_logits_right"]
 

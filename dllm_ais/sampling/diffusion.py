@@ -1359,6 +1359,11 @@ class MaskedDiffusionSampler:
         is the trajectory replay, one full forward per step. With `positions` [B, L] bool, a block holding none of
         them is skipped (no forward): a block's replay needs its own steps and cache only.
 
+        A block-causal model's exact cache of finished blocks is written along as sampling wrote it, forward for
+        forward; under grad it is rebuilt at each block's first step instead (a forward of the canvas up to the
+        block: the same logits to rounding), so that each block's graph holds its own cache and a caller that
+        backpropagates block by block never reaches into a freed one.
+
         The replay keeps its cache in the model's dtype whatever `cache_dtype` says: FP8 storage is an approximation
         of the rollout engine, which the importance ratio (the sampler's recorded log-probs against this replay)
         sees like the engine's weight precision; the trainer's ℓ_old and ℓ_θ are the same replay.
@@ -1379,6 +1384,8 @@ class MaskedDiffusionSampler:
             if positions is not None and not bool((completion_window(positions, window)
                                                    & in_completion[:, block]).any()):
                 continue
+            if cache is not None and token_ids.block_causal and torch.is_grad_enabled():
+                cache = self.block_cache(token_ids, sampling=False)  # rebuilt by this block: its own graph
             block_steps = commit_step[:, block]
             first = torch.where(block_steps >= 0, block_steps, not_in_block).amin(dim=1, keepdim=True)
             step_in_block = commit_step - first  # [B, T]: < 0 before the block and off the completion
