@@ -168,8 +168,9 @@ def test_an_sdar_recipe_gets_an_sdar_stand_in_in_the_models_blocks():
     config = load_config(ROOT / "recipes" / "sdar8b_gsm8k_lora_fp8_ais.yaml")
     assert recipe_model_type(dataclasses.replace(config, model_name_or_path="/nonexistent/SDAR-8B-Chat")) == "sdar"
     tokenizer = load_tokenizer("embedded")
-    stand_in = stand_in_model(True, tokenizer, "sdar")
+    stand_in = stand_in_model(True, tokenizer, "sdar", block_size=config.rollout.block_length)
     assert stand_in.config.model_type == "sdar" and stand_in.config.block_size == config.rollout.block_length == 4
+    assert stand_in_model(True, tokenizer, "sdar", block_size=8).config.block_size == 8
     assert stand_in.config.mask_token_id == tokenizer.mask_token_id
     assert (config.rollout.cache, config.likelihood.estimator, config.rollout.steps) == ("dual", "trajectory", 256)
 

@@ -21,6 +21,7 @@ from dllm_ais.sampling.diffusion import (
     sampling_logprobs,
 )
 from dllm_ais.sampling.static_forwards import StaticForwards
+from test_sdar import left_padded  # tests/ is on sys.path
 
 OFFICIAL = Path(__file__).parent / "data" / "sdar_official"
 MASK, PAD, BLOCK = 271, 270, 4
@@ -47,14 +48,6 @@ def sdar_sampler(gen_length: int = 12, **overrides) -> MaskedDiffusionSampler:
                   remasking="maskgit_plus", cache="dual")
     fields.update(overrides)
     return MaskedDiffusionSampler(DiffusionSamplerConfig(**fields))
-
-
-def left_padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(row) for row in rows)
-    ids, mask = torch.full((len(rows), width), PAD), torch.zeros(len(rows), width, dtype=torch.long)
-    for index, row in enumerate(rows):
-        ids[index, width - len(row):], mask[index, width - len(row):] = row, 1
-    return ids, mask
 
 
 def other_prompts() -> list[torch.Tensor]:

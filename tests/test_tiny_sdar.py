@@ -2,7 +2,6 @@
 (`recipes/tiny_sdar_digits.yaml`, shipped as the asset's `recipe.yaml`): it loads through the Auto classes as an
 SDAR, greedy rollouts with the recipe's decoder settings answer the digits task, and the recipe's dry run passes."""
 
-import dataclasses
 import tempfile
 from pathlib import Path
 
@@ -13,7 +12,6 @@ import dllm_ais  # noqa: F401  (registers "sdar")
 from dllm_ais.cli import main
 from dllm_ais.config import EMBEDDED_MODELS, load_config
 from dllm_ais.data import tokenize_prompts
-from dllm_ais.dry_run import recipe_model_type, stand_in_model
 from dllm_ais.loading import load_tokenizer
 from dllm_ais.models import SDARForCausalLM
 from dllm_ais.policy import DiffusionPolicy, build_policy
@@ -61,10 +59,3 @@ def test_the_recipes_dry_run_passes(capsys, monkeypatch, tmp_path):
     assert "dry run OK" in out and "policy=diffusion" in out
     assert list(tmp_path.iterdir()) == []
 
-
-def test_an_sdar_recipe_gets_an_sdar_stand_in_of_its_block_length():
-    config = load_config(RECIPE)
-    offline = dataclasses.replace(config, model_name_or_path="/nonexistent/SDAR-8B-Chat")
-    assert recipe_model_type(config) == recipe_model_type(offline) == "sdar"
-    stand_in = stand_in_model(True, load_tokenizer("embedded"), "sdar", block_size=config.rollout.block_length)
-    assert (stand_in.config.model_type, stand_in.config.block_size) == ("sdar", 4)
