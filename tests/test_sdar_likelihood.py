@@ -20,7 +20,7 @@ from dllm_ais.loading import load_model
 from dllm_ais.models import SDARConfig, SDARForCausalLM
 from dllm_ais.models.sdar import block_diffusion_inputs, block_diffusion_logits
 from dllm_ais.rollout import Rollout
-from tests.test_sdar import BLOCK, MASK, OFFICIAL, PAD, left_padded
+from test_sdar import BLOCK, MASK, OFFICIAL, PAD, left_padded
 
 TEMPERATURE = 0.7
 

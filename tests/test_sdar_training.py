@@ -13,7 +13,7 @@ from dllm_ais.dry_run import stand_in_model
 from dllm_ais.policy import build_policy
 from dllm_ais.tasks.digits import digits_reward, make_digits_dataset
 from dllm_ais.trainer import GRPOTrainer
-from tests.test_trainer import lora_parameters
+from test_trainer import lora_parameters
 
 BLOCK = 4
 SDAR_TINY = dict(task="digits", eval_size=0, num_generations=2, per_device_train_batch_size=4,
