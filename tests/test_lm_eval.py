@@ -315,9 +315,13 @@ def test_data_parallel_processes_share_the_requests(task_dir, tmp_path):
     package_root = str(Path(dllm_ais.__file__).parents[1])  # the processes import this checkout's dllm_ais
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
                    "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
-    command = [shutil.which("torchrun") or "torchrun", "--nproc_per_node", "2", str(script), str(task_dir)]
+    # --standalone: a free port of its own, so no other run on the machine (or one that left the default port
+    # waiting) meets these processes' rendezvous.
+    command = [shutil.which("torchrun") or "torchrun", "--standalone", "--nproc_per_node", "2", str(script),
+               str(task_dir)]
     run = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.returncode == 0, "\n".join([line for line in run.stderr.splitlines() if "rror" in line][:20]
+                                          + [run.stderr[-2000:]])
     world_size, metrics = json.loads(run.stdout.strip().splitlines()[-1])
     single = simple_evaluate(model=DllmAisLM(pretrained="embedded", mc_num=8, batch_size=4),
                              tasks=["dllm_ais_mc", "dllm_ais_gen"], apply_chat_template=True,
