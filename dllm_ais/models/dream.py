@@ -49,7 +49,15 @@ from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .llada import RMSNorm, apply_rotary, check_cached_forward, padding_mask, rotary_cos_sin, write_into_layer_cache  # relative: an export ships both files as remote code
+from .llada import (  # relative: an export ships both files as remote code
+    RMSNorm,
+    apply_rotary,
+    check_cached_forward,
+    padding_mask,
+    rotary_cos_sin,
+    unsupported_config_message,
+    write_into_layer_cache,
+)
 
 __all__ = ["CanvasPositions", "DreamConfig", "DreamBaseModel", "DreamModel", "canvas_positions"]
 
@@ -120,8 +128,7 @@ class DreamConfig(PreTrainedConfig):
             problems.append(f"num_attention_heads={self.num_attention_heads} is not divisible by "
                             f"num_key_value_heads={self.num_key_value_heads}")
         if problems:
-            raise ValueError("This Dream config uses options dllm_ais does not implement: " + "; ".join(problems)
-                             + ". Edit config.json or use the official remote code (trust_remote_code=True).")
+            raise ValueError(unsupported_config_message("Dream", problems))
 
 
 class CanvasPositions(NamedTuple):

@@ -40,6 +40,14 @@ KeyValueCache = list[tuple[torch.Tensor, torch.Tensor]]
 """Per layer, (keys, values) of shape [B, n_kv_heads, T, head_dim]; the keys have RoPE applied."""
 
 
+def unsupported_config_message(family: str, problems: list[str]) -> str:
+    """The one-line error for a `family` config.json asking for options this implementation lacks: each of
+    `problems`, and the fix (edit config.json, or run the model's own code by the user's own
+    --trust_remote_code=true)."""
+    return (f"This {family} config uses options dllm_ais does not implement: " + "; ".join(problems)
+            + ". Edit config.json, or run the official remote code with --trust_remote_code=true.")
+
+
 @dataclass(repr=False)
 class LLaDAConfig(PreTrainedConfig):
     """Configuration of a LLaDA model, with the OLMo field names of the official config.json.
@@ -132,10 +140,7 @@ class LLaDAConfig(PreTrainedConfig):
         if self.n_heads % self.n_kv_heads:
             problems.append(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
         if problems:
-            raise ValueError(
-                "This LLaDA config uses options dllm_ais does not implement: " + "; ".join(problems)
-                + ". Edit config.json or use the official remote code (trust_remote_code=True)."
-            )
+            raise ValueError(unsupported_config_message("LLaDA", problems))
 
 
 class RMSNorm(nn.Module):

@@ -62,7 +62,7 @@ from .dream import (  # relative: an export ships these files as remote code
     run_layers,
 )
 from .families import position_logits
-from .llada import RMSNorm, rotary_cos_sin
+from .llada import RMSNorm, rotary_cos_sin, unsupported_config_message
 
 __all__ = ["SDARConfig", "SDARForCausalLM", "SDARModel", "block_causal_mask", "block_diffusion_inputs",
            "block_diffusion_logits", "block_size_of", "canvas_blocks", "canvas_position_ids"]
@@ -139,8 +139,7 @@ class SDARConfig(PreTrainedConfig):
         if self.block_size < 1:
             problems.append(f"block_size={self.block_size} (supported: 1 or more)")
         if problems:
-            raise ValueError("This SDAR config uses options dllm_ais does not implement: " + "; ".join(problems)
-                             + ". Edit config.json or use the official remote code (trust_remote_code=True).")
+            raise ValueError(unsupported_config_message("SDAR", problems))
 
 
 def block_causal_mask(query_position_ids: torch.Tensor, key_position_ids: torch.Tensor, block_size: int,

@@ -1128,12 +1128,13 @@ class MaskedDiffusionSampler:
         steps_per_block = config.steps // (config.gen_length // config.block_length)
         block_schedule = transfer_schedule(torch.tensor([config.block_length]), steps_per_block)[0].tolist()
         step = 0  # global step index, shared by the rows (they step in lockstep)
-        for block in layout.blocks:
+        # Per block, per row, its masked positions (fewer than block_length in a block-causal model's first and last
+        # blocks): read once, before the loop, so that no block waits on the device for them.
+        masked_per_block = ([[config.block_length] * batch] * len(layout.blocks) if not token_ids.block_causal else
+                            torch.stack([canvas[:, block] == token_ids.mask for block in layout.blocks], dim=1)
+                            .sum(dim=2).T.tolist())
+        for block, masked_left in zip(layout.blocks, masked_per_block):
             still_masked = canvas[:, block] == token_ids.mask
-            # per row, its still-masked positions in the block (fewer than block_length in a block-causal model's
-            # first and last blocks)
-            masked_left = (still_masked.sum(dim=1).tolist() if token_ids.block_causal
-                           else [config.block_length] * batch)
             step_in_block = forwards_in_block = 0
             while step_in_block < steps_per_block if not config.parallel_decoding else max(masked_left) > 0:
                 scheduled = None  # the fixed schedule's counts (a block-causal model's floor with parallel decoding)
