@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from dllm_ais.compare import versus_baseline
-from dllm_ais.experimental.precision_frontier import LOSS_STANDARD_ERRORS, RESCUE_POINTS, per_prompt_values, points
+from dllm_ais.experimental.precision_frontier import (LOSS_STANDARD_ERRORS, RESCUE_POINTS, per_prompt_values, points,
+                                                      save_front)
 from dllm_ais.metrics import parse_record
 from dllm_ais.run_dir import atomic_write_text, link_refusal
 
@@ -151,15 +152,7 @@ def plot(fronts: list[dict[str, Any]], labels: list[str], path: Path) -> None:
         for row in front["rows"]:
             axis.annotate(row["precision"], (row["mismatch"]["k3"], 0), textcoords="offset points", xytext=(0, 6),
                           rotation=60, fontsize=7, color="gray")
-    axis.axhline(0, color="black", linewidth=0.8)
-    axis.axhline(-100 * RESCUE_POINTS, color="gray", linewidth=0.8, linestyle="--")
-    axis.set_xscale("log")
-    axis.set_xlabel("rollout mismatch: the complete ratio's k3 per position, logged in training")
-    axis.set_ylabel("held-out Δ vs bf16 rollouts (points)")
-    axis.legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    save_front(figure, axis, "rollout mismatch: the complete ratio's k3 per position, logged in training", path)
 
 
 def main(argv: list[str] | None = None) -> None:

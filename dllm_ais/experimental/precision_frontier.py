@@ -189,11 +189,19 @@ def plot(result: dict[str, Any], labels: list[str], path: Path) -> None:
     for row in result["rows"]:
         axis.annotate(row["precision"], (row["mismatch"]["scored_canvas"]["k3"], 0), textcoords="offset points",
                       xytext=(0, 6), rotation=60, fontsize=7, color="gray")
+    save_front(figure, axis, "rollout mismatch: k3 per token on the scored canvas (bench mismatch)", path)
+
+
+def save_front(figure, axis, xlabel: str, path: Path) -> None:
+    """Finish a plot of held-out Δ (points) against a mismatch on a log axis — the zero line, the rescue's 2-point
+    line, the labels and legend — and write it to `path`."""
+    import matplotlib.pyplot as plt
+
     axis.axhline(0, color="black", linewidth=0.8)
     axis.axhline(-100 * RESCUE_POINTS, color="gray", linewidth=0.8, linestyle="--")
     axis.set_xscale("log")
-    axis.set_xlabel("rollout mismatch: k3 per token on the scored canvas (bench mismatch)")
-    axis.set_ylabel("held-out Δ accuracy vs bf16 rollouts (points)")
+    axis.set_xlabel(xlabel)
+    axis.set_ylabel("held-out Δ vs bf16 rollouts (points)")
     axis.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
