@@ -67,7 +67,8 @@ def test_the_report_is_written_beside_the_first_study_and_never_through_a_link(t
     main([str(study)])
     table = (study / "complete-ratio-front.md").read_text()
     assert "| synthetic | mxfp4 | 0.150 (80%) | -21.7 ± 1.7 | -20.0 ± 0.0 |" in table
-    assert "not rescued: not within 2 points of bf16, not above uncorrected by 2 SE (AIS − uncorrected +1.7 ± 1.7)" in table
+    assert ("not rescued: not within 2 points of bf16, not above uncorrected by 2 SE (AIS − uncorrected +1.7 ± 1.7)"
+            in table)
     assert (study / "complete-ratio-front.png").stat().st_size > 0
     target = tmp_path / "elsewhere.md"
     target.write_text("a user's notes\n")

@@ -85,9 +85,9 @@ def study_front(study_dir: Path) -> dict[str, Any]:
         verdict = None
         if UNCORRECTED in names and AIS_COMPLETE in names:
             paired = versus_baseline(values[names[UNCORRECTED]], values[names[AIS_COMPLETE]])["across_seeds"]
-            uncorrected = corrections[UNCORRECTED]
+            loss = corrections[UNCORRECTED]
             verdict = {"ais_minus_uncorrected": paired,
-                       "uncorrected_loses": uncorrected["mean"] + LOSS_STANDARD_ERRORS * uncorrected["standard_error"] < 0,
+                       "uncorrected_loses": loss["mean"] + LOSS_STANDARD_ERRORS * loss["standard_error"] < 0,
                        "ais_within_2_points": corrections[AIS_COMPLETE]["mean"] >= -RESCUE_POINTS,
                        "ais_above_uncorrected": paired["mean"] > LOSS_STANDARD_ERRORS * paired["standard_error"]}
         rows.append({"precision": precision, "mismatch": mismatch, "corrections": corrections, "verdict": verdict})
@@ -124,8 +124,8 @@ def markdown(fronts: list[dict[str, Any]], labels: list[str]) -> str:
             lines.append(f"| {front['study']} | {row['precision']} | {mismatch['k3']:.3f} ({share:.0%}) | "
                          + " | ".join(points(row["corrections"].get(label)) for label in labels)
                          + f" | {verdict_cell(row['verdict'])} |")
-    notes = [f"{front['study']}: {front['seeds']} seeds × {front['num_prompts']} held-out prompts, Δ {front['metric']}"
-             f" vs {front['baseline']} in points (mean over seeds ± seed SE)" for front in fronts]
+    notes = [f"{front['study']}: {front['seeds']} seeds × {front['num_prompts']} held-out prompts, "
+             f"Δ {front['metric']} vs {front['baseline']} in points (mean over seeds ± seed SE)" for front in fronts]
     return "\n".join(lines) + "\n\n" + "; ".join(notes) + ".\n"
 
 
