@@ -42,7 +42,7 @@ UNCORRECTED, AIS_COMPLETE = "uncorrected", "+ AIS (complete ratio)"
 COMPLETE_K3, COMMIT_K3 = "rollout_corr/k3_kl", "rollout_corr/commit_k3_kl"
 
 
-def logged_means(run: str | Path, keys: tuple[str, ...]) -> list[dict[str, float]]:
+def logged_values(run: str | Path, keys: tuple[str, ...]) -> list[dict[str, float]]:
     """The training records of one run (`metrics.jsonl`, damaged lines skipped) that hold every one of `keys`:
     those values."""
     lines = (Path(run) / "metrics.jsonl").read_bytes().splitlines(keepends=True)
@@ -54,7 +54,7 @@ def logged_means(run: str | Path, keys: tuple[str, ...]) -> list[dict[str, float
 def notch_mismatch(runs: list[str]) -> dict[str, float] | None:
     """The complete ratio's logged k3 and its commit part (means over the records of `runs` that logged both), or
     None when no record did (the runs did not correct with the complete ratio)."""
-    records = [record for run in runs for record in logged_means(run, (COMPLETE_K3, COMMIT_K3))]
+    records = [record for run in runs for record in logged_values(run, (COMPLETE_K3, COMMIT_K3))]
     if not records:
         return None
     complete = sum(record[COMPLETE_K3] for record in records) / len(records)
