@@ -167,8 +167,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg = model.config
     task = recipe.task + (f" {recipe.task_args}" if recipe.task_args else "")
     print(f"device: {where} | torch {torch.__version__} | float32 | model: {recipe.model_name_or_path} "
-          f"hidden={cfg.hidden_size} layers={cfg.num_hidden_layers} vocab={cfg.vocab_size} | task: {task} (test split, seed "
-          f"{args.seed}), {len(dataset)} prompts in batches of {args.batch} | greedy (temperature 0), "
+          f"hidden={cfg.hidden_size} layers={cfg.num_hidden_layers} vocab={cfg.vocab_size} | task: {task} "
+          f"(test split, seed {args.seed}), {len(dataset)} prompts in batches of {args.batch} | greedy (temperature 0), "
           f"block_length={args.block_length}")
     for gen_length in args.gen_lengths:
         steps = gen_length // args.tokens_per_step
