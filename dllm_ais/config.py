@@ -66,9 +66,9 @@ SDAR_ROLLOUT = {**D1_ROLLOUT, "remasking": "maskgit_plus", "threshold": SDAR_THR
 
 def _exact_decoding(config: "GRPOConfig", gen_length: int, rollout: dict) -> "GRPOConfig":
     """`config` decoding ``gen_length`` tokens with the rollout settings `rollout`, no top-p / top-k, no factor rule,
-    the top-scored positions and the rollout's own commit order."""
+    the top-scored positions and the rollout's own commit order (no commit choice to differentiate)."""
     experimental = dataclasses.replace(config.experimental, rollout_factor=None, rollout_position_temperature=0.0,
-                                       likelihood_order="rollout")
+                                       likelihood_order="rollout", commit_choice_gradient=False)
     return dataclasses.replace(config, max_completion_length=gen_length, top_p=1.0, top_k=0, experimental=experimental,
                                rollout=dataclasses.replace(config.rollout, **rollout))
 
@@ -386,6 +386,19 @@ class GRPOConfig:
              "experimental.rollout_fidelity / rollout_exact_fraction decode some with another: set "
              "experimental.rollout_fidelity=fixed and experimental.rollout_exact_fraction=0, or "
              "correction.complete_ratio=false"),
+            (not experimental.commit_choice_gradient or (diffusion and self.replays_decoder
+                                                          and experimental.rollout_position_temperature > 0
+                                                          and experimental.rollout_factor is None),
+             "experimental.commit_choice_gradient differentiates the commit choice's log-prob from the replayed "
+             "decoder's logits: set likelihood.estimator=trajectory, a rollout.cache (prefix or dual) with "
+             "experimental.likelihood_decoder=rollout, experimental.rollout_position_temperature > 0 and no "
+             "experimental.rollout_factor, or experimental.commit_choice_gradient=false"),
+            (not experimental.commit_choice_gradient or (self.beta == 0 and experimental.rollout_fidelity == "fixed"
+                                                          and experimental.rollout_exact_fraction == 0),
+             "experimental.commit_choice_gradient needs every completion decoded by the configured decoder and no "
+             "KL term (whose reference log-probs hold no commit choice): set beta=0, "
+             "experimental.rollout_fidelity=fixed and experimental.rollout_exact_fraction=0, or "
+             "experimental.commit_choice_gradient=false"),
             (not self.correction.bypass_mode or experimental.rollout_fidelity == "fixed",
              f"experimental.rollout_fidelity={experimental.rollout_fidelity} reads the mismatch before the update, "
              "which correction.bypass_mode measures during it: set experimental.rollout_fidelity=fixed, or "

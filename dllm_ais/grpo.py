@@ -276,7 +276,9 @@ def make_generation_batch(config: GRPOConfig, parts: StepComponents, tokenizer, 
         logp_old = logp_rollout if config.correction.bypass_mode else [
             micro_batched_logprobs(parts.policy.logprobs, parts.model, rollout, s, micro_batch_size, advantages)
             for s in seeds]
-        choice_old = None if not config.correction.complete_ratio else micro_batched_logprobs(
+        trainer_choice = config.correction.complete_ratio or (config.experimental.commit_choice_gradient
+                                                              and not config.correction.bypass_mode)
+        choice_old = None if not trainer_choice else micro_batched_logprobs(
             parts.policy.choice_logprobs, parts.model, rollout, seeds[0], micro_batch_size, advantages)
     logp_ref = [None if config.beta == 0 else reference_logprobs(parts, rollout, s, micro_batch_size, advantages)
                 for s in seeds]
@@ -302,6 +304,9 @@ def make_generation_batch(config: GRPOConfig, parts: StepComponents, tokenizer, 
 
     metrics = {**rollout_metrics, "num_tokens": float(tokens_seen), **fidelity_metrics, **per_function_metrics,
                **timings}
+    if config.experimental.commit_choice_gradient:  # the loss's log-probs hold the commit choice too (DiffusionPolicy)
+        choice = rollout.choice_logprobs if choice_old is None else choice_old
+        logp_old = [old + choice for old in logp_old]
     return GenerationBatch(rollout, advantages, logp_old, logp_ref, [c.weights[local] for c in corrections],
                            [None if c.clip_scale is None else c.clip_scale[local] for c in corrections],
                            [c.diagnostics for c in corrections], seeds, metrics, samples)

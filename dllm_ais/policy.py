@@ -106,7 +106,10 @@ class DiffusionPolicy:
     (`MaskedDiffusionSampler.decoder_logits`): the fast decoder is the policy trained. `estimator` names one of
     `DIFFUSION_ESTIMATORS` (`likelihood.estimator`, the config's `likelihood` settings group itself); `bounds` are
     the elbo and spg estimators' settings; the experimental `likelihood_block_fraction` < 1 has a trajectory-type
-    estimator score a random share of the blocks per inner iteration (`BlockSubset`).
+    estimator score a random share of the blocks per inner iteration (`BlockSubset`). The experimental
+    `commit_choice_gradient` (a stochastic commit rule, the decoder replayed) adds the commit choice's log-prob to
+    the log-probs the loss differentiates (`logprob_pieces`), so the policy gradient holds the commit order's score
+    function; `logprobs`, the no-grad side the correction reads, stays the tokens' (`choice_logprobs` is the rest).
     """
 
     sampler_config: DiffusionSamplerConfig
@@ -116,6 +119,7 @@ class DiffusionPolicy:
     sampler: MaskedDiffusionSampler | None = None
     bounds: BoundSettings = dataclasses.field(default_factory=BoundSettings)
     likelihood_block_fraction: float = 1.0
+    commit_choice_gradient: bool = False
 
     @classmethod
     def for_sampler(cls, sampler: MaskedDiffusionSampler, **settings) -> "DiffusionPolicy":
@@ -147,6 +151,14 @@ class DiffusionPolicy:
                                                     if self.replays_decoder else None, block_subset=block_subset)
         self.choice_sampler = self.sampler if self.replays_decoder else self.sampler.with_config(dataclasses.replace(
             self.sampler_config, cache="none", cache_refresh_interval=None, cache_dtype="none"))
+        self.loss_estimator_settings = self.estimator_settings
+        if self.commit_choice_gradient:
+            if not (self.replays_decoder and self.sampler_config.position_temperature > 0):
+                raise ValueError("commit_choice_gradient scores the commit choice from the replayed decoder's logits: "
+                                 "it needs likelihood.estimator=trajectory with a rollout.cache replayed as sampled "
+                                 "and position_temperature > 0")
+            self.loss_estimator_settings = dataclasses.replace(
+                self.estimator_settings, decoder_choice_replay=self.sampler.commit_choice_replay)
         self.exact_order_sampler = None
         if self.estimator in TRAJECTORY_ESTIMATORS and self.likelihood_order == "exact":
             self.exact_order_sampler = self.sampler.with_config(self.sampler_config.exact())
@@ -163,8 +175,11 @@ class DiffusionPolicy:
         return replays_decoder(self.estimator, self.likelihood_order, self.likelihood_decoder, self.sampler_config.cache)
 
     def with_decoder(self, sampler_config: DiffusionSamplerConfig) -> "DiffusionPolicy":
-        """This policy (its sampler's class and stages, its estimator) decoding with other sampler settings."""
-        return dataclasses.replace(self, sampler_config=sampler_config, sampler=self.sampler.with_config(sampler_config))
+        """This policy (its sampler's class and stages, its estimator) decoding with other sampler settings; the
+        commit choice's gradient kept where that decoder still draws its choice and replays a cache."""
+        drawn = sampler_config.position_temperature > 0 and sampler_config.cache != "none"
+        return dataclasses.replace(self, sampler_config=sampler_config, sampler=self.sampler.with_config(sampler_config),
+                                   commit_choice_gradient=self.commit_choice_gradient and drawn)
 
     def sample(self, model, input_ids, attention_mask, generator) -> Rollout:
         """A rollout of the sampler; with `likelihood_order="exact"` its completions replayed by the same `model`
@@ -179,7 +194,8 @@ class DiffusionPolicy:
         return self.scorer.logprobs(model, rollout, self.estimator_settings, seed, compute_entropy, advantages)
 
     def logprob_pieces(self, model, rollout: Rollout, seed: int, compute_entropy: bool = False, advantages=None):
-        return self.scorer.logprob_pieces(model, rollout, self.estimator_settings, seed, compute_entropy, advantages)
+        return self.scorer.logprob_pieces(model, rollout, self.loss_estimator_settings, seed, compute_entropy,
+                                          advantages)
 
     def rollout_logprobs(self, engine_model, rollout: Rollout, seed: int, advantages=None) -> torch.Tensor:
         if self.scorer.records_rollout_side(self.estimator_settings, rollout):
@@ -331,7 +347,8 @@ def build_policy(config: "GRPOConfig", model_config, tokenizer, temperature: flo
         return DiffusionPolicy(sampler_config, config.likelihood, likelihood_order=experimental.likelihood_order,
                                likelihood_decoder=experimental.likelihood_decoder, sampler=sampler,
                                bounds=bound_settings(config),
-                               likelihood_block_fraction=experimental.likelihood_block_fraction)
+                               likelihood_block_fraction=experimental.likelihood_block_fraction,
+                               commit_choice_gradient=experimental.commit_choice_gradient)
     sampler = AutoregressiveSamplerConfig(
         max_new_tokens=config.max_completion_length, temperature=temperature, top_k=config.top_k, top_p=config.top_p,
         eos_token_ids=tokens.eos_token_ids, pad_token_id=tokens.pad_token_id)

@@ -72,7 +72,8 @@ class RolloutSettings(SettingsGroup):
     remasking: str = field(default="low_confidence", metadata={
         "help": "Which masked positions commit first: low_confidence, random, left_to_right (LLaDA); maskgit_plus, "
                 "topk_margin, entropy, origin (Dream); top_probability (low_confidence reading no candidate: the "
-                "complete ratio's fixed-count rule); or a rule registered with register_remasking_rule."})
+                "complete ratio's fixed-count rule), top_log_odds (its log-odds: a drawn order that separates "
+                "near-certain positions); or a rule registered with register_remasking_rule."})
     cfg_scale: float = field(default=0.0, metadata={**NON_NEGATIVE,
         "help": "Classifier-free guidance s: logits = u + (s + 1)(c - u), u with the prompt masked (two forwards per "
                 "step); every likelihood estimator scores the guided logits, as sampled (as d1)."})
@@ -210,6 +211,10 @@ class ExperimentalSettings(SettingsGroup):
         "help": "T > 0 makes the commit choice a recorded draw: Dream's alg_temp (positions drawn from softmax(score "
                 "/ T) instead of the top scores); with rollout.threshold, independent commits with probability "
                 "sigmoid((score - threshold) / T), one drawn from softmax(score / T) when none. 0 = deterministic."})
+    commit_choice_gradient: bool = field(default=False, metadata={
+        "help": "With rollout_position_temperature > 0: the loss's log-probs also hold the commit choice's (the "
+                "drawn order's score function joins the policy gradient; PPO's ratio is then the whole step's). "
+                "Needs likelihood.estimator=trajectory, a rollout.cache replayed as sampled, beta=0."})
     rollout_seed_offset: int = field(default=0, metadata={"range": "[0, 1000000]",
         "help": "Shifts the rollout sampler's random stream only (data order, initialisation and estimator masks "
                 "keep the seed's): a run with another offset is another sampling draw of the same run, the null arm "

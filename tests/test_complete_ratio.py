@@ -9,12 +9,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dllm_ais.config import GRPOConfig
+from conftest import config_of
+from dllm_ais.config import ConfigError, GRPOConfig
 from dllm_ais.correction import RolloutCorrection
 from dllm_ais.likelihood import trajectory_logprobs
+from dllm_ais.likelihood.trajectory import sum_pieces
 from dllm_ais.models import LLaDAConfig, LLaDAModelLM
 from dllm_ais.rollout import Rollout
-from dllm_ais.sampling.diffusion import DiffusionSamplerConfig, MaskedDiffusionSampler
+from dllm_ais.sampling.diffusion import DiffusionSamplerConfig, MaskedDiffusionSampler, top_log_odds_scores
 from dllm_ais.settings import CorrectionSettings
 
 TOKENS, EOS, MASK = (0, 1, 2), 2, 3
@@ -227,6 +229,25 @@ def test_vanishing_position_temperature_is_the_deterministic_decoder(threshold):
     assert exact.choice_logprobs is None and drawn.choice_logprobs is not None
 
 
+def test_top_log_odds_scores_the_top_probability_as_log_odds():
+    """top_log_odds = log(p₁ / (1 − p₁)) of the most probable token, finite where p₁ rounds to 1 in float32; the
+    same order as top_probability, so at T = 0 the two decode identically."""
+    logits = torch.tensor([[[2.0, 0.5, -1.0], [0.0, 0.0, 0.0], [120.0, 0.0, 1.0]]])
+    scores = top_log_odds_scores(logits, torch.zeros(1, 3, dtype=torch.long))
+    top = logits.softmax(-1).amax(-1)
+    torch.testing.assert_close(scores[0, :2], (top / (1 - top)).log()[0, :2])
+    assert float(scores[0, 2]) == pytest.approx(120.0 - math.log1p(math.exp(1.0)), abs=1e-4)
+
+    model, prompts = tiny_llada(), torch.randint(0, 60, (4, 5), generator=torch.Generator().manual_seed(0))
+    decoded = [MaskedDiffusionSampler(DiffusionSamplerConfig(
+        gen_length=8, block_length=4, steps=4, temperature=0.0, mask_token_id=63, eos_token_ids=(62,),
+        remasking=rule)).sample(model, prompts) for rule in ("top_probability", "top_log_odds")]
+    assert torch.equal(decoded[0].sequences, decoded[1].sequences)
+    assert torch.equal(decoded[0].commit_step, decoded[1].commit_step)
+    with pytest.raises(ValueError, match="top_log_odds.*use top_probability with parallel decoding"):
+        DiffusionSamplerConfig(gen_length=8, block_length=4, steps=4, remasking="top_log_odds", threshold=0.9)
+
+
 def tiny_llada() -> LLaDAModelLM:
     torch.manual_seed(0)
     model = LLaDAModelLM(LLaDAConfig(
@@ -248,6 +269,7 @@ def unmarked_confidence(block_logits, candidates, generator=None):
     (dict(cache="dual", threshold=0.5, position_temperature=0.05, remasking=unmarked_confidence), True),
     (dict(cache="prefix", position_temperature=0.3), True),
     (dict(cache="prefix", position_temperature=0.02, remasking="top_probability"), False),
+    (dict(cache="prefix", position_temperature=0.02, remasking="top_log_odds"), False),
     (dict(cache="none", remasking="maskgit_plus", position_temperature=0.3), True)])
 def test_the_trainer_replays_the_recorded_choice_with_the_fast_decoder(decoder, records_discarded):
     """On the model that sampled, the trainer's replay of the commit choice — with the block cache refreshed as
@@ -326,3 +348,43 @@ def test_the_complete_ratio_setting_and_its_rules():
                for p in config_problems(**complete, experimental={"rollout_position_temperature": 0.05}))
     assert CorrectionSettings("tis", bypass_mode=True, complete_ratio=True).problems() == []
     assert CorrectionSettings("tis", bypass_mode=True).problems() != []
+
+
+def test_the_commit_choice_gradient_differentiates_the_whole_step(tokenizer, tmp_path):
+    """experimental.commit_choice_gradient: the loss's log-probs are the whole step's (token + commit choice) from the
+    same replayed logits — on the bf16 engine equal to what the sampler recorded, and ℓ_old holds the same — so the
+    policy gradient gains the commit order's score function (a nonzero gradient of its own), and two steps train."""
+    from test_trainer import make_trainer
+
+    trainer = make_trainer(tokenizer, tmp_path, beta=0.0, rollout={"precision": "bf16", "cache": "dual",
+                                                                   "remasking": "top_log_odds"},
+                           likelihood={"estimator": "trajectory"}, correction={"method": "none", "bypass_mode": True},
+                           experimental={"rollout_position_temperature": 1.0, "commit_choice_gradient": True})
+    batch = trainer.make_generation_batch()
+    rollout, seed, scored = batch.rollout, batch.seeds[0], batch.rollout.completion_mask.bool()
+    recorded = rollout.step_logprobs + rollout.choice_logprobs
+    torch.testing.assert_close(batch.logp_old[0][scored], recorded[scored])
+    model = trainer.model
+    whole = sum_pieces(trainer.policy.logprob_pieces(model, rollout, seed), False)
+    torch.testing.assert_close(whole[scored], recorded[scored], atol=1e-4, rtol=0)
+    tokens = trainer.policy.logprobs(model, rollout, seed)
+    (whole - tokens)[scored].sum().backward()
+    gradients = [p.grad for n, p in model.named_parameters() if "lora_" in n and p.grad is not None]
+    assert gradients and any(float(g.abs().sum()) > 0 for g in gradients)
+    model.zero_grad(set_to_none=True)
+
+    history = trainer.train().history
+    assert len(history) == 2
+    assert all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in history)
+    assert history[0]["rollout_corr/k3_kl"] == pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("settings, named", [
+    ({"experimental": {"commit_choice_gradient": True}}, "rollout_position_temperature > 0"),
+    ({"experimental": {"commit_choice_gradient": True, "rollout_position_temperature": 1.0}, "beta": 0.04},
+     "set beta=0"),
+])
+def test_the_commit_choice_gradient_names_what_it_needs(settings, named):
+    base = {"policy": "diffusion", "rollout": {"cache": "dual"}, "likelihood": {"estimator": "trajectory"}}
+    with pytest.raises(ConfigError, match=named):
+        config_of(base, **settings).validate()

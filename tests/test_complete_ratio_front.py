@@ -88,6 +88,7 @@ def test_the_report_is_written_beside_the_first_study_and_never_through_a_link(t
 def test_every_arm_of_the_complete_ratio_studies_resolves_and_only_a_drawn_choice_carries_the_complete_ratio(tmp_path):
     studies = sorted((Path(__file__).resolve().parent.parent / "recipes" / "studies").glob("complete_ratio_*.yaml"))
     assert [path.stem for path in studies] == ["complete_ratio_llada_chain_sum_decoders",
+                                               "complete_ratio_llada_chain_sum_log_odds",
                                                "complete_ratio_llada_chain_sum_t001", "complete_ratio_llada_digits"]
     for path in studies:
         study = read_study(path)

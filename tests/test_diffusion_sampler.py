@@ -434,7 +434,7 @@ def test_the_completion_mask_runs_through_the_first_eos(model):
         (dict(gen_length=100, block_length=32), "not a multiple of block_length"),
         (dict(gen_length=64, block_length=32, steps=15), "not a multiple of the number of blocks"),
         (dict(mask_token_id=5, pad_token_id=5), "pad_token_id equals mask_token_id"),
-        (dict(remasking="lowest_entropy"), r"valid names: \['entropy', 'left_to_right', 'low_confidence', 'maskgit_plus', 'origin', 'random', 'top_probability', 'topk_margin'\]"),
+        (dict(remasking="lowest_entropy"), r"valid names: \['entropy', 'left_to_right', 'low_confidence', 'maskgit_plus', 'origin', 'random', 'top_log_odds', 'top_probability', 'topk_margin'\]"),
         (dict(schedule="cosine"), "schedule='cosine': choose one of even, time_linear"),
         (dict(top_p=0.0), r"top_p=0.0 must be in \(0, 1\]"),
         (dict(top_k=-1), "top_k=-1 must be an integer >= 0"),

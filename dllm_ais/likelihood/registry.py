@@ -32,6 +32,7 @@ from dllm_ais.likelihood.logits import (
 )
 from dllm_ais.likelihood.one_step import one_step_logprobs
 from dllm_ais.likelihood.trajectory import (
+    ChoiceReplayFn,
     DecoderLogitsFn,
     LogprobPiece,
     decoder_trajectory_pieces,
@@ -86,8 +87,9 @@ class EstimatorSettings:
     """What a diffusion estimator needs besides the model, the rollout and the seed: the mask id, the sampling
     temperature (the trajectory-type estimators score softmax(logits / τ)), d1's prompt-masking probability
     (one-step surrogate and the bounds), `logits_fn`, the sampler's canvas → logits stage (see `LogitsFn`), the
-    bound estimators' `BoundSettings`, StepMerge's number of segments N, the decoder replay's `decoder_logits`, and
-    the trajectory-type estimators' `BlockSubset` (None: every block)."""
+    bound estimators' `BoundSettings`, StepMerge's number of segments N, the decoder replay's `decoder_logits` (and
+    `decoder_choice_replay`, which adds the commit choice's log-prob to its positions), and the trajectory-type
+    estimators' `BlockSubset` (None: every block)."""
 
     mask_token_id: int
     temperature: float
@@ -96,6 +98,7 @@ class EstimatorSettings:
     bounds: BoundSettings = field(default_factory=BoundSettings)
     likelihood_segments: int = 16
     decoder_logits: DecoderLogitsFn | None = None
+    decoder_choice_replay: ChoiceReplayFn | None = None
     block_subset: BlockSubset | None = None
 
 
@@ -128,7 +131,8 @@ def _trajectory_pieces_of_rollout(model: nn.Module, rollout: Rollout, settings: 
     positions = _drawn_positions(settings, rollout, seed)
     if settings.decoder_logits is not None:
         return decoder_trajectory_pieces(model, rollout, settings.decoder_logits, settings.temperature,
-                                         compute_entropy=compute_entropy, positions=positions)
+                                         compute_entropy=compute_entropy, positions=positions,
+                                         choice_replay=settings.decoder_choice_replay)
     return trajectory_pieces(model, rollout, settings.mask_token_id, settings.temperature,
                              compute_entropy=compute_entropy, logits_fn=settings.logits_fn, positions=positions)
 

@@ -228,6 +228,10 @@ logits [B, Lb, V])``: the logits the rollout's decoder drew the block's tokens c
 recomputed by `model` (`MaskedDiffusionSampler.decoder_logits`: its block cache included), for the blocks holding
 one of `positions` [B, L] (None: every block)."""
 
+ChoiceReplayFn = Callable[["Rollout"], Callable[[slice | Tensor, Tensor, Tensor], Tensor]]
+"""`choice_replay(rollout)` returns a scorer that, called with each step `decoder_logits` yields, in order, returns
+that step's commit-choice log-prob terms [B, L] on the completion (`MaskedDiffusionSampler.commit_choice_replay`)."""
+
 
 def decoder_trajectory_pieces(
     model: nn.Module,
@@ -237,6 +241,7 @@ def decoder_trajectory_pieces(
     chunk_size: int = DEFAULT_CHUNK_ROWS,
     compute_entropy: bool = False,
     positions: Tensor | None = None,
+    choice_replay: ChoiceReplayFn | None = None,
 ) -> Iterator[LogprobPiece]:
     """The trajectory estimator scored with the rollout decoder's own logits, one `LogprobPiece` per block (per block
     holding one of `positions` [B, L], whose tokens alone it scores; None: all).
@@ -246,13 +251,17 @@ def decoder_trajectory_pieces(
     committed it — with a block KV cache, attending to the keys/values of the block's last refresh, as sampling did.
     On the engine this is exactly what the sampler recorded (`Rollout.step_logprobs`), so the ratio against the
     trainer's value sees the precision alone, and the policy being trained is the cached decoder itself. One piece
-    per block: a block's steps share the graph of its cache.
+    per block: a block's steps share the graph of its cache. With `choice_replay`, each position's log-prob also holds
+    the commit choice's terms scored from the same logits (a stochastic commit rule's log P(choice), split over the
+    block's positions as `Rollout.choice_logprobs` is): the log-probability of the whole step, commit choice
+    included, whose gradient is the commit order's score function.
     """
     check_sampling_parameters(temperature, top_k=0, top_p=1.0)
     _check_commit_steps(rollout)
     scale = partial(shape_logits, temperature=temperature)
     completion = rollout.completion_ids
     wanted = torch.ones_like(completion, dtype=torch.bool) if positions is None else positions.bool()
+    choices = None if choice_replay is None else choice_replay(rollout)
     for _, steps in groupby(decoder_logits(model, rollout, positions), key=lambda step: _block_key(step[0])):
         logprobs = entropy = 0
         piece_positions = torch.zeros_like(completion, dtype=torch.bool)
@@ -266,6 +275,8 @@ def decoder_trajectory_pieces(
             placed[committed.nonzero(as_tuple=True)[0], index[committed]] = True
             piece_positions |= placed
             logprobs = logprobs + _scatter_to_positions(placed, step_logprobs)
+            if choices is not None:
+                logprobs = logprobs + torch.where(wanted, choices(window, step_committed, logits), 0.0)
             if compute_entropy:
                 entropy = entropy + _scatter_to_positions(placed, step_entropy)
         yield LogprobPiece(piece_positions, logprobs, entropy if compute_entropy else None)

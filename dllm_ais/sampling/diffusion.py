@@ -138,6 +138,7 @@ __all__ = [
     "sampling_logprobs",
     "scores_sampling_distribution",
     "time_linear_commit_count",
+    "top_log_odds_scores",
     "top_probability_scores",
     "top_two_margin_scores",
     "transfer_schedule",
@@ -182,6 +183,20 @@ def top_probability_scores(
     (`low_confidence` with greedy candidates; with sampled ones, a commit choice that reads no candidate, so the
     complete ratio needs none of the discarded ones). Computed in the logits' dtype, as `low_confidence`."""
     return F.softmax(block_logits, dim=-1).amax(dim=-1)
+
+
+@ignores_candidates
+def top_log_odds_scores(
+    block_logits: torch.Tensor, candidates: torch.Tensor, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """score = log(p₁ / (1 − p₁)) with p₁ = max_v softmax(logits)[v]: `top_probability`'s confidence as log-odds,
+    computed as z₁ − logsumexp of the other logits in float32 (finite where p₁ rounds to 1). The same order as
+    `top_probability` (whose ties in a low-precision dtype it may break), so T = 0 decodes as it does; with T > 0 the
+    draw separates near-certain positions, whose probabilities all sit within T of 1 but whose log-odds do not."""
+    logits = block_logits.float()
+    top = logits.max(dim=-1, keepdim=True)
+    others = logits.scatter(-1, top.indices, -math.inf).logsumexp(dim=-1)
+    return top.values.squeeze(-1) - others
 
 
 @ignores_candidates
@@ -244,9 +259,11 @@ REMASKING_RULES: dict[str, RemaskingRule] = {
     "low_confidence": low_confidence_scores, "random": random_scores, "left_to_right": left_to_right_scores,
     "maskgit_plus": sampled_token_probability_scores, "topk_margin": top_two_margin_scores,
     "entropy": negative_entropy_scores, "origin": random_scores, "top_probability": top_probability_scores,
+    "top_log_odds": top_log_odds_scores,
 }
 """LLaDA's rules (low_confidence, random), autoregressive order (left_to_right), Dream's (maskgit_plus,
-topk_margin, entropy, origin), and top_probability (low_confidence without reading the candidate). ``origin`` commits each still-masked position with probability 1 − s/t of the
+topk_margin, entropy, origin), and top_probability (low_confidence without reading the candidate) with its log-odds
+top_log_odds (for a drawn commit order). ``origin`` commits each still-masked position with probability 1 − s/t of the
 time-linear schedule (Dream's default): uniformly random positions, in a Binomial number per step
 (`origin_commit_counts`)."""
 
@@ -600,6 +617,9 @@ class DiffusionSamplerConfig:
             problems.append(f"top_k={self.top_k!r} must be an integer >= 0 (0 = off)")
         if not (math.isfinite(self.position_temperature) and self.position_temperature >= 0):
             problems.append(f"position_temperature={self.position_temperature} must be >= 0 (0 = top scores)")
+        if self.remasking == "top_log_odds" and self.parallel_decoding:
+            problems.append("remasking='top_log_odds' scores log-odds, which a threshold or factor on a confidence in "
+                            "[0, 1] does not read: use top_probability with parallel decoding")
         if self.remasking == "origin":
             if self.parallel_decoding:
                 problems.append("remasking='origin' commits a random number of positions per step: it takes no "
@@ -886,6 +906,46 @@ class _ChoiceRecord:
         """The records at the completion positions of `layout`, by field name."""
         return {field.name: None if getattr(self, field.name) is None else layout.completion(getattr(self, field.name))
                 for field in dataclasses.fields(self)}
+
+
+class CommitChoiceReplay:
+    """The log-probability terms [B, L] of a rollout's recorded commit choices (and discarded candidates, when the
+    ratio holds them), one replayed step at a time: called with each ``(block, committed, logits)`` that
+    `MaskedDiffusionSampler.decoder_logits` yields, in order, it returns that step's `step_choice_logprobs` of the
+    recorded choice (`Rollout.commit_rank`, `discarded_candidates`) on the completion's positions, 0 elsewhere. The
+    rule scores the step's `logits` as sampling did (top-p / top-k filtered), so the terms are differentiable in
+    them: the trainer's log-prob of the commit choice, from the logits the trajectory estimator scores."""
+
+    def __init__(self, sampler: "MaskedDiffusionSampler", rollout: Rollout):
+        if rollout.commit_rank is None or (sampler.records_discarded_candidates
+                                           and rollout.discarded_candidates is None):
+            raise ValueError("choice_logprobs needs a rollout that records its commit choices: sample with "
+                             "position_temperature > 0 (experimental.rollout_position_temperature)")
+        self.sampler, self.rollout = sampler, rollout
+        self.block, self.still_masked, self.step = None, None, 0
+
+    def __call__(self, window: slice | torch.LongTensor, committed: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        sampler, rollout = self.sampler, self.rollout
+        config, completion = sampler.config, rollout.completion_ids
+        if window is not self.block:  # a new block: every completion position in it masked
+            self.block, self.step = window, 0
+            self.still_masked = torch.ones_like(committed) if isinstance(window, slice) else window >= 0
+        logits = filter_top_p_top_k(logits, config.temperature, config.top_p, config.top_k)
+        candidates = completion_window(completion, window)
+        if sampler.records_discarded_candidates:
+            discarded = completion_window(rollout.discarded_candidates[:, :, self.step], window)
+            candidates = torch.where(committed | (discarded < 0), candidates, discarded)
+        scores = sampler.rule_scores(logits, candidates, None) if sampler.commit_choice_depends_on_model else None
+        terms = sampler.step_choice_logprobs(logits, scores, self.still_masked, committed,
+                                             completion_window(rollout.commit_rank, window),
+                                             sampler.token_logprobs(logits, candidates))
+        self.still_masked = self.still_masked & ~committed
+        self.step += 1
+        if isinstance(window, slice):
+            start = window.start or 0
+            return F.pad(terms, (start, completion.shape[1] - start - terms.shape[1]))
+        placed = torch.zeros(completion.shape, dtype=terms.dtype, device=terms.device)
+        return placed.scatter_add(1, window.clamp_min(0), torch.where(window >= 0, terms, 0.0))
 
 
 def _max_canvas_length(model: Any) -> float:
@@ -1307,38 +1367,19 @@ class MaskedDiffusionSampler:
     def choice_logprobs(self, model: Any, rollout: Rollout) -> torch.Tensor:
         """float32 [B, L]: `model`'s log-probability of `rollout`'s recorded commit choices (and discarded
         candidates, when recorded) (`Rollout.choice_logprobs`, `commit_rank`, `discarded_candidates`), per position
-        as the sampler records it: each step replayed by `decoder_logits` (this sampler's cache, as sampled), the
-        rule scoring the committed tokens (and the recorded discarded candidates) on `model`'s logits,
-        `step_choice_logprobs` of the recorded choice. On the model that sampled, this is the recorded
-        `choice_logprobs`; with the trajectory estimator's token log-probs it completes the ratio of the two
-        samplers."""
-        if rollout.commit_rank is None or (self.records_discarded_candidates and rollout.discarded_candidates is None):
-            raise ValueError("choice_logprobs needs a rollout that records its commit choices: sample with "
-                             "position_temperature > 0 (experimental.rollout_position_temperature)")
-        config = self.config
-        completion = rollout.completion_ids
-        result = torch.zeros(completion.shape, dtype=torch.float32, device=completion.device)
-        block, still_masked, step = None, None, 0
+        as the sampler records it: each step replayed by `decoder_logits` (this sampler's cache, as sampled) and
+        scored by `commit_choice_replay`. On the model that sampled, this is the recorded `choice_logprobs`; with
+        the trajectory estimator's token log-probs it completes the ratio of the two samplers."""
+        replay = self.commit_choice_replay(rollout)
+        result = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=rollout.completion_ids.device)
         for window, committed, logits in self.decoder_logits(model, rollout):
-            if window is not block:  # a new block: every completion position in it masked
-                block, step = window, 0
-                still_masked = torch.ones_like(committed) if isinstance(window, slice) else window >= 0
-            logits = filter_top_p_top_k(logits, config.temperature, config.top_p, config.top_k)
-            candidates = completion_window(completion, window)
-            if self.records_discarded_candidates:
-                discarded = completion_window(rollout.discarded_candidates[:, :, step], window)
-                candidates = torch.where(committed | (discarded < 0), candidates, discarded)
-            scores = self.rule_scores(logits, candidates, None) if self.commit_choice_depends_on_model else None
-            terms = self.step_choice_logprobs(logits, scores, still_masked, committed,
-                                              completion_window(rollout.commit_rank, window),
-                                              self.token_logprobs(logits, candidates))
-            if isinstance(window, slice):
-                result[:, window] += terms
-            else:
-                result.scatter_add_(1, window.clamp_min(0), torch.where(window >= 0, terms, 0.0))
-            still_masked = still_masked & ~committed
-            step += 1
+            result = result + replay(window, committed, logits)
         return result
+
+    def commit_choice_replay(self, rollout: Rollout) -> "CommitChoiceReplay":
+        """The scorer of `rollout`'s recorded commit choices, step by step along `decoder_logits`
+        (`CommitChoiceReplay`)."""
+        return CommitChoiceReplay(self, rollout)
 
     def decoder_logits(self, model: Any, rollout: Rollout, positions: torch.Tensor | None = None
                        ) -> Iterator[tuple[slice | torch.LongTensor, torch.Tensor, torch.Tensor]]:
