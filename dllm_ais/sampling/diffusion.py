@@ -919,8 +919,8 @@ class CommitChoiceReplay:
     def __init__(self, sampler: "MaskedDiffusionSampler", rollout: Rollout):
         if rollout.commit_rank is None or (sampler.records_discarded_candidates
                                            and rollout.discarded_candidates is None):
-            raise ValueError("choice_logprobs needs a rollout that records its commit choices: sample with "
-                             "position_temperature > 0 (experimental.rollout_position_temperature)")
+            raise ValueError("The commit choice's log-prob needs a rollout that records its commit choices: sample "
+                             "with position_temperature > 0 (experimental.rollout_position_temperature)")
         self.sampler, self.rollout = sampler, rollout
         self.block, self.still_masked, self.step = None, None, 0
 
