@@ -7,6 +7,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import math
 from pathlib import Path
+import warnings
 
 import pytest
 import torch
@@ -288,6 +289,7 @@ from lm_eval.tasks import TaskManager
 from dllm_ais.lm_eval_model import DllmAisLM
 
 model = DllmAisLM(pretrained="embedded", mc_num=8, batch_size=4)
+open(sys.argv[2] + f".rank{model.rank}", "w").close()  # this process joined the group
 results = simple_evaluate(model=model, tasks=["dllm_ais_mc", "dllm_ais_gen"], apply_chat_template=True,
                           task_manager=TaskManager(include_path=sys.argv[1], include_defaults=False))
 if model.rank == 0:
@@ -316,14 +318,25 @@ def test_data_parallel_processes_share_the_requests(task_dir, tmp_path):
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONFAULTHANDLER": "1",
                    "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
     # --standalone: a free port of its own, so no other run on the machine (or one that left the default port
-    # waiting) meets these processes' rendezvous. --max-restarts 1: in the whole suite on 2 cores a worker has been
-    # seen to abort within a second of starting, before any request (cause not found; its stack now goes to stderr
-    # through the fault handler): the group is started again once, which leaves what the test checks unchanged.
-    command = [shutil.which("torchrun") or "torchrun", "--standalone", "--max-restarts", "1", "--nproc_per_node", "2",
-               str(script), str(task_dir)]
-    run = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=300)
-    assert run.returncode == 0, "\n".join([line for line in run.stderr.splitlines() if "rror" in line][:20]
-                                          + [run.stderr[-2000:]])
+    # waiting) meets these processes' rendezvous. In the whole suite on 2 cores a worker has been seen to abort, or gloo
+    # to be refused a connection between the two, before both processes joined the group (the cause is outside this
+    # code: the fault handler prints the stack). torchrun's own restart, on the same store, has been refused the same
+    # way; so a launch that failed before both joined is started afresh, at most twice more, with a warning. A failure
+    # after both joined fails the test.
+    failures = []
+    for attempt in range(3):
+        joined = tmp_path / f"joined{attempt}"
+        command = [shutil.which("torchrun") or "torchrun", "--standalone", "--nproc_per_node", "2",
+                   str(script), str(task_dir), str(joined)]
+        run = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=300)
+        if run.returncode == 0:
+            break
+        failures.append(f"attempt {attempt}: " + "\n".join(
+            [line for line in run.stderr.splitlines() if "rror" in line or "File" in line][:30] + [run.stderr[-1500:]]))
+        both_joined = all((tmp_path / f"joined{attempt}.rank{rank}").exists() for rank in range(2))
+        assert not both_joined, failures[-1]
+        warnings.warn(f"the two processes did not both join the group; launching again:\n{failures[-1]}")
+    assert run.returncode == 0, "\n\n".join(failures)
     world_size, metrics = json.loads(run.stdout.strip().splitlines()[-1])
     single = simple_evaluate(model=DllmAisLM(pretrained="embedded", mc_num=8, batch_size=4),
                              tasks=["dllm_ais_mc", "dllm_ais_gen"], apply_chat_template=True,
