@@ -284,12 +284,14 @@ def test_harness_end_to_end_on_local_tasks(task_dir, pretrained):
 
 DATA_PARALLEL_SCRIPT = """
 import json, sys
+import torch
 from lm_eval import simple_evaluate
 from lm_eval.tasks import TaskManager
 from dllm_ais.lm_eval_model import DllmAisLM
 
 model = DllmAisLM(pretrained="embedded", mc_num=8, batch_size=4)
-open(sys.argv[2] + f".rank{model.rank}", "w").close()  # this process joined the group
+torch.distributed.barrier()  # the two processes are connected
+open(sys.argv[2] + f".rank{model.rank}", "w").close()
 results = simple_evaluate(model=model, tasks=["dllm_ais_mc", "dllm_ais_gen"], apply_chat_template=True,
                           task_manager=TaskManager(include_path=sys.argv[1], include_defaults=False))
 if model.rank == 0:
