@@ -421,7 +421,7 @@ def _compare(args: argparse.Namespace, overrides: list[str]) -> int:
     try:
         table, report = run_study(Path(args.study), args.seeds, overrides, args.output_dir and Path(args.output_dir),
                                   args.jobs, args.arms and [arm.strip() for arm in args.arms.split(",")],
-                                  shlex.join(["dllm-ais", *args.argv]), args.baseline)
+                                  shlex.join(["dllm-ais", *args.argv]), args.baseline, args.report)
     except StudyError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
@@ -572,6 +572,8 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--arms", help="comma-separated arms to run (the baseline always runs); default: all")
     compare.add_argument("--baseline", help="the arm to pair every other arm against (default: the study's "
                          "baseline); its report is comparison-vs-<arm>.md/.json/.png")
+    compare.add_argument("--report", help="the report's file name in the study folder, without a suffix (default: "
+                         "comparison, or comparison-vs-<arm> with --baseline)")
     compare.add_argument("--jobs", type=int, default=1, help="runs at a time (CPU threads are shared among them)")
     compare.add_argument("--output_dir", help="the study folder (default: outputs/studies/<study name>)")
     compare.set_defaults(handler=_compare)

@@ -15,14 +15,16 @@ through as `--field=value`). Before anything trains, each run's config is resolv
 held-out prompts are loaded: arms evaluated on different prompts (another eval_size, task or dataset) are refused,
 as is eval_size 0. A finished run's `held_out.json` records what made it (`evaluation.result_identity`: the
 resolved config's hash, the held-out prompts' hash, the dllm-ais version); the run is reused only when that record
-is the planned one, and rerun afresh otherwise. A damaged or foreign `held_out.json` (not JSON, not a record
+is the planned one — or when its `config.yaml` differs from the planned config only by study knobs added to
+dllm-ais since it ran, at their defaults (off: the behaviour it trained with) — and rerun afresh otherwise. A damaged or foreign `held_out.json` (not JSON, not a record
 dllm-ais wrote, no identity, values that do not match its prompts) is moved aside, beside the run's directory, and
 the run trained again; an unfinished run is resumed from its newest checkpoint when its config allows, else rerun
 (train itself refuses to replace anything it did not write). One line per run says which and why.
 
 The table pairs each arm with the baseline seed by seed over the same held-out prompts (Δ ± SE), then aggregates the
 seeds' Δ (mean, seed-to-seed SE, 95 % t interval): `comparison.md`, `comparison.json` and `comparison.png` in the
-study folder (`comparison-vs-<arm>.*` with `--baseline`).
+study folder (`comparison-vs-<arm>.*` with `--baseline`; `--report NAME` names them, so that a comparison of some
+arms keeps the whole study's beside it). A report file that is a symbolic link is refused before anything trains.
 """
 
 from __future__ import annotations
@@ -261,6 +263,20 @@ def changed_fields(output_dir: Path, config: GRPOConfig, unchanging: frozenset[s
         return None
 
 
+def experimental_settings_added(output_dir: Path, config: GRPOConfig) -> list[str] | None:
+    """The experimental settings added to dllm-ais since the run in `output_dir` was configured (absent from its
+    `config.yaml`), when every setting added since is one; None when another was, or the file does not read as a
+    recipe. A study knob's default is the behaviour before it existed (`ExperimentalSettings`), so a run whose
+    config differs from the planned one only by such settings at their defaults trained what is planned."""
+    from dllm_ais.config import ConfigError, settings_added_since
+
+    try:
+        added = settings_added_since(output_dir / "config.yaml", config)
+    except ConfigError:
+        return None
+    return added if all(name.startswith("experimental.") for name in added) else None
+
+
 def identity_changes(recorded: dict[str, Any], planned: dict[str, Any], fields: list[str] | None = None) -> list[str]:
     """How the `result_identity` a result records differs from the planned one, one phrase per part (dllm-ais
     version, config with its changed `fields` when known, held-out prompts); [] when they are the same."""
@@ -299,11 +315,17 @@ def examine(run: Run, config: GRPOConfig | None, identity: dict[str, Any] | None
             recorded = record["identity"]
             fields = (changed_fields(run.output_dir, config, UNHASHED_FIELDS)
                       if recorded["config_sha256"] != identity["config_sha256"] else None)
-            changes = identity_changes(recorded, identity, fields)
+            added = experimental_settings_added(run.output_dir, config) if fields == [] else None
+            changes = identity_changes(recorded, identity, None if added else fields)
             if not changes:
                 return Plan(run, True, False, f"its result records the same config (hash "
                             f"{identity['config_sha256'][:12]}), held-out prompts ({identity['prompts_sha256'][:12]}) "
                             f"and dllm-ais {identity['dllm_ais_version']}", identity)
+            if added and identity_changes({**recorded, "config_sha256": identity["config_sha256"]}, identity) == []:
+                return Plan(run, True, False, f"its config.yaml is the planned config but for study knobs added since "
+                            f"it ran, at their defaults ({', '.join(added[:4])}{', …' if len(added) > 4 else ''}); "
+                            f"the same held-out prompts ({identity['prompts_sha256'][:12]}) and dllm-ais "
+                            f"{identity['dllm_ais_version']}", identity)
             return Plan(run, False, True, "; ".join(changes), identity)
     if not (run.output_dir.is_dir() and any(run.output_dir.iterdir())):
         return Plan(run, False, False, "; ".join(reasons) or "not run yet", identity)
@@ -481,11 +503,32 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     plt.close(figure)
 
 
+REPORT_SUFFIXES = (".md", ".json", ".png")
+
+
+def report_files(study_dir: Path, report: str) -> list[Path]:
+    """The report's table, numbers and plot in `study_dir`; StudyError when `report` is not a plain file name or one
+    of the files is a symbolic link (never written through)."""
+    from dllm_ais.run_dir import link_refusal
+
+    if report in ("", ".", "..") or Path(report).name != report or report.startswith("."):
+        raise StudyError(f"--report {report!r}: a file name without a folder (the report is written in the study "
+                         "folder), e.g. --report comparison-nvfp4")
+    files = [study_dir / f"{report}{suffix}" for suffix in REPORT_SUFFIXES]
+    for path in files:
+        if path.is_symlink():
+            raise StudyError(link_refusal(path))
+    return files
+
+
 def run_study(study_file: Path, seeds: int, extra: list[str], output_dir: Path | None, jobs: int,
-              arms: list[str] | None, command: str, baseline: str | None = None) -> tuple[str, Path]:
+              arms: list[str] | None, command: str, baseline: str | None = None,
+              report: str | None = None) -> tuple[str, Path]:
     """Train what the study still needs, then write the report: comparison.md/.json/.png against the study's
-    baseline, or comparison-vs-<arm>.md/.json/.png against another arm (`baseline`), whose runs are the same.
-    Returns the table and the report's path without its suffix."""
+    baseline, or comparison-vs-<arm>.md/.json/.png against another arm (`baseline`), whose runs are the same;
+    `report` names the files instead. Returns the table and the report's path without its suffix."""
+    from dllm_ais.run_dir import atomic_write_text
+
     for flag, value in (("--seeds", seeds), ("--jobs", jobs)):
         if value < 1:
             raise StudyError(f"{flag} {value}: must be 1 or more ({flag} N: "
@@ -493,7 +536,8 @@ def run_study(study_file: Path, seeds: int, extra: list[str], output_dir: Path |
     study = read_study(study_file)
     if baseline is not None and baseline not in study.arms:
         raise StudyError(f"--baseline: unknown {baseline!r}; the study's arms: {', '.join(study.arms)}")
-    report = "comparison" if baseline in (None, study.baseline) else f"comparison-vs-{slug(baseline)}"
+    if report is None:
+        report = "comparison" if baseline in (None, study.baseline) else f"comparison-vs-{slug(baseline)}"
     baseline = baseline or study.baseline
     if arms is not None:
         unknown = sorted(set(arms) - set(study.arms))
@@ -502,6 +546,7 @@ def run_study(study_file: Path, seeds: int, extra: list[str], output_dir: Path |
     kept = {name: o for name, o in study.arms.items() if arms is None or name in arms or name == baseline}
     study = Study(study.name, study.base, study.overrides, kept, baseline)
     study_dir = output_dir or Path("outputs") / "studies" / study.name
+    report_files(study_dir, report)  # a bad name or a link is refused before the training, not after it
     runs = plan_runs(study, seeds, extra, study_dir)
     configs = {run: resolved_config(run) for run in runs}
     identities = planned_identities(runs, configs)
@@ -514,7 +559,8 @@ def run_study(study_file: Path, seeds: int, extra: list[str], output_dir: Path |
               f"{summary['num_prompts']} held-out prompts per run; command: {command}")
     table = markdown(summary, header)
     study_dir.mkdir(parents=True, exist_ok=True)
-    (study_dir / f"{report}.md").write_text(table)
-    (study_dir / f"{report}.json").write_text(json.dumps({**summary, "command": command}, indent=2) + "\n")
-    plot(summary, study_dir / f"{report}.png")
+    table_file, numbers_file, plot_file = report_files(study_dir, report)
+    atomic_write_text(table_file, table)
+    atomic_write_text(numbers_file, json.dumps({**summary, "command": command}, indent=2) + "\n")
+    plot(summary, plot_file)
     return table, study_dir / report

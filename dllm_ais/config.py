@@ -66,9 +66,10 @@ SDAR_ROLLOUT = {**D1_ROLLOUT, "remasking": "maskgit_plus", "threshold": SDAR_THR
 
 def _exact_decoding(config: "GRPOConfig", gen_length: int, rollout: dict) -> "GRPOConfig":
     """`config` decoding ``gen_length`` tokens with the rollout settings `rollout`, no top-p / top-k, no factor rule,
-    the top-scored positions and the rollout's own commit order (no commit choice to differentiate)."""
+    the top-scored positions and the rollout's own commit order (no commit choice to score or differentiate)."""
     experimental = dataclasses.replace(config.experimental, rollout_factor=None, rollout_position_temperature=0.0,
-                                       likelihood_order="rollout", commit_choice_gradient=False)
+                                       likelihood_order="rollout", commit_choice_gradient=False,
+                                       commit_choice_as_set=False)
     return dataclasses.replace(config, max_completion_length=gen_length, top_p=1.0, top_k=0, experimental=experimental,
                                rollout=dataclasses.replace(config.rollout, **rollout))
 
@@ -386,6 +387,13 @@ class GRPOConfig:
              "experimental.rollout_fidelity / rollout_exact_fraction decode some with another: set "
              "experimental.rollout_fidelity=fixed and experimental.rollout_exact_fraction=0, or "
              "correction.complete_ratio=false"),
+            (not experimental.commit_choice_as_set or (experimental.rollout_position_temperature > 0
+                                                        and self.rollout.threshold is None
+                                                        and experimental.rollout_factor is None
+                                                        and self.rollout.schedule == "even"),
+             "experimental.commit_choice_as_set scores a fixed count's drawn positions as a set: set "
+             "experimental.rollout_position_temperature > 0, rollout.threshold=null, no experimental.rollout_factor "
+             "and rollout.schedule=even, or experimental.commit_choice_as_set=false"),
             (not experimental.commit_choice_gradient or (diffusion and self.replays_decoder
                                                           and experimental.rollout_position_temperature > 0
                                                           and experimental.rollout_factor is None),
@@ -595,6 +603,14 @@ def changed_settings(recipe_path: str | Path, config: "GRPOConfig", unchanging: 
     return [f"{name}: {show(saved.get(name, defaults[name]))} -> {show(value)}"
             for name, value in flat_settings(config.to_dict()).items()
             if name not in unchanging and saved.get(name, defaults[name]) != value]
+
+
+def settings_added_since(recipe_path: str | Path, config: "GRPOConfig") -> list[str]:
+    """The fields of `config` (``group.field``) that the recipe at `recipe_path` does not name: for a run's saved
+    config.yaml (every field of its release), the settings added to dllm-ais since the run was configured;
+    ConfigError when the file does not read as a recipe."""
+    saved = flat_settings(canonical_values(read_recipe(recipe_path), str(Path(recipe_path).parent)))
+    return [name for name in flat_settings(config.to_dict()) if name not in saved]
 
 
 def recipe_setting(values: dict[str, Any], name: str) -> Any:

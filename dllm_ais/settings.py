@@ -211,6 +211,10 @@ class ExperimentalSettings(SettingsGroup):
         "help": "T > 0 makes the commit choice a recorded draw: Dream's alg_temp (positions drawn from softmax(score "
                 "/ T) instead of the top scores); with rollout.threshold, independent commits with probability "
                 "sigmoid((score - threshold) / T), one drawn from softmax(score / T) when none. 0 = deterministic."})
+    commit_choice_as_set: bool = field(default=False, metadata={
+        "help": "With rollout_position_temperature > 0 and a fixed count: the commit choice's log-prob (the complete "
+                "ratio's commit term) is the committed set's, the draw order within a step summed out, instead of "
+                "the drawn order's. Even schedule, at most 5 commits a step."})
     commit_choice_gradient: bool = field(default=False, metadata={
         "help": "With rollout_position_temperature > 0: the loss's log-probs also hold the commit choice's (the "
                 "drawn order's score function joins the policy gradient; PPO's ratio is then the whole step's). "

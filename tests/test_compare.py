@@ -119,6 +119,20 @@ def test_compare_runs_arms_by_seeds_then_reuses_them(tmp_path, monkeypatch, caps
     assert main(["compare", str(study), "--baseline", "bf16", f"--output_dir={folder}"]) == 1
     assert capsys.readouterr().err == "error: --baseline: unknown 'bf16'; the study's arms: none, ais\n"
 
+    assert main(["compare", str(study), "--seeds", "2", "--arms", "ais", "--report", "comparison-ais-only",
+                 f"--output_dir={folder}"]) == 0
+    assert "comparison-ais-only.md" in capsys.readouterr().out
+    assert json.loads((folder / "comparison-ais-only.json").read_text())["arms"].keys() == {"none", "ais"}
+    assert (folder / "comparison.md").read_text() == table  # the whole study's report is kept
+    for name in ("../elsewhere", ".hidden", ""):
+        assert main(["compare", str(study), "--report", name, f"--output_dir={folder}"]) == 1
+        assert capsys.readouterr().err.startswith(f"error: --report {name!r}: a file name without a folder")
+    user_file = tmp_path / "notes.md"
+    user_file.write_text("a user's notes\n")
+    (folder / "linked.md").symlink_to(user_file)
+    assert main(["compare", str(study), "--report", "linked", f"--output_dir={folder}"]) == 1
+    assert "is a symbolic link" in capsys.readouterr().err and user_file.read_text() == "a user's notes\n"
+
 
 def test_failed_runs_are_named_with_their_logs(tmp_path, capsys):
     study = write_study(tmp_path / "bad.yaml", {"none": {"corection": "none"}, "typo": {"corection": "ais"},

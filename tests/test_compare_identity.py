@@ -178,6 +178,43 @@ def test_a_result_of_other_prompts_or_another_version_is_rerun(tmp_path, trains,
     assert not list(folder.rglob("*.damaged*.json"))  # dllm-ais' own stale result is replaced, not kept aside
 
 
+def as_configured_before(run: compare.Run, missing: str) -> None:
+    """Make `run` look trained by a release without the setting `missing` (``group.field`` or a top-level field):
+    its config.yaml without it, its result recording that release's config hash."""
+    import yaml
+
+    saved = yaml.safe_load((run.output_dir / "config.yaml").read_text())
+    group, _, name = missing.rpartition(".")
+    del (saved[group] if group else saved)[name]
+    (run.output_dir / "config.yaml").write_text(yaml.safe_dump(saved))
+    record = json.loads(run.result.read_text())
+    record["identity"]["config_sha256"] = "0" * 64
+    run.result.write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize(("missing", "arm", "reused"), [
+    ("experimental.commit_choice_as_set", {}, True),
+    ("experimental.rollout_seed_offset", {"experimental.rollout_seed_offset": 3}, False),
+    ("weight_decay", {}, False),
+])
+def test_a_run_from_before_a_study_knob_existed_is_reused_at_its_default(tmp_path, trains, capsys, missing, arm,
+                                                                          reused):
+    """A study knob added since a run trained is off at its default, which is what the run trained: the run is
+    reused, saying so. A knob the study sets away from its default, or any other setting added since, reruns."""
+    study = write_study(tmp_path, {"none": {"correction": "none", **arm}})
+    folder = tmp_path / "study"
+    assert main(["compare", str(study), "--seeds", "1", f"--output_dir={folder}"]) == 0
+    capsys.readouterr()
+    as_configured_before(study_runs(study, folder, 1)[0], missing)
+    assert main(["compare", str(study), "--seeds", "1", f"--output_dir={folder}"]) == 0
+    line = compare_lines(capsys.readouterr().out)["seed 0 arm none"]
+    if reused:
+        assert line.startswith("reused — its config.yaml is the planned config but for study knobs added since it "
+                               f"ran, at their defaults ({missing}); the same held-out prompts") and len(trains) == 1
+    else:
+        assert line.startswith("rerun — config changed since it ran") and len(trains) == 2
+
+
 def test_arms_on_different_held_out_prompts_are_refused_before_training(tmp_path, trains, capsys):
     """Old code: every run trained, then a ValueError traceback from the paired difference."""
     study = write_study(tmp_path, {"small": {"eval_size": 4}, "big": {"eval_size": 8}, "same": {"correction": "tis"}})

@@ -16,7 +16,8 @@ from dllm_ais.likelihood import trajectory_logprobs
 from dllm_ais.likelihood.trajectory import sum_pieces
 from dllm_ais.models import LLaDAConfig, LLaDAModelLM
 from dllm_ais.rollout import Rollout
-from dllm_ais.sampling.diffusion import DiffusionSamplerConfig, MaskedDiffusionSampler, top_log_odds_scores
+from dllm_ais.sampling.diffusion import (DiffusionSamplerConfig, MaskedDiffusionSampler, committed_set_logprobs,
+                                        ranked_choice_logprobs, top_log_odds_scores)
 from dllm_ais.settings import CorrectionSettings
 
 TOKENS, EOS, MASK = (0, 1, 2), 2, 3
@@ -196,6 +197,72 @@ def test_recorded_logprob_is_the_exact_probability_of_the_trajectory(threshold, 
     assert float(torch.logsumexp(trainer.double(), 0)) == pytest.approx(0.0, abs=1e-5)
 
 
+def test_the_committed_set_is_the_drawn_order_summed_out():
+    """experimental.commit_choice_as_set: a fixed count's recorded choice log-prob is its set's — the enumerated
+    trajectories that differ only in a step's draw order added up — on the sampler's side and in the trainer's replay,
+    whose probabilities again sum to 1."""
+    model, ordered = TinyCanvasModel(), sampler_of(3, None, 0.5, steps=2)
+    as_set = MaskedDiffusionSampler(dataclasses.replace(ordered.config, commit_choice_as_set=True))
+
+    def unordered(key: tuple) -> tuple:
+        return tuple((candidates, tuple(sorted(choice))) for candidates, choice in key)
+
+    grouped = {}
+    for key, logprob in enumerate_trajectories(model, ordered).items():
+        grouped.setdefault(unordered(key), []).append(logprob)
+    sets = {key: float(torch.tensor(v, dtype=torch.float64).logsumexp(0)) for key, v in grouped.items()}
+    assert len(sets) < sum(map(len, grouped.values()))  # two commits in the first step: two orders of each set
+    assert math.fsum(math.exp(v) for v in sets.values()) == pytest.approx(1.0, abs=1e-9)
+
+    rollout = as_set.sample(model, torch.zeros(64, 1, dtype=torch.long), generator=torch.Generator().manual_seed(0))
+    recorded = (rollout.step_logprobs + rollout.choice_logprobs).sum(1)
+    expected = [sets[unordered(trajectory_key(rollout, row, True))] for row in range(64)]
+    torch.testing.assert_close(recorded.double(), torch.tensor(expected, dtype=torch.float64), atol=1e-5, rtol=0)
+    torch.testing.assert_close(as_set.choice_logprobs(model, rollout), rollout.choice_logprobs)
+    keys = list(sets)
+    every = rollout_of_trajectories(keys, 3, True)
+    trainer = (trajectory_logprobs(model, every, MASK, TEMPERATURE) + as_set.choice_logprobs(model, every)).sum(1)
+    torch.testing.assert_close(trainer.double(), torch.tensor([sets[k] for k in keys], dtype=torch.float64),
+                               atol=1e-5, rtol=0)
+
+
+def test_the_set_probability_of_each_count_matches_its_orders_and_its_gradient_is_finite():
+    """`committed_set_logprobs` = log Σ over the set's orders of `ranked_choice_logprobs`, for 1-3 commits among 6
+    positions (some already committed), shared equally; the probabilities of all sets of a size sum to 1; the
+    gradient stays finite when every masked position commits."""
+    scores = torch.randn(2, 6, generator=torch.Generator().manual_seed(0)) * 2
+    still_masked = torch.tensor([[True] * 6, [True, False, True, True, True, True]])
+    for size in (1, 2, 3):
+        total = torch.zeros(2, dtype=torch.float64)
+        for chosen in itertools.combinations(range(6), size):
+            commit = torch.zeros(2, 6, dtype=torch.bool)
+            commit[:, list(chosen)] = True
+            if not (commit & ~still_masked).any(dim=1).all():
+                valid = ~(commit & ~still_masked).any(dim=1)
+                by_orders = torch.stack([ranked_choice_logprobs(scores, still_masked, commit, rank, 0.7).sum(1)
+                                         for rank in order_ranks(chosen)]).double().logsumexp(0)
+                as_set = committed_set_logprobs(scores, still_masked, commit, 0.7, 3)
+                torch.testing.assert_close(as_set.sum(1).double()[valid], by_orders[valid], atol=1e-5, rtol=0)
+                assert torch.allclose(as_set[commit], as_set.sum(1, keepdim=True).expand_as(as_set)[commit] / size)
+                total += torch.where(valid, as_set.sum(1).double().exp(), 0.0)
+        torch.testing.assert_close(total, torch.ones(2, dtype=torch.float64), atol=1e-5, rtol=0)
+    leaves = torch.randn(1, 3, requires_grad=True)
+    committed_set_logprobs(leaves, torch.ones(1, 3, dtype=torch.bool), torch.ones(1, 3, dtype=torch.bool), 1.0,
+                           5).sum().backward()
+    assert torch.isfinite(leaves.grad).all()
+
+
+def order_ranks(chosen: tuple[int, ...]) -> list[torch.Tensor]:
+    """[2, 6] `commit_rank`s, one per order of the `chosen` positions."""
+    ranks = []
+    for order in itertools.permutations(chosen):
+        rank = torch.zeros(2, 6, dtype=torch.long)
+        for position_rank, position in enumerate(order):
+            rank[:, position] = position_rank
+        ranks.append(rank)
+    return ranks
+
+
 @pytest.mark.parametrize("threshold, position_temperature, steps", RULES)
 def test_sampled_trajectories_follow_the_recorded_probabilities(threshold, position_temperature, steps):
     """The sampler draws each trajectory as often as its recorded probability says (every frequency within 5
@@ -270,6 +337,7 @@ def unmarked_confidence(block_logits, candidates, generator=None):
     (dict(cache="prefix", position_temperature=0.3), True),
     (dict(cache="prefix", position_temperature=0.02, remasking="top_probability"), False),
     (dict(cache="prefix", position_temperature=0.02, remasking="top_log_odds"), False),
+    (dict(cache="dual", position_temperature=0.02, remasking="top_log_odds", commit_choice_as_set=True), False),
     (dict(cache="none", remasking="maskgit_plus", position_temperature=0.3), True)])
 def test_the_trainer_replays_the_recorded_choice_with_the_fast_decoder(decoder, records_discarded):
     """On the model that sampled, the trainer's replay of the commit choice — with the block cache refreshed as
@@ -379,7 +447,25 @@ def test_the_commit_choice_gradient_differentiates_the_whole_step(tokenizer, tmp
     assert history[0]["rollout_corr/k3_kl"] == pytest.approx(0.0, abs=1e-6)
 
 
+def test_a_run_scoring_the_commit_choice_as_a_set_trains_with_the_complete_ratio(tokenizer, tmp_path):
+    """experimental.commit_choice_as_set through the trainer: the bf16 engine's complete ratio is 1 (its recorded set
+    log-probs are the trainer's), two steps train, and the held-out evaluation decodes exactly without it."""
+    from test_trainer import make_trainer
+
+    trainer = make_trainer(tokenizer, tmp_path, rollout={"precision": "bf16", "cache": "dual",
+                                                         "remasking": "top_log_odds"},
+                           likelihood={"estimator": "trajectory"}, correction={"method": "ais", "complete_ratio": True},
+                           experimental={"rollout_position_temperature": 1.0, "commit_choice_as_set": True})
+    assert trainer.policy.sampler.config.commit_choice_as_set
+    history = trainer.train().history
+    assert len(history) == 2 and all(math.isfinite(r["loss"]) for r in history)
+    assert history[0]["rollout_corr/commit_k3_kl"] == pytest.approx(0.0, abs=1e-5)
+
+
 @pytest.mark.parametrize("settings, named", [
+    ({"experimental": {"commit_choice_as_set": True, "rollout_position_temperature": 1.0},
+      "rollout": {"cache": "dual", "threshold": 0.9}}, "commit_choice_as_set scores a fixed count"),
+    ({"experimental": {"commit_choice_as_set": True}}, "commit_choice_as_set scores a fixed count"),
     ({"experimental": {"commit_choice_gradient": True}}, "rollout_position_temperature > 0"),
     ({"experimental": {"commit_choice_gradient": True, "rollout_position_temperature": 1.0}, "beta": 0.04},
      "set beta=0"),

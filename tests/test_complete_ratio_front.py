@@ -85,6 +85,16 @@ def test_the_report_is_written_beside_the_first_study_and_never_through_a_link(t
     assert target.read_text() == "a user's notes\n"
 
 
+def test_a_named_report_of_the_same_study_is_one_more_line_beside_the_first(tmp_path, capsys):
+    study = synthetic_study(tmp_path / "study", ais_recovers=False)
+    summary = json.loads((study / "comparison.json").read_text())
+    summary["arms"] = {name.replace("mxfp4", "nvfp4"): arm for name, arm in summary["arms"].items()}
+    (study / "comparison-nvfp4.json").write_text(json.dumps(summary))
+    main([str(study), str(study / "comparison-nvfp4.json")])
+    table = (study / "complete-ratio-front.md").read_text()
+    assert "| synthetic | mxfp4 | 0.150 (80%) |" in table and "| synthetic (comparison-nvfp4) | nvfp4 | 0.150 (80%) |" in table
+
+
 def test_every_arm_of_the_complete_ratio_studies_resolves_and_only_a_drawn_choice_carries_the_complete_ratio(tmp_path):
     studies = sorted((Path(__file__).resolve().parent.parent / "recipes" / "studies").glob("complete_ratio_*.yaml"))
     assert [path.stem for path in studies] == ["complete_ratio_llada_chain_sum_decoders",

@@ -1,10 +1,11 @@
 """The complete ratio's front (issue 49): held-out Δ against bf16 rollouts versus the mismatch the complete ratio
 measures, one line per correction, over finished `dllm-ais compare` studies.
 
-    python -m dllm_ais.experimental.complete_ratio_front STUDY_FOLDER [STUDY_FOLDER ...]
+    python -m dllm_ais.experimental.complete_ratio_front STUDY [STUDY ...]
 
-A study folder is where `dllm-ais compare` wrote `comparison.json` against the study's baseline arm (bf16
-rollouts, `recipes/studies/complete_ratio_llada_*.yaml`). Its other arms named `<rollout precision> <correction>`
+A STUDY is a report `dllm-ais compare` wrote against the study's baseline arm (bf16 rollouts,
+`recipes/studies/complete_ratio_llada_*.yaml`): its JSON file, or the study folder for its `comparison.json`. Its
+other arms named `<rollout precision> <correction>`
 ("mxfp4 uncorrected", "mxfp4 + AIS (complete ratio)") form its notches; arms rolling out at the baseline's
 precision (another decoder, another draw) are not notches and are left out.
 
@@ -20,8 +21,8 @@ precision (another decoder, another draw) are not notches and are left out.
   prompts, then over seeds).
 
 Writes complete-ratio-front.md (one row per notch, with the rescue's verdict) and complete-ratio-front.png (Δ against
-the mismatch, one line per study and correction) into the first study folder, beside its comparison
-(`--report NAME` names the two files).
+the mismatch, one line per report and correction) into the first report's folder, beside it (`--report NAME` names
+the two files).
 """
 
 from __future__ import annotations
@@ -62,10 +63,17 @@ def notch_mismatch(runs: list[str]) -> dict[str, float] | None:
     return {"k3": complete, "commit_k3": commit, "num_records": len(records)}
 
 
-def study_front(study_dir: Path) -> dict[str, Any]:
-    """One study's notches, in order of mismatch: {"precision", "mismatch", "corrections": {label: Δ across
-    seeds}, "verdict"} (module docstring), with the study's name and compared metric."""
-    summary = json.loads((study_dir / "comparison.json").read_text())
+def report_path(study: Path) -> Path:
+    """A compare report's JSON file: `study` itself, or a study folder's `comparison.json`."""
+    return study / "comparison.json" if study.is_dir() else study
+
+
+def study_front(study: Path) -> dict[str, Any]:
+    """One compare report's notches (`study`: its JSON file or the study folder), in order of mismatch:
+    {"precision", "mismatch", "corrections": {label: Δ across seeds}, "verdict"} (module docstring), with the
+    study's name and compared metric."""
+    path = report_path(study)
+    summary = json.loads(path.read_text())
     arms, metric, baseline = summary["arms"], summary["metric"], summary["baseline"]
     baseline_precision = baseline.split()[0]
     notches: dict[str, dict[str, str]] = {}
@@ -92,7 +100,8 @@ def study_front(study_dir: Path) -> dict[str, Any]:
                        "ais_above_uncorrected": paired["mean"] > LOSS_STANDARD_ERRORS * paired["standard_error"]}
         rows.append({"precision": precision, "mismatch": mismatch, "corrections": corrections, "verdict": verdict})
     rows.sort(key=lambda row: row["mismatch"]["k3"])
-    return {"study": summary["study"], "folder": str(study_dir), "metric": metric, "baseline": baseline,
+    name = summary["study"] if path.stem == "comparison" else f"{summary['study']} ({path.stem})"
+    return {"study": name, "report": str(path), "metric": metric, "baseline": baseline,
             "seeds": summary["seeds"], "num_prompts": summary["num_prompts"], "rows": rows}
 
 
@@ -158,15 +167,16 @@ def plot(fronts: list[dict[str, Any]], labels: list[str], path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m dllm_ais.experimental.complete_ratio_front", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("studies", type=Path, nargs="+", help="study folders holding comparison.json")
+    parser.add_argument("studies", type=Path, nargs="+",
+                        help="compare reports: their JSON files, or study folders for their comparison.json")
     parser.add_argument("--report", default="complete-ratio-front",
-                        help="the report's file name (.md, .png) in the first study folder")
+                        help="the report's file name (.md, .png) in the first report's folder")
     args = parser.parse_args(argv)
-    report = args.studies[0] / Path(args.report).name
+    report = report_path(args.studies[0]).parent / Path(args.report).name
     for path in (report.with_suffix(".md"), report.with_suffix(".png")):
         if path.is_symlink():
             raise SystemExit(link_refusal(path))
-    fronts = [study_front(study_dir) for study_dir in args.studies]
+    fronts = [study_front(study) for study in args.studies]
     labels = list(dict.fromkeys(label for front in fronts for row in front["rows"] for label in row["corrections"]))
     table = markdown(fronts, labels)
     atomic_write_text(report.with_suffix(".md"), table)

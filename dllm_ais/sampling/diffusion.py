@@ -96,6 +96,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -387,6 +388,37 @@ def ranked_choice_logprobs(scores: torch.Tensor, still_masked: torch.Tensor, com
     return torch.zeros_like(terms).scatter(1, order, terms).float()
 
 
+MAX_COMMITS_SCORED_AS_SET = 5
+"""The most positions a step may commit when its choice is scored as a set (`committed_set_logprobs` sums over every
+order of them: 5! = 120)."""
+
+
+def committed_set_logprobs(scores: torch.Tensor, still_masked: torch.Tensor, commit: torch.Tensor,
+                           position_temperature: float, max_commits: int) -> torch.Tensor:
+    """float32 [B, Lb]: log P(a fixed-count step's committed *set* | the scores), shared equally by its positions.
+
+    The positions are drawn as for `ranked_choice_logprobs` (without replacement from softmax(c / T)); the canvas
+    after the step depends on which were drawn, not on their order, so the set's probability is the Plackett–Luce
+    probability summed over its k! orders: the ordered ratio with the order summed out (Rao–Blackwellised). Each
+    committed position gets log P(set) / k, every other 0. A row commits at most `max_commits` positions.
+    """
+    absent = -1e300  # a weight of exactly 0 whose log keeps the gradients finite
+    max_commits = min(max_commits, scores.shape[1])
+    scaled = (scores.double() / position_temperature).masked_fill(~still_masked, absent)
+    first = commit.double().argsort(dim=1, descending=True, stable=True)[:, :max_commits]
+    chosen = commit.gather(1, first)
+    drawn = scaled.gather(1, first).masked_fill(~chosen, absent)  # [B, K], padded past a row's k
+    rest = scaled.masked_fill(commit, absent).logsumexp(dim=1, keepdim=True)
+    orders = torch.tensor(list(itertools.permutations(range(max_commits))), device=scores.device)  # [K!, K]
+    permuted, real = drawn[:, orders], chosen[:, orders]  # [B, K!, K]
+    not_yet_drawn = torch.logaddexp(permuted.flip(-1).logcumsumexp(dim=-1).flip(-1), rest.unsqueeze(-1))
+    per_order = torch.where(real, permuted - not_yet_drawn, 0.0).sum(dim=-1)
+    k = chosen.sum(dim=1).double()
+    # each order of the k real positions is K! / k! orders of the padded K: the same term that many times
+    log_set = per_order.logsumexp(dim=-1) - math.lgamma(max_commits + 1) + torch.lgamma(k + 1)
+    return torch.where(commit, (log_set / k.clamp_min(1)).unsqueeze(1), 0.0).float()
+
+
 def threshold_choice_logprobs(commit_logits: torch.Tensor, stay_logprobs: torch.Tensor, forced_scores: torch.Tensor,
                               still_masked: torch.Tensor, commit: torch.Tensor, position_temperature: float
                               ) -> torch.Tensor:
@@ -521,6 +553,9 @@ class DiffusionSamplerConfig:
             masked position committed with probability σ((score − threshold) / T), one drawn from softmax(score / T)
             when none is (`threshold_commits`). The rollout then records `choice_logprobs`, `commit_rank` and
             `discarded_candidates`. 0 = the deterministic rules (top scores; every score above the threshold).
+        commit_choice_as_set: with a fixed count and T > 0, the choice's recorded log-probability is its set's
+            (`committed_set_logprobs`: the draw order within the step summed out) instead of the drawn order's; at
+            most `MAX_COMMITS_SCORED_AS_SET` commits a step, on the even schedule.
         logits_shifted: whether the model's logits at position i − 1 predict position i (Dream);
             None = from ``model.config.model_type`` (`dllm_ais.models.families`).
         block_causal: whether the model attends causally across blocks of ``model.config.block_size`` positions
@@ -549,8 +584,15 @@ class DiffusionSamplerConfig:
     top_p: float = 1.0
     top_k: int = 0
     position_temperature: float = 0.0
+    commit_choice_as_set: bool = False
     logits_shifted: bool | None = None
     block_causal: bool | None = None
+
+    @property
+    def max_commits_per_step(self) -> int:
+        """The most positions one step of the even schedule commits: ⌈block_length / steps per block⌉."""
+        steps_per_block = max(self.steps // max(self.gen_length // self.block_length, 1), 1)
+        return -(-self.block_length // steps_per_block)
 
     @property
     def parallel_decoding(self) -> bool:
@@ -617,6 +659,12 @@ class DiffusionSamplerConfig:
             problems.append(f"top_k={self.top_k!r} must be an integer >= 0 (0 = off)")
         if not (math.isfinite(self.position_temperature) and self.position_temperature >= 0):
             problems.append(f"position_temperature={self.position_temperature} must be >= 0 (0 = top scores)")
+        if self.commit_choice_as_set and not (self.position_temperature > 0 and not self.parallel_decoding
+                                              and self.schedule == "even"
+                                              and self.max_commits_per_step <= MAX_COMMITS_SCORED_AS_SET):
+            problems.append("commit_choice_as_set scores a fixed count's drawn positions as a set: it needs "
+                            "position_temperature > 0, no threshold or factor, the even schedule and at most "
+                            f"{MAX_COMMITS_SCORED_AS_SET} commits a step (block_length / steps per block)")
         if self.remasking == "top_log_odds" and self.parallel_decoding:
             problems.append("remasking='top_log_odds' scores log-odds, which a threshold or factor on a confidence in "
                             "[0, 1] does not read: use top_probability with parallel decoding")
@@ -1345,14 +1393,18 @@ class MaskedDiffusionSampler:
                              candidate_logprobs: torch.Tensor) -> torch.Tensor:
         """float32 [B, Lb]: the log-probability of one step's outcome beyond its committed tokens', split over the
         block's positions, from the block's `logits` and the rule's `scores` of the candidates: the commit choice
-        (`ranked_choice_logprobs` for a fixed count, `threshold_choice_logprobs` for threshold decoding; 0 for a
+        (`ranked_choice_logprobs` for a fixed count, or `committed_set_logprobs` with `commit_choice_as_set`;
+        `threshold_choice_logprobs` for threshold decoding; 0 for a
         rule whose choice does not depend on the model) plus, when the ratio holds them
         (`records_discarded_candidates`), the log-prob `candidate_logprobs` of the candidate drawn at each
         still-masked position left uncommitted. With the committed tokens' log-probs (`step_logprobs`) this is the
         probability of the step's outcome; docs/algorithms.md, "The complete ratio"."""
         config = self.config
         terms = torch.zeros_like(candidate_logprobs, dtype=torch.float32)
-        if self.commit_choice_depends_on_model and config.threshold is None:
+        if self.commit_choice_depends_on_model and config.threshold is None and config.commit_choice_as_set:
+            terms = committed_set_logprobs(scores, still_masked, commit, config.position_temperature,
+                                           config.max_commits_per_step)
+        elif self.commit_choice_depends_on_model and config.threshold is None:
             terms = ranked_choice_logprobs(scores, still_masked, commit, commit_rank, config.position_temperature)
         elif self.commit_choice_depends_on_model:
             commit_logits = (scores.double() - config.threshold) / config.position_temperature
