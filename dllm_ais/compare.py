@@ -136,6 +136,9 @@ def read_study(path: Path) -> Study:
     if unknown:
         raise StudyError(f"{path}: unknown keys {unknown}; a study has {', '.join(STUDY_KEYS)}")
     arms = {str(name): overrides or {} for name, overrides in values["arms"].items()}
+    with_comma = [name for name in arms if "," in name]
+    if with_comma:
+        raise StudyError(f"{path}: arm names {with_comma} hold a comma, which --arms splits on: rename them")
     if not all(isinstance(overrides, dict) for overrides in [*arms.values(), values.get("overrides") or {}]):
         raise StudyError(f"{path}: every arm's overrides and `overrides` are mappings of config fields to values")
     baseline = str(values.get("baseline", next(iter(arms))))

@@ -64,6 +64,9 @@ def test_a_bad_study_is_one_line(tmp_path):
     study.write_text("arms: {a: {}}\nseeds: 3\n")
     with pytest.raises(StudyError, match=r"unknown keys \['seeds'\]"):
         read_study(study)
+    study.write_text("arms: {a: {}, 'b (x, y)': {}}\n")
+    with pytest.raises(StudyError, match=r"arm names \['b \(x, y\)'\] hold a comma, which --arms splits on"):
+        read_study(study)
 
 
 def test_an_unfinished_run_is_rerun_over_its_own_outputs(tmp_path):
