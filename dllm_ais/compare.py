@@ -16,10 +16,11 @@ held-out prompts are loaded: arms evaluated on different prompts (another eval_s
 as is eval_size 0. A finished run's `held_out.json` records what made it (`evaluation.result_identity`: the
 resolved config's hash, the held-out prompts' hash, the dllm-ais version); the run is reused only when that record
 is the planned one — or when its `config.yaml` differs from the planned config only by study knobs added to
-dllm-ais since it ran, at their defaults (off: the behaviour it trained with) — and rerun afresh otherwise. A damaged or foreign `held_out.json` (not JSON, not a record
-dllm-ais wrote, no identity, values that do not match its prompts) is moved aside, beside the run's directory, and
-the run trained again; an unfinished run is resumed from its newest checkpoint when its config allows, else rerun
-(train itself refuses to replace anything it did not write). One line per run says which and why.
+dllm-ais since it ran, at their defaults (off: the behaviour it trained with) — and rerun afresh otherwise. A
+damaged or foreign `held_out.json` (not JSON, not a record dllm-ais wrote, no identity, values that do not match its
+prompts) is moved aside, beside the run's directory, and the run trained again; an unfinished run is resumed from
+its newest checkpoint when its config allows, else rerun (train itself refuses to replace anything it did not
+write). One line per run says which and why.
 
 The table pairs each arm with the baseline seed by seed over the same held-out prompts (Δ ± SE), then aggregates the
 seeds' Δ (mean, seed-to-seed SE, 95 % t interval): `comparison.md`, `comparison.json` and `comparison.png` in the

@@ -16,9 +16,9 @@ precision (another decoder, another draw) are not notches and are left out.
   being trained. A notch with no such arm has no measured complete-ratio mismatch and is left out.
 - Δ: each arm's held-out metric minus the baseline's, per seed over the same prompts, then the mean over seeds ±
   the seed-to-seed SE.
-- The rescue at a notch where uncorrected rollouts lose (by more than 2 seed SE): AIS on the complete ratio within 2
-  points of bf16 and above the uncorrected arm by more than 2 SE of their paired difference (per seed over the same
-  prompts, then over seeds).
+- The rescue at a notch where uncorrected rollouts lose (by more than 2 seed SE): AIS on the complete ratio (the
+  report's first arm labelled "+ AIS (complete ratio ...") within 2 points of bf16 and above the uncorrected arm by
+  more than 2 SE of their paired difference (per seed over the same prompts, then over seeds).
 
 Writes complete-ratio-front.md (one row per notch, with the rescue's verdict) and complete-ratio-front.png (Δ against
 the mismatch, one line per report and correction) into the first report's folder, beside it (`--report NAME` names
@@ -39,7 +39,7 @@ from dllm_ais.experimental.precision_frontier import (LOSS_STANDARD_ERRORS, RESC
 from dllm_ais.metrics import parse_record
 from dllm_ais.run_dir import atomic_write_text, link_refusal
 
-UNCORRECTED, AIS_COMPLETE = "uncorrected", "+ AIS (complete ratio)"
+UNCORRECTED, AIS_COMPLETE = "uncorrected", "+ AIS (complete ratio"  # and its variants: "... of sets)"
 COMPLETE_K3, COMMIT_K3 = "rollout_corr/k3_kl", "rollout_corr/commit_k3_kl"
 
 
@@ -91,12 +91,13 @@ def study_front(study: Path) -> dict[str, Any]:
         corrections = {label: versus_baseline(values[baseline], values[name])["across_seeds"]
                        for label, name in names.items()}
         verdict = None
-        if UNCORRECTED in names and AIS_COMPLETE in names:
-            paired = versus_baseline(values[names[UNCORRECTED]], values[names[AIS_COMPLETE]])["across_seeds"]
+        ais = next((label for label in names if label.startswith(AIS_COMPLETE)), None)
+        if UNCORRECTED in names and ais is not None:
+            paired = versus_baseline(values[names[UNCORRECTED]], values[names[ais]])["across_seeds"]
             loss = corrections[UNCORRECTED]
             verdict = {"ais_minus_uncorrected": paired,
                        "uncorrected_loses": loss["mean"] + LOSS_STANDARD_ERRORS * loss["standard_error"] < 0,
-                       "ais_within_2_points": corrections[AIS_COMPLETE]["mean"] >= -RESCUE_POINTS,
+                       "ais_within_2_points": corrections[ais]["mean"] >= -RESCUE_POINTS,
                        "ais_above_uncorrected": paired["mean"] > LOSS_STANDARD_ERRORS * paired["standard_error"]}
         rows.append({"precision": precision, "mismatch": mismatch, "corrections": corrections, "verdict": verdict})
     rows.sort(key=lambda row: row["mismatch"]["k3"])
