@@ -320,17 +320,16 @@ def examine(run: Run, config: GRPOConfig | None, identity: dict[str, Any] | None
             fields = (changed_fields(run.output_dir, config, UNHASHED_FIELDS)
                       if recorded["config_sha256"] != identity["config_sha256"] else None)
             added = experimental_settings_added(run.output_dir, config) if fields == [] else None
-            changes = identity_changes(recorded, identity, None if added else fields)
-            if not changes:
-                return Plan(run, True, False, f"its result records the same config (hash "
-                            f"{identity['config_sha256'][:12]}), held-out prompts ({identity['prompts_sha256'][:12]}) "
-                            f"and dllm-ais {identity['dllm_ais_version']}", identity)
-            if added and identity_changes({**recorded, "config_sha256": identity["config_sha256"]}, identity) == []:
-                return Plan(run, True, False, f"its config.yaml is the planned config but for study knobs added since "
-                            f"it ran, at their defaults ({', '.join(added[:4])}{', …' if len(added) > 4 else ''}); "
-                            f"the same held-out prompts ({identity['prompts_sha256'][:12]}) and dllm-ais "
-                            f"{identity['dllm_ais_version']}", identity)
-            return Plan(run, False, True, "; ".join(changes), identity)
+            if added:  # the config it trained is the planned one: its hash predates the settings added
+                recorded = {**recorded, "config_sha256": identity["config_sha256"]}
+            changes = identity_changes(recorded, identity, fields)
+            if changes:
+                return Plan(run, False, True, "; ".join(changes), identity)
+            config_part = (f"its config.yaml is the planned config but for study knobs added since it ran, at their "
+                           f"defaults ({', '.join(added[:4])}{', …' if len(added) > 4 else ''}); the same"
+                           if added else f"its result records the same config (hash {identity['config_sha256'][:12]}),")
+            return Plan(run, True, False, f"{config_part} held-out prompts ({identity['prompts_sha256'][:12]}) and "
+                        f"dllm-ais {identity['dllm_ais_version']}", identity)
     if not (run.output_dir.is_dir() and any(run.output_dir.iterdir())):
         return Plan(run, False, False, "; ".join(reasons) or "not run yet", identity)
     if run_checkpoints(run.output_dir):

@@ -39,7 +39,7 @@ from dllm_ais.experimental.precision_frontier import (LOSS_STANDARD_ERRORS, RESC
 from dllm_ais.metrics import parse_record
 from dllm_ais.run_dir import atomic_write_text, link_refusal
 
-UNCORRECTED, AIS_COMPLETE = "uncorrected", "+ AIS (complete ratio"  # and its variants: "... of sets)"
+UNCORRECTED, AIS_COMPLETE_PREFIX = "uncorrected", "+ AIS (complete ratio"  # "+ AIS (complete ratio of sets)" too
 COMPLETE_K3, COMMIT_K3 = "rollout_corr/k3_kl", "rollout_corr/commit_k3_kl"
 
 
@@ -91,7 +91,7 @@ def study_front(study: Path) -> dict[str, Any]:
         corrections = {label: versus_baseline(values[baseline], values[name])["across_seeds"]
                        for label, name in names.items()}
         verdict = None
-        ais = next((label for label in names if label.startswith(AIS_COMPLETE)), None)
+        ais = next((label for label in names if label.startswith(AIS_COMPLETE_PREFIX)), None)
         if UNCORRECTED in names and ais is not None:
             paired = versus_baseline(values[names[UNCORRECTED]], values[names[ais]])["across_seeds"]
             loss = corrections[UNCORRECTED]

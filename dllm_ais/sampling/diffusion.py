@@ -96,6 +96,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Callable, Iterator
@@ -393,6 +394,13 @@ MAX_COMMITS_SCORED_AS_SET = 5
 order of them: 5! = 120)."""
 
 
+@functools.lru_cache(maxsize=None)
+def commit_orders(count: int, device: torch.device) -> torch.LongTensor:
+    """[count!, count] every order of `count` positions (built once per count and device: the sampler scores a set
+    at every step)."""
+    return torch.tensor(list(itertools.permutations(range(count))), device=device)
+
+
 def committed_set_logprobs(scores: torch.Tensor, still_masked: torch.Tensor, commit: torch.Tensor,
                            position_temperature: float, max_commits: int) -> torch.Tensor:
     """float32 [B, Lb]: log P(a fixed-count step's committed *set* | the scores), shared equally by its positions.
@@ -409,7 +417,7 @@ def committed_set_logprobs(scores: torch.Tensor, still_masked: torch.Tensor, com
     chosen = commit.gather(1, first)
     drawn = scaled.gather(1, first).masked_fill(~chosen, absent)  # [B, K], padded past a row's k
     rest = scaled.masked_fill(commit, absent).logsumexp(dim=1, keepdim=True)
-    orders = torch.tensor(list(itertools.permutations(range(max_commits))), device=scores.device)  # [K!, K]
+    orders = commit_orders(max_commits, scores.device)  # [K!, K]
     permuted, real = drawn[:, orders], chosen[:, orders]  # [B, K!, K]
     not_yet_drawn = torch.logaddexp(permuted.flip(-1).logcumsumexp(dim=-1).flip(-1), rest.unsqueeze(-1))
     per_order = torch.where(real, permuted - not_yet_drawn, 0.0).sum(dim=-1)
@@ -589,10 +597,14 @@ class DiffusionSamplerConfig:
     block_causal: bool | None = None
 
     @property
+    def steps_per_block(self) -> int:
+        """The fixed schedule's steps in each block: steps / (gen_length / block_length), at least 1."""
+        return max(self.steps // max(self.gen_length // self.block_length, 1), 1)
+
+    @property
     def max_commits_per_step(self) -> int:
         """The most positions one step of the even schedule commits: ⌈block_length / steps per block⌉."""
-        steps_per_block = max(self.steps // max(self.gen_length // self.block_length, 1), 1)
-        return -(-self.block_length // steps_per_block)
+        return -(-self.block_length // self.steps_per_block)
 
     @property
     def parallel_decoding(self) -> bool:
@@ -1233,7 +1245,7 @@ class MaskedDiffusionSampler:
         choice = _ChoiceRecord.empty(canvas.shape, self, device) if config.position_temperature > 0 else None
 
         rows = torch.arange(batch, device=device).unsqueeze(1)
-        steps_per_block = config.steps // (config.gen_length // config.block_length)
+        steps_per_block = config.steps_per_block
         block_schedule = transfer_schedule(torch.tensor([config.block_length]), steps_per_block)[0].tolist()
         step = 0  # global step index, shared by the rows (they step in lockstep)
         # Per block, per row, its masked positions (fewer than block_length in a block-causal model's first and last
