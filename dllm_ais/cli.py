@@ -22,9 +22,10 @@ Quick start (CPU, a few minutes, nothing downloaded):
 """
 
 TRAIN_EPILOG = """\
-Every field below can be set in the YAML recipe or overridden as --field=value; a settings group's
-field as --group.field=value (--rollout.cache=dual, --correction.method=tis; in YAML, nested:
-rollout: {cache: dual}). Values are YAML (--report_to=[tensorboard], --correction.clip_low=null).
+Every field below can be set in the YAML recipe or overridden as --field=value or --field value; a
+settings group's field as --group.field=value (--rollout.cache=dual, --correction.method tis; in YAML,
+nested: rollout: {cache: dual}); a boolean field alone means true (--dry_run). Values are YAML
+(--report_to=[tensorboard], --correction.clip_low=null).
 Unknown fields and bad values are reported before any model is loaded; flat names of earlier releases
 (rollout_cache, is_clip, ...) still load, with a one-line hint. Full descriptions: docs/configuration.md.
 Output: <output_dir>/metrics.jsonl, metrics.png, config.yaml, final/ (adapter + tokenizer), checkpoint-N/
@@ -120,20 +121,12 @@ def _train_failed(args: argparse.Namespace, overrides: list[str], config, error:
 
 
 def resume_command(args: argparse.Namespace, overrides: list[str], checkpoint) -> str:
-    """The command that continues an interrupted run: its recipe and overrides, resuming from `checkpoint`."""
+    """The command that continues an interrupted run: its recipe and overrides (`--key=value` words, see
+    `with_overrides_joined`), resuming from `checkpoint`."""
     import shlex
 
     replaced = ("resume_from_checkpoint", "overwrite_output_dir")
-    kept, dropping_value = [], False
-    for arg in overrides:
-        if dropping_value:
-            dropping_value = False
-            continue
-        key, has_value, _ = arg.removeprefix("--").partition("=")
-        if key.replace("-", "_") in replaced:
-            dropping_value = not has_value  # `--key value`: the value is the next argument
-            continue
-        kept.append(arg)
+    kept = [arg for arg in overrides if arg.removeprefix("--").partition("=")[0].replace("-", "_") not in replaced]
     recipe = [args.recipe] if args.recipe else []
     return shlex.join(["dllm-ais", "train", *recipe, *kept, f"--resume_from_checkpoint={checkpoint}"])
 
@@ -452,6 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dllm-ais", description=MAIN_HELP,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.commands = commands  # for `with_overrides_joined`
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--verbose", action="store_true", help="also show the libraries' warnings and progress bars")
 
@@ -480,7 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "report (protocol, seed, model revision or content hash, dtype, precision, device, versions, "
                     "command, per-prompt values) and a markdown table beside it.\n\n"
                     "Task, data and sampler settings come from the recipe, else the model's saved config, else the "
-                    "embedded recipe, and can be overridden as --field=value. A saved config never turns on "
+                    "embedded recipe, and can be overridden as --field=value (or --field value). A saved config never turns on "
                     "trust_remote_code or imports 'module:function' rewards: pass --trust_remote_code=true or "
                     "--reward_funcs=[...] yourself.")
     evaluate.add_argument("--split", default="test", choices=("test", "validation", "train"))
@@ -565,7 +559,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare = commands.add_parser("compare", parents=[common], help="arms x seeds of a recipe, paired against a "
                                   "baseline arm: table, JSON and plot", description=compare_description,
                                   formatter_class=argparse.RawDescriptionHelpFormatter,
-                                  epilog="Any --field=value after the study file overrides every run (and names its "
+                                  epilog="Any --field=value (or --field value) overrides every run (and names its "
                                          "runs apart). Studies: recipes/studies/.")
     compare.add_argument("study", help="study YAML: base, overrides, baseline, arms")
     compare.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per arm")
@@ -601,12 +595,33 @@ def _is_user_error(error: Exception) -> bool:
         rewards is not None and isinstance(error, rewards.RewardFunctionError))
 
 
+OVERRIDE_COMMANDS = ("train", "eval", "generate", "compare")  # the commands taking config fields as options
+
+
+def with_overrides_joined(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """`argv` with the config overrides of a command that takes them written `--key=value` (`joined_overrides`:
+    `--max_steps 2`, a boolean `--dry_run` alone), so that argparse never takes an override's value for the
+    command's positional recipe; the command's own options (`--model DIR`, or an abbreviation argparse accepts) are
+    left to argparse."""
+    from dllm_ais.config import joined_overrides
+
+    if not argv or argv[0] not in OVERRIDE_COMMANDS:
+        return argv
+    own = parser.commands.choices[argv[0]]._option_string_actions  # argparse's table of the command's options
+    return [argv[0], *joined_overrides(argv[1:], lambda arg: any(option.startswith(arg) for option in own))]
+
+
 def main(argv: list[str] | None = None) -> int:
+    from dllm_ais.config import ConfigError
     from dllm_ais.console import configure_console
 
     parser = build_parser()
-    args, overrides = parser.parse_known_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args, overrides = parser.parse_known_args(with_overrides_joined(parser, argv))
+    except ConfigError as error:
+        parser.exit(2, f"error: {error}\n")
+    args.argv = argv
     configure_console(verbose=args.verbose)  # before anything imports the libraries
     try:
         return args.handler(args, overrides)

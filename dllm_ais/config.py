@@ -1,6 +1,6 @@
 """Training configuration: `GRPOConfig`, TRL's field names at the top level and the pipeline's own stages in settings
 groups (`rollout`, `likelihood`, `correction`, and the study knobs behind `experimental`), loaded from YAML plus
-`--key=value` / `--group.key=value` overrides.
+`--key=value` / `--group.key=value` overrides (or `--key value`).
 
 Everything is validated here, before any model or dataset is loaded, so a typo costs seconds, not a GPU hour. Each
 field declares its allowed values in its metadata (`choices`, `range`, see `dllm_ais.validation`); `--help` shows them.
@@ -15,7 +15,7 @@ import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -521,25 +521,72 @@ def _as_float_if_numeric(value: Any) -> Any:
     return value
 
 
-def parse_overrides(args: list[str]) -> dict[str, Any]:
-    """Turn `--key=value` / `--key value` / `key=value` strings into a dict; values are parsed as YAML scalars/lists."""
-    overrides: dict[str, Any] = {}
-    pending: str | None = None
-    for arg in args:
-        if pending is not None:
-            overrides[pending] = parse_yaml(arg, f"--{pending}")
-            pending = None
+def field_type(key: str) -> Any:
+    """The type of the field `key` (a field, ``group.field``, or a flat name of an earlier release); None for a key
+    that names no field."""
+    name, _, entry = MOVED_FIELDS.get(key, key).partition(".")
+    if name in SETTINGS_GROUPS and entry:
+        return typing.get_type_hints(SETTINGS_GROUPS[name]).get(entry)
+    return None if entry else GRPO_FIELD_TYPES.get(name)
+
+
+def _is_flag(arg: str) -> bool:
+    """Whether the command-line word `arg` is an option (`--key`, `-h`) rather than a value (a negative number is a
+    value)."""
+    if not arg.startswith("-"):
+        return False
+    try:
+        float(arg)
+    except ValueError:
+        return True
+    return False
+
+
+def _is_boolean_word(arg: str) -> bool:
+    """Whether `arg` reads (YAML) as true or false."""
+    try:
+        return isinstance(yaml.safe_load(arg), bool)
+    except yaml.YAMLError:
+        return False
+
+
+def joined_overrides(args: list[str], own_option: Callable[[str], bool] = lambda arg: False) -> list[str]:
+    """The command-line words `args` with each override written `--key=value`: `--key value` joined, and a field that
+    takes true (`--dry_run`, `--resume_from_checkpoint`) alone, followed by another option or nothing, as
+    `--key=true`; a field that only holds true/false takes the next word as its value only when it is true/false (so
+    `--dry_run recipe.yaml` leaves the recipe positional). Options for which `own_option` is true (a command's own,
+    `--model DIR`) and every other word are left as they are. ConfigError naming the flag when another field's
+    option has no value."""
+    joined, index = [], 0
+    while index < len(args):
+        arg, following = args[index], args[index + 1:index + 2]
+        index += 1
+        if arg == "--" or not arg.startswith("--") or "=" in arg or own_option(arg):
+            joined.append(arg)
             continue
-        key, sep, value = arg.removeprefix("--").partition("=")
-        key = key.replace("-", "_")
-        if sep:
-            overrides[key] = parse_yaml(value, f"--{key}")
-        elif arg.startswith("--"):
-            pending = key
+        kind = field_type(arg[2:].replace("-", "_"))
+        takes_true = kind is bool or bool in typing.get_args(kind)
+        if following and not _is_flag(following[0]) and (kind is not bool or _is_boolean_word(following[0])):
+            joined.append(f"{arg}={following[0]}")
+            index += 1
+        elif takes_true:
+            joined.append(f"{arg}=true")
         else:
-            raise ConfigError(f"Cannot parse override {show(arg)}: write --key=value (e.g. --learning_rate=1e-5).")
-    if pending is not None:
-        raise ConfigError(f"Override --{pending[:60]} has no value: write --{pending[:60]}=VALUE.")
+            raise ConfigError(f"{arg[:60]} has no value: write {arg[:60]} VALUE or {arg[:60]}=VALUE.")
+    return joined
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """Turn `--key=value` / `--key value` / `key=value` strings (a boolean field's `--key` alone: true, see
+    `joined_overrides`) into a dict; values are parsed as YAML scalars/lists."""
+    overrides: dict[str, Any] = {}
+    for arg in joined_overrides(args):
+        key, sep, value = arg.removeprefix("--").partition("=")
+        if not sep:
+            raise ConfigError(f"Cannot parse override {show(arg)}: write --key=value or --key value (e.g. "
+                              "--learning_rate=1e-5).")
+        key = key.replace("-", "_")
+        overrides[key] = parse_yaml(value, f"--{key}")
     return overrides
 
 

@@ -108,6 +108,56 @@ def test_cli_error_for_bad_override_is_clear(capsys):
     assert "did you mean 'max_steps'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, positional, overrides", [
+    (["train", "--max_steps", "2"], None, {"max_steps": 2}),
+    (["train", "recipe.yaml", "--max_steps", "2", "--rollout.precision", "fp8"], "recipe.yaml",
+     {"max_steps": 2, "rollout": {"precision": "fp8"}}),
+    (["train", "--dry_run", "recipe.yaml", "--correction.clip_low", "-0.2"], "recipe.yaml",
+     {"dry_run": True, "correction": {"clip_low": -0.2}}),
+    (["train", "--dry_run", "false", "--resume_from_checkpoint", "--verbose"], None,
+     {"dry_run": False, "resume_from_checkpoint": True}),
+    (["train", "--resume_from_checkpoint", "out/checkpoint-3", "--rollout_cache", "dual"], None,
+     {"resume_from_checkpoint": "out/checkpoint-3", "rollout_cache": "dual"}),
+    (["eval", "--model", "DIR", "--max_completion_length", "8", "--temp", "0.5", "recipe.yaml"], "recipe.yaml",
+     {"max_completion_length": 8}),
+    (["generate", "--rollout.precision", "fp8", "--prompt", "sort 3 1"], None, {"rollout": {"precision": "fp8"}}),
+    (["compare", "--max_steps", "2", "study.yaml", "--seeds", "2"], "study.yaml", {"max_steps": 2}),
+], ids=["train", "recipe", "boolean-alone", "boolean-before-a-flag", "value-or-true", "eval", "generate", "compare"])
+def test_every_command_takes_key_space_value_as_well_as_key_equals_value(argv, positional, overrides):
+    """`--key value` as TRL's, transformers' and accelerate's parsers take it; a boolean field alone is true."""
+    from dllm_ais.cli import build_parser, with_overrides_joined
+
+    parser = build_parser()
+    args, extras = parser.parse_known_args(with_overrides_joined(parser, argv))
+    assert vars(args).get("recipe", vars(args).get("study")) == positional
+    assert load_values(extras) == overrides
+
+
+def load_values(extras):
+    """The overrides `extras` as `load_config` sets them (groups nested)."""
+    from dllm_ais.config import set_override
+
+    values = {}
+    for key, value in parse_overrides(extras).items():
+        set_override(values, key, value)
+    return values
+
+
+def test_train_with_space_separated_values_reaches_the_config(capsys):
+    """`dllm-ais train --max_steps 2` used to answer "Recipe '2' not found"."""
+    assert main(["train", "--max_steps", "2", "--num_generations", "1"]) == 2
+    error = capsys.readouterr().err
+    assert "num_generations=1" in error and "Recipe" not in error
+
+
+def test_a_value_flag_alone_is_one_line_naming_it(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--rollout.precision", "--max_steps=2"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == ("error: --rollout.precision has no value: write --rollout.precision VALUE or "
+                                       "--rollout.precision=VALUE.\n")
+
+
 def test_cli_train_eval_generate_export_on_the_embedded_model(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["train", f"--output_dir={out}", "--max_steps=2", "--eval_size=4", "--num_iterations=1"]) == 0
