@@ -11,6 +11,8 @@ FIDELITY_MODES = ("fixed", "adaptive")  # dllm_ais.fidelity: which decoder sampl
 # dllm_ais.quantization: rollout engine precision (low-precision ladder: FP8, MX, NVFP4, int8, int4 groups)
 PRECISIONS = ("bf16", "fp8", "fp8_tensor", "fp8_weight_only", "mxfp8", "int8", "mxfp4", "nvfp4", "nvfp4_weight_only",
               "int4", "int4_g128")
+# dllm_ais.engine: the engine a quantized copy beside a high-precision trainer, or one model computing as the engine
+PRECISION_FLOWS = ("split", "unified")
 # dllm_ais.likelihood.DIFFUSION_ESTIMATORS: diffusion log-prob estimators
 ESTIMATORS = ("one_step", "trajectory", "step_merge", "elbo", "spg")
 # The estimators that replay the recorded denoising trajectory (one forward per step or per segment of steps): they

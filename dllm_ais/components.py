@@ -8,11 +8,12 @@ from dataclasses import dataclass
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import DistributedType
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import get_scheduler
 
 from dllm_ais.config import ConfigError, GRPOConfig
-from dllm_ais.engine import RolloutEngine
+from dllm_ais.engine import RolloutEngine, quantize_trainer_model_
 from dllm_ais.loading import keep_freed_host_memory, load_model, resolve_dtype
 from dllm_ais.validation import problem_list
 from dllm_ais.policy import (CustomSampler, DiffusionPolicy, Policy, build_policy,
@@ -90,6 +91,36 @@ def training_policies(config: GRPOConfig, model_config, tokenizer, sampler: Cust
     return run_policy, greedy_policy, own_sampler_policy
 
 
+def high_precision_base(config: GRPOConfig, device: torch.device) -> torch.nn.Module:
+    """The run's model as loaded, in its high precision (eval mode): with the unified precision flow, the trainer's
+    quantized model before training, as the split flow's trainer holds it. `with_trained_weights_` then gives it the
+    run's adapter (or fully fine-tuned weights): the trained policy on the high-precision base."""
+    model = load_model(config.model_name_or_path, resolve_dtype(config.dtype), config.trust_remote_code)
+    return model.to(device).eval().requires_grad_(False)
+
+
+def with_trained_weights_(model: torch.nn.Module, trained: torch.nn.Module) -> torch.nn.Module:
+    """`model` (`high_precision_base`) given what `trained` (the unified flow's trainer model) learned: its LoRA
+    adapter — `model` wrapped as `trained` is — or, fully fine-tuned, its high-precision master weights. The
+    quantized base layers `trained` holds outside its state dict stay `model`'s high-precision ones."""
+    if isinstance(trained, PeftModel):
+        model = get_peft_model(model, copy.deepcopy(trained.peft_config[trained.active_adapter]))
+    state = trained.state_dict()
+    result = model.load_state_dict(state, strict=False)
+    if result.unexpected_keys:
+        raise ValueError(f"the trained model holds weights the high-precision base lacks: {result.unexpected_keys[:3]}")
+    return model.eval().requires_grad_(False)
+
+
+def check_unified_flow_launch(accelerator: Accelerator) -> None:
+    """Refuse, in one line, a launch the unified precision flow does not run under (FSDP, DeepSpeed: they shard or
+    own the parameters the engine would sample with)."""
+    if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        raise ConfigError(f"rollout.precision_flow=unified runs single-process or under DDP, not under "
+                          f"{accelerator.distributed_type.value}: launch with recipes/accelerate/ddp.yaml, or set "
+                          "rollout.precision_flow=split")
+
+
 def build_components(config: GRPOConfig, tokenizer, accelerator: Accelerator, model=None,
                      sampler: CustomSampler | None = None, policy: Policy | None = None) -> StepComponents:
     """Load the model (unless given), build the policies (`training_policies`: from the config, or around `sampler`,
@@ -109,7 +140,13 @@ def build_components(config: GRPOConfig, tokenizer, accelerator: Accelerator, mo
     reference_model = None
     if config.beta > 0 and not isinstance(model, PeftModel):
         reference_model = copy.deepcopy(model).eval().requires_grad_(False)
-    engine = RolloutEngine(model, precision=config.rollout.precision, compile=config.rollout.compile)
+    flow = config.rollout.precision_flow
+    if flow == "unified":
+        check_unified_flow_launch(accelerator)
+        if reference_model is not None:
+            quantize_trainer_model_(reference_model, config.rollout.precision)
+    engine = RolloutEngine(model, precision=config.rollout.precision, compile=config.rollout.compile,
+                           precision_flow=flow)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=config.weight_decay,
                                   betas=(config.adam_beta1, config.adam_beta2))

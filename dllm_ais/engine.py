@@ -1,13 +1,19 @@
-"""The rollout engine: a low-precision (FP8) inference copy of the trainer's policy, synced in place each step.
+"""The rollout engine: the low-precision model that samples rollouts and computes ℓ_rollout.
 
-The engine generates rollouts and computes the rollout-side log-probs ℓ_rollout. Its weights are the
-trainer's weights with every LoRA adapter merged in (W + ΔW), cast to the engine dtype and, for the fp8
-modes, quantized (dllm_ais.quantization); the LM head, embeddings and norms stay in high precision.
-`sync_from` refreshes the engine after each optimizer step by copying the merged weights into the
-existing (FP8) parameters, so the engine never re-allocates.
+Two precision flows (`rollout.precision_flow`):
+
+- ``split`` (the default): the engine is an inference copy of the trainer's policy — its weights are the trainer's
+  with every LoRA adapter merged in (W + ΔW), cast to the engine dtype and, below bf16, quantized
+  (dllm_ais.quantization); the LM head, embeddings and norms stay in high precision. `sync_from` refreshes it after
+  each optimizer step by copying the merged weights into the existing (quantized) parameters, so the engine never
+  re-allocates. The trainer computes in high precision; the correction sees the difference.
+- ``unified``: one model. The trainer's own linear layers are made to compute the engine's quantized numerics
+  (`quantization.StraightThroughQuantizedLinear`: a LoRA base or any frozen weight quantized once, a trained weight
+  quantized on the fly), and the engine samples with the trainer's model itself, adapters running beside the
+  quantized base; `sync_from` copies nothing.
 
 Works for any transformers model (LLaDA, causal LMs such as Qwen3), trained with LoRA through peft or
-fully fine-tuned, bare or wrapped by DDP / DataParallel / DeepSpeed / torch.compile.
+fully fine-tuned, bare or wrapped by DDP / DataParallel / DeepSpeed / torch.compile (the unified flow: bare or DDP).
 """
 from __future__ import annotations
 
@@ -25,10 +31,11 @@ from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from dllm_ais.quantization import SkipRule, kernel_path, quantize_model_, requantize_
+from dllm_ais.quantization import SkipRule, kernel_path, quantize_model_, requantize_, straight_through_linears_
 from dllm_ais.sampling.static_forwards import StaticForwards, compile_blocks
 
-__all__ = ["RolloutEngine", "adapter_host", "load_merged_weights_", "lm_head_skip_rule", "merged_state_items"]
+__all__ = ["RolloutEngine", "adapter_host", "load_merged_weights_", "lm_head_skip_rule", "merged_state_items",
+           "quantize_trainer_model_"]
 
 # Module names (a full name or its dotted suffix) of LM heads that `get_output_embeddings` may not report:
 # LLaDA's untied head is the top-level `transformer.ff_out` (the per-block `blocks.N.ff_out` is an MLP layer).
@@ -38,32 +45,72 @@ logger = logging.getLogger("dllm_ais")
 
 
 class RolloutEngine:
-    """An inference copy of the trainer's policy in one of the precision modes (dllm_ais.choices.PRECISIONS).
+    """The model that samples rollouts, in one of the precision modes (dllm_ais.choices.PRECISIONS).
 
     Attributes:
-        model: the engine's own model (plain transformers model, eval mode, no gradients); call it like
-            the trainer's model to sample rollouts and compute rollout-side log-probs.
+        model: the engine's model (a transformers model; call it like the trainer's model to sample rollouts and
+            compute rollout-side log-probs): with the split flow its own copy (eval mode, no gradients), with the
+            unified flow the trainer's model itself (its adapters in place).
         precision: the precision mode.
-        quantized_modules: names of the linear layers stored in low precision (empty for "bf16").
+        precision_flow: "split" or "unified" (`rollout.precision_flow`).
+        quantized_modules: names of the linear layers computed in low precision (empty for "bf16").
         kernel_path: which kernels run them (native or emulated; `dllm_ais.quantization.kernel_path`), also logged
             once per process and mode when the engine is built.
-        holds_trainer_weights: whether the engine is the trainer's policy itself, LoRA merged: "bf16" in the
+        holds_trainer_weights: whether the split engine is the trainer's policy itself, LoRA merged: "bf16" in the
             trainer's own dtypes, all float32 or wider, so that rounding W + ΔW loses nothing that matters (in
             bfloat16 it can round a small ΔW away).
-        execution_path: how the engine's forwards run ("eager", or compiled: blocks compiled, sampling forwards
-            replayed as CUDA graphs on a GPU), logged once when the engine is built, beside the kernel path.
+        execution_path: how the engine's forwards run ("eager", the trainer's model, or compiled: blocks compiled,
+            sampling forwards replayed as CUDA graphs on a GPU), logged once when the engine is built, beside the
+            kernel path.
     """
 
     def __init__(self, trainer_model: nn.Module, precision: str = "fp8", dtype: torch.dtype | None = None,
-                 compile: bool | None = False):
-        """Copy `trainer_model` (LoRA adapters merged in, the trainer's model left untouched), cast it to
-        `dtype` (None keeps the trainer's parameter dtypes, so "bf16" reproduces the trainer bit for bit)
-        and quantize its linear layers to `precision` (`quantize_model_` checks it is one of PRECISIONS).
+                 compile: bool | None = False, precision_flow: str = "split"):
+        """The engine of `trainer_model` at `precision`.
 
-        `compile` (None = on CUDA only): compile the engine's transformer blocks and give its model static
-        forwards (`dllm_ais.sampling.static_forwards`), replayed as CUDA graphs on a GPU. Syncs write the weights
-        in place, so compiled blocks and captured graphs stay valid across them.
+        Split flow: copy `trainer_model` (LoRA adapters merged in, the trainer's model left untouched), cast it to
+        `dtype` (None keeps the trainer's parameter dtypes, so "bf16" reproduces the trainer bit for bit) and
+        quantize its linear layers to `precision` (`quantize_model_` checks it is one of PRECISIONS). `compile`
+        (None = on CUDA only): compile the engine's transformer blocks and give its model static forwards
+        (`dllm_ais.sampling.static_forwards`), replayed as CUDA graphs on a GPU. Syncs write the weights in place, so
+        compiled blocks and captured graphs stay valid across them.
+
+        Unified flow: `quantize_trainer_model_` edits `trainer_model` in place and the engine samples with it;
+        `dtype` does not apply, and `compile=True` is refused (the compiled engine compiles a copy of its own).
         """
+        self.precision = precision
+        self.precision_flow = precision_flow
+        if precision_flow == "unified":
+            if compile:
+                raise ValueError("rollout.compile=true compiles the split engine's own copy of the model; the unified "
+                                 "precision flow samples with the trainer's model: set rollout.compile=false (or null)")
+            self.model = adapter_host(trainer_model)
+            self.quantized_modules = quantize_trainer_model_(trainer_model, precision)
+            self.holds_trainer_weights = False
+            self.execution_path = "eager, the trainer's own model (unified precision flow)"
+        else:
+            self.model = self._split_copy(trainer_model, precision, dtype)
+            self.holds_trainer_weights = precision == "bf16" and dtype is None and all(
+                param.dtype in (torch.float32, torch.float64) for param in self.model.parameters()
+                if param.is_floating_point())
+            self.quantized_modules = quantize_model_(self.model, precision, skip=lm_head_skip_rule(self.model))
+            self.execution_path = "eager"
+        device = next(self.model.parameters()).device
+        self.kernel_path = kernel_path(precision, device)
+        if precision_flow != "unified" and (compile or (compile is None and device.type == "cuda")):
+            blocks = compile_blocks(self.model)
+            self.model.static_forwards = StaticForwards(self.model, cuda_graphs=device.type == "cuda")
+            self.execution_path = (f"compiled: {blocks} transformer blocks by torch.compile (one graph reused), "
+                                   + ("sampling forwards replayed as CUDA graphs" if device.type == "cuda" else
+                                      "sampling forwards at static shapes (CUDA graphs need a GPU)"))
+        logger.info("rollout engine (%s, %s precision flow): %s; kernels: %s%s", precision, precision_flow,
+                    self.execution_path, self.kernel_path,
+                    "; ℓ_old is ℓ_rollout wherever both are the same forward (no old-log-prob pass)"
+                    if self.shares_trainer_model else "")
+
+    @staticmethod
+    def _split_copy(trainer_model: nn.Module, precision: str, dtype: torch.dtype | None) -> nn.Module:
+        """The split engine's own model: a copy of the trainer's, adapters merged, gradients off, in `dtype`."""
         # The copy drops the LoRA layers without merging them: the merged weights are loaded below by the
         # code `sync_from` uses, so a fresh engine and a synced one agree bit for bit.
         model = _without_adapters(copy.deepcopy(adapter_host(trainer_model)))
@@ -74,29 +121,50 @@ class RolloutEngine:
         if dtype is not None:
             model.to(dtype)
         load_merged_weights_(model, trainer_model)
-        self.model = model
-        self.precision = precision
-        self.holds_trainer_weights = precision == "bf16" and dtype is None and all(
-            param.dtype in (torch.float32, torch.float64) for param in model.parameters() if param.is_floating_point())
-        self.quantized_modules = quantize_model_(model, precision, skip=lm_head_skip_rule(model))
-        device = next(model.parameters()).device
-        self.kernel_path = kernel_path(precision, device)
-        self.execution_path = "eager"
-        if compile or (compile is None and device.type == "cuda"):
-            blocks = compile_blocks(model)
-            model.static_forwards = StaticForwards(model, cuda_graphs=device.type == "cuda")
-            self.execution_path = (f"compiled: {blocks} transformer blocks by torch.compile (one graph reused), "
-                                   + ("sampling forwards replayed as CUDA graphs" if device.type == "cuda" else
-                                      "sampling forwards at static shapes (CUDA graphs need a GPU)"))
-        logger.info("rollout engine (%s): %s; kernels: %s", precision, self.execution_path, self.kernel_path)
+        return model
+
+    @property
+    def shares_trainer_model(self) -> bool:
+        """Whether the engine is the trainer's own model (the unified precision flow): a forward of the engine and
+        one of the trainer on the same input compute the same numbers."""
+        return self.precision_flow == "unified"
 
     def sync_from(self, trainer_model: nn.Module) -> float:
-        """Copy the trainer's current (LoRA-merged) weights into the engine in place; return the seconds it took."""
+        """Bring the engine to the trainer's current weights; return the seconds it took. Split: copy the
+        (LoRA-merged) weights in place. Unified: nothing to copy (a trained weight is requantized by its next
+        forward); the shared model is put in eval mode for sampling."""
         start = time.perf_counter()
+        if self.shares_trainer_model:
+            self.model.eval()
+            return time.perf_counter() - start
         load_merged_weights_(self.model, trainer_model)
         if any(param.is_cuda for param in self.model.parameters()):
             torch.cuda.synchronize()
         return time.perf_counter() - start
+
+
+def quantize_trainer_model_(trainer_model: nn.Module, precision: str) -> list[str]:
+    """Make the trainer's model compute the rollout engine's numerics at `precision` (the unified precision flow):
+    every linear layer the split engine would quantize (`quantize_model_`'s rule, the LM head kept) — the base layer
+    of a LoRA-wrapped one included — becomes a `StraightThroughQuantizedLinear`; return their names in the plain
+    model. Works through the trainer's wrappers (`adapter_host`)."""
+    host = adapter_host(trainer_model)
+    return straight_through_linears_(_plain_linears(host, ""), precision, skip=lm_head_skip_rule(host))
+
+
+def _plain_linears(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module, str, nn.Module]]:
+    """(name in the plain model, holder, attribute, layer) of every module below `module` that is a layer of the plain
+    model: a LoRA layer's base layer is held by the LoRA layer as `base_layer`; adapters' own layers are left out."""
+    for attribute, child in module.named_children():
+        name = f"{prefix}{attribute}"
+        plain, lora_layer = _plain_module(child, name)
+        if isinstance(child, ModulesToSaveWrapper):
+            raise NotImplementedError(f"the unified precision flow does not take peft's modules_to_save ({name}): "
+                                      "train it as a LoRA target, or use rollout.precision_flow=split")
+        holder, attribute = (child, "base_layer") if lora_layer is not None else (module, attribute)
+        yield name, holder, attribute, plain
+        if lora_layer is None:
+            yield from _plain_linears(plain, name + ".")
 
 
 def adapter_host(trainer_model: nn.Module) -> nn.Module:

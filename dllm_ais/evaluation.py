@@ -17,6 +17,7 @@ import hashlib
 import importlib.metadata
 import json
 import math
+import os
 import platform
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,6 +31,7 @@ from dllm_ais.config import (D1_ROLLOUT, DREAM_ROLLOUT, SDAR_ROLLOUT, ConfigErro
 from dllm_ais.loading import resolve_model_path
 from dllm_ais.policy import sample_prompts
 from dllm_ais.rewards import RewardTable, score_rollout_table
+from dllm_ais.safe_files import write_file
 from dllm_ais.statistics import paired_difference, standard_error
 from dllm_ais.tasks import RewardFunction, Task
 
@@ -85,15 +87,20 @@ class EvalResult:
         return cls(**state)
 
 
-def held_out_metrics(before: EvalResult | None, after: EvalResult,
-                     rollout_sampler: EvalResult | None = None) -> dict[str, float]:
+def held_out_metrics(before: EvalResult | None, after: EvalResult, rollout_sampler: EvalResult | None = None,
+                     high_precision_base: tuple[EvalResult, EvalResult] | None = None) -> dict[str, float]:
     """`eval/*` after training, the same `_before` (when there is a baseline), the paired change of the reward
-    (`eval/reward_delta`, `eval/reward_delta_se`) and, for a run with fast rollouts, `eval/rollout_sampler/*`: the
-    scores of greedy completions decoded by the run's own sampler instead of exactly."""
+    (`eval/reward_delta`, `eval/reward_delta_se`); for a run with fast rollouts, `eval/rollout_sampler/*`: the
+    scores of greedy completions decoded by the run's own sampler instead of exactly; for a unified-flow run,
+    `eval/high_precision_base/*`: the same metrics with the trained policy on the high-precision base (before,
+    after)."""
     metrics = after.summary()
     if rollout_sampler is not None:
         metrics.update({f"eval/rollout_sampler/{key.removeprefix('eval/')}": value
                         for key, value in rollout_sampler.summary().items()})
+    if high_precision_base is not None:
+        metrics.update({f"eval/high_precision_base/{key.removeprefix('eval/')}": value
+                        for key, value in held_out_metrics(*high_precision_base).items()})
     if before is not None:
         metrics.update({f"{key}_before": value for key, value in before.summary().items()})
         delta = paired_difference(before.per_prompt_reward, after.per_prompt_reward)
@@ -101,10 +108,15 @@ def held_out_metrics(before: EvalResult | None, after: EvalResult,
     return metrics
 
 
-def held_out_line(before: EvalResult | None, after: EvalResult, rollout_sampler: EvalResult | None = None) -> str:
+def held_out_line(before: EvalResult | None, after: EvalResult, rollout_sampler: EvalResult | None = None,
+                  high_precision_base: tuple[EvalResult, EvalResult] | None = None) -> str:
     """The run's closing line: greedy held-out reward (and accuracy) before → after training, decoded exactly, with
     the paired per-prompt difference and its standard error; just the final value when there is no baseline (a
-    resumed run that turned evaluation on); then the reward decoded by a fast rollout sampler, when there is one."""
+    resumed run that turned evaluation on); then the reward decoded by a fast rollout sampler, when there is one, and
+    the same line for the policy on the high-precision base (unified precision flow)."""
+    if high_precision_base is not None:
+        return (f"{held_out_line(before, after, rollout_sampler)}\nwith the high-precision base: "
+                f"{held_out_line(*high_precision_base)}")
     if rollout_sampler is not None:
         return (f"{held_out_line(before, after)}\nheld-out reward decoded by the rollout sampler (not exact): "
                 f"{rollout_sampler.summary()['eval/reward']:.4f}")
@@ -415,13 +427,13 @@ def markdown_table(report: dict[str, Any]) -> str:
 
 
 def write_report(report: dict[str, Any], path: Path) -> tuple[Path, Path]:
-    """Write the JSON report to ``path`` and its markdown table beside it (same name, ``.md``); refuses to
-    replace an existing file."""
+    """Write the JSON report to ``path`` and its markdown table beside it (same name, ``.md``), each staged and
+    renamed (`safe_files.write_file`); refuses to replace an existing file or link."""
     table_path = path.with_suffix(".md")
     for target in (path, table_path):
-        if target.exists():
+        if os.path.lexists(target):
             raise FileExistsError(f"{target} already exists; pass another --output (nothing was overwritten)")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    table_path.write_text(markdown_table(report))
+    write_file(path, json.dumps(report, indent=2) + "\n")
+    write_file(table_path, markdown_table(report))
     return path, table_path

@@ -7,7 +7,8 @@
 3. score them with the reward functions; group advantages over the batch gathered from every process; with
    `drop_zero_std_groups`, keep the groups whose rewards differ (`groups_to_update`) for the stages below;
 4. log-probs with one estimator on both sides, per estimator seed: ℓ_rollout (engine), ℓ_old (trainer, no grad;
-   with `bypass_mode`, verl's, ℓ_old = ℓ_rollout and no pass), ℓ_ref (adapter disabled, if β > 0), at the positions
+   with `bypass_mode`, verl's, or an engine sharing the trainer's model and forward — the unified precision flow —
+   ℓ_old = ℓ_rollout and no pass), ℓ_ref (adapter disabled, if β > 0), at the positions
    the estimate scores (`Policy.scored_positions`);
 5. correction weights (AIS by default) from ℓ_old vs ℓ_rollout over those positions.
 
@@ -39,7 +40,7 @@ from dllm_ais.likelihood import LogprobPiece, sum_pieces, whole_piece
 from dllm_ais.loss import TokenLoss, group_advantages, zero_std_groups
 from dllm_ais.metrics import completion_metrics, distinct_completions, ends_with_eos, reward_metrics
 from dllm_ais.ops import masked_mean
-from dllm_ais.policy import sample_prompts
+from dllm_ais.policy import sample_prompts, scores_rollout_by_forward
 from dllm_ais.rewards import NonFiniteRewardError, RewardTable, completion_texts, score_rollout_table
 from dllm_ais.sampling.rollout import Rollout
 
@@ -191,6 +192,14 @@ def reference_logprobs(parts: StepComponents, rollout: Rollout, seed: int, micro
         return micro_batched_logprobs(parts.policy.logprobs, parts.model, rollout, seed, micro_batch_size, advantages)
 
 
+def old_is_rollout(config: GRPOConfig, parts: StepComponents, rollout: Rollout) -> bool:
+    """Whether ℓ_old is taken to be ℓ_rollout, with no pass of its own: bypass mode (verl's, by choice), or an engine
+    that shares the trainer's model (the unified precision flow) when ℓ_rollout is the very forward ℓ_old would run
+    (`scores_rollout_by_forward`), so they are equal by construction."""
+    return config.correction.bypass_mode or (parts.engine.shares_trainer_model
+                                             and scores_rollout_by_forward(parts.policy, rollout))
+
+
 def sample_records(columns: dict[str, list], rollout: Rollout, tokenizer, table: RewardTable, rewards: torch.Tensor,
                    advantages: torch.Tensor, count: int) -> list[dict[str, Any]]:
     """`count` of this process' completions, for `log_completions`: the prompt (its last message), the completion,
@@ -273,7 +282,7 @@ def make_generation_batch(config: GRPOConfig, parts: StepComponents, tokenizer, 
     with torch.no_grad():
         logp_rollout = [micro_batched_logprobs(parts.policy.rollout_logprobs, parts.engine.model, rollout, s,
                                                micro_batch_size, advantages) for s in seeds]
-        logp_old = logp_rollout if config.correction.bypass_mode else [
+        logp_old = logp_rollout if old_is_rollout(config, parts, rollout) else [
             micro_batched_logprobs(parts.policy.logprobs, parts.model, rollout, s, micro_batch_size, advantages)
             for s in seeds]
         trainer_choice = config.correction.complete_ratio or (config.experimental.commit_choice_gradient

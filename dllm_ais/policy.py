@@ -252,6 +252,18 @@ class AutoregressivePolicy:
         return rollout.completion_mask.bool()
 
 
+def scores_rollout_by_forward(policy: Policy, rollout: Rollout) -> bool:
+    """Whether `policy.rollout_logprobs` computes ℓ_rollout by the same forward as `policy.logprobs` computes ℓ_old,
+    run on the engine's model: the autoregressive teacher-forced pass, and every diffusion estimator whose rollout
+    side the sampler does not record (the trajectory-type estimators' is recorded while decoding). With an engine that
+    shares the trainer's model (the unified precision flow) ℓ_old then equals ℓ_rollout and needs no pass of its
+    own. A custom policy is not assumed to."""
+    if isinstance(policy, AutoregressivePolicy):
+        return True
+    return isinstance(policy, DiffusionPolicy) and not policy.scorer.records_rollout_side(policy.estimator_settings,
+                                                                                          rollout)
+
+
 def overrides(sampler: MaskedDiffusionSampler, stage: str) -> bool:
     """Whether `sampler`'s class replaces the `MaskedDiffusionSampler` method named `stage`."""
     return getattr(type(sampler), stage) is not getattr(MaskedDiffusionSampler, stage)

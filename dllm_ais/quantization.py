@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -81,8 +81,9 @@ from torchao.utils import TorchAOBaseTensor
 from dllm_ais.choices import PRECISIONS
 from dllm_ais.ops import check_choice
 
-__all__ = ["PRECISIONS", "SkipRule", "check_precision", "kernel_path", "native_fp8_available", "native_mx_available",
-           "quantize_model_", "quantized_weight", "requantize_"]
+__all__ = ["PRECISIONS", "SkipRule", "StraightThroughQuantizedLinear", "check_precision", "kernel_path",
+           "is_quantizable", "native_fp8_available", "native_mx_available", "quantize_model_",
+           "quantized_weight", "requantize_", "straight_through_linears_"]
 
 FP8_DTYPE = torch.float8_e4m3fn
 # FP8 and INT8 matmul kernels need both matrix dimensions of the weight to be multiples of 16; the block formats also
@@ -162,9 +163,8 @@ def quantize_model_(model: nn.Module, precision: str, skip: SkipRule) -> list[st
     check_precision(precision)
     if precision == "bf16":
         return []
-    names = [name for name, module in model.named_modules() if _is_quantizable(name, module, skip, precision)]
-    emulated_nvfp4 = precision == "nvfp4" and names and not native_mx_available(
-        model.get_submodule(names[0]).weight.device)
+    names = [name for name, module in model.named_modules() if is_quantizable(name, module, skip, precision)]
+    emulated_nvfp4 = bool(names) and _rounds_input_trip(precision, model.get_submodule(names[0]).weight.device)
     for name in names:
         linear = model.get_submodule(name)
         linear.weight = nn.Parameter(quantized_weight(precision, linear.weight.detach()), requires_grad=False)
@@ -173,6 +173,95 @@ def quantize_model_(model: nn.Module, precision: str, skip: SkipRule) -> list[st
     if names:
         _log_kernel_path(precision, kernel_path(precision, model.get_submodule(names[0]).weight.device))
     return names
+
+
+def straight_through_linears_(linears: Iterable[tuple[str, nn.Module, str, nn.Linear]], precision: str,
+                              skip: SkipRule) -> list[str]:
+    """Replace, in place, each linear layer `linears` names — (name, holder, attribute, layer), the layer being
+    `getattr(holder, attribute)` — that `quantize_model_` would quantize by a `StraightThroughQuantizedLinear` of
+    `precision`; return the names replaced. The trainer's side of the unified precision flow."""
+    check_precision(precision)
+    if precision == "bf16":
+        return []
+    names = []
+    for name, holder, attribute, linear in linears:
+        if is_quantizable(name, linear, skip, precision):
+            setattr(holder, attribute, StraightThroughQuantizedLinear(linear, precision))
+            names.append(name)
+            _log_kernel_path(precision, kernel_path(precision, linear.weight.device))
+    return names
+
+
+def _rounds_input_trip(precision: str, device: torch.device) -> bool:
+    """Whether the layer's input goes through the emulated NVFP4 round trip before the matmul (`_nvfp4_round_trip_input`):
+    W4A4 NVFP4 without torchao's native kernels."""
+    return precision == "nvfp4" and not native_mx_available(device)
+
+
+class StraightThroughQuantizedLinear(nn.Linear):
+    """A trainer's linear layer computing the rollout engine's quantized numerics (`rollout.precision_flow: unified`).
+
+    Forward: exactly the engine's layer of the same precision — the weight quantized by `quantized_weight`, the
+    activations by the same quantizer inside torchao's matmul (NVFP4 emulated: the same round trip), so trainer and
+    engine compute the same logits. Backward: the quantizers are passed straight through, in the input's dtype:
+    ∂L/∂x = ∂L/∂y · deq(W_q) and, for a trainable weight, ∂L/∂W = (∂L/∂y)ᵀ · x and ∂L/∂b = Σ ∂L/∂y.
+
+    A frozen weight (a LoRA base layer, a reference model) is quantized once and its high-precision copy dropped:
+    `weight` is then None and `quantized` holds the only copy (a plain attribute, outside `state_dict` and
+    `parameters()`, so optimizers, DDP and checkpoints see only what trains). A trainable weight (full fine-tuning)
+    stays the high-precision master `weight`; `quantized` is its quantization, redone whenever the weight changed
+    in place (an optimizer step bumps its version), so the forward always quantizes the current weight (QAT).
+    """
+
+    def __init__(self, linear: nn.Linear, precision: str):
+        super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+        self.precision = precision
+        self.bias = linear.bias
+        self.round_trip_input = _rounds_input_trip(precision, linear.weight.device)
+        self.quantized = quantized_weight(precision, linear.weight.detach())
+        if linear.weight.requires_grad:
+            self.weight = linear.weight
+            self.quantized_version = linear.weight._version
+        else:
+            self.weight = None
+
+    def current_quantized_weight(self) -> TorchAOBaseTensor:
+        """The quantized weight the forward multiplies by: the frozen one, or the master weight's, requantized if the
+        master weight changed since it was last quantized."""
+        if self.weight is not None and self.weight._version != self.quantized_version:
+            self.quantized = quantized_weight(self.precision, self.weight.detach())
+            self.quantized_version = self.weight._version
+        return self.quantized
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _StraightThroughLinear.apply(x, self.weight, self.bias, self)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, precision={self.precision!r}, trainable_weight={self.weight is not None}"
+
+
+class _StraightThroughLinear(torch.autograd.Function):
+    """y = the engine's quantized linear of x; gradients straight through the quantizers (StraightThroughQuantizedLinear)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, layer):
+        quantized = layer.current_quantized_weight()
+        ctx.quantized = quantized
+        ctx.save_for_backward(x if weight is not None and weight.requires_grad else None)
+        return torch.nn.functional.linear(_nvfp4_round_trip(x) if layer.round_trip_input else x, quantized, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (x,) = ctx.saved_tensors
+        rows = grad_output.reshape(-1, grad_output.shape[-1])
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad_output @ ctx.quantized.dequantize().to(grad_output.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_weight = rows.T @ x.reshape(-1, x.shape[-1]).to(grad_output.dtype)
+        if ctx.needs_input_grad[2]:
+            grad_bias = rows.sum(0)
+        return grad_x, grad_weight, grad_bias, None
 
 
 def quantized_weight(precision: str, weight: torch.Tensor) -> TorchAOBaseTensor:
@@ -249,7 +338,7 @@ def _torchao_config(precision: str):
     }[precision]()
 
 
-def _is_quantizable(name: str, module: nn.Module, skip: SkipRule, precision: str) -> bool:
+def is_quantizable(name: str, module: nn.Module, skip: SkipRule, precision: str) -> bool:
     """A linear layer the low-precision kernels accept (dims multiples of 16; inputs a multiple of the mode's
     block size) that the caller does not skip."""
     return (
@@ -301,10 +390,15 @@ def _nvfp4_round_trip_input(module: nn.Module, args: tuple) -> tuple:
     dynamic activation recipe — one float32 scale max|x| / (448·6) over the whole input (floored at AMAX_FLOOR so
     that an all-zero input stays finite), e4m3 scales per block of 16 features, e2m1 elements."""
     x, *rest = args
+    return (_nvfp4_round_trip(x), *rest)
+
+
+def _nvfp4_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """dequantize(NVFP4(x)) with torchao's dynamic activation recipe (`_nvfp4_round_trip_input`)."""
     rows = x.reshape(-1, x.shape[-1])
     tensor_scale = per_tensor_amax_to_scale(rows.abs().max().clamp(min=AMAX_FLOOR))
     quantized = NVFP4Tensor.to_nvfp4(rows, block_size=NVFP4_BLOCK_SIZE, per_tensor_scale=tensor_scale)
-    return (quantized.dequantize(x.dtype).reshape(x.shape), *rest)
+    return quantized.dequantize(x.dtype).reshape(x.shape)
 
 
 @functools.cache

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from dllm_ais.choices import (
     ALPHA_RULES, CACHE_DTYPES, CACHE_MODES, COMMIT_SCHEDULES, CORRECTION_METHODS, ESTIMATORS, FIDELITY_MODES, IS_LEVELS, LIKELIHOOD_DECODERS,
-    LIKELIHOOD_ORDERS, PRECISIONS, RATIO_TYPES,
+    LIKELIHOOD_ORDERS, PRECISION_FLOWS, PRECISIONS, RATIO_TYPES,
 )
 from dllm_ais.validation import field_problems
 
@@ -67,6 +67,11 @@ class RolloutSettings(SettingsGroup):
 
     precision: str = field(default="fp8", metadata={**choice(*PRECISIONS),
         "help": "Precision of the rollout engine; bf16 = no quantization (on-policy baseline)."})
+    precision_flow: str = field(default="split", metadata={**choice(*PRECISION_FLOWS),
+        "help": "split = the engine is a quantized copy of the policy and the trainer computes in high precision; "
+                "unified = one model: the trainer computes with the engine's quantized linears (gradients straight "
+                "through; LoRA beside the quantized base, full fine-tuning quantized on the fly), so ℓ_old = "
+                "ℓ_rollout wherever both are one forward."})
     steps: int = field(default=128, metadata={**AT_LEAST_ONE, "help": "Denoising steps over the whole completion."})
     block_length: int = field(default=32, metadata={**AT_LEAST_ONE, "help": "Semi-autoregressive block length."})
     remasking: str = field(default="low_confidence", metadata={
@@ -100,10 +105,15 @@ class RolloutSettings(SettingsGroup):
                 "(throughput grows with the batch), a number caps it (memory)."})
 
     def rule_problems(self) -> list[str]:
+        problems = []
         if self.cache_dtype != "none" and self.cache == "none":
-            return [f"rollout.cache_dtype={self.cache_dtype} stores the block KV cache, and rollout.cache=none keeps "
-                    "none: set rollout.cache to prefix or dual, or rollout.cache_dtype=none"]
-        return []
+            problems.append(f"rollout.cache_dtype={self.cache_dtype} stores the block KV cache, and rollout.cache=none "
+                            "keeps none: set rollout.cache to prefix or dual, or rollout.cache_dtype=none")
+        if self.precision_flow == "unified" and self.compile:
+            problems.append("rollout.compile=true compiles the split engine's own copy of the model, and "
+                            "rollout.precision_flow=unified samples with the trainer's model: set rollout.compile=false "
+                            "(or null), or rollout.precision_flow=split")
+        return problems
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from dllm_ais import grpo
 from dllm_ais.checkpoint import Checkpointer, NonFiniteError, RunState, write_held_out
-from dllm_ais.components import build_components, make_accelerator
+from dllm_ais.components import build_components, high_precision_base, make_accelerator, with_trained_weights_
 from dllm_ais.config import GRPOConfig, save_config
 from dllm_ais.correction import RolloutCorrection
 from dllm_ais.data import load_task_dataset
@@ -230,17 +230,28 @@ class GRPOTrainer:
                        f"({self.consecutive_skipped_batches} in a row, the run stops at {limit}).")
 
     # ----------------------------------------------------------------------------------------------- validation
-    def evaluate(self, dataset=None, policy=None) -> EvalResult:
+    def evaluate_high_precision_base(self) -> tuple[EvalResult, EvalResult] | None:
+        """With the unified precision flow below bf16, the held-out scores of the policy on the high-precision base
+        (`components.high_precision_base`) before and after training — the in-run evaluation scores the quantized
+        model, as the run deploys it; None for another run."""
+        if not self.engine.shares_trainer_model or self.config.rollout.precision == "bf16":
+            return None
+        model = high_precision_base(self.config, self.accelerator.device)
+        before = self.evaluate(model=model)
+        after = self.evaluate(model=with_trained_weights_(model, self.unwrapped_model))
+        return before, after
+
+    def evaluate(self, dataset=None, policy=None, model=None) -> EvalResult:
         """Per-prompt rewards and accuracy of greedy completions of the trainer's (full-precision) policy on the
         held-out (validation) prompts.
 
         When the rollout engine holds the trainer's weights in the trainer's precision (`rollout_precision=bf16` on
         float32 weights: `RolloutEngine.holds_trainer_weights`), it decodes them, synced now: its LoRA adapters are
         merged, so a forward runs no adapter matmuls (a quarter fewer seconds per forward on the embedded chain-sum
-        LLaDA)."""
+        LLaDA). `model` (default: the trainer's) is another model to score with the same protocol."""
         self.model.eval()
-        model = self.unwrapped_model
-        if self.engine.holds_trainer_weights:
+        model = model or self.unwrapped_model
+        if model is self.unwrapped_model and self.engine.holds_trainer_weights:
             self.engine.sync_from(model)
             model = self.engine.model
         return evaluate_policy(model, self.tokenizer, policy or self.parts.greedy_policy,
@@ -293,7 +304,7 @@ class GRPOTrainer:
         if is_main:
             save_config(cfg, Path(cfg.output_dir) / "config.yaml")
             self.checkpointer.write_best_record(self.run_state())
-        eval_after = rollout_sampler = None
+        eval_after = rollout_sampler = high_precision = None
         try:
             with StopSignals() as signals:
                 if self.eval_dataset is not None and self.global_step == 0:
@@ -315,6 +326,7 @@ class GRPOTrainer:
                     eval_after = self.scored_now() or self.evaluate()
                     if self.parts.rollout_sampler_policy is not None and cfg.experimental.eval_rollout_sampler:
                         rollout_sampler = self.evaluate(policy=self.parts.rollout_sampler_policy)
+                    high_precision = self.evaluate_high_precision_base()
                 self.stop_if_signalled(signals)
                 self.save(final)
                 if self.best_global_step == self.global_step and not self.checkpointer.saved_now(self.global_step):
@@ -322,9 +334,10 @@ class GRPOTrainer:
             if is_main:
                 self.checkpointer.write_best_record(self.run_state())
                 held_out = eval_after and {"step": self.global_step,
-                                           **held_out_metrics(self.eval_before, eval_after, rollout_sampler)}
-                self.reporter.finish(held_out, eval_after and held_out_line(self.eval_before, eval_after, rollout_sampler),
-                                     final)
+                                           **held_out_metrics(self.eval_before, eval_after, rollout_sampler,
+                                                              high_precision)}
+                self.reporter.finish(held_out, eval_after and held_out_line(self.eval_before, eval_after,
+                                                                            rollout_sampler, high_precision), final)
                 if eval_after:
                     write_held_out(cfg, self.eval_dataset, self.eval_before, eval_after)
         except TrainingInterrupted:

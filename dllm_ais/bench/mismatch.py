@@ -1,7 +1,9 @@
-"""How far each rollout precision moves the policy: exact token KL(trainer ‖ engine), per token and per sequence.
+"""How far each rollout precision moves the policy: exact token KL(trainer ‖ engine), per token and per sequence,
+for each precision flow side by side (`rollout.precision_flow`: split, the trainer in high precision; unified, the
+trainer computing with the engine's quantized linears).
 
     dllm-ais bench mismatch                  # the embedded models, every low-precision mode and the FP8 KV cache
-    dllm-ais bench mismatch --prompts 256 --precisions fp8,int4 --kv-cache none
+    dllm-ais bench mismatch --prompts 256 --precisions fp8,int4 --kv-cache none --flows unified
     dllm-ais bench mismatch --models recipes/tiny_llada_chain_sum.yaml,recipes/tiny_qwen3_chain_sum.yaml
 
 For each model and precision, completions are sampled (temperature 1) by the rollout engine for validation prompts
@@ -20,6 +22,11 @@ trainer's and the engine's full next-token distributions are compared at every c
   sampling s  wall seconds of the engine's sampling of those completions, on one CPU thread: what the notch costs
           emulated here (include bf16 in --precisions for its baseline), not a GPU speed (`dllm-ais bench precision`).
 
+With the unified flow the trainer is a copy of the model whose linears compute the engine's numerics
+(`engine.quantize_trainer_model_`), run with gradients on as ℓ_θ is, and the engine samples with that same model; the
+trajectory replay runs micro-batch by micro-batch (the recipe's per_device_train_batch_size) as training scores it,
+so a per-tensor activation scale (fp8_tensor, nvfp4) sees a batch other than the sampler's.
+
 A second table scores LLaDA's rollouts on the trajectory estimator's canvases instead (the replay's per-step canvases:
 each token under the canvas of the step that committed it; `likelihood.estimator=trajectory`): the same figures but
 the exact KL, for every precision, and for the FP8 KV cache (`rollout.cache_dtype=fp8`; the recipe's cache, dual if
@@ -32,6 +39,7 @@ there.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import sys
 import time
@@ -40,6 +48,7 @@ from pathlib import Path
 import torch
 
 from dllm_ais.bench.common import describe_device
+from dllm_ais.choices import PRECISION_FLOWS
 from dllm_ais.config import EMBEDDED_RECIPE, load_config
 from dllm_ais.data import load_task_dataset, tokenize_prompts
 from dllm_ais.engine import RolloutEngine
@@ -57,7 +66,6 @@ RECIPES = {"llada": EMBEDDED_RECIPE,  # the embedded models' recipes, by name; t
 KV_CACHE_NOTCH = "bf16 + fp8 KV cache"
 
 
-@torch.no_grad()
 def completion_log_probs(model, config, rollout, diffusion: bool) -> torch.Tensor:
     """log-softmax [B, L, V] (float32) at the completion positions, on the canvas the likelihood stage scores."""
     length = rollout.gen_length
@@ -97,10 +105,14 @@ def log_ratio_cells(statistics: dict[str, float]) -> list[str]:
             f"{statistics['completion_tokens']:.1f}"]
 
 
-def trajectory_statistics(policy, trainer, rollout) -> dict[str, float]:
-    """`ratio_statistics` of `policy`'s estimator as the trainer meets it: the trainer's log-probs of `rollout` against
-    the rollout side (`rollout_logprobs`: for the trajectory estimator what the engine's sampler recorded)."""
-    log_ratio = policy.logprobs(trainer, rollout, seed=0) - policy.rollout_logprobs(None, rollout, seed=0)
+def trajectory_statistics(policy, trainer, rollout, micro_batch_size: int | None = None) -> dict[str, float]:
+    """`ratio_statistics` of `policy`'s estimator as the trainer meets it: the trainer's log-probs of `rollout`
+    (`micro_batch_size` rows at a time; None = all at once) against the rollout side (`rollout_logprobs`: for the
+    trajectory estimator what the engine's sampler recorded)."""
+    size = micro_batch_size or len(rollout.sequences)
+    trainer_logprobs = torch.cat([policy.logprobs(trainer, rollout.select(slice(start, start + size)), seed=0)
+                                  for start in range(0, len(rollout.sequences), size)])
+    log_ratio = trainer_logprobs - policy.rollout_logprobs(None, rollout, seed=0)
     return ratio_statistics(log_ratio, rollout.completion_mask)
 
 
@@ -117,22 +129,25 @@ class NotchMismatch:
 
 
 def measure_notch(config, model, policy, precision: str, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                  seed: int) -> NotchMismatch:
-    """Sample completions of the prompts with `model`'s rollout engine at `precision` (temperature 1, the recipe's
-    decoder) and measure the trainer's (`model`) mismatch to it on them."""
+                  seed: int, flow: str = "split") -> NotchMismatch:
+    """Sample completions of the prompts with `model`'s rollout engine at `precision` in precision flow `flow`
+    (temperature 1, the recipe's decoder) and measure the trainer's mismatch to it on them: split, the trainer is
+    `model`; unified, a copy of `model` computing with the engine's quantized linears, which the engine shares."""
     diffusion = is_diffusion(config.policy, model.config.model_type)
-    engine = RolloutEngine(model, precision=precision).model
+    trainer = copy.deepcopy(model) if flow == "unified" else model
+    engine = RolloutEngine(trainer, precision=precision, precision_flow=flow).model
     start = time.perf_counter()
     rollout = policy.sample(engine, input_ids, attention_mask, torch.Generator().manual_seed(seed))
     seconds = time.perf_counter() - start
     mask, tokens = rollout.completion_mask, rollout.completion_ids.unsqueeze(-1)
-    reference = completion_log_probs(model, config, rollout, diffusion)
+    with torch.enable_grad():  # the trainer's side as ℓ_θ computes it
+        reference = completion_log_probs(trainer, config, rollout, diffusion).detach()
     engine_logp = completion_log_probs(engine, config, rollout, diffusion)
     kl = (reference.exp() * (reference - engine_logp)).sum(-1)[mask].mean().item()
     token_log_ratio = (reference.gather(-1, tokens) - engine_logp.gather(-1, tokens)).squeeze(-1)
-    return NotchMismatch(kl, ratio_statistics(token_log_ratio, mask),
-                         trajectory_statistics(with_trajectory_estimator(policy), model, rollout) if diffusion else None,
-                         seconds)
+    trajectory = None if not diffusion else trajectory_statistics(
+        with_trajectory_estimator(policy), trainer, rollout, config.per_device_train_batch_size)
+    return NotchMismatch(kl, ratio_statistics(token_log_ratio, mask), trajectory, seconds)
 
 
 def with_trajectory_estimator(policy):
@@ -163,15 +178,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--precisions", default=",".join(p for p in PRECISIONS if p != "bf16"))
     parser.add_argument("--kv-cache", choices=("fp8", "none"), default="fp8",
                         help="fp8: also the FP8 KV cache notch on the trajectory canvases; none: leave it out")
+    parser.add_argument("--flows", default=",".join(PRECISION_FLOWS),
+                        help="comma-separated precision flows (rollout.precision_flow), each measured per precision")
     parser.add_argument("--prompts", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     print(f"device: {describe_device(torch.device('cpu'))}, torch {torch.__version__}, float32 trainer; "
           f"{args.prompts} validation prompts per model, completions sampled by the engine at temperature 1")
-    print("| model | precision | token KL(trainer ‖ engine) | k3 of the engine's tokens | max abs Δ log p | ESS, token "
-          "| mean abs log ρ_seq | ESS, sequence | completion tokens | sampling s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| model | precision | flow | token KL(trainer ‖ engine) | k3 of the engine's tokens | max abs Δ log p "
+          "| ESS, token | mean abs log ρ_seq | ESS, sequence | completion tokens | sampling s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     trajectory_tables = []
     for name in args.models.split(","):
         config = load_config(RECIPES.get(name, name), ["--output_dir=/tmp/unused"])
@@ -182,33 +199,35 @@ def main(argv: list[str] | None = None) -> None:
         policy = build_policy(config, model.config, tokenizer, temperature=1.0)
         trajectory_rows = []
         for precision in args.precisions.split(","):
-            notch = measure_notch(config, model, policy, precision, input_ids, attention_mask, args.seed)
-            print(f"| {name} ({config.model_name_or_path}) | {precision} | {notch.kl:.2e} | "
-                  + " | ".join(log_ratio_cells(notch.scored_canvas)) + f" | {notch.sampling_seconds:.2f} |")
-            sys.stdout.flush()
-            if notch.trajectory is not None:
-                trajectory_rows.append((precision, log_ratio_cells(notch.trajectory)))
+            for flow in args.flows.split(","):
+                notch = measure_notch(config, model, policy, precision, input_ids, attention_mask, args.seed, flow)
+                print(f"| {name} ({config.model_name_or_path}) | {precision} | {flow} | {notch.kl:.2e} | "
+                      + " | ".join(log_ratio_cells(notch.scored_canvas)) + f" | {notch.sampling_seconds:.2f} |")
+                sys.stdout.flush()
+                if notch.trajectory is not None:
+                    trajectory_rows.append((precision, flow, log_ratio_cells(notch.trajectory)))
         if diffusion and args.kv_cache == "fp8":
             cached = kv_cache_policy(with_trajectory_estimator(policy))
             engine = RolloutEngine(model, precision="bf16").model
             rollout = cached.sample(engine, input_ids, attention_mask, torch.Generator().manual_seed(args.seed))
-            trajectory_rows.append((f"{KV_CACHE_NOTCH} ({cached.sampler_config.cache})",
+            trajectory_rows.append((f"{KV_CACHE_NOTCH} ({cached.sampler_config.cache})", "split",
                                     log_ratio_cells(trajectory_statistics(cached, model, rollout))))
         trajectory_tables.append((name, config.model_name_or_path, trajectory_rows))
     print_trajectory_table(trajectory_tables)
 
 
-def print_trajectory_table(tables: list[tuple[str, str, list[tuple[str, list[str]]]]]) -> None:
-    """The trajectory canvases' table: one row per (model, notch) of the diffusion models."""
-    rows = [(name, path, notch, cells) for name, path, notch_rows in tables for notch, cells in notch_rows]
+def print_trajectory_table(tables: list[tuple[str, str, list[tuple[str, str, list[str]]]]]) -> None:
+    """The trajectory canvases' table: one row per (model, notch, flow) of the diffusion models."""
+    rows = [(name, path, notch, flow, cells) for name, path, notch_rows in tables for notch, flow, cells in notch_rows]
     if not rows:
         return
     print("\ntrajectory estimator's canvases (each token under the canvas of the step that committed it):")
-    print("| canvas | model | notch | k3 of the engine's tokens | max abs Δ log p | ESS, token | mean abs log ρ_seq "
-          "| ESS, sequence | completion tokens |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for name, path, notch, cells in rows:
-        print(f"| trajectory | {name} ({path}) | {notch} | " + " | ".join(cells) + " |")
+    print("| canvas | model | notch | flow | k3 of the engine's tokens | max abs Δ log p | ESS, token "
+          "| mean abs log ρ_seq | ESS, sequence | completion tokens |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, path, notch, flow, cells in rows:
+        print(f"| trajectory | {name} ({path}) | {notch} | {flow} | " + " | ".join(cells) + " |")
+
 
 if __name__ == "__main__":
     main()
