@@ -13,6 +13,8 @@ PRECISIONS = ("bf16", "fp8", "fp8_tensor", "fp8_weight_only", "mxfp8", "int8", "
               "int4", "int4_g128")
 # dllm_ais.engine: the engine a quantized copy beside a high-precision trainer, or one model computing as the engine
 PRECISION_FLOWS = ("split", "unified")
+# The notches whose activation scale is taken over the whole input tensor: the numbers of a row depend on the batch
+BATCH_SCALED_PRECISIONS = ("fp8_tensor", "nvfp4")
 # dllm_ais.likelihood.DIFFUSION_ESTIMATORS: diffusion log-prob estimators
 ESTIMATORS = ("one_step", "trajectory", "step_merge", "elbo", "spg")
 # The estimators that replay the recorded denoising trajectory (one forward per step or per segment of steps): they

@@ -20,7 +20,8 @@ from typing import Any, Callable
 import yaml
 
 from dllm_ais.choices import (
-    LOSS_TYPES, REWARD_SCALINGS, SEQUENCE_ESTIMATORS, TRAJECTORY_ESTIMATORS, block_fraction_problem, replays_decoder,
+    BATCH_SCALED_PRECISIONS, LOSS_TYPES, REWARD_SCALINGS, SEQUENCE_ESTIMATORS, TRAJECTORY_ESTIMATORS,
+    block_fraction_problem, replays_decoder,
 )
 from dllm_ais.settings import (
     AT_LEAST_ONE, GROUP, GROUP_SHORTHANDS, MAX_PROMPTS, MAX_SIZE, MAX_TOKENS, MOVED_FIELDS, NON_NEGATIVE, PATH, POSITIVE,
@@ -340,6 +341,12 @@ class GRPOConfig:
              "experimental.elbo_coupled pairs random masks and likelihood.spg_block_masking draws block masks: set one "
              "of them to false"),
             (block_fraction is None, block_fraction),
+            (not (rollout.precision_flow == "unified" and rollout.precision in BATCH_SCALED_PRECISIONS and diffusion
+                  and likelihood.estimator in TRAJECTORY_ESTIMATORS),
+             f"rollout.precision={rollout.precision} scales activations over the whole batch, and "
+             f"likelihood.estimator={likelihood.estimator} takes ℓ_rollout from the sampler's batch while the trainer "
+             "replays micro-batches, so the unified flow would not compute one set of numbers: use a per-row or "
+             "per-block notch (fp8, mxfp4, ...), likelihood.estimator=one_step, or rollout.precision_flow=split"),
             (not self.drop_zero_std_groups or self.beta == 0,
              f"drop_zero_std_groups leaves out groups whose KL term (beta={self.beta}) still has a gradient: set "
              "beta=0, or drop_zero_std_groups=false"),

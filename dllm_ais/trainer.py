@@ -57,7 +57,8 @@ class GRPOTrainer:
 
     Args:
         config: a validated `GRPOConfig`.
-        model / tokenizer: optional preloaded policy; by default loaded from `config.model_name_or_path`.
+        model / tokenizer: optional preloaded policy; by default loaded from `config.model_name_or_path` (then a
+            unified-flow run also scores its policy on the high-precision base, reloaded from there).
         reward_funcs: callables with TRL's signature; by default the task preset or `config.reward_funcs`.
         train_dataset / eval_dataset: `datasets.Dataset` with a `prompt` column (+ reward columns).
         ais_rule: optional callable diagnostics → α replacing `config.correction.ais_rule`.
@@ -98,6 +99,7 @@ class GRPOTrainer:
         check_prompt_lengths(self.tokenizer, {"train": self.train_dataset, "eval": self.eval_dataset},
                              config.max_prompt_length)
 
+        self.base_on_disk = model is None  # the unified flow's high-precision base reloads from model_name_or_path
         self.parts = build_components(config, self.tokenizer, self.accelerator, model, sampler, policy)
         self.policy, self.model, self.engine = self.parts.policy, self.parts.model, self.parts.engine
         self.optimizer, self.scheduler = self.parts.optimizer, self.parts.scheduler
@@ -233,8 +235,9 @@ class GRPOTrainer:
     def evaluate_high_precision_base(self) -> tuple[EvalResult, EvalResult] | None:
         """With the unified precision flow below bf16, the held-out scores of the policy on the high-precision base
         (`components.high_precision_base`) before and after training — the in-run evaluation scores the quantized
-        model, as the run deploys it; None for another run."""
-        if not self.engine.shares_trainer_model or self.config.rollout.precision == "bf16":
+        model, as the run deploys it; None for another run, or when the trainer was given its model (the base is
+        reloaded from `model_name_or_path`)."""
+        if not (self.engine.shares_trainer_model and self.base_on_disk) or self.config.rollout.precision == "bf16":
             return None
         model = high_precision_base(self.config, self.accelerator.device)
         before = self.evaluate(model=model)

@@ -267,7 +267,11 @@ def test_ending_the_process_group_frees_the_ddp_model_a_reference_cycle_holds():
     ("--likelihood_estimator=trajectory",),  # the cached decoder replayed: a backward per block, in step
     # the exact model replaying parallel decoding: one backward per micro-batch on every process
     ("--likelihood_estimator=trajectory", "--likelihood_decoder=exact"),
-], ids=["one_step", "trajectory-per-step-backward", "trajectory-decoder-replay", "trajectory-parallel-decoding"])
+    # one model, the engine's numerics in the trainer: LoRA beside the quantized base, and full fine-tuning (QAT)
+    ("--rollout.precision_flow=unified", "--rollout.precision=mxfp4"),
+    ("--rollout.precision_flow=unified", "--use_peft=false", "--likelihood_estimator=trajectory"),
+], ids=["one_step", "trajectory-per-step-backward", "trajectory-decoder-replay", "trajectory-parallel-decoding",
+        "unified-lora", "unified-full-fine-tuning"])
 def test_two_process_ddp_run_through_accelerate_launch(tmp_path, estimator):
     """The same loop under `accelerate launch` with 2 CPU processes (gloo): gathers, slicing, accumulation, saving;
     with the trajectory estimator, the backward per forward keeps both processes' all-reduces in step."""
@@ -283,7 +287,10 @@ def test_two_process_ddp_run_through_accelerate_launch(tmp_path, estimator):
     assert "distributed run: 2 processes (MULTI_CPU)" in result.stderr, result.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]  # one writer
-    assert (out / "final" / "adapter_model.safetensors").is_file()
+    assert (out / "final" / ("model.safetensors" if "--use_peft=false" in estimator
+                             else "adapter_model.safetensors")).is_file()
+    if "--rollout.precision_flow=unified" in estimator:  # the ratio of one flow, over both processes' completions
+        assert all(r["rollout_corr/k3_kl"] == pytest.approx(0.0, abs=1e-6) for r in records)
 
 
 RANKS_PREPARE = """\

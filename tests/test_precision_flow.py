@@ -1,0 +1,217 @@
+"""The unified precision flow (`rollout.precision_flow: unified`): the trainer computes with the rollout engine's
+quantized numerics, one model shared by both, so the ratio of the two is 1 wherever the flow is exact."""
+
+import copy
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from accelerate.utils import DistributedType
+from peft import LoraConfig, get_peft_model
+from torch import nn
+
+from conftest import bare_tiny_llada, config_of
+from dllm_ais import grpo
+from dllm_ais.choices import BATCH_SCALED_PRECISIONS
+from dllm_ais.bench.mismatch import RECIPES, measure_notch, validation_prompts
+from dllm_ais.components import check_unified_flow_launch
+from dllm_ais.config import EMBEDDED_RECIPE, ConfigError, load_config
+from dllm_ais.engine import RolloutEngine, adapter_host
+from dllm_ais.loading import load_model, load_tokenizer
+from dllm_ais.policy import LORA_TARGET_PRESETS, build_policy
+from dllm_ais.quantization import PRECISIONS, StraightThroughQuantizedLinear, quantize_model_
+from dllm_ais.sampling.diffusion import DiffusionSamplerConfig, MaskedDiffusionSampler
+from dllm_ais.trainer import GRPOTrainer
+from test_trainer import make_trainer
+
+QUANTIZED = tuple(precision for precision in PRECISIONS if precision != "bf16")
+MASK, EOS = 127, 126
+
+
+@pytest.mark.parametrize("precision", QUANTIZED)
+@pytest.mark.parametrize("trainable", [False, True], ids=["frozen", "trainable"])
+def test_the_trainers_layer_is_the_engines_forward_with_gradients_straight_through(precision, trainable):
+    """Forward: bit for bit the engine's quantized layer (same weight quantizer, same activation quantizer). Backward:
+    ∂L/∂x = ∂L/∂y · deq(W_q), and for a trained weight ∂L/∂W = (∂L/∂y)ᵀ x and ∂L/∂b = Σ ∂L/∂y."""
+    torch.manual_seed(0)
+    linear = nn.Linear(128, 64)
+    engine = copy.deepcopy(linear)
+    quantize_model_(engine, precision, skip=lambda name, module: False)
+    trainer_linear = copy.deepcopy(linear).requires_grad_(trainable)
+    layer = StraightThroughQuantizedLinear(trainer_linear, precision)
+    x = torch.randn(3, 5, 128, requires_grad=True)
+    y = layer(x)
+    with torch.no_grad():
+        assert torch.equal(y, engine(x))
+    grad_y = torch.randn_like(y)
+    y.backward(grad_y)
+    torch.testing.assert_close(x.grad, grad_y @ layer.quantized.dequantize())
+    if trainable:
+        torch.testing.assert_close(layer.weight.grad, grad_y.reshape(-1, 64).T @ x.detach().reshape(-1, 128))
+        torch.testing.assert_close(layer.bias.grad, grad_y.reshape(-1, 64).sum(0))
+    else:
+        assert layer.weight is None and "weight" not in layer.state_dict()
+
+
+def test_a_trained_weight_is_quantized_again_after_each_step_as_the_split_engine_syncs_it():
+    """Full fine-tuning (QAT): the unified model after an optimizer step computes what a split engine synced from the
+    same high-precision weights computes — bit for bit, before and after."""
+    model = bare_tiny_llada(MASK, EOS)
+    trainer = copy.deepcopy(model).train()
+    unified = RolloutEngine(trainer, precision="mxfp4", precision_flow="unified")
+    split = RolloutEngine(model, precision="mxfp4")
+    tokens = torch.randint(0, 120, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(unified.model(tokens).logits, split.model(tokens).logits)
+    optimizer = torch.optim.SGD(trainer.parameters(), lr=0.1)
+    trainer(tokens).logits.logsumexp(-1).mean().backward()
+    optimizer.step()
+    model.load_state_dict(trainer.state_dict())  # the master weights, high precision
+    assert unified.sync_from(trainer) >= 0 and split.sync_from(model) >= 0
+    with torch.no_grad():
+        after = unified.model(tokens).logits
+        assert torch.equal(after, split.model(tokens).logits)
+        assert not torch.equal(after, RolloutEngine(bare_tiny_llada(MASK, EOS), precision="mxfp4").model(tokens).logits)
+
+
+def test_with_lora_the_engine_is_the_trainers_model_holding_one_quantized_base():
+    """LoRA: the engine samples with the trainer's model itself; every quantized base layer keeps its quantized
+    weight only (no high-precision copy, outside parameters and state dict), the adapters train beside it, and a
+    sync copies nothing: the engine computes with the adapter as the optimizer left it."""
+    trainer = get_peft_model(bare_tiny_llada(MASK, EOS), LoraConfig(r=4, lora_alpha=8,
+                                                                     target_modules=LORA_TARGET_PRESETS["llada"]))
+    bytes_before = sum(p.numel() * p.element_size() for p in trainer.parameters())
+    engine = RolloutEngine(trainer, precision="fp8", precision_flow="unified")
+    assert engine.model is adapter_host(trainer) and engine.shares_trainer_model
+    quantized = [module for module in trainer.modules() if isinstance(module, StraightThroughQuantizedLinear)]
+    assert len(quantized) == len(engine.quantized_modules) == 14  # 7 block linears × 2 layers; the LM head stays
+    assert all(module.weight is None for module in quantized)
+    bytes_after = sum(p.numel() * p.element_size() for p in trainer.parameters())
+    assert bytes_after < bytes_before - sum(module.in_features * module.out_features * 4 for module in quantized) + 1
+    assert all(name.count("lora_") for name, p in trainer.named_parameters() if p.requires_grad)
+    tokens = torch.randint(0, 120, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = engine.model(tokens).logits
+    for name, param in trainer.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(std=0.1)
+    engine.sync_from(trainer)
+    with torch.no_grad():
+        assert not torch.equal(engine.model(tokens).logits, before)
+        assert torch.equal(engine.model(tokens).logits, trainer(tokens).logits)
+
+
+# The notches on the embedded LLaDA (every one, the per-tensor ones included), and each other family at two of them.
+FLOW_CASES = [("llada", precision) for precision in QUANTIZED] + [
+    (model, precision) for model in ("qwen3", "dream", "sdar") for precision in ("fp8", "mxfp4")]
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    """Per model name: (config, model, policy, prompts) as `dllm-ais bench mismatch` builds them."""
+    built = {}
+
+    def get(name):
+        if name not in built:
+            config = load_config(RECIPES[name], ["--output_dir=/tmp/unused", "--num_generations=2",
+                                                    "--per_device_train_batch_size=4"])
+            model = load_model(config.model_name_or_path, torch.float32).eval()
+            tokenizer = load_tokenizer(config.model_name_or_path)
+            policy = build_policy(config, model.config, tokenizer, temperature=1.0)
+            built[name] = config, model, policy, validation_prompts(config, tokenizer, 6, seed=0)
+        return built[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name, precision", FLOW_CASES, ids=[f"{m}-{p}" for m, p in FLOW_CASES])
+def test_the_unified_flow_leaves_no_mismatch_on_either_canvas(embedded, name, precision):
+    """k3 of the trainer (with gradients on, as ℓ_θ runs) against the engine: ≤ 1e-6 on the canvas the one-step
+    estimator scores (causal LMs: teacher forcing) and on the trajectory replay's canvases — the recipe's dual-cache
+    decoder replayed micro-batch by micro-batch (4 and 2 rows: batches other than the sampler's 6) — where the split flow
+    shows the precision's mismatch. The notches that scale activations over the whole batch (fp8_tensor, nvfp4) are
+    exact on the one-step canvas (both sides score the same micro-batch) and not on the replay's, a combination the
+    config refuses."""
+    config, model, policy, (input_ids, attention_mask) = embedded(name)
+    unified = measure_notch(config, model, policy, precision, input_ids, attention_mask, seed=0, flow="unified")
+    assert unified.scored_canvas["k3"] <= 1e-6 and unified.kl <= 1e-6
+    if unified.trajectory is not None and precision in BATCH_SCALED_PRECISIONS:  # refused: the replay's batch differs
+        assert unified.trajectory["k3"] > 1e-6
+        with pytest.raises(ConfigError, match=f"rollout.precision={precision} scales activations over the whole batch"):
+            config_of(rollout={"precision": precision, "precision_flow": "unified"},
+                      likelihood={"estimator": "trajectory"}).validate()
+    elif unified.trajectory is not None:
+        assert unified.trajectory["k3"] <= 1e-6 and unified.trajectory["max_abs_log_ratio"] <= 1e-3
+    if (name, precision) == ("llada", "mxfp4"):
+        split = measure_notch(config, model, policy, precision, input_ids, attention_mask, seed=0)
+        assert split.scored_canvas["k3"] > 1e-5
+
+
+def test_the_commit_choice_ratio_is_one_in_the_unified_flow():
+    """The complete ratio's commit part: the trainer replaying the recorded commit choices (stochastic rule, dual
+    cache, threshold) reproduces them on the unified model, micro-batch by micro-batch; the split flow's trainer does
+    not."""
+    model = bare_tiny_llada(MASK, EOS)
+    sampler = MaskedDiffusionSampler(DiffusionSamplerConfig(
+        gen_length=8, block_length=4, steps=4, temperature=1.0, mask_token_id=MASK, eos_token_ids=(EOS,),
+        cache="dual", threshold=0.5, position_temperature=0.05))
+    prompts = torch.randint(0, 120, (6, 5), generator=torch.Generator().manual_seed(0))
+    unified = RolloutEngine(copy.deepcopy(model), precision="mxfp4", precision_flow="unified").model
+    rollout = sampler.sample(unified, prompts, generator=torch.Generator().manual_seed(1))
+    replayed = torch.cat([sampler.choice_logprobs(unified, rollout.select(slice(start, start + 2)))
+                          for start in range(0, 6, 2)])
+    assert (replayed - rollout.choice_logprobs).abs().max() <= 1e-5
+    split = RolloutEngine(model, precision="mxfp4").model
+    drawn = sampler.sample(split, prompts, generator=torch.Generator().manual_seed(1))
+    assert (sampler.choice_logprobs(model, drawn) - drawn.choice_logprobs).abs().max() > 1e-3
+
+
+def test_the_old_log_prob_pass_is_skipped_where_the_flow_makes_it_the_rollouts(tokenizer, tmp_path, monkeypatch):
+    """Unified, one-step estimator: ℓ_old is ℓ_rollout (one pass, the rollout side's) and the correction sees ratio
+    1; trajectory estimator: the sampler recorded ℓ_rollout while decoding, the trainer's replay still runs and the
+    ratio is 1 to float rounding. A few steps train, and the loss and gradients are finite."""
+    scorers = []
+    scored_by = grpo.micro_batched_logprobs
+    monkeypatch.setattr(grpo, "micro_batched_logprobs", lambda score, *args: scorers.append(score) or scored_by(
+        score, *args))
+    settings = {"rollout.precision": "mxfp4", "rollout.precision_flow": "unified", "correction.method": "ais",
+                "beta": 0.0}  # no reference pass
+    one_step = make_trainer(tokenizer, tmp_path / "one_step", **settings)
+    batch = one_step.make_generation_batch()
+    assert scorers == [one_step.policy.rollout_logprobs] * len(batch.seeds)
+    assert all(torch.equal(old, rollout) for old, rollout in zip(batch.logp_old, [
+        one_step.policy.rollout_logprobs(one_step.engine.model, batch.rollout, seed) for seed in batch.seeds]))
+    assert all(d["rollout_corr/k3_kl"] == 0.0 for d in batch.diagnostics)
+    run = make_trainer(tokenizer, tmp_path / "trajectory", **settings, likelihood={"estimator": "trajectory"},
+                       rollout={"cache": "dual", "threshold": 0.9}).train()
+    for record in run.history:
+        assert record["rollout_corr/k3_kl"] == pytest.approx(0.0, abs=1e-6)
+        assert record["grad_norm"] > 0 and math.isfinite(record["loss"])
+
+
+@pytest.mark.slow  # two runs of the embedded model with held-out evaluations
+def test_the_unified_flow_trains_fully_fine_tuned_and_scores_the_high_precision_base(tmp_path):
+    """Full fine-tuning under the unified flow (the master weights quantized on the fly) trains the embedded model; a
+    run's held-out metrics hold the policy on the high-precision base too, reloaded from model_name_or_path, whose
+    baseline is the split flow's."""
+    overrides = ["--rollout.precision=int8", "--use_peft=false", "--max_steps=1", "--eval_size=8",
+                 "--per_device_train_batch_size=8", "--num_generations=4"]
+    run = GRPOTrainer(load_config(EMBEDDED_RECIPE, [*overrides, "--rollout.precision_flow=unified",
+                                                    f"--output_dir={tmp_path / 'unified'}"])).train()
+    split = GRPOTrainer(load_config(EMBEDDED_RECIPE, [*overrides, f"--output_dir={tmp_path / 'split'}"])).train()
+    step, unified = run.history[0], run.history[-1]
+    assert math.isfinite(step["loss"]) and math.isfinite(step["grad_norm"])
+    assert unified["eval/high_precision_base/reward_before"] == split.history[-1]["eval/reward_before"]
+    assert "eval/high_precision_base/reward_delta" in unified
+    assert not any(key.startswith("eval/high_precision_base/") for key in split.history[-1])
+
+
+def test_the_settings_and_launches_the_unified_flow_refuses():
+    with pytest.raises(ConfigError, match="rollout.compile=true compiles the split engine's own copy"):
+        config_of(rollout={"precision_flow": "unified", "compile": True}).validate()
+    config_of(rollout={"precision_flow": "unified", "compile": None}).validate()
+    for launcher in ("FSDP", "DEEPSPEED"):
+        with pytest.raises(ConfigError, match=f"not under {launcher}: launch with recipes/accelerate/ddp.yaml"):
+            check_unified_flow_launch(SimpleNamespace(distributed_type=DistributedType[launcher]))
+    check_unified_flow_launch(SimpleNamespace(distributed_type=DistributedType.MULTI_CPU))
