@@ -19,7 +19,6 @@ import os
 import random
 import re
 import secrets
-import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -35,18 +34,22 @@ from dllm_ais.components import StepComponents
 from dllm_ais.config import ConfigError, GRPOConfig, changed_settings, save_config
 from dllm_ais.evaluation import EvalResult, held_out_record, result_identity
 from dllm_ais.grpo import GenerationBatch, any_process
+from dllm_ais.interruption import note_set_aside
 from dllm_ais.run_dir import (BOOKKEEPING, CHECKPOINT_NAME, MARKER, RUN_OUTPUTS, DamagedCheckpoint,
-                              atomic_directory, atomic_write_text, carries_marker, checkpoint_manifest,
-                              clean_leftovers, describe_contents, directory_kind, discard_directory, dllm_ais_record,
-                              fsync_directory, fsync_tree, is_leftover, link_refusal, provenance, prune_checkpoints,
-                              read_verified, run_checkpoints, staged_directory, verify_checkpoint)
+                              atomic_directory, carries_marker, checkpoint_manifest, clean_leftovers,
+                              describe_contents, directory_kind, discard_directory, dllm_ais_record, fsync_tree,
+                              is_leftover, link_refusal, provenance, prune_checkpoints, read_verified,
+                              run_checkpoints, staged_directory, verify_checkpoint)
 from dllm_ais.run_lock import give_up_run_lock, hold_run_lock, holds_run_lock
+from dllm_ais.safe_files import copy_regular_file, read_regular_file, sync_directory, write_file
+from dllm_ais.safe_json import loads_bounded
 
 RESUMABLE_CHANGES = frozenset({  # fields a resumed run may change: they do not alter the training trajectory
     "max_steps", "logging_steps", "save_steps", "save_total_limit", "output_dir", "overwrite_output_dir",
     "resume_from_checkpoint", "report_to", "run_name", "dry_run", "max_consecutive_skipped_batches", "eval_steps",
     "log_completions", "num_completions_to_print"})  # not eval_size: the held-out baseline is paired with the end
 HELD_OUT_FILE = "held_out.json"  # the per-prompt held-out values of a finished run (`write_held_out`)
+MAX_HELD_OUT_BYTES, MAX_HELD_OUT_DEPTH = 1 << 30, 4  # it holds a few numbers per held-out prompt
 RUN_FILES = ("config.yaml", "metrics.jsonl", "metrics.png", "completions.jsonl", "best_checkpoint.json", HELD_OUT_FILE)
 BEST_CHECKPOINT_FILE = "best_checkpoint.json"
 RUN_STATE_FILE = "custom_checkpoint_0.pkl"  # the name accelerate's register_for_checkpointing gave it
@@ -283,8 +286,11 @@ def prepare_output_dir(config: GRPOConfig, is_main_process: bool = True) -> Path
     rewritten — only when the directory itself carries the marker of an earlier run; nothing else in the directory
     is touched. Every process checks; only the main process changes the directory (it first cleans the leftovers of
     interrupted writes, then marks the directory as a run's).
+
+    An `output_dir` that is itself a symbolic link (a run folder kept on another disk) is followed once, here: the
+    run writes to its target, named in one line (`follow_output_dir_link`). Links inside the run are refused.
     """
-    output_dir = Path(config.output_dir)
+    output_dir = follow_output_dir_link(config, report=is_main_process)
     if not is_main_process:
         return _check_output_dir(config, is_main_process)
     if holds_run_lock(output_dir):  # an earlier run of this process took it
@@ -298,6 +304,24 @@ def prepare_output_dir(config: GRPOConfig, is_main_process: bool = True) -> Path
         if not existed and output_dir.is_dir() and not any(output_dir.iterdir()):
             output_dir.rmdir()
         raise
+
+
+def follow_output_dir_link(config: GRPOConfig, report: bool = True) -> Path:
+    """`config.output_dir`, resolved once when it is a symbolic link — the run then writes to the link's target,
+    and `config.output_dir` names that target from here on (one line on stderr says so when `report`); as given
+    otherwise. ConfigError when the link does not resolve (a loop)."""
+    named = Path(config.output_dir)
+    if not named.is_symlink():
+        return named
+    try:
+        target = named.resolve(strict=False)
+    except (OSError, RuntimeError) as error:
+        raise ConfigError(f"output_dir {named} is a link that does not resolve ({error}); point it at a directory, "
+                          "or choose another --output_dir.") from None
+    if report:
+        print(f"output_dir {named} is a link: writing to its target {target}", file=sys.stderr)
+    config.output_dir = str(target)
+    return target
 
 
 def _check_output_dir(config: GRPOConfig, is_main_process: bool) -> Path | None:
@@ -339,8 +363,7 @@ def _check_output_dir(config: GRPOConfig, is_main_process: bool) -> Path | None:
             set_abandoned_steps_aside(output_dir, checkpoint)
         output_dir.mkdir(parents=True, exist_ok=True)
         if provenance(output_dir) is None:
-            (output_dir / MARKER).write_text(json.dumps({"written_by": "dllm-ais", "run_directory": True}))
-            fsync_directory(output_dir)
+            write_file(output_dir / MARKER, json.dumps({"written_by": "dllm-ais", "run_directory": True}))
     return checkpoint
 
 
@@ -371,14 +394,15 @@ def set_abandoned_steps_aside(output_dir: Path, checkpoint: Path) -> Path | None
         moved.append(output_dir / HELD_OUT_FILE)  # the mark of the finished branch
     aside = output_dir / f"abandoned-after-step-{step}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
     aside.mkdir()
+    note_set_aside(output_dir, aside)
     for name in RUN_FILES:
         path = output_dir / name
         if name != HELD_OUT_FILE and path.is_file() and not path.is_symlink():
-            shutil.copy2(path, aside / name)
+            copy_regular_file(path, aside / name)
     for path in moved:
         os.rename(path, aside / path.name)
     fsync_tree(aside)
-    fsync_directory(output_dir)
+    sync_directory(output_dir)
     print(f"warning: resuming from {checkpoint} leaves the later steps of this run behind: "
           f"{', '.join(path.name for path in moved)} and the run's logs are kept in {aside} (never resumed from "
           "here; resume from one of them into another --output_dir to go on with that branch)", file=sys.stderr)
@@ -392,14 +416,18 @@ def write_held_out(config: GRPOConfig, held_out, before: EvalResult | None, afte
     (`after`) and baseline (`before`). Written last, in one rename: its presence marks a finished run, and `dllm-ais
     compare` reuses the run when its identity is the planned one, pairing runs prompt by prompt through it."""
     path = Path(config.output_dir) / HELD_OUT_FILE
-    atomic_write_text(path, json.dumps(held_out_record(result_identity(config, held_out), before, after)) + "\n")
+    write_file(path, json.dumps(held_out_record(result_identity(config, held_out), before, after)) + "\n")
     return path
 
 
-def read_held_out(output_dir: str | Path) -> dict | None:
-    """The `held_out.json` of a finished run (see `write_held_out`); None when the run has not finished."""
+def read_held_out(output_dir: str | Path) -> Any:
+    """The parsed `held_out.json` of a finished run (see `write_held_out`), read through no link and bounded in size
+    and nesting; None when the run has not finished. OSError when it is not a regular file (FileTooLarge when over
+    `MAX_HELD_OUT_BYTES`), ValueError when it is not JSON."""
     path = Path(output_dir) / HELD_OUT_FILE
-    return json.loads(path.read_text()) if path.is_file() else None
+    if not os.path.lexists(path):
+        return None
+    return loads_bounded(read_regular_file(path, MAX_HELD_OUT_BYTES), MAX_HELD_OUT_BYTES, MAX_HELD_OUT_DEPTH)
 
 
 class Checkpointer:
@@ -432,7 +460,7 @@ class Checkpointer:
         record = {"written_by": "dllm-ais", "run": state.run_id, "metric_for_best_model": self.config.best_metric_key,
                   "greater_is_better": self.config.greater_is_better, "best_metric": state.best_metric,
                   "best_global_step": state.best_global_step, "best_model_checkpoint": state.best_model_checkpoint}
-        atomic_write_text(path, json.dumps(record, indent=2) + "\n")
+        write_file(path, json.dumps(record, indent=2) + "\n")
 
     def checked_state_dict(self, step: int) -> dict[str, torch.Tensor]:
         """The model's state dict to save (a collective under FSDP / ZeRO-3: every process calls this); raises

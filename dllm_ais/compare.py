@@ -16,11 +16,15 @@ held-out prompts are loaded: arms evaluated on different prompts (another eval_s
 as is eval_size 0. A finished run's `held_out.json` records what made it (`evaluation.result_identity`: the
 resolved config's hash, the held-out prompts' hash, the dllm-ais version); the run is reused only when that record
 is the planned one — or when its `config.yaml` differs from the planned config only by study knobs added to
-dllm-ais since it ran, at their defaults (off: the behaviour it trained with) — and rerun afresh otherwise. A
+dllm-ais since it ran, at their defaults (off: the behaviour it trained with) — and the run beside it agrees with it
+(its `config.yaml` and its final model's config are the planned config, its `metrics.jsonl` logs the held-out
+numbers the result recomputes to, its `final/` verifies and is of the last step); a run that does not agree is moved
+aside whole (`<seed>.set-aside`) and trained again, and a result of another identity is rerun afresh. A
 damaged or foreign `held_out.json` (not JSON, not a record dllm-ais wrote, no identity, values that do not match its
 prompts) is moved aside, beside the run's directory, and the run trained again; an unfinished run is resumed from
 its newest checkpoint when its config allows, else rerun (train itself refuses to replace anything it did not
-write). One line per run says which and why.
+write). One line per run says which and why. Every report is written by `safe_files.write_file` (staged, renamed,
+never through a link), and arm names are escaped in the table (`|`, line breaks).
 
 The table pairs each arm with the baseline seed by seed over the same held-out prompts (Δ ± SE), then aggregates the
 seeds' Δ (mean, seed-to-seed SE, 95 % t interval): `comparison.md`, `comparison.json` and `comparison.png` in the
@@ -43,14 +47,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dllm_ais.safe_files import link_refusal, open_appending, read_regular_file, save_figure, write_file
+from dllm_ais.safe_json import loads_bounded
 from dllm_ais.statistics import across_seeds, mean, paired_difference
 
 if TYPE_CHECKING:
     from dllm_ais.config import GRPOConfig
 
 STUDY_KEYS = ("base", "overrides", "baseline", "arms")
-MAX_RESULT_BYTES = 1 << 30  # a held_out.json holds a few numbers per held-out prompt
-MAX_RESULT_DEPTH = 4
+MAX_REPORT_BYTES = 1 << 30  # a comparison.json holds a few numbers per arm and seed
+AGREEMENT = {"rel_tol": 1e-5, "abs_tol": 1e-6}  # a float32 mean the run logged against the same mean of its result
 
 
 class StudyError(Exception):
@@ -119,7 +125,12 @@ class Plan:
         else:
             actions = {"--resume_from_checkpoint=true": "resume", "--overwrite_output_dir=true": "rerun"}
             action = actions.get(train_command(self.run, self.restart)[-1], "run")
-        return f"seed {self.run.seed} arm {self.run.arm}: {action} — {self.reason}"
+        return f"seed {self.run.seed} arm {one_line(self.run.arm)}: {action} — {self.reason}"
+
+
+def read_report(path: Path) -> dict[str, Any]:
+    """A compare report's numbers (`comparison.json`, see `run_study`), read through no link and bounded in size."""
+    return loads_bounded(read_regular_file(path, MAX_REPORT_BYTES), MAX_REPORT_BYTES, max_depth=8)
 
 
 def read_study(path: Path) -> Study:
@@ -225,15 +236,15 @@ def planned_identities(runs: list[Run], configs: dict[Run, GRPOConfig | None]) -
     return identities
 
 
-def read_result(path: Path) -> tuple[dict[str, Any] | None, str | None]:
-    """(the record, None) of a run's `held_out.json` that dllm-ais wrote whole (`evaluation.held_out_problem`), or
-    (None, why it is damaged or foreign)."""
+def read_result(output_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """(the record, None) of the `held_out.json` in a run's `output_dir` that dllm-ais wrote whole
+    (`evaluation.held_out_problem`), or (None, why it is damaged or foreign)."""
+    from dllm_ais.checkpoint import read_held_out
     from dllm_ais.evaluation import held_out_problem
-    from dllm_ais.run_dir import FileTooLarge, read_regular_file
-    from dllm_ais.safe_json import loads_bounded
+    from dllm_ais.safe_files import FileTooLarge
 
     try:
-        record = loads_bounded(read_regular_file(path, MAX_RESULT_BYTES), MAX_RESULT_BYTES, MAX_RESULT_DEPTH)
+        record = read_held_out(output_dir)
     except FileTooLarge as error:
         return None, f"{error.size} bytes, more than a result holds"
     except OSError:
@@ -244,25 +255,97 @@ def read_result(path: Path) -> tuple[dict[str, Any] | None, str | None]:
     return (None, problem) if problem else (record, None)
 
 
-def set_aside(path: Path) -> Path:
-    """Move a damaged or foreign `held_out.json` out of its run directory, to `<run dir>.held_out.damaged[-N].json`
-    beside it — never over another file — so that rerunning the run deletes nothing the user may want; returns
-    where it went."""
-    run_dir = path.parent
-    names = (f"{run_dir.name}.held_out.damaged{'' if number == 1 else f'-{number}'}.json"
-             for number in itertools.count(1))
+def set_aside(path: Path, run_dir: Path, label: str, suffix: str = "") -> Path:
+    """Move `path` (a run's damaged or foreign `held_out.json`, or the run directory `run_dir` itself) beside
+    `run_dir`, to `<run dir>.<label>[-N]<suffix>` — never over another entry — so that rerunning the run deletes
+    nothing the user may want; returns where it went."""
+    names = (f"{run_dir.name}.{label}{'' if number == 1 else f'-{number}'}{suffix}" for number in itertools.count(1))
     aside = next(run_dir.with_name(name) for name in names if not os.path.lexists(run_dir.with_name(name)))
     os.rename(path, aside)
     return aside
 
 
-def changed_fields(output_dir: Path, config: GRPOConfig, unchanging: frozenset[str]) -> list[str] | None:
-    """`field: old -> new` for every field outside `unchanging` whose value in the run's `config.yaml` (what it
-    trained with) differs from `config`'s; None when that file does not read as a recipe."""
+def logged_held_out(record: dict[str, Any]) -> dict[str, float]:
+    """The closing metrics a run logs of its held-out evaluation (`evaluation.held_out_metrics`), recomputed from
+    its result `record`: the reward's mean and number of prompts, the accuracy's mean, the baseline reward's mean."""
+    after, before = record["after"], record["before"]
+    values = {"eval/reward": mean(after["reward"]), "eval/num_prompts": float(len(after["reward"]))}
+    if after["accuracy"] is not None:
+        values["eval/accuracy"] = mean(after["accuracy"])
+    if before is not None:
+        values["eval/reward_before"] = mean(before["reward"])
+    return values
+
+
+def config_disagreement(output_dir: Path, name: str, config: GRPOConfig) -> str | None:
+    """Why the config the run in `output_dir` saved as `name` (its `config.yaml`, its final model's) is not `config`
+    — missing, not a regular file, not a recipe, or another value of a field the result depends on — or None."""
+    from dllm_ais.evaluation import UNHASHED_FIELDS
+
+    path = output_dir / name
+    if not path.is_file() or path.is_symlink():
+        return f"its {name} is missing or not a regular file"
+    fields = changed_fields(path, config, UNHASHED_FIELDS)
+    if fields is None:
+        return f"its {name} does not read as a recipe"
+    return f"its {name} is not the planned config ({'; '.join(fields[:4])})" if fields else None
+
+
+def metrics_disagreement(output_dir: Path, config: GRPOConfig, record: dict[str, Any]) -> str | None:
+    """Why the run's `metrics.jsonl` does not show the result `record` — missing or not a regular file, no closing
+    held-out line, one of another step than `max_steps`, or numbers other than the ones recomputed from `record`
+    (`logged_held_out`) — or None."""
+    from dllm_ais.metrics import read_records
+
+    try:
+        records = read_records(output_dir / "metrics.jsonl")
+    except OSError:
+        return "its metrics.jsonl is missing or not a regular file"
+    closing = [line for line in records if "eval/reward" in line and "loss" not in line]
+    if not closing:
+        return "its metrics.jsonl logs no closing held-out evaluation"
+    if closing[-1].get("step") != config.max_steps:
+        return (f"its metrics.jsonl logs the held-out evaluation at step {closing[-1].get('step')}, not "
+                f"{config.max_steps}")
+    for key, value in logged_held_out(record).items():
+        logged = closing[-1].get(key)
+        if not isinstance(logged, (int, float)) or not math.isclose(logged, value, **AGREEMENT):
+            return f"its metrics.jsonl logs {key} {logged}, its result gives {value:.6g}"
+    return None
+
+
+def final_disagreement(output_dir: Path, config: GRPOConfig) -> str | None:
+    """Why the run's `final/` is not the model its result was evaluated on — missing, not a final model dllm-ais
+    wrote, damaged (`run_dir.verify_checkpoint`), of another step than `max_steps`, or saved with another config —
+    or None."""
+    from dllm_ais.checkpoint import CONFIG_FILE
+    from dllm_ais.run_dir import directory_kind, provenance, verify_checkpoint
+
+    final = output_dir / "final"
+    if final.is_symlink() or directory_kind(final) != "final":
+        return "its final/ is missing or not a final model dllm-ais wrote"
+    if (damage := verify_checkpoint(final, kind="final")) is not None:
+        return f"its final/ is damaged ({damage})"
+    step = provenance(final).get("step")
+    if step != config.max_steps:
+        return f"its final/ is of step {step}, not {config.max_steps}"
+    return config_disagreement(output_dir, f"final/{CONFIG_FILE}", config)
+
+
+def run_disagreement(output_dir: Path, config: GRPOConfig, record: dict[str, Any]) -> str | None:
+    """Why the run in `output_dir` is not the one that made its result `record` — its own resolved config, its
+    metrics and its final model each checked against the result — or None when they agree."""
+    return (config_disagreement(output_dir, "config.yaml", config)
+            or metrics_disagreement(output_dir, config, record) or final_disagreement(output_dir, config))
+
+
+def changed_fields(saved: Path, config: GRPOConfig, unchanging: frozenset[str]) -> list[str] | None:
+    """`field: old -> new` for every field outside `unchanging` whose value in a run's saved config (`saved`: its
+    `config.yaml`, what it trained with) differs from `config`'s; None when that file does not read as a recipe."""
     from dllm_ais.config import ConfigError, changed_settings
 
     try:
-        return changed_settings(output_dir / "config.yaml", config, unchanging)
+        return changed_settings(saved, config, unchanging)
     except ConfigError:
         return None
 
@@ -301,23 +384,26 @@ def identity_changes(recorded: dict[str, Any], planned: dict[str, Any], fields: 
 
 
 def examine(run: Run, config: GRPOConfig | None, identity: dict[str, Any] | None) -> Plan:
-    """What to do with `run` and why: reuse its result when it records `identity`; rerun it afresh when it records
-    another (a changed recipe, prompts or dllm-ais version); when its result is damaged or foreign, move the file
-    aside (`set_aside`) and train it like an unfinished run: resumed from its newest checkpoint unless its
-    `config.yaml` shows a change a resume refuses, else afresh."""
+    """What to do with `run` and why: reuse its result when it records `identity` and the run beside it agrees
+    with it (`run_disagreement`: its config.yaml, metrics.jsonl and final/); when the run does not agree, move the
+    whole run directory aside (`set_aside`) and train it afresh; rerun it afresh when the result records another
+    identity (a changed recipe, prompts or dllm-ais version); when its result is damaged or foreign, move the file
+    aside and train it like an unfinished run: resumed from its newest checkpoint unless its `config.yaml` shows a
+    change a resume refuses, else afresh."""
     from dllm_ais.checkpoint import RESUMABLE_CHANGES, run_checkpoints
     from dllm_ais.evaluation import UNHASHED_FIELDS
 
     reasons = []
     if os.path.lexists(run.result):
-        record, problem = read_result(run.result)
+        record, problem = read_result(run.output_dir)
         if problem is not None:
-            reasons.append(f"{run.result} is damaged or foreign ({problem}); kept as {set_aside(run.result)}")
+            aside = set_aside(run.result, run.output_dir, "held_out.damaged", ".json")
+            reasons.append(f"{run.result} is damaged or foreign ({problem}); kept as {aside}")
         elif identity is None:
             return Plan(run, False, False, "its config does not resolve; its train names the problem", None)
         else:
             recorded = record["identity"]
-            fields = (changed_fields(run.output_dir, config, UNHASHED_FIELDS)
+            fields = (changed_fields(run.output_dir / "config.yaml", config, UNHASHED_FIELDS)
                       if recorded["config_sha256"] != identity["config_sha256"] else None)
             added = experimental_settings_added(run.output_dir, config) if fields == [] else None
             if added:  # the config it trained is the planned one: its hash predates the settings added
@@ -325,6 +411,10 @@ def examine(run: Run, config: GRPOConfig | None, identity: dict[str, Any] | None
             changes = identity_changes(recorded, identity, fields)
             if changes:
                 return Plan(run, False, True, "; ".join(changes), identity)
+            if (disagreement := run_disagreement(run.output_dir, config, record)) is not None:
+                aside = set_aside(run.output_dir, run.output_dir, "set-aside")
+                return Plan(run, False, False, f"its result does not agree with the run beside it ({disagreement}); "
+                            f"the run directory is kept as {aside}", identity)
             config_part = (f"its config.yaml is the planned config but for study knobs added since it ran, at their "
                            f"defaults ({', '.join(added[:4])}{', …' if len(added) > 4 else ''}); the same"
                            if added else f"its result records the same config (hash {identity['config_sha256'][:12]}),")
@@ -333,7 +423,8 @@ def examine(run: Run, config: GRPOConfig | None, identity: dict[str, Any] | None
     if not (run.output_dir.is_dir() and any(run.output_dir.iterdir())):
         return Plan(run, False, False, "; ".join(reasons) or "not run yet", identity)
     if run_checkpoints(run.output_dir):
-        changes = None if config is None else changed_fields(run.output_dir, config, RESUMABLE_CHANGES)
+        saved = run.output_dir / "config.yaml"
+        changes = None if config is None else changed_fields(saved, config, RESUMABLE_CHANGES)
         if changes:
             reasons.append(f"unfinished, and its config changed since it started ({'; '.join(changes[:4])}): a "
                            "resume would be refused")
@@ -366,7 +457,7 @@ def execute(plan: Plan, threads: int) -> str | None:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads)),
            "PYTHONUNBUFFERED": "1"}
     command = train_command(run, plan.restart)
-    with run.log.open("a") as log:  # appended: an earlier attempt's output (or another writer's) is never lost
+    with os.fdopen(open_appending(run.log), "a") as log:  # appended, never through a link: nothing is lost
         log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} dllm-ais compare runs: {' '.join(command)}\n")
         log.flush()
         code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -374,7 +465,7 @@ def execute(plan: Plan, threads: int) -> str | None:
         return f"{run.arm} / seed {run.seed} failed (exit {code}); see {run.log}"
     if not os.path.lexists(run.result):
         return f"{run.arm} / seed {run.seed} finished without writing {run.result.name}; see {run.log}"
-    record, problem = read_result(run.result)
+    record, problem = read_result(run.output_dir)
     if problem is not None:
         changes = [problem]
     else:
@@ -441,12 +532,22 @@ def over_seeds(values: list[float]) -> str:
     return f"{total.mean:.4f}" if total.num_seeds < 2 else f"{total.mean:.4f} ± {total.standard_error:.4f}"
 
 
+def one_line(text: str) -> str:
+    """`text` with its line breaks (and runs of spaces) as single spaces."""
+    return " ".join(text.split())
+
+
+def table_cell(text: str) -> str:
+    """`text` as one markdown table cell: `|` escaped, on one line (an arm's name cannot break the table)."""
+    return one_line(text.replace("\\", "\\\\").replace("|", "\\|"))
+
+
 def markdown(summary: dict[str, Any], header: str) -> str:
     """The study as a markdown table: one row per arm."""
     metric = summary["metric"]
     lines = [header, "",
-             f"| arm | held-out accuracy | held-out reward | Δ {metric} vs {summary['baseline']}, per seed "
-             "(paired over prompts, ± SE) | mean Δ over seeds ± seed SE | 95 % CI |",
+             f"| arm | held-out accuracy | held-out reward | Δ {metric} vs {table_cell(summary['baseline'])}, per "
+             "seed (paired over prompts, ± SE) | mean Δ over seeds ± seed SE | 95 % CI |",
              "| --- | --- | --- | --- | --- | --- |"]
     for name, entry in summary["arms"].items():
         versus = entry["versus_baseline"]
@@ -458,7 +559,8 @@ def markdown(summary: dict[str, Any], header: str) -> str:
             total = f"{seeds['mean']:+.4f}" + ("" if seeds["num_seeds"] < 2 else f" ± {seeds['standard_error']:.4f}")
             interval = "— (1 seed)" if seeds["num_seeds"] < 2 else f"[{seeds['low']:+.4f}, {seeds['high']:+.4f}]"
         accuracy = "—" if any(math.isnan(a) for a in entry["accuracy"]) else over_seeds(entry["accuracy"])
-        lines.append(f"| {name} | {accuracy} | {over_seeds(entry['reward'])} | {paired} | {total} | {interval} |")
+        lines.append(f"| {table_cell(name)} | {accuracy} | {over_seeds(entry['reward'])} | {paired} | {total} | "
+                     f"{interval} |")
     return "\n".join(lines) + "\n"
 
 
@@ -478,12 +580,13 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from dllm_ais.metrics import read_records
+
     figure, (curves, deltas) = plt.subplots(1, 2, figsize=(11, 4))
     names = list(summary["arms"])
     for index, name in enumerate(names):
         color = plt.get_cmap("tab10")(index % 10)
-        runs = [held_out_curve([json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()
-                                if line.strip()]) for run in summary["arms"][name]["runs"]]
+        runs = [held_out_curve(read_records(Path(run) / "metrics.jsonl")) for run in summary["arms"][name]["runs"]]
         steps = sorted({step for curve in runs for step, _ in curve})
         curves.plot(steps, [mean([dict(curve)[step] for curve in runs if step in dict(curve)]) for step in steps],
                     label=name, color=color, marker=".")
@@ -502,8 +605,7 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     for axis in (curves, deltas):
         axis.grid(alpha=0.3)
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 REPORT_SUFFIXES = (".md", ".json", ".png")
@@ -512,8 +614,6 @@ REPORT_SUFFIXES = (".md", ".json", ".png")
 def report_files(study_dir: Path, report: str) -> list[Path]:
     """The report's table, numbers and plot in `study_dir`; StudyError when `report` is not a plain file name or one
     of the files is a symbolic link (never written through)."""
-    from dllm_ais.run_dir import link_refusal
-
     if report in ("", ".", "..") or Path(report).name != report or report.startswith("."):
         raise StudyError(f"--report {report!r}: a file name without a folder (the report is written in the study "
                          "folder), e.g. --report comparison-nvfp4")
@@ -530,8 +630,6 @@ def run_study(study_file: Path, seeds: int, extra: list[str], output_dir: Path |
     """Train what the study still needs, then write the report: comparison.md/.json/.png against the study's
     baseline, or comparison-vs-<arm>.md/.json/.png against another arm (`baseline`), whose runs are the same;
     `report` names the files instead. Returns the table and the report's path without its suffix."""
-    from dllm_ais.run_dir import atomic_write_text
-
     for flag, value in (("--seeds", seeds), ("--jobs", jobs)):
         if value < 1:
             raise StudyError(f"{flag} {value}: must be 1 or more ({flag} N: "
@@ -563,7 +661,7 @@ def run_study(study_file: Path, seeds: int, extra: list[str], output_dir: Path |
     table = markdown(summary, header)
     study_dir.mkdir(parents=True, exist_ok=True)
     table_file, numbers_file, plot_file = report_files(study_dir, report)
-    atomic_write_text(table_file, table)
-    atomic_write_text(numbers_file, json.dumps({**summary, "command": command}, indent=2) + "\n")
+    write_file(table_file, table)
+    write_file(numbers_file, json.dumps({**summary, "command": command}, indent=2) + "\n")
     plot(summary, plot_file)
     return table, study_dir / report

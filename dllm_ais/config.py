@@ -27,6 +27,7 @@ from dllm_ais.settings import (
     AT_LEAST_ONE, GROUP, GROUP_SHORTHANDS, MAX_PROMPTS, MAX_SIZE, MAX_TOKENS, MOVED_FIELDS, NON_NEGATIVE, PATH, POSITIVE,
     SETTINGS_GROUPS, CorrectionSettings, ExperimentalSettings, LikelihoodSettings, RolloutSettings, SettingsGroup, choice,
 )
+from dllm_ais.safe_files import write_file
 from dllm_ais.tasks import TaskNames
 from dllm_ais.trackers import TRACKERS, normalize_report_to
 from dllm_ais.validation import (
@@ -708,7 +709,8 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | dict[st
 
 
 def save_config(config: GRPOConfig, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    """Write `config` as a recipe to `path` (staged and renamed, never through a link: `safe_files.write_file`)."""
+    write_file(path, yaml.safe_dump(config.to_dict(), sort_keys=False))
 
 
 # The top-level fields' sections in `--help` and docs/configuration.md: (title, the section's first field)

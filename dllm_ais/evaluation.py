@@ -138,7 +138,8 @@ def evaluate_policy(model, tokenizer, policy, dataset, reward_funcs: list[Reward
     """Sample one completion per prompt of ``dataset`` with ``policy`` (on ``model``) in batches of ``batch_size``
     and score it with ``reward_funcs`` (weighted by ``reward_weights``) and the task's ``accuracy`` function.
 
-    ``seed`` seeds the sampler's generator (only matters at temperature > 0).
+    ``seed`` seeds the sampler's generator (only matters at temperature > 0). Rewards whose float32 statistics
+    overflow are a NonFiniteRewardError naming the function (`RewardTable.finite_weighted_sum`).
     """
     if len(dataset) == 0:
         raise ValueError("no prompts to evaluate: the dataset is empty")
@@ -156,7 +157,7 @@ def evaluate_policy(model, tokenizer, policy, dataset, reward_funcs: list[Reward
     timeouts = [sum(table.timeouts[index] for table in tables) for index in range(len(names))]
     rewards = RewardTable(names[:len(reward_funcs)], values[:, :len(reward_funcs)], timeouts[:len(reward_funcs)])
     return EvalResult(
-        per_prompt_reward=rewards.weighted_sum(reward_weights),
+        per_prompt_reward=rewards.finite_weighted_sum(reward_weights),
         per_prompt_accuracy=values[:, -1] if accuracy is not None else None,
         per_function={name: values[:, index] for index, name in enumerate(rewards.names)},
         timeouts=dict(zip(names, timeouts)),

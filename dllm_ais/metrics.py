@@ -12,8 +12,6 @@ import errno
 import json
 import math
 import os
-import secrets
-import shutil
 import sys
 import time
 import weakref
@@ -23,6 +21,8 @@ from typing import Any, Callable
 import torch
 
 from dllm_ais.loss import zero_std_groups
+from dllm_ais.safe_files import (check_regular_or_absent, copy_regular_file, open_appending, open_regular_file,
+                                 save_figure, write_file)
 from dllm_ais.safe_json import loads_bounded
 
 CONSOLE_FIELDS = (  # (metric key, console label, format)
@@ -116,7 +116,9 @@ class MetricsLog:
     `previous` (the file of the run it resumes, by default this one) up to step N and continues after them. Damaged
     lines never cut the file short: they are reported with their line numbers, every valid line up to step N is
     kept, and a damaged file of this run is first copied aside (`<name>.damaged-<time>`) so that nothing is lost.
-    The new starting content replaces the file by a rename, never by truncating it.
+    The new starting content replaces the file by a rename, never by truncating it, and the lines are appended
+    through a descriptor opened without following a link (`safe_files`): a link put in the file's place, before or
+    during the run, is refused or never written through.
     """
 
     def __init__(self, output_dir: str | Path, resume_step: int | None = None, previous: str | Path | None = None,
@@ -125,17 +127,15 @@ class MetricsLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         previous = Path(previous) if previous is not None else self.path
         for path in {self.path, previous}:
-            if path.is_symlink() or (path.exists() and not path.is_file()):
-                raise FileExistsError(f"{path} is not a regular file (a directory or a link); the run writes its "
-                                      f"{name} there: move it away, then run again.")
+            check_regular_or_absent(path)
         kept: list[bytes] = []
         if resume_step is not None and previous.is_file():
             kept, damaged = lines_up_to(previous, resume_step, TEXT_FIELDS.get(name, ()))
             if damaged:
                 report_damaged_lines(previous, damaged, kept, resume_step, keep_copy=previous.resolve() == self.path.resolve())
         self.records: list[dict[str, Any]] = [json.loads(line) for line in kept]
-        replace_file(self.path, b"".join(kept))
-        self._descriptor = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+        write_file(self.path, b"".join(kept))
+        self._descriptor = open_appending(self.path)
         _open_logs.add(self)
 
     def write(self, record: dict[str, Any]) -> None:
@@ -170,20 +170,6 @@ def sync_logs_in(directory: str | Path) -> None:
             log.sync()
 
 
-def replace_file(path: Path, content: bytes) -> None:
-    """Make `path` hold `content` by writing a `.tmp-` file beside it and renaming it over `path`."""
-    staging = path.with_name(f".tmp-{path.name}-{secrets.token_hex(4)}")
-    try:
-        with staging.open("wb") as file:
-            file.write(content)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(staging, path)
-    except BaseException:
-        staging.unlink(missing_ok=True)
-        raise
-
-
 MAX_RECORD_BYTES = 1 << 20  # a metrics line is ~2 KB; a completions line holds one prompt and its completion
 MAX_RECORD_KEYS, MAX_KEY_CHARS = 4096, 256
 TEXT_FIELDS = {"completions.jsonl": ("prompt", "completion")}  # the only fields of a run's logs that hold text
@@ -213,6 +199,13 @@ def parse_record(line: bytes, text_fields: tuple[str, ...] = ()) -> dict[str, An
     return record
 
 
+def read_records(path: str | Path, text_fields: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """The valid records (`parse_record`) of a run's JSONL log, read through no link (`safe_files`), in order;
+    damaged lines are skipped."""
+    with open_regular_file(path) as file:
+        return [record for line in file if (record := parse_record(line, text_fields)) is not None]
+
+
 def lines_up_to(path: Path, step: int, text_fields: tuple[str, ...] = ()) -> tuple[list[bytes], list[int]]:
     """(the valid lines of a run's JSONL file with `step` <= the given one, the numbers of its damaged lines).
 
@@ -221,7 +214,7 @@ def lines_up_to(path: Path, step: int, text_fields: tuple[str, ...] = ()) -> tup
     held-out line (validation scores without training metrics) and lines past `step` belong to steps the resumed
     run writes again, and are left out."""
     kept, damaged = [], []
-    with path.open("rb") as file:
+    with open_regular_file(path) as file:
         for number, line in enumerate(file, start=1):
             record = parse_record(line, text_fields)
             if record is None:
@@ -238,8 +231,7 @@ def report_damaged_lines(path: Path, damaged: list[int], kept: list[bytes], step
     numbers = ", ".join(map(str, damaged[:10])) + (f" and {len(damaged) - 10} more" if len(damaged) > 10 else "")
     aside = ""
     if keep_copy:
-        copy = path.with_name(f"{path.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
-        shutil.copyfile(path, copy)
+        copy = copy_regular_file(path, path.with_name(f"{path.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}"))
         aside = f"; the original file is kept as {copy}"
     print(f"warning: {path}: line(s) {numbers} damaged (not a whole JSON record of a run's log), left out; kept its {len(kept)} "
           f"valid line(s) up to step {step}{aside}", file=sys.stderr)
@@ -253,8 +245,9 @@ def plotted_points(records: list[dict[str, Any]], key: str) -> list[tuple[int, f
 
 
 def plot_metrics(records: list[dict[str, Any]], path: str | Path, keys: tuple[str, ...] = PLOTTED) -> Path | None:
-    """Save a grid of metric-versus-step panels (one per key present; `plotted_points`) to `path`; returns it, or
-    None if nothing to plot."""
+    """Save a grid of metric-versus-step panels (one per key present; `plotted_points`) to `path` as a PNG (staged
+    and renamed, never written through a link: `safe_files.save_figure`); returns it, or None if nothing to
+    plot."""
     present = [k for k in keys if any(r.get(k) is not None for r in records)]
     if not present:
         return None
@@ -274,6 +267,4 @@ def plot_metrics(records: list[dict[str, Any]], path: str | Path, keys: tuple[st
     for ax in list(axes.flat)[len(present):]:
         ax.axis("off")
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return Path(path)
+    return save_figure(figure, path)

@@ -21,6 +21,8 @@ from typing import Any, Iterator
 
 from dllm_ais.metrics import sync_logs_in
 from dllm_ais.run_lock import LOCK_FILE, check_not_in_use, check_still_held
+from dllm_ais.safe_files import (FileTooLarge, is_staged_file, link_refusal, open_regular_file,
+                                 read_regular_file, sync_directory, write_file)
 from dllm_ais.safe_json import loads_bounded
 
 # ------------------------------------------------------------------------------------------ safe directory writes
@@ -35,27 +37,6 @@ TOKENED_LEFTOVER = re.compile(r"\.(tmp|trash)-.+-[0-9a-f]{8}")  # the names stag
 
 class OutputExistsError(FileExistsError):
     """A destination is in the way (not empty, or not written by dllm-ais); the message names the way out."""
-
-
-def read_regular_file(path: str | Path, limit: int) -> bytes:
-    """The bytes of the regular file at `path`, opened through no symlink and read once; OSError when it is not a
-    regular file (missing, a directory, a link, a FIFO) and FileTooLarge when it holds more than `limit` bytes."""
-    descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    with os.fdopen(descriptor, "rb") as file:
-        status = os.fstat(descriptor)
-        if not stat.S_ISREG(status.st_mode):
-            raise OSError(errno.EINVAL, f"{path} is not a regular file")
-        if status.st_size > limit:
-            raise FileTooLarge(f"{path} holds {status.st_size} bytes, more than {limit}", status.st_size)
-        return file.read(limit)
-
-
-class FileTooLarge(ValueError):
-    """A file holds more bytes than its reader takes; `size` says how many."""
-
-    def __init__(self, message: str, size: int):
-        super().__init__(message)
-        self.size = size
 
 
 def dllm_ais_record(path: str | Path) -> dict[str, Any] | None:
@@ -74,11 +55,14 @@ def provenance(directory: str | Path) -> dict[str, Any] | None:
 
 
 def is_leftover(entry: Path) -> bool:
-    """A staging, displaced or half-deleted directory of an interrupted dllm-ais write: one carrying the marker, or
-    an empty `.tmp-`/`.trash-<name>-<token>` one (a staging directory killed before its marker was written, or a
-    deletion killed after its marker went: removing it loses nothing)."""
-    if not (entry.name.startswith(LEFTOVER_PREFIXES) and entry.is_dir() and not entry.is_symlink()):
+    """What an interrupted dllm-ais write left: a staged file (`safe_files.is_staged_file`), or a staging, displaced
+    or half-deleted directory — one carrying the marker, or an empty `.tmp-`/`.trash-<name>-<token>` one (a staging
+    directory killed before its marker was written, or a deletion killed after its marker went: removing it loses
+    nothing). A link is never one."""
+    if not entry.name.startswith(LEFTOVER_PREFIXES) or entry.is_symlink():
         return False
+    if not entry.is_dir():
+        return is_staged_file(entry)
     return provenance(entry) is not None or (TOKENED_LEFTOVER.fullmatch(entry.name) is not None
                                              and not any(entry.iterdir()))
 
@@ -112,23 +96,25 @@ def directory_kind(directory: Path) -> str | None:
     return "final" if directory.name in RUN_OUTPUTS and in_a_run else "model"
 
 
-def link_refusal(path: Path) -> str:
-    """The one line refusing to write, replace or remove `path` because it is a symbolic link."""
-    return (f"{path} is a symbolic link (to {os.readlink(path)}); dllm-ais never writes, replaces or deletes "
-            "through a link. Remove the link (its target is kept) or choose another path.")
-
-
 def check_destination(final: Path, overwrite: bool, flag: str = "--overwrite", kind: str = "model") -> None:
     """Raise OutputExistsError unless `final` may be written as a directory of `kind` (see `KINDS`): absent, empty,
     or — with `overwrite` — a directory that dllm-ais wrote as the same kind. Nothing else is ever replaced, so no
     command can delete what it did not create: an export or an SFT model never replaces a run's checkpoint or
     final model, and a symbolic link is never written or replaced through. A directory that is, lies in or contains
-    a live run's directory is refused whatever `overwrite` says."""
+    a live run's directory is refused whatever `overwrite` says, and so is a model directory inside a run's
+    folder, checkpoint or final model (`check_outside_runs`)."""
     check_not_in_use(final)
     if final.is_symlink():
         raise OutputExistsError(link_refusal(final))
-    if not final.exists() or (final.is_dir() and not any(final.iterdir())):
-        return
+    if final.exists() and not (final.is_dir() and not any(final.iterdir())):
+        check_replaceable(final, overwrite, flag, kind)
+    if kind == "model":
+        check_outside_runs(final)
+
+
+def check_replaceable(final: Path, overwrite: bool, flag: str, kind: str) -> None:
+    """`check_destination` of a `final` that holds something: only a directory dllm-ais wrote as `kind`, and only
+    with `overwrite`."""
     if not final.is_dir():
         raise OutputExistsError(f"{final} is a file; choose a directory path that does not exist yet.")
     if not overwrite:
@@ -143,22 +129,31 @@ def check_destination(final: Path, overwrite: bool, flag: str = "--overwrite", k
                                 "Choose a new directory.")
 
 
+RUN_KINDS = ("run directory", "checkpoint", "final")  # what only `dllm-ais train` writes into
+
+
+def check_outside_runs(destination: Path) -> None:
+    """Raise OutputExistsError when `destination` lies inside a directory a training run wrote (its output_dir, a
+    checkpoint-N or its final/): what an export or SFT writes never goes into a run's own folders."""
+    for ancestor in destination.resolve().parents:
+        if (kind := directory_kind(ancestor)) in RUN_KINDS:
+            raise OutputExistsError(f"{destination} lies inside {ancestor}, {KINDS[kind]}; nothing but its run writes "
+                                    "there. Choose a directory outside it.")
+
+
 def check_not_source(destination: Path, source: str | Path) -> None:
-    """Raise OutputExistsError when `destination` is, or holds, the local directory `source` a command reads (an
-    export's adapter, SFT's starting model): a command never replaces its own input."""
+    """Raise OutputExistsError when `destination` is, holds or lies inside the local directory `source` a command
+    reads (an export's adapter, SFT's starting model): a command never replaces or writes into its own input."""
     source = Path(source)
-    if source.exists() and (destination.resolve() == source.resolve()
-                            or destination.resolve() in source.resolve().parents):
+    if not source.exists():
+        return
+    destination_path, source_path = destination.resolve(), source.resolve()
+    if destination_path == source_path or destination_path in source_path.parents:
         raise OutputExistsError(f"{destination} is, or holds, the command's source {source}; it is never replaced. "
                                 "Choose a new output directory.")
-
-
-def fsync_directory(path: str | Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
+    if source_path in destination_path.parents:
+        raise OutputExistsError(f"{destination} lies inside the command's source {source}; nothing is written into "
+                                "it. Choose a directory outside it.")
 
 
 def fsync_tree(root: Path) -> None:
@@ -170,7 +165,7 @@ def fsync_tree(root: Path) -> None:
                 os.fsync(descriptor)
             finally:
                 os.close(descriptor)
-        fsync_directory(directory)
+        sync_directory(directory)
 
 
 def remove_directory(path: Path) -> None:
@@ -206,7 +201,7 @@ def discard_directory(path: Path, name: str | None = None) -> None:
         raise OutputExistsError(link_refusal(path))
     trash = path.with_name(f".trash-{name or path.name}-{secrets.token_hex(4)}")
     os.rename(path, trash)
-    fsync_directory(path.parent)
+    sync_directory(path.parent)
     remove_directory(trash)
 
 
@@ -227,8 +222,9 @@ def clean_leftovers(parent: str | Path, name: str | None = None) -> None:
     """Finish what interrupted atomic writes left in `parent` (for directory `name`, or for all): a `.tmp-<name>-*`
     staging directory is deleted unless its writer still runs; `.old-<name>` (a complete previous copy moved aside)
     is renamed back when `<name>` is missing — the crash fell between the two renames — and deleted otherwise;
-    `.trash-*` is deleted. Only directories carrying dllm-ais' marker are touched, and empty ones (an interrupted
-    deletion's last step)."""
+    `.trash-*` is deleted, and so is a file an interrupted write staged (`.tmp-<name>-<token>`, a regular file,
+    never a link). Only directories carrying dllm-ais' marker are touched, and empty ones (an interrupted deletion's
+    last step)."""
     parent = Path(parent)
     if not parent.is_dir():
         return
@@ -239,6 +235,9 @@ def clean_leftovers(parent: str | Path, name: str | None = None) -> None:
         target = rest if prefix == "old" else rest.rpartition("-")[0]
         if name is not None and target != name:
             continue
+        if not entry.is_dir():  # a staged file: unlinked, never followed
+            entry.unlink()
+            continue
         marker = provenance(entry)
         if marker is None:  # empty: see is_leftover
             entry.rmdir()
@@ -246,7 +245,7 @@ def clean_leftovers(parent: str | Path, name: str | None = None) -> None:
             continue
         elif prefix == "old" and not (parent / target).exists():
             os.rename(entry, parent / target)
-            fsync_directory(parent)
+            sync_directory(parent)
         elif prefix == "trash":
             remove_directory(entry)
         else:
@@ -265,7 +264,7 @@ def begin_staging(final: Path, token: str | None = None, **fields: Any) -> Path:
     staging = staging_directory(final, token or secrets.token_hex(4))
     staging.mkdir(parents=True)
     marker = {"written_by": "dllm-ais", "pid": os.getpid(), "host": socket.gethostname(), **fields}
-    (staging / MARKER).write_text(json.dumps(marker))
+    write_file(staging / MARKER, json.dumps(marker))
     return staging
 
 
@@ -291,7 +290,7 @@ def commit_staging(staging: Path, final: Path, overwrite: bool = False) -> None:
         elif final.is_dir():
             final.rmdir()
         os.rename(staging, final)
-        fsync_directory(final.parent)
+        sync_directory(final.parent)
     except BaseException:
         if staging.exists():
             remove_directory(staging)
@@ -409,7 +408,7 @@ def no_space_error(error: BaseException, final: Path) -> NoSpaceLeft | None:
 def file_digest(path: Path) -> str:
     """The sha256 of a file's bytes, in hex."""
     digest = hashlib.sha256()
-    with path.open("rb") as file:
+    with open_regular_file(path) as file:
         while chunk := file.read(4 * MIB):
             digest.update(chunk)
     return digest.hexdigest()
@@ -417,10 +416,10 @@ def file_digest(path: Path) -> str:
 
 def record_manifest(directory: Path) -> None:
     """Add to `directory`'s marker the size and sha256 of every file in it (its `files`, by relative path)."""
-    marker = json.loads((directory / MARKER).read_text())
+    marker = json.loads(read_regular_file(directory / MARKER, MAX_MARKER_BYTES))
     marker["files"] = {str(path.relative_to(directory)): {"size": path.stat().st_size, "sha256": file_digest(path)}
                        for path in sorted(directory.rglob("*")) if path.is_file() and path.name != MARKER}
-    (directory / MARKER).write_text(json.dumps(marker))
+    write_file(directory / MARKER, json.dumps(marker))
 
 
 class DamagedCheckpoint(ValueError):
@@ -430,17 +429,18 @@ class DamagedCheckpoint(ValueError):
 SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
-def checkpoint_manifest(directory: Path) -> dict[str, tuple[int, str]]:
+def checkpoint_manifest(directory: Path, kind: str = "checkpoint") -> dict[str, tuple[int, str]]:
     """The files `directory`'s marker lists: relative name -> (size, sha256). The marker itself is checked first:
-    DamagedCheckpoint when it is missing or unreadable, lacks its `run` or `files`, records another step than the
-    directory's `checkpoint-N` name, or lists a malformed entry or a name outside the directory. What the marker
-    lacks never switches verification off."""
+    DamagedCheckpoint when it is missing or unreadable, lacks its `files` (and, for a checkpoint — `kind` — its
+    `run`), records another step than the directory's `checkpoint-N` name, or lists a malformed entry or a name
+    outside the directory. What the marker lacks never switches verification off."""
     path = directory / MARKER
     marker = dllm_ais_record(path)
     if marker is None:
         raise DamagedCheckpoint(f"its marker {path} is missing or damaged (not a JSON record written by dllm-ais)")
-    for field, kind in (("run", str), ("files", dict)):
-        if not isinstance(marker.get(field), kind):
+    required = (("run", str), ("files", dict)) if kind == "checkpoint" else (("files", dict),)
+    for field, field_type in required:
+        if not isinstance(marker.get(field), field_type):
             raise DamagedCheckpoint(f"its marker {path} lacks a valid {field!r} field")
     match = CHECKPOINT_NAME.fullmatch(directory.name)
     if match and "step" in marker and marker["step"] != int(match.group(1)):
@@ -481,13 +481,14 @@ def read_verified(directory: str | Path) -> dict[str, bytes]:
             for name, (size, digest) in checkpoint_manifest(directory).items()}
 
 
-def verify_checkpoint(directory: str | Path) -> str | None:
-    """Why `directory` is damaged — its marker (see `checkpoint_manifest`) or a file it lists that is missing, of
-    another size or with other bytes than when it was written — or None when everything verifies. Files are checked
-    one at a time (`verified_bytes`), so memory holds one file."""
+def verify_checkpoint(directory: str | Path, kind: str = "checkpoint") -> str | None:
+    """Why `directory` (a checkpoint, or a run's final model with `kind` "final") is damaged — its marker (see
+    `checkpoint_manifest`) or a file it lists that is missing, of another size or with other bytes than when it was
+    written — or None when everything verifies. Files are checked one at a time (`verified_bytes`), so memory holds
+    one file."""
     directory = Path(directory)
     try:
-        for name, (size, digest) in checkpoint_manifest(directory).items():
+        for name, (size, digest) in checkpoint_manifest(directory, kind).items():
             verified_bytes(directory / name, size, digest)
     except DamagedCheckpoint as damage:
         return str(damage)
@@ -524,11 +525,3 @@ def prune_checkpoints(output_dir: str | Path, run_id: str, keep: int, protect: s
     for _, path in run_checkpoints(output_dir, run_id)[:-keep]:
         if path.resolve() != protected:
             discard_directory(path)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Replace the file at `path` with `text` by one rename: readers see the old content or the new, never a part."""
-    staging = path.with_name(f".tmp-{path.name}")
-    staging.write_text(text)
-    os.replace(staging, path)
-

@@ -22,9 +22,11 @@ import json
 import os
 import socket
 import time
+from contextlib import suppress
 from pathlib import Path
 
 from dllm_ais.config import ConfigError
+from dllm_ais.safe_files import write_file
 
 LOCK_FILE = ".dllm-ais.lock"
 MAX_RECORD_BYTES = 4096
@@ -98,20 +100,15 @@ def _live_run_around(directory: Path) -> Path | None:
 
 
 def _record_holder(directory: Path) -> None:
-    """Replace `directory`'s `LOCK_FILE` by a record of this process (by a rename: a planted symlink is replaced,
-    never followed). Best effort: it only feeds the refusal message, so a lock path that is a directory is kept."""
+    """Replace `directory`'s `LOCK_FILE` by a record of this process (a link planted there is removed, its target
+    untouched; the record is staged and renamed in: `safe_files.write_file`). Best effort: it only feeds the refusal
+    message, so a lock path that is a directory is kept."""
     record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                         "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")}).encode()
-    staging = directory / f"{LOCK_FILE}.tmp-{os.getpid()}"
-    try:
-        descriptor = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-        try:
-            os.write(descriptor, record)
-        finally:
-            os.close(descriptor)
-        os.replace(staging, directory / LOCK_FILE)
-    except OSError:
-        staging.unlink(missing_ok=True)
+                         "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")})
+    with suppress(OSError):
+        if (directory / LOCK_FILE).is_symlink():
+            (directory / LOCK_FILE).unlink()
+        write_file(directory / LOCK_FILE, record)
 
 
 def holds_run_lock(directory: str | Path) -> bool:

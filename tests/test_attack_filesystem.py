@@ -211,3 +211,167 @@ def test_directories_written_before_kinds_were_recorded_keep_their_kind(tmp_path
     check_destination(final, overwrite=True, kind="final")
     check_destination(checkpoint, overwrite=True, kind="checkpoint")
     check_destination(older(tmp_path / "export", pid=1), overwrite=True)
+
+
+# ------------------------------------------------------------------------------------------ issue 62: writes and links
+RUN_FILE_NAMES = ("config.yaml", "metrics.jsonl", "completions.jsonl", "metrics.png", "best_checkpoint.json",
+                  "held_out.json", MARKER)
+
+
+def victims(tmp_path, names):
+    """A user's file per name, each holding its own precious text: what a link planted in a run points at."""
+    folder = tmp_path / "victims"
+    folder.mkdir(exist_ok=True)
+    for name in names:
+        (folder / name.lstrip(".")).write_text(f"precious {name}\n")
+    return {name: folder / name.lstrip(".") for name in names}
+
+
+def untouched(targets):
+    return all(path.read_text() == f"precious {name}\n" for name, path in targets.items())
+
+
+def observed_run(tokenizer, run, **overrides):
+    """A tiny run that scores every step, saves a checkpoint after each and logs its completions."""
+    return make_trainer(tokenizer, run, max_steps=3, save_steps=1, eval_steps=1, eval_size=4, log_completions=True,
+                        **overrides)
+
+
+@pytest.mark.parametrize("name", RUN_FILE_NAMES)
+def test_a_run_file_swapped_for_a_link_during_the_run_is_never_written_through(tokenizer, tmp_path, monkeypatch,
+                                                                               name):
+    """The attack of issue 62 (`ln -sf ../../notes.txt outputs/race/metrics.png` once checkpoint-2 exists), for each
+    of the run's files: the link's target keeps its bytes. The run either refuses in one line naming the link
+    (a file it writes again), or finishes writing its log through the descriptor it holds (metrics.jsonl,
+    completions.jsonl), never through the link."""
+    from dllm_ais.checkpoint import Checkpointer
+
+    run = tmp_path / "R"
+    targets = victims(tmp_path, [name])
+    save = Checkpointer.save_checkpoint
+
+    def save_then_swap(self, state, validation=None):
+        directory = save(self, state, validation)
+        if state.global_step == 2:
+            (run / name).unlink(missing_ok=True)
+            (run / name).symlink_to(targets[name])
+        return directory
+
+    monkeypatch.setattr(Checkpointer, "save_checkpoint", save_then_swap)
+    trainer = observed_run(tokenizer, run)
+    try:
+        trainer.train()
+    except FileExistsError as refusal:
+        assert f"{run / name} is a symbolic link" in str(refusal) and len(str(refusal).splitlines()) == 1
+    finally:
+        release_run_lock(run)
+    assert untouched(targets) and (run / name).is_symlink()
+    assert not [entry.name for entry in run.iterdir() if entry.name.startswith(".tmp-")]  # no staged file left
+
+
+def test_planted_staging_files_are_never_written_through(tokenizer, tmp_path):
+    """The attack: `.tmp-held_out.json` (and every other fixed name a write used to stage at) planted as a link in
+    a run folder before the run finishes. The run stages under fresh names of its own: every target keeps its
+    bytes, every file of the run is a regular file, and a staged file left by an interrupted write is cleaned up
+    while a link of that shape is left alone."""
+    run = tmp_path / "R"
+    finished_run(tokenizer, run)
+    targets = victims(tmp_path, RUN_FILE_NAMES)
+    for name, target in targets.items():
+        (run / f".tmp-{name}").symlink_to(target)
+    left = run / ".tmp-metrics.png-0123456789abcdef"  # what a write killed before its rename leaves
+    left.write_bytes(b"half a plot")
+    guessed = run / ".tmp-held_out.json-fedcba9876543210"
+    guessed.symlink_to(targets["held_out.json"])
+    observed_run(tokenizer, run, overwrite_output_dir=True).train()
+    assert untouched(targets) and not left.exists() and guessed.is_symlink()
+    for name in RUN_FILE_NAMES:
+        assert (run / name).is_file() and not (run / name).is_symlink(), name
+    assert json.loads((run / "held_out.json").read_text())["written_by"] == "dllm-ais"
+
+
+def write_sites():
+    """Every write of a file dllm-ais makes outside a staging directory, as (file name, the write into `folder`)."""
+    import torch
+
+    from dllm_ais.checkpoint import write_held_out
+    from dllm_ais.config import GRPOConfig, save_config
+    from dllm_ais.evaluation import EvalResult
+    from dllm_ais.metrics import MetricsLog, plot_metrics
+    from dllm_ais.run_lock import hold_run_lock
+    from dllm_ais.safe_files import copy_regular_file, write_file
+
+    values = torch.full((2,), 0.5)
+    result = EvalResult(values, values.clone(), {"reward": values})
+    return {
+        "held_out.json": lambda folder: write_held_out(GRPOConfig(output_dir=str(folder)), None, result, result),
+        "config.yaml": lambda folder: save_config(GRPOConfig(), folder / "config.yaml"),
+        "metrics.png": lambda folder: plot_metrics([{"step": 1, "reward": 0.5}], folder / "metrics.png"),
+        "metrics.jsonl": lambda folder: MetricsLog(folder).close(),
+        "comparison.md": lambda folder: write_file(folder / "comparison.md", "| arm |\n"),
+        "copy.jsonl": lambda folder: copy_regular_file(__file__, folder / "copy.jsonl"),
+        ".dllm-ais.lock": lambda folder: (hold_run_lock(folder), release_run_lock(folder)),
+        MARKER: lambda folder: write_file(folder / MARKER, "{}"),  # a run's, a staging directory's, a manifest
+    }
+
+
+@pytest.mark.parametrize("site", list(write_sites()))
+def test_each_write_site_stages_under_a_fresh_name_and_refuses_a_link_in_place(tmp_path, site):
+    """At each write site: a link planted at the name the write used to stage at is left alone (its target keeps
+    its bytes, the file is written); a link planted at the destination itself is refused in one line naming it
+    (the lock's record, which only names the holder, replaces it instead), its target untouched."""
+    write = write_sites()[site]
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    targets = victims(tmp_path, ["staging", "destination"])
+    destination = folder / site
+    (folder / f".tmp-{site}").symlink_to(targets["staging"])
+    write(folder)
+    assert destination.is_file() and not destination.is_symlink() and untouched(targets)
+    destination.unlink()
+    destination.symlink_to(targets["destination"])
+    if site == ".dllm-ais.lock":
+        write(folder)
+        assert not destination.is_symlink()
+    else:
+        with pytest.raises(FileExistsError, match="is a symbolic link"):
+            write(folder)
+        assert destination.is_symlink()
+    assert untouched(targets)
+
+
+def test_a_linked_output_dir_is_followed_once_and_named(tokenizer, tmp_path, capsys):
+    """A run folder kept on another disk through a link (`ln -s /scratch/R runs/R`): train, `--overwrite_output_dir`
+    and a resume all write to the link's target — resolved once and named in one line — never anywhere else; the
+    link stays a link. Links inside the run stay refused (`test_a_linked_run_output_is_refused_...`)."""
+    target = tmp_path / "scratch" / "R"
+    named = tmp_path / "runs" / "R"
+    named.parent.mkdir()
+    named.symlink_to(target, target_is_directory=True)
+    line = f"output_dir {named} is a link: writing to its target {target}"
+    for overrides in ({}, {"overwrite_output_dir": True}):
+        trainer = make_trainer(tokenizer, named, max_steps=2, save_steps=1, **overrides)
+        assert line in capsys.readouterr().err and trainer.config.output_dir == str(target)
+        trainer.train()
+        assert named.is_symlink() and (target / "final").is_dir() and (target / "checkpoint-2").is_dir()
+    resumed = make_trainer(tokenizer, named, max_steps=3, save_steps=1, resume_from_checkpoint=True)
+    assert line in capsys.readouterr().err and resumed.resume_from == target / "checkpoint-2"
+    assert resumed.train().steps == 3
+    assert [path.name for _, path in run_checkpoints(target)] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    assert sorted(p.name for p in named.parent.iterdir()) == ["R"] and named.is_symlink()
+
+
+def test_an_export_or_sft_into_a_runs_folder_is_refused(tokenizer, tmp_path, capsys):
+    """`dllm-ais export p/final p/final/sub`, into a run folder or a checkpoint, and `sft` into a run's final/: each
+    is refused in one line before anything loads, and the run keeps every file."""
+    run = finished_run(tokenizer, tmp_path / "R")
+    before = snapshot(run)
+    final, checkpoint = run / "final", run / "checkpoint-1"
+    refused_in_one_line(["export", str(final), str(final / "sub")], capsys, "lies inside the command's source")
+    refused_in_one_line(["export", str(final), str(run / "exported")], capsys,
+                        f"{run / 'exported'} lies inside {run}, the output_dir of a training run")
+    refused_in_one_line(["export", str(final), str(checkpoint / "sub")], capsys, "a training run's checkpoint-N")
+    refused_in_one_line(["export", str(checkpoint), str(final / "sub")], capsys, "a training run's final model")
+    refused_in_one_line(["sft", "--output_dir", str(final / "sft"), "--steps", "1"], capsys,
+                        "a training run's final model")
+    assert snapshot(run) == before

@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from dllm_ais import compare
-from dllm_ais.checkpoint import HELD_OUT_FILE, prepare_output_dir, write_held_out
+from dllm_ais.checkpoint import CONFIG_FILE, HELD_OUT_FILE, prepare_output_dir, write_held_out
 from dllm_ais.cli import build_parser, main
 from dllm_ais.config import EMBEDDED_RECIPE, load_config, save_config
 from dllm_ais.data import load_task_dataset
-from dllm_ais.evaluation import EvalResult, config_sha256, result_identity
+from dllm_ais.evaluation import EvalResult, config_sha256, held_out_metrics, held_out_record, result_identity
+from dllm_ais.run_dir import atomic_directory
 from dllm_ais.run_lock import release_run_lock
 
 TINY = {"max_steps": 2, "eval_size": 4, "dataset_size": 8, "per_device_train_batch_size": 4, "num_generations": 2,
@@ -28,18 +29,23 @@ TINY = {"max_steps": 2, "eval_size": 4, "dataset_size": 8, "per_device_train_bat
 
 def train_stand_in(command: list[str], **_) -> int:
     """What `dllm-ais train` leaves in its output_dir for `command`, without training: its directory taken as train
-    takes it (foreign files refused, an earlier run's outputs replaced), its `config.yaml`, a `metrics.jsonl` of the
-    held-out reward and a `held_out.json` of the held-out prompts train would load (every reward 0.5)."""
+    takes it (foreign files refused, an earlier run's outputs replaced), its `config.yaml`, its `final/` (a marked
+    model directory of step max_steps), a `metrics.jsonl` closing with the held-out metrics and a `held_out.json`
+    of the held-out prompts train would load (every reward 0.5)."""
     args, overrides = build_parser().parse_known_args(command[3:])
     config = load_config(args.recipe or EMBEDDED_RECIPE, overrides)
     prepare_output_dir(config)
     release_run_lock(config.output_dir)
-    save_config(config, Path(config.output_dir) / "config.yaml")
-    (Path(config.output_dir) / "metrics.jsonl").write_text(json.dumps({"step": 0, "eval/reward_before": 0.5}) + "\n"
-                                                           + json.dumps({"step": 2, "eval/reward": 0.5}) + "\n")
+    output_dir = Path(config.output_dir)
+    save_config(config, output_dir / "config.yaml")
+    with atomic_directory(output_dir / "final", overwrite=True, kind="final", step=config.max_steps) as staging:
+        (staging / "adapter_model.safetensors").write_bytes(b"weights")
+        save_config(config, staging / CONFIG_FILE)
     held_out = load_task_dataset(config.task, split="validation", size=config.eval_size, seed=config.seed)
     values = torch.full((len(held_out),), 0.5)
     result = EvalResult(values, values.clone(), {"reward": values})
+    closing = {"step": config.max_steps, **held_out_metrics(result, result)}
+    (output_dir / "metrics.jsonl").write_text(json.dumps(closing) + "\n")
     write_held_out(config, held_out, result, result)
     return 0
 
@@ -284,3 +290,98 @@ def test_real_training_reruns_an_edited_recipe_and_a_truncated_result(tmp_path, 
     out = capsys.readouterr().out
     assert f"kept as {run.output_dir.with_name('seed0.held_out.damaged.json')}" in out and "1 runs (0 reused)" in out
     assert main(arguments) == 0 and "1 runs (1 reused)" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------------ issue 62: the run beside it
+def test_an_arm_folder_holding_only_a_planted_result_is_set_aside_and_trained(tmp_path, trains, capsys):
+    """The attack: a `held_out.json` whose identity is the planned one (computed as compare computes it), planted
+    in an arm folder that holds nothing else. Old code: "reused", then `[Errno 2] … metrics.jsonl`. Now: the
+    folder is set aside (kept), the run trained, one line saying why."""
+    study = write_study(tmp_path, {"none": {"correction": "none"}})
+    folder = tmp_path / "study"
+    run = study_runs(study, folder, 1)[0]
+    config = compare.resolved_config(run)
+    held_out = load_task_dataset(config.task, split="validation", size=config.eval_size, seed=config.seed)
+    ones = torch.ones(len(held_out))
+    run.output_dir.mkdir(parents=True)
+    run.result.write_text(json.dumps(held_out_record(result_identity(config, held_out), None,
+                                                     EvalResult(ones, ones.clone(), {"reward": ones}))))
+    planted = run.result.read_text()
+    assert main(["compare", str(study), "--seeds", "1", f"--output_dir={folder}"]) == 0
+    out = capsys.readouterr().out
+    aside = run.output_dir.with_name("seed0.set-aside")
+    assert compare_lines(out)["seed 0 arm none"] == (
+        "run — its result does not agree with the run beside it (its config.yaml is missing or not a regular file); "
+        f"the run directory is kept as {aside}")
+    assert (aside / HELD_OUT_FILE).read_text() == planted and trains == [run.output_dir]
+    assert "| none | 0.5000 |" in out and "1 runs (0 reused)" in out
+
+
+def copy_arm(source: compare.Run, destination: compare.Run, planned: dict) -> None:
+    """The attack: `cp -r` one arm's finished run over another's, its result's identity edited to the other's."""
+    shutil.rmtree(destination.output_dir)
+    shutil.copytree(source.output_dir, destination.output_dir)
+    record = json.loads(destination.result.read_text())
+    record["identity"] = planned
+    record["after"] = record["before"] = {"accuracy": [1.0] * 4, "reward": [1.0] * 4}
+    destination.result.write_text(json.dumps(record))
+
+
+def edit_config(run: compare.Run) -> None:
+    """Make the copy's config.yaml say what `run`'s arm plans."""
+    save_config(compare.resolved_config(run), run.output_dir / "config.yaml")
+
+
+def edit_config_and_metrics(run: compare.Run) -> None:
+    """`edit_config`, and the copy's metrics.jsonl made to log the edited values."""
+    edit_config(run)
+    metrics = run.output_dir / "metrics.jsonl"
+    metrics.write_text(metrics.read_text().replace("0.5", "1.0"))
+
+
+def edit_all_but_final(run: compare.Run, step: int) -> None:
+    """`edit_config_and_metrics`, and the step its final/ records set to `step`."""
+    edit_config_and_metrics(run)
+    marker = json.loads((run.output_dir / "final" / ".dllm-ais.json").read_text())
+    (run.output_dir / "final" / ".dllm-ais.json").write_text(json.dumps({**marker, "step": step}))
+
+
+@pytest.mark.parametrize(("edit", "named"), [
+    (lambda run: None, "its config.yaml is not the planned config (correction.method: 'none' -> 'ais'"),
+    (edit_config, "its metrics.jsonl logs eval/reward 0.5, its result gives 1"),
+    (edit_config_and_metrics,
+     "its final/dllm_ais_config.yaml is not the planned config (correction.method: 'none' -> 'ais'"),
+    (lambda run: edit_all_but_final(run, step=1), "its final/ is of step 1, not 2"),
+])
+def test_a_run_copied_from_another_arm_with_its_identity_edited_is_set_aside_and_rerun(tmp_path, trains, capsys,
+                                                                                        edit, named):
+    """The attack: arm ais's run replaced by a copy of arm none's, its result's identity edited to ais's and its
+    values to 1.0 — then also its config.yaml, its metrics, its final model's step. Old code: tabled as ais (1.0000, Δ +0.5000) while its
+    config.yaml says `method: none`. Now the first part that disagrees is named, the copy kept aside, the run
+    trained again, and the table holds what it trained."""
+    study = write_study(tmp_path, {"none": {"correction": "none"}, "ais": {"correction": "ais"}})
+    folder = tmp_path / "study"
+    assert main(["compare", str(study), "--seeds", "1", f"--output_dir={folder}"]) == 0
+    capsys.readouterr()
+    none, ais = study_runs(study, folder, 1)
+    copy_arm(none, ais, json.loads(ais.result.read_text())["identity"])
+    edit(ais)
+    assert main(["compare", str(study), "--seeds", "1", f"--output_dir={folder}"]) == 0
+    out = capsys.readouterr().out
+    line = compare_lines(out)["seed 0 arm ais"]
+    assert line.startswith(f"run — its result does not agree with the run beside it ({named}") and \
+        line.endswith(f"the run directory is kept as {ais.output_dir.with_name('seed0.set-aside')}"), line
+    assert compare_lines(out)["seed 0 arm none"].startswith("reused — ")
+    assert "| ais | 0.5000 | 0.5000 | +0.0000" in out and trains[-1] == ais.output_dir
+
+
+def test_arm_names_with_a_newline_or_a_bar_keep_the_table_whole(tmp_path, trains, capsys):
+    """Arms named `a|b` and `c<newline>d`: one row each, the bar escaped, the name on one line; one line per run."""
+    study = write_study(tmp_path, {"a|b": {"correction": "none"}, "c\nd": {"correction": "none"}})
+    assert main(["compare", str(study), "--seeds", "1", f"--output_dir={tmp_path / 'study'}"]) == 0
+    out = capsys.readouterr().out
+    assert {"seed 0 arm a|b", "seed 0 arm c d"} <= set(compare_lines(out))
+    table = (tmp_path / "study" / "comparison.md").read_text().splitlines()
+    rows = [line for line in table if line.startswith("| ")]
+    assert [row.split(" | ")[0] for row in rows[2:]] == ["| a\\|b", "| c d"]
+    assert all(row.replace("\\|", "").count("|") == 7 for row in rows)

@@ -314,7 +314,7 @@ if rank == 0:  # the main process renames its lock record in late: the record's 
 else:  # the other process checks the directory once the main one has begun writing its lock record there
     resume_checkpoint = checkpoint.resume_checkpoint
     def resume_checkpoint_once_recorded(*args, **kwargs):
-        while not (run.is_dir() and any(p.name.startswith(run_lock.LOCK_FILE) for p in run.iterdir())):
+        while not (run.is_dir() and any(run_lock.LOCK_FILE in p.name for p in run.iterdir())):
             time.sleep(0.01)
         return resume_checkpoint(*args, **kwargs)
     checkpoint.resume_checkpoint = resume_checkpoint_once_recorded

@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     # dllm_ais's top-level modules and packages (every module of `likelihood/` is in `likelihood`'s layer);
     # "__init__" is `dllm_ais/__init__.py`.
     ("foundations: no dllm_ais import", {"ops", "choices", "validation", "console", "interruption", "trackers",
-                                         "rollout", "models", "safe_json", "statistics"}),
+                                         "rollout", "models", "safe_json", "safe_files", "statistics"}),
     ("the stages' settings groups", {"settings"}),
     ("the step's numerical stages", {"sampling", "likelihood", "quantization", "engine", "correction", "loss",
                                      "metrics"}),

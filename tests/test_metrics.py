@@ -119,5 +119,5 @@ def test_a_metrics_path_that_is_a_directory_is_one_line(tmp_path, capsys):
     assert len(error.splitlines()) == 1 and "holds metrics.jsonl that is not a regular file" in error, error
     (run / "metrics.jsonl").rmdir()
     (run / "metrics.jsonl").symlink_to(tmp_path / "elsewhere.jsonl")
-    with pytest.raises(FileExistsError, match="metrics.jsonl is not a regular file"):  # the log refuses it too
+    with pytest.raises(FileExistsError, match="metrics.jsonl is a symbolic link"):  # the log refuses it too
         MetricsLog(run)

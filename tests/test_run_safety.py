@@ -420,12 +420,12 @@ def test_a_run_directory_replaced_under_a_live_run_gets_no_more_writes(tmp_path)
     and the live run refuses to write into the stranger (the second writer cannot share a directory with it)."""
     run = tmp_path / "run"
     assert prepare_output_dir(GRPOConfig(output_dir=str(run))) is None
-    with staged_directory(run / "checkpoint-1") as staging:  # the legitimate write
+    with staged_directory(run / "checkpoint-1", kind="checkpoint") as staging:  # the legitimate write
         (staging / "file.bin").write_bytes(b"x")
     os.rename(run, tmp_path / "moved")
     run.mkdir()
     with pytest.raises(RunDirectoryInUse, match="was moved or replaced while this run held it"):
-        with staged_directory(run / "checkpoint-2") as staging:
+        with staged_directory(run / "checkpoint-2", kind="checkpoint") as staging:
             (staging / "file.bin").write_bytes(b"y")
     assert not (run / "checkpoint-2").exists() and (tmp_path / "moved" / "checkpoint-1" / "file.bin").is_file()
     release_run_lock(run)

@@ -28,16 +28,15 @@ the two files).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from pathlib import Path
 from typing import Any
 
-from dllm_ais.compare import versus_baseline
+from dllm_ais.compare import read_report, versus_baseline
 from dllm_ais.experimental.precision_frontier import (LOSS_STANDARD_ERRORS, RESCUE_POINTS, per_prompt_values, points,
                                                       save_front)
-from dllm_ais.metrics import parse_record
-from dllm_ais.run_dir import atomic_write_text, link_refusal
+from dllm_ais.metrics import read_records
+from dllm_ais.safe_files import link_refusal, write_file
 
 UNCORRECTED, AIS_COMPLETE_PREFIX = "uncorrected", "+ AIS (complete ratio"  # "+ AIS (complete ratio of sets)" too
 COMPLETE_K3, COMMIT_K3 = "rollout_corr/k3_kl", "rollout_corr/commit_k3_kl"
@@ -46,10 +45,8 @@ COMPLETE_K3, COMMIT_K3 = "rollout_corr/k3_kl", "rollout_corr/commit_k3_kl"
 def logged_values(run: str | Path, keys: tuple[str, ...]) -> list[dict[str, float]]:
     """The training records of one run (`metrics.jsonl`, damaged lines skipped) that hold every one of `keys`:
     those values."""
-    lines = (Path(run) / "metrics.jsonl").read_bytes().splitlines(keepends=True)
-    records = (parse_record(line) for line in lines)
-    return [{key: float(record[key]) for key in keys} for record in records
-            if record is not None and all(isinstance(record.get(key), (int, float)) for key in keys)]
+    return [{key: float(record[key]) for key in keys} for record in read_records(Path(run) / "metrics.jsonl")
+            if all(isinstance(record.get(key), (int, float)) for key in keys)]
 
 
 def notch_mismatch(runs: list[str]) -> dict[str, float] | None:
@@ -73,7 +70,7 @@ def study_front(study: Path) -> dict[str, Any]:
     {"precision", "mismatch", "corrections": {label: Δ across seeds}, "verdict"} (module docstring), with the
     study's name and compared metric."""
     path = report_path(study)
-    summary = json.loads(path.read_text())
+    summary = read_report(path)
     arms, metric, baseline = summary["arms"], summary["metric"], summary["baseline"]
     baseline_precision = baseline.split()[0]
     notches: dict[str, dict[str, str]] = {}
@@ -180,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     fronts = [study_front(study) for study in args.studies]
     labels = list(dict.fromkeys(label for front in fronts for row in front["rows"] for label in row["corrections"]))
     table = markdown(fronts, labels)
-    atomic_write_text(report.with_suffix(".md"), table)
+    write_file(report.with_suffix(".md"), table)
     plot(fronts, labels, report.with_suffix(".png"))
     print(table + f"\nwritten: {report}.md, .png")
 

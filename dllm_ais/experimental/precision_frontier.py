@@ -36,7 +36,8 @@ from typing import Any
 
 import torch
 
-from dllm_ais.compare import read_study, run_study, versus_baseline
+from dllm_ais.compare import read_report, read_study, run_study, versus_baseline
+from dllm_ais.safe_files import save_figure, write_file
 
 DEFAULT_STUDY = Path(__file__).resolve().parents[2] / "recipes" / "studies" / "frontier_llada_digits.yaml"
 UNCORRECTED, AIS = "uncorrected", "+ AIS"
@@ -195,8 +196,6 @@ def plot(result: dict[str, Any], labels: list[str], path: Path) -> None:
 def save_front(figure, axis, xlabel: str, path: Path) -> None:
     """Finish a plot of held-out Δ (points) against a mismatch on a log axis — the zero line, the rescue's 2-point
     line, the labels and legend — and write it to `path`."""
-    import matplotlib.pyplot as plt
-
     axis.axhline(0, color="black", linewidth=0.8)
     axis.axhline(-100 * RESCUE_POINTS, color="gray", linewidth=0.8, linestyle="--")
     axis.set_xscale("log")
@@ -204,8 +203,7 @@ def save_front(figure, axis, xlabel: str, path: Path) -> None:
     axis.set_ylabel("held-out Δ vs bf16 rollouts (points)")
     axis.legend(fontsize=8)
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -226,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     arms = args.arms and [arm.strip() for arm in args.arms.split(",")]
     _, comparison = run_study(args.study, args.seeds, [], args.output_dir, args.jobs, arms, command)
     study, study_dir = read_study(args.study), comparison.parent
-    summary = json.loads(comparison.with_suffix(".json").read_text())
+    summary = read_report(comparison.with_suffix(".json"))
     study_grid = arm_grid(study.arms, study.baseline)
     trained = {precision: {label: name for label, name in names.items() if name in summary["arms"]}
                for precision, names in study_grid.items()}
@@ -243,8 +241,8 @@ def main(argv: list[str] | None = None) -> None:
               f"over seeds ± seed SE); mismatch from {args.prompts} validation prompts; command: {command}")
     table = markdown(result, labels, header)
     report = study_dir / args.report
-    report.with_suffix(".md").write_text(table)
-    report.with_suffix(".json").write_text(json.dumps({**result, "command": command}, indent=2) + "\n")
+    write_file(report.with_suffix(".md"), table)
+    write_file(report.with_suffix(".json"), json.dumps({**result, "command": command}, indent=2) + "\n")
     plot(result, labels, report.with_suffix(".png"))
     print(table + f"\nwritten: {report}.md, .json, .png")
 
