@@ -83,9 +83,10 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def interrupted_before_training(args: argparse.Namespace, overrides: list[str], config,
                                 interrupt: KeyboardInterrupt) -> str:
-    """The line for Ctrl-C before the first step: a resumed run's checkpoints are untouched (loading only reads),
-    so it names the checkpoint being loaded and the command that resumes again; a fresh run has nothing to resume."""
-    from dllm_ais.interruption import InterruptedWhileLoading
+    """The line for Ctrl-C before the first step: a resumed run's checkpoints are untouched (loading only reads; the
+    later steps of a branch it leaves are named where they were moved, `checkpoints_left`), so it names the
+    checkpoint being loaded and the command that resumes again; a fresh run has nothing to resume."""
+    from dllm_ais.interruption import InterruptedWhileLoading, checkpoints_left
 
     if isinstance(interrupt, InterruptedWhileLoading):
         return f"{interrupt}: resume with: {resume_command(args, overrides, interrupt.checkpoint)}"
@@ -93,8 +94,8 @@ def interrupted_before_training(args: argparse.Namespace, overrides: list[str], 
     if resume is None or resume is False:
         return "interrupted before the first step; nothing to resume"
     checkpoint = "true" if resume is True else resume
-    return ("interrupted while the resumed run loaded, before its first step; the checkpoints are intact: "
-            f"resume with: {resume_command(args, overrides, checkpoint)}")
+    return (f"interrupted while the resumed run loaded, before its first step; "
+            f"{checkpoints_left(config.output_dir)}: resume with: {resume_command(args, overrides, checkpoint)}")
 
 
 def _train_failed(args: argparse.Namespace, overrides: list[str], config, error: Exception) -> int:
@@ -156,20 +157,54 @@ def checkpoint_settings(path) -> dict:
     return values
 
 
-def inference_config(args: argparse.Namespace, overrides: list[str]):
-    """The config giving eval/generate their task, data, sampler and reward settings: the recipe passed, else the
-    training config saved beside a trained model (without its code-loading settings, see `checkpoint_settings`),
-    else the embedded run's recipe; command-line overrides win."""
+def saved_settings(args: argparse.Namespace) -> "Path | None":
+    """The training config saved beside the --model of eval/generate (`dllm_ais_config.yaml`), when no recipe is
+    passed and the model has one."""
     from pathlib import Path
 
+    saved = Path(args.model or "") / "dllm_ais_config.yaml"
+    return saved if args.recipe is None and args.model and saved.is_file() else None
+
+
+def inference_config(args: argparse.Namespace, overrides: list[str], family_decoding: bool = False):
+    """The config giving eval/generate their task, data, sampler and reward settings: the recipe passed, else the
+    training config saved beside a trained model (`saved_settings`, without its code-loading settings, see
+    `checkpoint_settings`), else the embedded run's recipe — with `family_decoding` (generate; eval decodes with its
+    protocol), for a block-diffusion --model (an SDAR export) with its family's decoding (`block_diffusion_decoding`),
+    since that recipe is the tiny LLaDA's; command-line overrides win."""
     from dllm_ais.config import EMBEDDED_RECIPE
     from dllm_ais.config import load_config, parse_overrides
 
     values = {**({"model_name_or_path": args.model} if args.model else {}), **parse_overrides(overrides)}
-    saved = Path(args.model or "") / "dllm_ais_config.yaml"
-    if args.recipe is None and args.model and saved.is_file():
+    if saved := saved_settings(args):
         return load_config(None, {**checkpoint_settings(saved), **values})
+    if (family_decoding and args.recipe is None and args.model
+            and (block_size := block_diffusion_block_size(args.model)) is not None):
+        values = {**block_diffusion_decoding(block_size, values), **values}
     return load_config(args.recipe or EMBEDDED_RECIPE, values)
+
+
+def block_diffusion_block_size(name_or_path: str) -> int | None:
+    """The block size in the config.json of the model `name_or_path` (an adapter's: its base's) when it is a
+    block-diffusion model (SDAR); None otherwise. Read from the file: no model code runs."""
+    from dllm_ais.loading import model_file, model_sources, read_json_object
+    from dllm_ais.models.families import is_block_causal
+
+    file = model_file(model_sources(name_or_path)[-1], "config.json")
+    settings = read_json_object(file) if file else {}
+    return settings.get("block_size") if is_block_causal(settings.get("model_type")) else None
+
+
+def block_diffusion_decoding(block_size: int, values: dict) -> dict:
+    """SDAR's own decoding (`with_sdar_protocol`, what `eval` decodes a block-diffusion model with) as rollout
+    settings: the model's blocks of `block_size`, a step per completion position (the `values`' max_completion_length,
+    else the embedded recipe's)."""
+    from dllm_ais.config import EMBEDDED_RECIPE, SDAR_ROLLOUT, recipe_setting
+    from dllm_ais.validation import read_recipe
+
+    length = values.get("max_completion_length", recipe_setting(read_recipe(EMBEDDED_RECIPE), "max_completion_length"))
+    return {f"rollout.{name}": value for name, value in {**SDAR_ROLLOUT, "block_length": block_size,
+                                                           "steps": length}.items()}
 
 
 def _load_for_inference(args: argparse.Namespace, config):
@@ -244,13 +279,19 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     if odd and protocol.name == "d1" and is_diffusion(config.policy, model.config.model_type):
         raise ConfigError(f"--gen_lengths {','.join(map(str, odd))}: the protocol denoises in gen_length / 2 steps, "
                           "so every gen length must be even (e.g. 16,32).")
+    misfit = [length for length in protocol.gen_lengths if protocol.name == "sdar" and length % block_size]
+    if misfit:
+        fitting = ",".join(str(-(-length // block_size) * block_size) for length in protocol.gen_lengths)
+        raise ConfigError(f"the sdar protocol decodes in this model's blocks of block_size={block_size}: gen length "
+                          f"{','.join(map(str, misfit))} is not a multiple of it; pass --gen_lengths {fitting}")
     try:  # every gen length's sampler is checked before the first one runs
         policies = {gen_length: build_policy(protocol.decoding(config, gen_length),
                                              model.config, tokenizer, temperature=protocol.temperature)
                     for gen_length in protocol.gen_lengths}
     except ValueError as error:
-        raise SystemExit(f"error: the eval protocol {protocol.to_dict()} does not fit this model's sampler: {error} "
-                         "(set --gen_lengths and --block_length)") from None
+        raise ConfigError(f"the {protocol.name} protocol (gen lengths {','.join(map(str, protocol.gen_lengths))}, "
+                          f"block length {protocol.block_length}) does not fit this model's sampler: {error} (set "
+                          "--gen_lengths and --block_length)") from None
     dataset = load_task_dataset(config.task, split=args.split, path=config.dataset_path, size=args.limit,
                                 seed=config.seed, task_args=config.task_args)
     batch_size = args.batch_size or config.eval_batch_size
@@ -281,14 +322,18 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
 def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
     import torch
 
+    from dllm_ais.config import ConfigError
     from dllm_ais.console import printable
     from dllm_ais.data import load_task_dataset
     from dllm_ais.policy import build_policy, sample_prompts
     from dllm_ais.rewards import completion_texts
 
-    config = inference_config(args, overrides)
+    config = inference_config(args, overrides, family_decoding=True)
     model, tokenizer = _load_for_inference(args, config)
-    policy = build_policy(config, model.config, tokenizer, temperature=args.temperature)
+    try:
+        policy = build_policy(config, model.config, tokenizer, temperature=args.temperature)
+    except ValueError as error:
+        raise ConfigError(f"generate: the rollout settings do not fit this model's sampler: {error}") from None
     if args.prompt:
         prompts = [[{"role": "user", "content": p}] for p in args.prompt]
     else:
@@ -612,11 +657,29 @@ def with_overrides_joined(parser: argparse.ArgumentParser, argv: list[str]) -> l
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return run_command(argv)
+    except KeyboardInterrupt:  # Ctrl-C that no command handled: while the libraries import, before a run starts
+        print(interrupted_while_starting(argv[0] if argv else "dllm-ais"), file=sys.stderr)
+        return 130
+
+
+def interrupted_while_starting(command: str) -> str:
+    """The line for a Ctrl-C that `command` did not handle itself: `train` handles it from the moment its run
+    starts, so before that nothing of the run was touched (a resume: its checkpoints); another command stopped."""
+    if command == "train":
+        return ("interrupted while dllm-ais train started, before the run began (its output_dir and checkpoints are "
+                "untouched): run the same command again")
+    return f"interrupted: dllm-ais {command} stopped"
+
+
+def run_command(argv: list[str]) -> int:
+    """Parse `argv` and run its command; a user error is one line on stderr (exit status 2)."""
     from dllm_ais.config import ConfigError
     from dllm_ais.console import configure_console
 
     parser = build_parser()
-    argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args, overrides = parser.parse_known_args(with_overrides_joined(parser, argv))
     except ConfigError as error:

@@ -268,15 +268,32 @@ def load_task_dataset(
     return examples_from_rows(subsample(dataset, size, seed), spec)
 
 
-def apply_chat_template(tokenizer: Any, messages: Messages) -> str:
+def apply_chat_template(tokenizer: Any, messages: Messages, add_generation_prompt: bool = True) -> str:
     """Render ``messages`` with the tokenizer's own chat template, ending with the assistant
-    generation prompt, as text (not token ids)."""
+    generation prompt (unless not `add_generation_prompt`), as text (not token ids). A template that does not
+    render (Jinja's sandbox refuses it, its syntax, a variable it lacks) is one ConfigError naming its file."""
+    import jinja2
+
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             f"tokenizer {type(tokenizer).__name__} has no chat template; use an instruct/chat tokenizer "
             "or set tokenizer.chat_template"
         )
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except jinja2.TemplateError as error:
+        refused = "the sandbox refuses it" if isinstance(error, jinja2.exceptions.SecurityError) else "it fails"
+        raise ConfigError(f"{chat_template_file(tokenizer)}: the chat template does not render, {refused} "
+                          f"({type(error).__name__}: {str(error).splitlines()[0]:.120}); replace it with the base "
+                          "model's template") from None
+
+
+def chat_template_file(tokenizer: Any) -> str:
+    """The file the chat template of `tokenizer` was read from: its directory's chat_template.jinja, else its
+    tokenizer_config.json (a Hub id: the repository's)."""
+    directory = Path(tokenizer.name_or_path)
+    jinja = directory / "chat_template.jinja"
+    return str(jinja if jinja.is_file() or not directory.is_dir() else directory / "tokenizer_config.json")
 
 
 def prompt_texts(tokenizer: Any, prompts: list) -> list[str]:

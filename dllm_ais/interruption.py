@@ -1,6 +1,7 @@
 """Graceful interruption: Ctrl-C or SIGTERM (what a scheduler sends) ends a run after its current optimisation step,
 with a checkpoint to resume from; a second signal exits at once. Ctrl-C while a resumed run loads its checkpoint
-says so (`loading_checkpoint`): loading changes nothing on disk."""
+says so (`loading_checkpoint`): loading changes nothing on disk, and a branch's later steps moved aside before it
+are named (`checkpoints_left`)."""
 
 from __future__ import annotations
 
@@ -28,13 +29,31 @@ class TrainingInterrupted(Exception):
         return 128 + self.signal
 
 
+SET_ASIDE: dict[Path, Path] = {}  # run directory -> where this process moved the later steps a resume left
+
+
+def note_set_aside(output_dir: Path, directory: Path) -> None:
+    """Record that this process moves the checkpoints of the later steps a resume in `output_dir` leaves into
+    `directory` (`dllm_ais.checkpoint.set_abandoned_steps_aside`), so that a Ctrl-C before the first step names it."""
+    SET_ASIDE[Path(output_dir).resolve()] = directory
+
+
+def checkpoints_left(output_dir: Path) -> str:
+    """What a Ctrl-C before the first step of a run resumed in `output_dir` leaves: every checkpoint as it was
+    (loading only reads), or, once this process moved the later steps of a branch aside, where they are."""
+    directory = SET_ASIDE.get(Path(output_dir).resolve())
+    if directory is None:
+        return "the checkpoints are intact"
+    return f"the checkpoints of the later steps this resume leaves are in {directory}, the others are intact"
+
+
 class InterruptedWhileLoading(KeyboardInterrupt):
-    """Ctrl-C while a resumed run loaded `checkpoint`, before its first step: loading only reads, so every checkpoint
-    is as it was and the same resume starts again."""
+    """Ctrl-C while a resumed run loaded `checkpoint`, before its first step: the checkpoints are as they were (or
+    where `checkpoints_left` says) and the same resume starts again."""
 
     def __init__(self, checkpoint: Path):
         self.checkpoint = checkpoint
-        super().__init__(f"interrupted while loading {checkpoint}; the checkpoints are intact")
+        super().__init__(f"interrupted while loading {checkpoint}; {checkpoints_left(checkpoint.parent)}")
 
 
 @contextmanager
@@ -46,6 +65,29 @@ def loading_checkpoint(checkpoint: Path):
         raise
     except KeyboardInterrupt:
         raise InterruptedWhileLoading(checkpoint) from None
+
+
+@contextmanager
+def noting_ctrl_c():
+    """Within the block, note each SIGINT (Ctrl-C) in the list it yields, then pass it on to the handler in place
+    (Python's raises KeyboardInterrupt, training's `StopSignals` records a stop); so a KeyboardInterrupt leaving the
+    block with the list empty was raised by the code inside, not by the user. Nothing is installed outside the main
+    thread (signals are delivered there only) or where SIGINT has no Python handler (ignored, or the default)."""
+    received: list[int] = []
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or not callable(previous):
+        yield received
+        return
+
+    def note(signum: int, frame) -> None:
+        received.append(signum)
+        previous(signum, frame)
+
+    signal.signal(signal.SIGINT, note)
+    try:
+        yield received
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 class StopSignals:

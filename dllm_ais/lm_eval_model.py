@@ -55,12 +55,13 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import (handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text,
                                   resolve_max_length)
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from dllm_ais.choices import CACHE_MODES
 from dllm_ais.config import DTYPES, POLICIES, GRPOConfig, with_d1_protocol, with_sdar_protocol
+from dllm_ais.data import apply_chat_template
 from dllm_ais.statistics import standard_error
 from dllm_ais.likelihood import (
     LogitsFn,
@@ -383,6 +384,22 @@ class DllmAisLM(TemplateLM):
     requests on its own device.
     """
 
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict[str, Any],
+                            additional_config: dict[str, Any] | None = None) -> "DllmAisLM":
+        """The model of the --model_args `arg_dict` and the harness's own settings `additional_config` (batch_size,
+        device, max_batch_size: passed with the harness's defaults even when not typed); an argument in --model_args
+        wins over the harness's (the harness would pass it twice, a TypeError)."""
+        harness = {name: value for name, value in (additional_config or {}).items()
+                   if value is not None and name not in arg_dict}
+        return cls(**arg_dict, **harness)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str,
+                               additional_config: dict[str, Any] | None = None) -> "DllmAisLM":
+        """`create_from_arg_obj` of the --model_args string `key=value,...`."""
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
     def __init__(self, **model_args: Any) -> None:
         super().__init__()
         from accelerate import PartialState
@@ -450,8 +467,7 @@ class DllmAisLM(TemplateLM):
         return self.tokenizer.name_or_path.replace("/", "__")
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        return self.tokenizer.apply_chat_template(chat_history, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+        return apply_chat_template(self.tokenizer, chat_history, add_generation_prompt)
 
     def all_gather(self, tensor: Tensor) -> Tensor:
         from accelerate.utils import gather

@@ -229,6 +229,7 @@ def _load_checked_model(name_or_path: str, dtype: torch.dtype, trust_remote_code
     """`load_model` of a model whose sources `refuse_remote_code` passed."""
     path = resolve_model_path(name_or_path)
     base = adapter_base(path)
+    refuse_pickled_weights(path, "adapter_model" if base is not None else "model")
     if base is not None:
         from peft import PeftModel
 
@@ -238,6 +239,25 @@ def _load_checked_model(name_or_path: str, dtype: torch.dtype, trust_remote_code
                                                  use_safetensors=True)
     model.name_or_path = model.config.name_or_path = name_or_path
     return model
+
+
+def refuse_pickled_weights(path: str, stem: str) -> None:
+    """ConfigError, in one line naming the file and how to convert it, when the local directory `path` holds its
+    weights (`stem`: model, or adapter_model for an adapter) only as a pickle (`pytorch_model*.bin`,
+    `adapter_model.bin`): only safetensors are loaded, since unpickling can run code."""
+    directory = Path(path)
+    if not directory.is_dir() or any(directory.glob(f"{stem}*.safetensors*")):
+        return
+    pickled = sorted(directory.glob("adapter_model.bin" if stem == "adapter_model" else "pytorch_model*.bin"))
+    if not pickled:
+        return
+    file = pickled[0]
+    target = file.with_name(file.name.removeprefix("pytorch_")).with_suffix(".safetensors")
+    shards = " (likewise every shard, and the index's file names)" if len(pickled) > 1 else ""
+    raise ConfigError(f"{file}: pickled weights, never loaded (unpickling can run code); dllm-ais loads safetensors "
+                      "only. If you trust the file, convert it: python -c \"import torch, safetensors.torch as st; "
+                      f"st.save_file({{k: v.clone() for k, v in torch.load('{file}', weights_only=True).items()}}, "
+                      f"'{target}', metadata={{'format': 'pt'}})\"{shards}")
 
 
 def load_model_config(name_or_path: str, trust_remote_code: bool = False):

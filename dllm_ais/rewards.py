@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from dllm_ais.interruption import noting_ctrl_c
 from dllm_ais.sampling.rollout import Rollout
 from dllm_ais.tasks import RewardFunction, get_task, reward_functions, task_names
 from dllm_ais.tasks.parsing import counting_timeouts
@@ -214,6 +215,21 @@ class RewardTable:
                           "their reward is 0", stacklevel=3)
         return (self.values * torch.tensor(weights, dtype=torch.float32)).nansum(dim=1)
 
+    def finite_weighted_sum(self, reward_weights: Sequence[float] | None = None) -> torch.Tensor:
+        """`weighted_sum`, checked to have finite float32 statistics — its sum and spread over the completions, and
+        each function's — where every value is finite (`validated_rewards`) but their arithmetic may overflow;
+        NonFiniteRewardError naming the value of largest magnitude and its function otherwise."""
+        weighted = self.weighted_sum(reward_weights)
+        columns = [column[~column.isnan()] for column in (weighted, *self.values.unbind(dim=1))]
+        statistics = [value for column in columns if column.numel()
+                      for value in (column.sum(), column.std(correction=0))]
+        if not statistics or torch.isfinite(torch.stack(statistics)).all():
+            return weighted
+        name, value = self.largest()
+        raise NonFiniteRewardError(f"reward function '{name}' returned {value:g}, and the float32 arithmetic on the "
+                                   "rewards (weighted sum, mean, spread) overflows; return rewards of a smaller "
+                                   "magnitude")
+
     def largest(self) -> tuple[str, float] | None:
         """(function name, value) of the value of largest magnitude in the table; None when no function applies."""
         magnitudes = self.values.abs().nan_to_num(nan=-1.0)
@@ -243,7 +259,8 @@ def score_completions(
 ) -> RewardTable:
     """Call every reward function on the batch and check what it returns (see :func:`validated_rewards`).
     ``columns`` are passed as keyword arguments (dataset columns and ``completion_ids``), each a list aligned
-    with ``completions``. A function that raises (or calls ``sys.exit``) becomes a RewardFunctionError naming it."""
+    with ``completions``. A function that raises (or calls ``sys.exit``, or raises KeyboardInterrupt itself: not a
+    Ctrl-C, see `noting_ctrl_c`) becomes a RewardFunctionError naming it."""
     count = len(completions)
     if not reward_funcs:
         raise ValueError("no reward functions given; pass at least one (see dllm_ais.rewards.TASK_REWARDS)")
@@ -256,10 +273,12 @@ def score_completions(
     values = torch.full((count, len(reward_funcs)), math.nan, dtype=torch.float32)
     timeouts = []
     for index, (function, name) in enumerate(zip(reward_funcs, names, strict=True)):
-        with counting_timeouts() as counter:
+        with counting_timeouts() as counter, noting_ctrl_c() as ctrl_c:
             try:
                 returned = function(prompts, completions, **columns)
-            except (Exception, SystemExit) as error:  # sys.exit() in a reward is its failure, not the run's end
+            except (Exception, SystemExit, KeyboardInterrupt) as error:  # sys.exit() in a reward is its failure
+                if isinstance(error, KeyboardInterrupt) and ctrl_c:  # the user's Ctrl-C, not the reward's own raise
+                    raise
                 detail = f": {error}" if str(error) else ""
                 raise RewardFunctionError(f"reward function '{name}' raised {type(error).__name__}{detail}") from error
         values[:, index] = torch.tensor(validated_rewards(returned, name, count), dtype=torch.float32)

@@ -1,6 +1,7 @@
-"""Small attacks on a run, each answered by one line that names what to fix (issue 47, item 7): a reward beyond
-float32, a reward that calls sys.exit, Ctrl-C while a resumed run loads, a metrics line dllm-ais did not write, and
-kill -9 before the first checkpoint followed by the command the refusal advises."""
+"""Small attacks on a run, each answered by one line that names what to fix (issue 47, item 7; issue 62, item 4): a
+reward beyond float32 (or whose held-out mean overflows it), a reward that calls sys.exit or raises KeyboardInterrupt,
+Ctrl-C while a resumed run loads (a branch's later steps moved aside: named), a metrics line dllm-ais did not write,
+and kill -9 before the first checkpoint followed by the command the refusal advises."""
 
 import hashlib
 import json
@@ -76,6 +77,41 @@ def test_a_reward_calling_sys_exit_fails_as_any_reward_error_does(tmp_path, monk
     assert verify_checkpoint(run / "checkpoint-1") is None
 
 
+def test_a_reward_of_3e38_is_refused_before_the_held_out_baseline_prints_inf(tmp_path, monkeypatch, capsys):
+    """Each value fits float32, the mean over the held-out prompts does not: one line naming the function, before
+    "held-out reward before training: inf" could be printed."""
+    reward = reward_module(tmp_path, monkeypatch, "huge", "return [3e38] * len(completions)")
+    code = main(["train", f"--output_dir={tmp_path / 'run'}", *SMALL, "--eval_size=2", "--max_steps=1", reward])
+    release_run_lock(tmp_path / "run")
+    captured = capsys.readouterr()
+    error = error_line(captured.err)
+    assert code == 2 and error.startswith("error: reward function 'huge' returned 3e+38, and the float32 arithmetic")
+    assert "held-out reward" not in captured.out + captured.err and "Traceback" not in captured.err
+
+
+def test_a_reward_raising_keyboard_interrupt_is_its_error_not_a_users_ctrl_c(tmp_path, monkeypatch, capsys):
+    reward = reward_module(tmp_path, monkeypatch, "interrupts", "raise KeyboardInterrupt")
+    code = main(["train", f"--output_dir={tmp_path / 'run'}", *SMALL, "--max_steps=1", reward])
+    release_run_lock(tmp_path / "run")
+    assert code == 2 and error_line(capsys.readouterr().err) == ("error: reward function 'interrupts' raised "
+                                                                 "KeyboardInterrupt")
+
+
+def test_ctrl_c_while_a_reward_runs_is_still_the_users():
+    """A real SIGINT during a reward call keeps its meaning (Python's handler raises KeyboardInterrupt)."""
+    import os
+
+    from dllm_ais.rewards import score_completions
+
+    def slow_reward(prompts, completions, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        return [0.0] * len(completions)
+
+    with pytest.raises(KeyboardInterrupt):
+        score_completions([slow_reward], ["p"], ["c"], {})
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_a_metrics_line_with_nan_is_not_a_runs_line_and_never_kept_on_resume(tmp_path, capsys):
     """dllm-ais writes NaN and inf as null: a line holding one was written by someone else. Kept, it would log its
     step twice after the resume."""
@@ -143,6 +179,33 @@ def test_ctrl_c_while_a_resumed_run_loads_names_the_checkpoint_and_the_resume_th
     assert command[:2] == ["dllm-ais", "train"] and main(command[1:]) == 0
     release_run_lock(run)
     assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+
+
+@pytest.mark.slow  # a training process interrupted while it loads
+def test_ctrl_c_while_a_branch_resume_loads_names_where_the_later_steps_were_moved(two_checkpoints, tmp_path):
+    """Resuming from checkpoint-1 moves checkpoint-2 (and final/) aside before loading: a Ctrl-C then says where
+    they are, not that the checkpoints are intact."""
+    run = tmp_path / "run"
+    shutil.copytree(two_checkpoints, run)
+    loading, script = tmp_path / "loading", tmp_path / "stalled_load.py"
+    script.write_text(STALLED_LOAD)
+    argv = ["train", f"--output_dir={run}", *SMALL, "--max_steps=3", "--save_steps=1",
+            f"--resume_from_checkpoint={run / 'checkpoint-1'}"]
+    process = subprocess.Popen([sys.executable, str(script), str(loading), *argv], stderr=subprocess.PIPE, text=True)
+    try:
+        while not loading.exists():
+            assert process.poll() is None, process.stderr.read()
+            subprocess.run(["sleep", "0.05"])
+        process.send_signal(signal.SIGINT)
+        error = process.communicate(timeout=120)[1]
+    finally:
+        process.kill()
+    [aside] = run.glob("abandoned-after-step-1-*")
+    [line] = [line for line in error.splitlines() if line.startswith("interrupted")]
+    assert process.returncode == 130 and "Traceback" not in error, error
+    assert line.startswith(f"interrupted while loading {run / 'checkpoint-1'}; the checkpoints of the later steps "
+                           f"this resume leaves are in {aside}, the others are intact: resume with: dllm-ais train ")
+    assert (aside / "checkpoint-2").is_dir() and not (run / "checkpoint-2").exists()
 
 
 def test_ctrl_c_before_a_resumed_run_reaches_its_checkpoint_says_how_to_resume_again():

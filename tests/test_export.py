@@ -228,3 +228,13 @@ def test_an_exported_sdar_loads_with_transformers_alone_and_natively(official_sd
         expected = load_model(str(source), torch.float32).eval()(torch.tensor(PROMPT_IDS)).logits
     for name in ("native-False.pt", "native-True.pt", "remote-True.pt"):
         assert torch.equal(torch.load(tmp_path / name, weights_only=True), expected), name
+
+
+def test_an_exported_sdar_generates_in_its_own_blocks_as_eval_decodes_it(tmp_path, capsys):
+    """The export ships no recipe: generate takes SDAR's decoding from the model (its 4-token blocks), not the
+    embedded LLaDA recipe's 16-token blocks, as eval does; rollout settings on the command line still apply."""
+    merged = tmp_path / "sdar"
+    assert main(["export", str(EMBEDDED_MODELS["embedded-sdar"]), str(merged)]) == 0
+    assert main(["generate", "--model", str(merged), "--prompt", "sort 3 9 1 4"]) == 0
+    assert main(["generate", "--model", str(merged), "--prompt", "sort 3 9 1 4", "--rollout.block_length", "8"]) == 2
+    assert "block_length=8 differs from the model's block_size=4" in capsys.readouterr().err

@@ -355,6 +355,14 @@ def test_cli_forwards_to_the_harness(task_dir, capsys):
     assert "dllm_ais_mc" in output and "acc" in output
 
 
+def test_device_and_batch_size_in_model_args_win_over_the_harness_defaults(task_dir, capsys):
+    """The harness passes its own --device and --batch_size (defaults included) beside --model_args: naming them
+    there too was a TypeError (multiple values for keyword argument 'device')."""
+    assert main(["lm-eval", "--model_args", "pretrained=embedded-qwen3,device=cpu,batch_size=2", "--tasks",
+                 "dllm_ais_mc", "--include_path", str(task_dir), "--limit", "2"]) == 0
+    assert "dllm_ais_mc" in capsys.readouterr().out
+
+
 def test_bad_arguments_fail_at_construction():
     with pytest.raises(ValueError, match="mc_batch_size"):
         DllmAisLM(pretrained="embedded", mc_num=10, mc_batch_size=4)
