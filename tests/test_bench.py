@@ -42,21 +42,27 @@ def test_sampler_benchmark_prints_the_overhead_and_every_precisions_sync(capsys)
     syncs = [line for line in out.splitlines() if line.startswith("precision=")]
     assert [line.split()[0] for line in syncs] == [f"precision={p}" for p in PRECISIONS]
     assert all("device cpu" in line and "sync / one forward = " in line for line in syncs)
+    flows = {line.split()[2]: line for line in out.splitlines() if line.startswith("flows at precision=")}
+    assert list(flows) == [f"precision={p}" for p in PRECISIONS]
+    ratios = {p: float(flows[f"precision={p}"].split("unified / split = ")[1].split(")")[0]) for p in PRECISIONS}
+    assert ratios["bf16"] < 0.7 and all(ratios[p] < ratios["bf16"] for p in PRECISIONS if p != "bf16")  # one model
 
 
-def test_mismatch_benchmark_is_zero_for_bf16_and_positive_for_int4(capsys):
+def test_mismatch_benchmark_is_zero_for_bf16_and_unified_and_positive_for_split_int4(capsys):
     assert main(["bench", "mismatch", "--models", "llada", "--precisions", "bf16,int4", "--prompts", "4"]) == 0
     out = capsys.readouterr().out
-    rows = {line.split("|")[2].strip(): line.split("|")[3:-1] for line in out.splitlines()
-            if line.startswith("| llada")}
-    assert out.startswith("device: cpu") and set(rows) == {"bf16", "int4"}
-    assert float(rows["int4"][0]) > float(rows["bf16"][0]) and float(rows["int4"][0]) > 0
+    rows = {(line.split("|")[2].strip(), line.split("|")[3].strip()): line.split("|")[4:-1]
+            for line in out.splitlines() if line.startswith("| llada")}
+    assert out.startswith("device: cpu") and set(rows) == {(p, f) for p in ("bf16", "int4") for f in ("split", "unified")}
+    assert float(rows["int4", "split"][0]) > float(rows["bf16", "split"][0]) and float(rows["int4", "split"][0]) > 0
+    assert float(rows["int4", "unified"][0]) == float(rows["bf16", "unified"][0]) == 0  # one flow: no mismatch
 
 
 def test_mismatch_benchmark_scores_the_ladder_and_the_fp8_kv_cache_on_the_trajectory_canvases(capsys):
-    assert main(["bench", "mismatch", "--models", "llada,qwen3", "--precisions", "bf16,mxfp4", "--prompts", "4"]) == 0
+    assert main(["bench", "mismatch", "--models", "llada,qwen3", "--precisions", "bf16,mxfp4", "--prompts", "4",
+                 "--flows", "split"]) == 0
     out = capsys.readouterr().out
-    rows = {line.split("|")[3].strip(): [float(cell) for cell in line.split("|")[4:-1]] for line in out.splitlines()
+    rows = {line.split("|")[3].strip(): [float(cell) for cell in line.split("|")[5:-1]] for line in out.splitlines()
             if line.startswith("| trajectory |")}
     assert set(rows) == {"bf16", "mxfp4", "bf16 + fp8 KV cache (dual)"}  # LLaDA only: Qwen3 has no trajectory
     assert rows["bf16"][:5] == [0.0, 0.0, 1.0, 0.0, 1.0]  # k3, max |Δ|, token ESS, |log ρ_seq|, sequence ESS

@@ -13,6 +13,11 @@ matmuls, so a large vocabulary on a tiny CPU model exceeds the target; the defau
 forward dominates.
 
 Section 2 — engine sync: `RolloutEngine.sync_from` (merge the LoRA, requantize, copy in place) over one forward.
+
+Section 3 — one model against two (`rollout.precision_flow`): per precision, the bytes the trainer and its engine
+hold together (parameters, buffers and the quantized weights, each storage counted once) and the sync's seconds, for
+the split flow (a LoRA trainer in high precision beside a quantized, merged copy) and the unified one (one model: the
+quantized base with the adapter beside it, nothing to sync).
 """
 
 from __future__ import annotations
@@ -127,25 +132,81 @@ def bench_sampler_vs_forwards(args: argparse.Namespace) -> dict[str, float]:
     return {"sampler_s": sampler_wall, "forwards_s": forwards_wall, "ratio": ratio}
 
 
-def bench_engine_sync(args: argparse.Namespace) -> dict[str, float]:
-    """Median time of `RolloutEngine.sync_from` (LoRA merge + requantize + in-place copy) over one bare forward.
-
-    The trainer is the tiny LLaDA with a LoRA adapter on every block linear, its adapter perturbed so the merge does
-    real work; one forward is the engine's forward on the sampler's canvas.
-    """
+def lora_trainer(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """The tiny LLaDA with a LoRA adapter on every block linear, its adapter perturbed so a merge does real work."""
     from peft import LoraConfig, get_peft_model
 
-    from dllm_ais.engine import RolloutEngine
     from dllm_ais.policy import lora_target_modules
 
-    device = resolve_device(args.device)
-    dtype = getattr(torch, args.dtype)
     trainer = get_peft_model(build_tiny_llada(args, device, dtype),
                              LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, target_modules=lora_target_modules("llada")))
     with torch.no_grad():
         for name, param in trainer.named_parameters():
             if "lora_B" in name:
                 param.normal_(std=0.01)
+    return trainer
+
+
+def held_bytes(*models: torch.nn.Module) -> int:
+    """Bytes of every tensor `models` hold — parameters, buffers and the unified flow's quantized weights (a
+    quantized tensor by its inner data and scales) — each storage counted once."""
+    from torchao.utils import TorchAOBaseTensor
+
+    from dllm_ais.quantization import StraightThroughQuantizedLinear
+
+    seen, total = set(), 0
+
+    def add(tensor: torch.Tensor) -> None:
+        nonlocal total
+        if isinstance(tensor, TorchAOBaseTensor):
+            for name in tensor.__tensor_flatten__()[0]:
+                add(getattr(tensor, name))
+        elif tensor.untyped_storage().data_ptr() not in seen:
+            seen.add(tensor.untyped_storage().data_ptr())
+            total += tensor.untyped_storage().nbytes()
+
+    for model in models:
+        for tensor in [*model.parameters(), *model.buffers()]:
+            add(tensor)
+        for module in model.modules():
+            if isinstance(module, StraightThroughQuantizedLinear):
+                add(module.quantized)
+    return total
+
+
+def bench_one_model(args: argparse.Namespace) -> dict[str, tuple[float, float]]:
+    """Per precision: (bytes held unified / split, median sync seconds split) — see the module's Section 3."""
+    from dllm_ais.engine import RolloutEngine
+
+    device = resolve_device(args.device)
+    dtype = getattr(torch, args.dtype)
+    print("== one model (unified) against two (split): trainer + engine bytes, sync seconds ==")
+    results = {}
+    for precision in PRECISIONS:
+        held, syncs = {}, {}
+        for flow in ("split", "unified"):
+            trainer = lora_trainer(args, device, dtype)
+            engine = RolloutEngine(trainer, precision=precision, precision_flow=flow)
+            held[flow] = held_bytes(trainer) + (0 if engine.shares_trainer_model else held_bytes(engine.model))
+            syncs[flow] = statistics.median(engine.sync_from(trainer) for _ in range(args.warmup + args.repeats))
+        results[precision] = (held["unified"] / held["split"], syncs["split"])
+        print(f"flows at precision={precision:<17} device {describe_device(device)} | trainer dtype {args.dtype} | LoRA "
+              f"r={args.lora_r} | bytes split {held['split'] / 2**20:.2f} MiB, unified {held['unified'] / 2**20:.2f} "
+              f"MiB (unified / split = {results[precision][0]:.2f}) | sync split {syncs['split'] * 1e3:.2f} ms, "
+              f"unified {syncs['unified'] * 1e3:.3f} ms")
+    return results
+
+
+def bench_engine_sync(args: argparse.Namespace) -> dict[str, float]:
+    """Median time of `RolloutEngine.sync_from` (LoRA merge + requantize + in-place copy) over one bare forward.
+
+    The trainer is `lora_trainer`; one forward is the engine's forward on the sampler's canvas.
+    """
+    from dllm_ais.engine import RolloutEngine
+
+    device = resolve_device(args.device)
+    dtype = getattr(torch, args.dtype)
+    trainer = lora_trainer(args, device, dtype)
     input_ids, attention_mask = left_padded_prompts(args, trainer.config, device)
     canvas = torch.cat([input_ids, input_ids.new_full((args.batch, args.gen_length), trainer.config.mask_token_id)], 1)
     canvas_attention = torch.cat([attention_mask, attention_mask.new_ones((args.batch, args.gen_length))], dim=1)
@@ -179,6 +240,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     bench_sampler_vs_forwards(args)
     bench_engine_sync(args)
+    bench_one_model(args)
 
 
 if __name__ == "__main__":
