@@ -89,9 +89,12 @@ def test_precision_benchmark_runs_every_chosen_notch_at_the_tiny_shape_without_c
     assert [line.split()[2] for line in steps] == ["one_step", "trajectory"]
     assert all("peak memory n/a on cpu" in line for line in steps)
     whole = [line.split(" | ") for line in out.splitlines() if line.startswith("step ")]
-    assert [line[0].split()[1:3] for line in whole] == [["bf16", "eager"], ["fp8", "eager"]]
+    assert [line[0].split()[1:3] for line in whole] == [["bf16", "eager"], ["fp8", "eager"], ["fp8", "unified"]]
     assert all([part.split()[0] for part in line[1:7]] == ["sync", "rollout", "logp_rollout", "logp_old", "train",
-                                                            "total"] for line in whole)
+                                                            "total"] for line in whole[:2])
+    # one model: no ℓ_old pass, and no mismatch between the engine's log-probs and the trainer's
+    assert [part.split()[0] for part in whole[2][1:6]] == ["sync", "rollout", "logp_rollout", "train", "total"]
+    assert "one-step k3 0.00e+00" in whole[2]
 
 
 def test_precision_benchmark_runs_dreams_shape(capsys):
@@ -105,7 +108,8 @@ def test_precision_benchmark_runs_dreams_shape(capsys):
     rollouts = [line for line in out.splitlines() if " tokens/s " in line]
     assert {line.split()[0] for line in rollouts} == {"bf16", "fp8"}
     assert all(float(line.split()[7]) > 0 for line in rollouts)
-    assert [line.split(" | ")[0].split()[1] for line in out.splitlines() if line.startswith("step ")] == ["bf16", "fp8"]
+    assert [line.split(" | ")[0].split()[1:3] for line in out.splitlines() if line.startswith("step ")] == [
+        ["bf16", "eager"], ["fp8", "eager"], ["fp8", "unified"]]
 
 
 def test_precision_benchmark_reports_a_failing_notch_in_one_line_and_runs_the_others(capsys, monkeypatch):

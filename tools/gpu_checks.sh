@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks of the compiled rollout engine, as one script for one CUDA machine (about 8 minutes on an H200):
 # the CUDA-only tests (the diffusion forwards' graphs, with the FP8 cache too, and the autoregressive decode step's),
-# then `dllm-ais bench precision` (bf16 and fp8, eager and compiled, batch 8 and 64, a whole GRPO step). Run from the
+# then `dllm-ais bench precision` (bf16 and fp8, eager and compiled, batch 8 and 64, a whole GRPO step, the unified
+# precision flow's step beside them with the GiB the models hold; the tests of tests/test_precision_flow.py on CPU
+# cover its numerics, here its speed and memory). Run from the
 # repository root with the package importable (PYTHONPATH=$PWD, or installed); wheels under .whl/ are installed into
 # /tmp/site first (a machine without a registry). Logs go to $OUT (default outputs/gpu-checks).
 # The recipe's own decoding and Dream-7B's shape, the rollouts only (about 4 minutes each):

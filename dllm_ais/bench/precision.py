@@ -25,7 +25,9 @@ that ran it (`RolloutEngine.kernel_path`):
   whole step         one GRPO step of --step-batch completions per notch:engine pair of --step-engines: sync,
                      rollout (dual cache), ℓ_rollout and ℓ_old (one-step estimator), training forward/backward in
                      micro-batches of --micro-batch with the AdamW step, each timed, the total against the first
-                     pair's, and the one-step k3 between the engine's and the trainer's log-probs;
+                     pair's, the one-step k3 between the engine's and the trainer's log-probs and the GiB the models
+                     hold (CUDA); engine "unified" is the unified precision flow (`rollout.precision_flow`) on a copy of
+                     the trainer: one model, no ℓ_old pass, its training forwards through the engine's quantized linears;
   step peak memory   torch.cuda.max_memory_allocated over one LoRA training step (ℓ_θ scoring, GRPO loss, backward
                      piece by piece, AdamW step) for the one_step and trajectory estimators (CUDA only; on CPU
                      `dllm-ais bench memory` measures peaks in fresh processes).
@@ -33,6 +35,7 @@ that ran it (`RolloutEngine.kernel_path`):
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import importlib.metadata
 import statistics
@@ -71,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--micro-batch", type=int, default=8, help="training micro-batch of the whole step")
     parser.add_argument("--step-engines", default=None,
                         help="comma-separated notch:engine pairs of the whole step, the first the reference (default: "
-                             "bf16:eager,bf16:compiled,fp8:eager,fp8:compiled with CUDA, bf16:eager,fp8:eager without)")
+                             "bf16:eager,bf16:compiled,fp8:eager,fp8:compiled,fp8:unified with CUDA, bf16:eager,fp8:eager,"
+                             "fp8:unified without)")
     parser.add_argument("--prompt-length", type=int, default=64)
     parser.add_argument("--gen-length", type=int, default=256)
     parser.add_argument("--block-length", type=int, default=32)
@@ -150,9 +154,12 @@ def timed(fn, device: torch.device, repeats: int, warm_up=None) -> float:
 
 
 def build_engine(trainer, precision: str, engine: str):
-    """The rollout engine of `precision`, eager or compiled (`RolloutEngine(compile=...)`)."""
+    """The rollout engine of `precision`: eager or compiled (`RolloutEngine(compile=...)`), or unified (the
+    unified precision flow, which quantizes `trainer` in place: pass it a copy)."""
     from dllm_ais.engine import RolloutEngine
 
+    if engine == "unified":
+        return RolloutEngine(trainer, precision=precision, precision_flow="unified")
     return RolloutEngine(trainer, precision=precision, compile=engine == "compiled")
 
 
@@ -271,14 +278,17 @@ def bench_whole_step(args: argparse.Namespace, trainer, device: torch.device) ->
     from dllm_ais.loss import TokenLoss
     from dllm_ais.policy import DiffusionPolicy
 
-    optimizer = torch.optim.AdamW([param for param in trainer.parameters() if param.requires_grad], lr=1e-5)
     policy = DiffusionPolicy(sampler_config(args, trainer.config, "dual"))
     prompts = random_prompts(trainer, args.step_batch, args.prompt_length, device)
     reference_seconds = None
+    shared = trainer
     for pair in args.step_engines.split(","):
         precision, engine_kind = pair.split(":")
         try:
+            trainer = copy.deepcopy(shared) if engine_kind == "unified" else shared
+            optimizer = torch.optim.AdamW([param for param in trainer.parameters() if param.requires_grad], lr=1e-5)
             engine = build_engine(trainer, precision, engine_kind)
+            held = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
             parts: dict[str, list[float]] = {}
 
             def part(name: str, fn):
@@ -299,7 +309,7 @@ def bench_whole_step(args: argparse.Namespace, trainer, device: torch.device) ->
                     logp_rollout = part("logp_rollout", lambda: torch.cat([
                         policy.rollout_logprobs(engine.model, rollout.select(rows), seed=1)
                         for rows in micro_batch_slices(args)]))
-                    logp_old = part("logp_old", lambda: torch.cat([
+                    logp_old = logp_rollout if engine.shares_trainer_model else part("logp_old", lambda: torch.cat([
                         policy.logprobs(trainer, rollout.select(rows), seed=1) for rows in micro_batch_slices(args)]))
                 trainer.train()
 
@@ -321,11 +331,11 @@ def bench_whole_step(args: argparse.Namespace, trainer, device: torch.device) ->
             print(f"step {precision:<10} {engine_kind:<8} batch {args.step_batch} (micro {args.micro_batch}) | "
                   + " | ".join(f"{name} {seconds:.3f} s" for name, seconds in medians.items())
                   + f" | total {total:.3f} s (× first {reference_seconds / total:.2f}) | one-step k3 {k3:.2e} | "
-                  f"{device_line(device)}", flush=True)
+                  f"models held {held:.1f} GiB | {device_line(device)}", flush=True)
         except Exception as error:
             print(f"step {precision:<10} {engine_kind:<8} failed: {type(error).__name__}: "
                   f"{str(error).splitlines()[0] if str(error) else ''} | {device_line(device)}", flush=True)
-        engine = None
+        engine = trainer = optimizer = None
         release_memory(device)
 
 
@@ -383,8 +393,8 @@ def main(argv: list[str] | None = None) -> None:
               "measurement)")
         args.tiny = True
     args.engines = args.engines or ("eager,compiled" if device.type == "cuda" else "eager")
-    args.step_engines = args.step_engines or ",".join(f"{precision}:{engine}" for precision in ("bf16", "fp8")
-                                                      for engine in args.engines.split(","))
+    args.step_engines = args.step_engines or ",".join([f"{precision}:{engine}" for precision in ("bf16", "fp8")
+                                                       for engine in args.engines.split(",")] + ["fp8:unified"])
     trainer = build_trainer(args, device)
     print(f"batch {args.batch}, prompt {args.prompt_length}, gen {args.gen_length}, block {args.block_length}, "
           f"steps {args.steps}, temperature 1; median of {args.repeats} after one warm-up (rollouts: of one block)")
