@@ -215,3 +215,20 @@ def test_the_settings_and_launches_the_unified_flow_refuses():
         with pytest.raises(ConfigError, match=f"not under {launcher}: launch with recipes/accelerate/ddp.yaml"):
             check_unified_flow_launch(SimpleNamespace(distributed_type=DistributedType[launcher]))
     check_unified_flow_launch(SimpleNamespace(distributed_type=DistributedType.MULTI_CPU))
+
+
+@pytest.mark.parametrize("use_peft", [True, False], ids=["lora", "full-fine-tuning"])
+def test_a_unified_run_resumes_exactly(tokenizer, tmp_path, use_peft):
+    """A unified run resumed from its checkpoint ends with the uninterrupted run's metrics: the base is quantized
+    again from the same weights (LoRA), or the master weights load back and are quantized at their next forward (full
+    fine-tuning, its reference model quantized once)."""
+    from conftest import tiny_qwen3
+    from test_resume import comparable, metrics
+
+    settings = dict(model_fn=tiny_qwen3, use_peft=use_peft, beta=0.04, max_steps=3, num_iterations=2, save_steps=2,
+                    **{"rollout.precision": "mxfp4", "rollout.precision_flow": "unified"})
+    uninterrupted = comparable(make_trainer(tokenizer, tmp_path / "a", **settings).train().history)
+    resumed = make_trainer(tokenizer, tmp_path / "b", **settings,
+                           resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2")).train().history
+    assert comparable(resumed) == comparable(metrics(tmp_path / "b")) == uninterrupted
+    assert all(record["rollout_corr/k3_kl"] == 0.0 for record in uninterrupted if "rollout_corr/k3_kl" in record)
