@@ -23,7 +23,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -192,6 +192,20 @@ def load_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], directo
     if result.unexpected_keys or missing:
         raise ConfigError(f"{directory} does not match the model: unexpected {result.unexpected_keys[:5]}, "
                           f"missing {missing[:5]}.")
+
+
+def refused_on_any_process(accelerator, load: Callable[[], Any]) -> Any:
+    """`load()` on every process; a ConfigError on any of them (a file only that process reads refused: its RNG
+    states, its optimizer partition) is raised on all, in that process' words, so that none goes on alone to wait
+    for the others."""
+    try:
+        result, refusal = load(), None
+    except ConfigError as error:
+        result, refusal = None, str(error)
+    refusals = gather_object([refusal]) if accelerator.num_processes > 1 else [refusal]
+    if (first := next((found for found in refusals if found is not None), None)) is not None:
+        raise ConfigError(first)
+    return result
 
 
 def restore_random_states(states: Any, path: Path) -> int:
@@ -546,7 +560,9 @@ class Checkpointer:
                               "complete checkpoint.")
         loaded = {name: load_data(checkpoint / name, files[name]) for name in states}
         rng_file = f"random_states_{accelerator.process_index}.pkl"
-        rng = load_data(checkpoint / rng_file, files[rng_file], numpy_arrays=True)
+        rng, engine_state = refused_on_any_process(accelerator, lambda: (  # the files only this process reads
+            load_data(checkpoint / rng_file, files[rng_file], numpy_arrays=True),
+            self._deepspeed_engine_state(checkpoint, files) if deepspeed else None))
         saved_state = load_data(checkpoint / RUN_STATE_FILE, files[RUN_STATE_FILE])
         try:
             state = RunState.from_state_dict(saved_state, accelerator.process_index, accelerator.device)
@@ -558,7 +574,7 @@ class Checkpointer:
         else:
             load_weights(self.parts.unwrapped_model, weights_state(files, checkpoint), checkpoint)
             if deepspeed:
-                self._load_deepspeed_engine(checkpoint, files)
+                self._load_deepspeed_engine(*engine_state)
             else:
                 self.parts.optimizer.load_state_dict(loaded["optimizer.bin"])
         self.parts.scheduler.load_state_dict(loaded["scheduler.bin"])
@@ -584,11 +600,12 @@ class Checkpointer:
         set_model_state_dict(self.parts.model, load_data(checkpoint / name, files[name]), options=options)
         set_optimizer_state_dict(self.parts.model, self.parts.optimizer, optimizer_state, options=options)
 
-    def _load_deepspeed_engine(self, checkpoint: Path, files: dict[str, bytes]) -> None:
+    def _deepspeed_engine_state(self, checkpoint: Path, files: dict[str, bytes]) -> tuple[list, dict[str, Any]]:
         """Under DeepSpeed ZeRO-2: what its engine's `load_checkpoint` restores besides the weights (loaded from the
         save_pretrained files), from verified bytes: this process' partition of the optimizer (AdamW moments and fp32
-        master weights, `zero_pp_rank_R_..._optim_states.pt`) and the engine's step counters (`mp_rank_00_model_
-        states.pt`), both in the directory accelerate's `save_state` has the engine write (`pytorch_model/`)."""
+        master weights, `zero_pp_rank_R_..._optim_states.pt`, in a list by rank) and the engine's step counters
+        (`mp_rank_00_model_states.pt`), both in the directory accelerate's `save_state` has the engine write
+        (`pytorch_model/`); `_load_deepspeed_engine` loads them."""
         import torch.distributed as dist
         from accelerate.utils.constants import MODEL_NAME
 
@@ -613,7 +630,12 @@ class Checkpointer:
                 path = engine._get_rank_zero_ckpt_name(str(checkpoint), MODEL_NAME, engine.checkpoint_mp_rank, rank,
                                                        engine.bfloat16_enabled())
                 partitions[rank] = load_data(*engine_file(path), deepspeed_optimizer=True)["optimizer_state_dict"]
-        counters = load_data(*engine_file(engine._get_ckpt_name(str(checkpoint), MODEL_NAME)))
+        return partitions, load_data(*engine_file(engine._get_ckpt_name(str(checkpoint), MODEL_NAME)))
+
+    def _load_deepspeed_engine(self, partitions: list, counters: dict[str, Any]) -> None:
+        """Load what `_deepspeed_engine_state` read into the DeepSpeed engine: the optimizer partitions and the
+        step counters."""
+        engine = self.parts.model
         engine.optimizer.load_state_dict(partitions, load_optimizer_states=True,
                                          load_from_fp32_weights=engine.zero_load_from_fp32_weights())
         engine.global_steps, engine.skipped_steps = counters["global_steps"], counters["skipped_steps"]
