@@ -153,14 +153,11 @@ sys.exit(main(sys.argv[2:]))
 """
 
 
-@pytest.mark.slow  # a training process interrupted while it loads
-def test_ctrl_c_while_a_resumed_run_loads_names_the_checkpoint_and_the_resume_that_works(two_checkpoints, tmp_path):
-    run = tmp_path / "run"
-    shutil.copytree(two_checkpoints, run)
-    before = contents(run)
+def interrupted_while_loading(tmp_path, argv: list[str]) -> str:
+    """Run `dllm-ais <argv>` stalled while it loads a checkpoint (STALLED_LOAD), send it Ctrl-C there, check it
+    exits 130 with no traceback, and return its one `interrupted` line (import notes aside)."""
     loading, script = tmp_path / "loading", tmp_path / "stalled_load.py"
     script.write_text(STALLED_LOAD)
-    argv = ["train", f"--output_dir={run}", *SMALL, "--max_steps=3", "--save_steps=1", "--resume_from_checkpoint=true"]
     process = subprocess.Popen([sys.executable, str(script), str(loading), *argv], stderr=subprocess.PIPE, text=True)
     try:
         while not loading.exists():
@@ -170,8 +167,18 @@ def test_ctrl_c_while_a_resumed_run_loads_names_the_checkpoint_and_the_resume_th
         error = process.communicate(timeout=120)[1]
     finally:
         process.kill()
-    [line] = [line for line in error.splitlines() if line.startswith("interrupted")]  # import notes aside
+    [line] = [line for line in error.splitlines() if line.startswith("interrupted")]
     assert process.returncode == 130 and "Traceback" not in error, error
+    return line
+
+
+@pytest.mark.slow  # a training process interrupted while it loads
+def test_ctrl_c_while_a_resumed_run_loads_names_the_checkpoint_and_the_resume_that_works(two_checkpoints, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(two_checkpoints, run)
+    before = contents(run)
+    argv = ["train", f"--output_dir={run}", *SMALL, "--max_steps=3", "--save_steps=1", "--resume_from_checkpoint=true"]
+    line = interrupted_while_loading(tmp_path, argv)
     message, command = line.split(": resume with: ")
     assert message == f"interrupted while loading {run / 'checkpoint-2'}; the checkpoints are intact"
     assert contents(run) == before
@@ -187,22 +194,10 @@ def test_ctrl_c_while_a_branch_resume_loads_names_where_the_later_steps_were_mov
     they are, not that the checkpoints are intact."""
     run = tmp_path / "run"
     shutil.copytree(two_checkpoints, run)
-    loading, script = tmp_path / "loading", tmp_path / "stalled_load.py"
-    script.write_text(STALLED_LOAD)
     argv = ["train", f"--output_dir={run}", *SMALL, "--max_steps=3", "--save_steps=1",
             f"--resume_from_checkpoint={run / 'checkpoint-1'}"]
-    process = subprocess.Popen([sys.executable, str(script), str(loading), *argv], stderr=subprocess.PIPE, text=True)
-    try:
-        while not loading.exists():
-            assert process.poll() is None, process.stderr.read()
-            subprocess.run(["sleep", "0.05"])
-        process.send_signal(signal.SIGINT)
-        error = process.communicate(timeout=120)[1]
-    finally:
-        process.kill()
+    line = interrupted_while_loading(tmp_path, argv)
     [aside] = run.glob("abandoned-after-step-1-*")
-    [line] = [line for line in error.splitlines() if line.startswith("interrupted")]
-    assert process.returncode == 130 and "Traceback" not in error, error
     assert line.startswith(f"interrupted while loading {run / 'checkpoint-1'}; the checkpoints of the later steps "
                            f"this resume leaves are in {aside}, the others are intact: resume with: dllm-ais train ")
     assert (aside / "checkpoint-2").is_dir() and not (run / "checkpoint-2").exists()
