@@ -6,6 +6,7 @@ family     model_type        mask token id                                  logi
 LLaDA      ``llada``         config.json ``mask_token_id`` (126336)         position i
 Dream      ``Dream``         config.json ``mask_token_id`` (151666)         position i - 1 (shifted)
 SDAR       ``sdar``          config.json ``mask_token_id`` (151669)         position i
+LLaDA2.x   ``llada2_moe``    config ``mask_token_id`` (156895)              position i
 =========  ================  =============================================  ==============================
 
 Dream (and DiffuCoder, same architecture) was initialised from an autoregressive Qwen2.5 and keeps its next-token
@@ -20,7 +21,9 @@ row's own blocks, against the exact cache of the finished blocks (`dllm_ais.samp
 models"), and every likelihood estimator scores each of its blocks against the clean blocks before it (its
 training-mode forward, `dllm_ais.models.sdar.block_diffusion_logits`). A position sees the later positions of its own
 block, so a block-causal model is never scored as a causal LM (`policy.is_diffusion` refuses
-``policy: autoregressive`` for it).
+``policy: autoregressive`` for it). LLaDA2.x (the mixture-of-experts block-diffusion family, `dllm_ais.models.llada2`)
+has the same mask over its own ``block_size`` (32 unless its config.json says otherwise) and the same
+[x_t | x_0] training-mode forward (a 4-D mask passed to its ordinary forward).
 
 A third family is its model module under ``dllm_ais/models/`` plus one row here: its model_type in
 `DIFFUSION_MODEL_TYPES`, and in `SHIFTED_LOGITS_MODEL_TYPES` when it reads position i from i - 1.
@@ -32,13 +35,13 @@ from typing import Any
 
 import torch
 
-DIFFUSION_MODEL_TYPES = frozenset({"llada", "Dream", "sdar"})
+DIFFUSION_MODEL_TYPES = frozenset({"llada", "Dream", "sdar", "llada2_moe"})
 """model_types that are masked-diffusion models (``policy: auto`` trains them with the diffusion policy)."""
 
 SHIFTED_LOGITS_MODEL_TYPES = frozenset({"Dream"})
 """model_types whose logits at position i - 1 predict the token at position i."""
 
-BLOCK_CAUSAL_MODEL_TYPES = frozenset({"sdar"})
+BLOCK_CAUSAL_MODEL_TYPES = frozenset({"sdar", "llada2_moe"})
 """model_types whose attention is causal across blocks of ``config.block_size`` positions counted from each row's
 first real token and bidirectional inside one (block diffusion)."""
 
