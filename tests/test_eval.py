@@ -79,7 +79,9 @@ def test_the_protocol_is_d1s_for_real_tasks_and_the_embedded_recipes_for_digits(
     for protocol, config, gen_length, block_length in ((gsm8k, GRPOConfig(), 256, 32), (digits, trained_fast, 16, 16)):
         decoding = protocol.decoding(config, gen_length)
         assert decoding.max_completion_length == gen_length and decoding.experimental.rollout_factor is None
-        assert dataclasses.asdict(decoding.rollout) == {"precision": config.rollout.precision, "steps": gen_length // 2,
+        assert dataclasses.asdict(decoding.rollout) == {"precision": config.rollout.precision,
+                                                        "precision_flow": config.rollout.precision_flow,
+                                                        "steps": gen_length // 2,
                                                         "block_length": block_length, **d1_sampler,
                                                         "compile": config.rollout.compile,  # how, not what, it decodes
                                                         "batch_size": config.rollout.batch_size}
