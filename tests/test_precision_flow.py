@@ -232,3 +232,14 @@ def test_a_unified_run_resumes_exactly(tokenizer, tmp_path, use_peft):
                            resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2")).train().history
     assert comparable(resumed) == comparable(metrics(tmp_path / "b")) == uninterrupted
     assert all(record["rollout_corr/k3_kl"] == 0.0 for record in uninterrupted if "rollout_corr/k3_kl" in record)
+
+
+def test_the_gradient_probe_agrees_with_itself_in_bf16_and_not_at_mxfp4(capsys):
+    """`python -m dllm_ais.experimental.precision_flow_gradients`: the unified bf16 model's gradient is the
+    high-precision one (cosine 1, norm ratio 1); at MXFP4 the straight-through gradient points elsewhere."""
+    from dllm_ais.experimental.precision_flow_gradients import main
+
+    main(["--precisions", "bf16,mxfp4", "--prompts", "8"])
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
+    assert "cosine(unified, high precision) 1.000 | norm unified / high precision 1.00" in rows["bf16"]
+    assert float(rows["mxfp4"].split("cosine(unified, high precision) ")[1].split()[0]) < 0.9

@@ -182,6 +182,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--flows", default=",".join(PRECISION_FLOWS),
                         help="comma-separated precision flows (rollout.precision_flow), each measured per precision")
     parser.add_argument("--prompts", type=int, default=128)
+    parser.add_argument("--micro-batch", type=int, default=None,
+                        help="the trainer's micro-batch for the trajectory replay (per_device_train_batch_size; default: "
+                             "the recipe's)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -192,7 +195,8 @@ def main(argv: list[str] | None = None) -> None:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     trajectory_tables = []
     for name in args.models.split(","):
-        config = load_config(RECIPES.get(name, name), ["--output_dir=/tmp/unused"])
+        micro_batch = [] if args.micro_batch is None else [f"--per_device_train_batch_size={args.micro_batch}"]
+        config = load_config(RECIPES.get(name, name), ["--output_dir=/tmp/unused", *micro_batch])
         tokenizer = load_tokenizer(config.model_name_or_path)
         model = load_model(config.model_name_or_path, torch.float32).eval()
         diffusion = is_diffusion(config.policy, model.config.model_type)
