@@ -1,4 +1,6 @@
-"""Low-precision copies of a model's linear layers through torchao — the only module that imports torchao.
+"""Low-precision copies of a model's linear layers through torchao — the only module that imports torchao — and the
+trainer's straight-through layer computing the same numerics (`StraightThroughQuantizedLinear`, the unified precision
+flow: `straight_through_linears_`).
 
 Precision modes of the rollout engine (design OVERVIEW, "Precision modes"):
 
