@@ -72,9 +72,9 @@ from transformers.core_model_loading import Concatenate, MergeModulelist, Weight
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from .dream import canvas_positions, run_layers  # relative: an export ships these files as remote code
-from .llada import RMSNorm, apply_rotary, rotary_cos_sin, unsupported_config_message, write_into_layer_cache
-from .sdar import KeyValueCache, block_causal_mask, check_given_mask
+# relative imports: an export ships these files as remote code
+from .llada import RMSNorm, apply_rotary, unsupported_config_message, write_into_layer_cache
+from .sdar import KeyValueCache, block_causal_hidden_states, kept_logits
 
 __all__ = ["LLaDA2MoeConfig", "LLaDA2MoeModel", "LLaDA2MoeModelLM", "grouped_expert_swiglu", "route"]
 
@@ -418,27 +418,9 @@ class LLaDA2MoeModel(LLaDA2MoePreTrainedModel):
     ) -> BaseModelOutputWithPast:
         """Hidden states [B, n, d] of the n inputs (and the layers' (keys, values) with `use_cache`); the mask, the
         positions and the cache as `dllm_ais.models.sdar.SDARForCausalLM.forward`."""
-        unexpected = {k for k, v in kwargs.items() if v is not None and k != "return_dict"}
-        if unexpected:
-            raise TypeError(f"{type(self).__name__}.forward got unsupported arguments: {sorted(unexpected)} "
-                            "(supported: input_ids, attention_mask, position_ids, inputs_embeds, logits_to_keep "
-                            "(the LM), past_key_values, cache_position, use_cache, return_dict)")
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
-        x = self.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
-        if attention_mask is not None and attention_mask.dim() == 4:
-            check_given_mask(attention_mask, x, position_ids, past_key_values)
-            first_layer, attn_mask = None, attention_mask.bool()
-        else:
-            first_layer, cache_position, position_ids, key_position_ids = canvas_positions(
-                x, attention_mask, position_ids, past_key_values, cache_position, len(self.layers),
-                self.config.max_position_embeddings)
-            attn_mask = block_causal_mask(position_ids, key_position_ids, self.config.block_size, attention_mask)
-        cos, sin = rotary_cos_sin(position_ids, self.config.rope_dim, self.config.rope_theta)
-        cos, sin = cos.to(x.dtype)[:, None], sin.to(x.dtype)[:, None]
-        x, new_cache = run_layers(self.layers, x, cos, sin, attn_mask, past_key_values, first_layer, cache_position,
-                                  use_cache)
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(x), past_key_values=new_cache)
+        return block_causal_hidden_states(self, self.word_embeddings, self.config.rope_dim, input_ids, attention_mask,
+                                          position_ids, inputs_embeds, past_key_values, cache_position, use_cache,
+                                          kwargs)
 
 
 class LLaDA2MoeModelLM(LLaDA2MoePreTrainedModel):
@@ -490,12 +472,7 @@ class LLaDA2MoeModelLM(LLaDA2MoePreTrainedModel):
         """
         output = self.model(input_ids, attention_mask, position_ids, inputs_embeds, past_key_values, cache_position,
                             bool(use_cache), **kwargs)
-        x = output.last_hidden_state
-        if isinstance(logits_to_keep, torch.Tensor):
-            x = x[:, logits_to_keep]
-        elif logits_to_keep:
-            x = x[:, -logits_to_keep:]
-        return CausalLMOutputWithPast(logits=self.lm_head(x), past_key_values=output.past_key_values)
+        return kept_logits(self.lm_head, output, logits_to_keep)
 
 
 def official_expert_conversions() -> list[WeightConverter]:

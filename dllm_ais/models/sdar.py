@@ -294,27 +294,53 @@ class SDARModel(SDARPreTrainedModel):
     ) -> BaseModelOutputWithPast:
         """Hidden states [B, n, d] of the n inputs (and the layers' (keys, values) with `use_cache`); see
         `SDARForCausalLM.forward` for the mask, the positions and the cache."""
-        unexpected = {k for k, v in kwargs.items() if v is not None and k != "return_dict"}
-        if unexpected:
-            raise TypeError(f"{type(self).__name__}.forward got unsupported arguments: {sorted(unexpected)} "
-                            "(supported: input_ids, attention_mask, position_ids, inputs_embeds, logits_to_keep "
-                            "(the LM), past_key_values, cache_position, use_cache, return_dict)")
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
-        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        if attention_mask is not None and attention_mask.dim() == 4:
-            check_given_mask(attention_mask, x, position_ids, past_key_values)
-            first_layer, attn_mask = None, attention_mask.bool()
-        else:
-            first_layer, cache_position, position_ids, key_position_ids = canvas_positions(
-                x, attention_mask, position_ids, past_key_values, cache_position, len(self.layers),
-                self.config.max_position_embeddings)
-            attn_mask = block_causal_mask(position_ids, key_position_ids, self.config.block_size, attention_mask)
-        cos, sin = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
-        cos, sin = cos.to(x.dtype)[:, None], sin.to(x.dtype)[:, None]
-        x, new_cache = run_layers(self.layers, x, cos, sin, attn_mask, past_key_values, first_layer, cache_position,
-                                  use_cache)
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(x), past_key_values=new_cache)
+        return block_causal_hidden_states(self, self.embed_tokens, self.config.head_dim, input_ids, attention_mask,
+                                          position_ids, inputs_embeds, past_key_values, cache_position, use_cache,
+                                          kwargs)
+
+
+def block_causal_hidden_states(transformer: nn.Module, embeddings: nn.Embedding, rope_dim: int,
+                               input_ids: torch.LongTensor | None, attention_mask: torch.Tensor | None,
+                               position_ids: torch.LongTensor | None, inputs_embeds: torch.Tensor | None,
+                               past_key_values: KeyValueCache | None, cache_position: torch.Tensor | None,
+                               use_cache: bool, unsupported: dict) -> BaseModelOutputWithPast:
+    """The forward of a block-causal transformer (SDAR's, LLaDA2's): `transformer`'s `layers` (each called as a
+    `DreamDecoderLayer`) and final `norm` over the inputs embedded by `embeddings`, RoPE on the first `rope_dim`
+    features of each head, under the block-causal mask of `transformer.config.block_size` (or a given 4-D mask), with
+    the positions and the cache of `SDARForCausalLM.forward`. TypeError naming any `unsupported` argument passed."""
+    unexpected = {k for k, v in unsupported.items() if v is not None and k != "return_dict"}
+    if unexpected:
+        raise TypeError(f"{type(transformer).__name__}.forward got unsupported arguments: {sorted(unexpected)} "
+                        "(supported: input_ids, attention_mask, position_ids, inputs_embeds, logits_to_keep "
+                        "(the LM), past_key_values, cache_position, use_cache, return_dict)")
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
+    config, layers = transformer.config, transformer.layers
+    x = embeddings(input_ids) if inputs_embeds is None else inputs_embeds
+    if attention_mask is not None and attention_mask.dim() == 4:
+        check_given_mask(attention_mask, x, position_ids, past_key_values)
+        first_layer, attn_mask = None, attention_mask.bool()
+    else:
+        first_layer, cache_position, position_ids, key_position_ids = canvas_positions(
+            x, attention_mask, position_ids, past_key_values, cache_position, len(layers),
+            config.max_position_embeddings)
+        attn_mask = block_causal_mask(position_ids, key_position_ids, config.block_size, attention_mask)
+    cos, sin = rotary_cos_sin(position_ids, rope_dim, config.rope_theta)
+    cos, sin = cos.to(x.dtype)[:, None], sin.to(x.dtype)[:, None]
+    x, new_cache = run_layers(layers, x, cos, sin, attn_mask, past_key_values, first_layer, cache_position, use_cache)
+    return BaseModelOutputWithPast(last_hidden_state=transformer.norm(x), past_key_values=new_cache)
+
+
+def kept_logits(lm_head: nn.Module, output: BaseModelOutputWithPast,
+                logits_to_keep: int | torch.Tensor) -> CausalLMOutputWithPast:
+    """`lm_head`'s logits of the hidden states `output` holds: all positions (`logits_to_keep` = 0), the last
+    `logits_to_keep` (an int), or those at the indices `logits_to_keep` (a 1-D tensor); its cache passed on."""
+    x = output.last_hidden_state
+    if isinstance(logits_to_keep, torch.Tensor):
+        x = x[:, logits_to_keep]
+    elif logits_to_keep:
+        x = x[:, -logits_to_keep:]
+    return CausalLMOutputWithPast(logits=lm_head(x), past_key_values=output.past_key_values)
 
 
 class SDARForCausalLM(LanguageModelEmbeddings, SDARPreTrainedModel):
@@ -366,12 +392,7 @@ class SDARForCausalLM(LanguageModelEmbeddings, SDARPreTrainedModel):
         """
         output = self.model(input_ids, attention_mask, position_ids, inputs_embeds, past_key_values, cache_position,
                             bool(use_cache), **kwargs)
-        x = output.last_hidden_state
-        if isinstance(logits_to_keep, torch.Tensor):
-            x = x[:, logits_to_keep]
-        elif logits_to_keep:
-            x = x[:, -logits_to_keep:]
-        return CausalLMOutputWithPast(logits=self.lm_head(x), past_key_values=output.past_key_values)
+        return kept_logits(self.lm_head, output, logits_to_keep)
 
 
 def register_with_auto_classes() -> None:
