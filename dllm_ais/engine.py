@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from dllm_ais.quantization import SkipRule, kernel_path, quantize_model_, requantize_, straight_through_linears_
-from dllm_ais.sampling.static_forwards import StaticForwards, compile_blocks
+from dllm_ais.sampling.forwards import EagerForwards, StaticForwards, compile_blocks
 
 __all__ = ["RolloutEngine", "adapter_host", "load_merged_weights_", "lm_head_skip_rule", "merged_state_items",
            "quantize_trainer_model_"]
@@ -51,6 +51,9 @@ class RolloutEngine:
         model: the engine's model (a transformers model; call it like the trainer's model to sample rollouts and
             compute rollout-side log-probs): with the split flow its own copy (eval mode, no gradients), with the
             unified flow the trainer's model itself (its adapters in place).
+        forwards: the sampling forwards the engine hands to the samplers (``sample(..., forwards=engine.forwards)``,
+            `dllm_ais.sampling.forwards`): `EagerForwards` of `model`, or, compiled, its `StaticForwards` (key/value
+            buffers and CUDA graphs owned here).
         precision: the precision mode.
         precision_flow: "split" or "unified" (`rollout.precision_flow`).
         quantized_modules: names of the linear layers computed in low precision (empty for "bf16").
@@ -72,7 +75,7 @@ class RolloutEngine:
         `dtype` (None keeps the trainer's parameter dtypes, so "bf16" reproduces the trainer bit for bit) and
         quantize its linear layers to `precision` (`quantize_model_` checks it is one of PRECISIONS). `compile`
         (None = on CUDA only): compile the engine's transformer blocks and give its model static forwards
-        (`dllm_ais.sampling.static_forwards`), replayed as CUDA graphs on a GPU. Syncs write the weights in place, so
+        (`dllm_ais.sampling.forwards`), replayed as CUDA graphs on a GPU. Syncs write the weights in place, so
         compiled blocks and captured graphs stay valid across them.
 
         Unified flow: `quantize_trainer_model_` edits `trainer_model` in place and the engine samples with it;
@@ -97,9 +100,10 @@ class RolloutEngine:
             self.execution_path = "eager"
         device = next(self.model.parameters()).device
         self.kernel_path = kernel_path(precision, device)
+        self.forwards = EagerForwards(self.model)
         if precision_flow != "unified" and (compile or (compile is None and device.type == "cuda")):
             blocks = compile_blocks(self.model)
-            self.model.static_forwards = StaticForwards(self.model, cuda_graphs=device.type == "cuda")
+            self.forwards = StaticForwards(self.model, cuda_graphs=device.type == "cuda")
             self.execution_path = (f"compiled: {blocks} transformer blocks by torch.compile (one graph reused), "
                                    + ("sampling forwards replayed as CUDA graphs" if device.type == "cuda" else
                                       "sampling forwards at static shapes (CUDA graphs need a GPU)"))

@@ -241,7 +241,7 @@ def make_generation_batch(config: GRPOConfig, parts: StepComponents, tokenizer, 
     policies = fidelity.prompt_policies(len(columns["prompt"]), num_exact)
     start = time.perf_counter()
     rollout = sample_prompts(policies, parts.engine.model, tokenizer, columns["prompt"], config.max_prompt_length,
-                             accelerator.device, generator, config.rollout.batch_size)
+                             accelerator.device, generator, config.rollout.batch_size, parts.engine.forwards)
     timings["timing/sample_s"] = time.perf_counter() - start
     tokens = rollout.attention_mask[:, :rollout.prompt_length].sum() + rollout.completion_mask.sum()
     tokens_seen += int(gather(tokens.reshape(1)).sum())

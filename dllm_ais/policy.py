@@ -25,6 +25,7 @@ from dllm_ais.loading import SpecialTokens, special_tokens
 from dllm_ais.models.families import DIFFUSION_MODEL_TYPES, is_block_causal
 from dllm_ais.sampling.autoregressive import AutoregressiveSampler, AutoregressiveSamplerConfig
 from dllm_ais.sampling.diffusion import DiffusionSamplerConfig, MaskedDiffusionSampler, resolve_remasking_rule
+from dllm_ais.sampling.forwards import EagerForwards
 from dllm_ais.rollout import Rollout
 from dllm_ais.settings import LikelihoodSettings
 from dllm_ais.validation import ConfigError
@@ -74,7 +75,7 @@ class Policy(Protocol):
     sampler_config: Any
 
     def sample(self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-               generator: torch.Generator | None) -> Rollout: ...
+               generator: torch.Generator | None, forwards: EagerForwards | None = None) -> Rollout: ...
 
     def logprobs(self, model: nn.Module, rollout: Rollout, seed: int, compute_entropy: bool = False,
                  advantages: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
@@ -181,11 +182,13 @@ class DiffusionPolicy:
         return dataclasses.replace(self, sampler_config=sampler_config, sampler=self.sampler.with_config(sampler_config),
                                    commit_choice_gradient=self.commit_choice_gradient and drawn)
 
-    def sample(self, model, input_ids, attention_mask, generator) -> Rollout:
-        """A rollout of the sampler; with `likelihood_order="exact"` its completions replayed by the same `model`
-        along the exact decoder's order (`MaskedDiffusionSampler.replay`): `commit_step` and `step_logprobs` are
-        then those of that order, and `num_steps` stays the sampler's own."""
-        rollout = self.sampler.sample(model, input_ids, attention_mask=attention_mask, generator=generator)
+    def sample(self, model, input_ids, attention_mask, generator, forwards=None) -> Rollout:
+        """A rollout of the sampler (its forwards run by `forwards`: the rollout engine's, or None = the model as it
+        is); with `likelihood_order="exact"` its completions replayed by the same `model` along the exact decoder's
+        order (`MaskedDiffusionSampler.replay`): `commit_step` and `step_logprobs` are then those of that order, and
+        `num_steps` stays the sampler's own."""
+        rollout = self.sampler.sample(model, input_ids, attention_mask=attention_mask, generator=generator,
+                                      forwards=forwards)
         if self.exact_order_sampler is None:
             return rollout
         return dataclasses.replace(self.exact_order_sampler.replay(model, rollout), num_steps=rollout.num_steps)
@@ -231,8 +234,9 @@ class AutoregressivePolicy:
     def __post_init__(self):
         self.sampler = AutoregressiveSampler(self.sampler_config)
 
-    def sample(self, model, input_ids, attention_mask, generator) -> Rollout:
-        return self.sampler.sample(model, input_ids, attention_mask=attention_mask, generator=generator)
+    def sample(self, model, input_ids, attention_mask, generator, forwards=None) -> Rollout:
+        return self.sampler.sample(model, input_ids, attention_mask=attention_mask, generator=generator,
+                                   forwards=forwards)
 
     def logprobs(self, model, rollout: Rollout, seed: int, compute_entropy: bool = False, advantages=None):
         c = self.sampler_config
@@ -444,10 +448,11 @@ def custom_policy_problems(config: "GRPOConfig", model_config, tokenizer, sample
 
 def sample_prompts(policy: Policy | list[Policy], model: nn.Module, tokenizer, prompts: list,
                    max_prompt_length: int | None, device: torch.device, generator: torch.Generator | None,
-                   micro_batch_size: int | None = None) -> Rollout:
+                   micro_batch_size: int | None = None, forwards: EagerForwards | None = None) -> Rollout:
     """Tokenize `prompts` (left padded on one canvas) and roll them out on `model` with `policy` — or with
     `policy[i]` for prompt i, consecutive prompts of one policy together — in micro-batches of `micro_batch_size`
-    (default: all of one policy at once)."""
+    (default: all of one policy at once), its forwards run by `forwards` (the rollout engine's; None = the model
+    as it is)."""
     input_ids, attention_mask = tokenize_prompts(tokenizer, prompts, max_prompt_length, device)
     policies = policy if isinstance(policy, list) else [policy] * len(input_ids)
     rollouts, start = [], 0
@@ -455,7 +460,7 @@ def sample_prompts(policy: Policy | list[Policy], model: nn.Module, tokenizer, p
         stop = start + len(list(run))
         size = micro_batch_size or stop - start
         rollouts += [policies[start].sample(model, input_ids[i:min(i + size, stop)],
-                                            attention_mask[i:min(i + size, stop)], generator)
+                                            attention_mask[i:min(i + size, stop)], generator, forwards)
                      for i in range(start, stop, size)]
         start = stop
     return Rollout.concatenate(rollouts)

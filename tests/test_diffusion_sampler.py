@@ -284,9 +284,14 @@ def test_parallel_decoding_commits_what_its_rule_says_each_step_until_the_block_
     with recorded_inputs(model) as canvases:
         rollout = sampler.sample(model, ids, attention)
     count = threshold_count if rule == "threshold" else factor_count
+    block = 0
     for step, canvas in enumerate(canvases):
+        committed = rollout.commit_step == step
         masked = canvas[:, prompt_length:] == MASK
-        block = int(masked.any(dim=0).nonzero()[0]) // block_length
+        if not committed.any():  # a forward of a block's step budget after the block was filled: commits nothing
+            assert not masked[:, block * block_length:(block + 1) * block_length].any()
+            continue
+        block = int(committed.any(dim=0).nonzero()[0]) // block_length
         in_block = masked & (torch.arange(gen_length) // block_length == block)
         confidence = model(canvas, attention_mask=rollout.attention_mask).logits[:, prompt_length:].softmax(-1).amax(-1)
         expected = torch.zeros_like(masked)
@@ -591,3 +596,67 @@ def test_choose_positions_breaks_ties_as_a_topk_of_each_rows_own_count():
         expected = torch.zeros(7, dtype=torch.bool)
         expected[torch.topk(row_scores[row], count).indices] = True
         assert torch.equal(chosen[row], expected)
+
+
+@contextlib.contextmanager
+def host_reads():
+    """Counts the tensor values read on the host (``item``, ``tolist``, ``bool``, ``int``, ``float`` of a tensor) while
+    the block runs: each one waits for the device on a GPU."""
+    counter = {"reads": 0}
+    names = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
+    originals = {name: getattr(torch.Tensor, name) for name in names}
+
+    def counted(original):
+        def read(self, *args, **kwargs):
+            counter["reads"] += 1
+            return original(self, *args, **kwargs)
+        return read
+
+    for name, original in originals.items():
+        setattr(torch.Tensor, name, counted(original))
+    try:
+        yield counter
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+@pytest.mark.parametrize("steps", [16, 64])
+@pytest.mark.parametrize("cache", ["none", "dual"])
+def test_threshold_decoding_reads_the_device_about_once_per_block(steps, cache):
+    """The shipped run's decoder (`threshold: 0.9`) on the embedded LLaDA and its digits prompts, 64 positions in 4
+    blocks: the host reads of a `sample` call are about two per block (each block runs the steps the one before it
+    needed with its counts on the device, then reads what is left), where it read at every step before —
+    and, greedy, the tokens are those of a decoder that reads at every step (`_denoise_block_in_parallel` with a
+    budget of one step, which stops each block as soon as it is filled). (Sampled, the forwards of a budget past a
+    block's last commit draw noise too, so a seed gives other draws of the same distribution.)"""
+    from dllm_ais.bench.mismatch import validation_prompts
+    from dllm_ais.config import EMBEDDED_RECIPE, load_config
+    from dllm_ais.loading import load_model, load_tokenizer
+
+    config = load_config(EMBEDDED_RECIPE, ["--output_dir=/tmp/unused"])
+    model = load_model(config.model_name_or_path, torch.float32).eval()
+    ids, attention = validation_prompts(config, load_tokenizer(config.model_name_or_path), 8, seed=0)
+    sampler = MaskedDiffusionSampler(DiffusionSamplerConfig(gen_length=64, block_length=16, steps=steps, cache=cache,
+                                                            threshold=0.9, temperature=0.0))
+    with host_reads() as counter:
+        rollout = sampler.sample(model, ids, attention)
+    blocks = 64 // 16  # two reads a block at most but in the first (a read per halving), two of the prompts
+    assert counter["reads"] <= 2 * blocks + 4, counter
+
+    class ReadsEveryStep(MaskedDiffusionSampler):
+        """Every block a step at a time, each followed by its read: stops a block as soon as it is filled."""
+
+        def _denoise_block_in_parallel(self, state, block, budget):
+            return super()._denoise_block_in_parallel(state, block, None)
+
+        @staticmethod
+        def _next_run(left, budget):
+            return min(left, 1)
+
+    with host_reads() as every_step:
+        stepwise = ReadsEveryStep(sampler.config).sample(model, ids, attention)
+    assert every_step["reads"] > counter["reads"]
+    assert torch.equal(rollout.sequences, stepwise.sequences)
+    torch.testing.assert_close(rollout.step_logprobs, stepwise.step_logprobs, atol=1e-5, rtol=0)
+    assert torch.equal(rollout.num_steps, stepwise.num_steps)

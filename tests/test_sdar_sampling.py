@@ -20,7 +20,7 @@ from dllm_ais.sampling.diffusion import (
     filter_top_p_top_k,
     sampling_logprobs,
 )
-from dllm_ais.sampling.static_forwards import StaticForwards
+from dllm_ais.sampling.forwards import StaticForwards
 from test_sdar import left_padded  # tests/ is on sys.path
 
 OFFICIAL = Path(__file__).parent / "data" / "sdar_official"
@@ -156,12 +156,9 @@ def test_the_compiled_engines_static_forwards_decode_as_the_model_does(model, of
     ids, mask = left_padded([prompt[0], *other_prompts()])
     sampler = sdar_sampler(temperature=0.8)
     eager = sampler.sample(model, ids, mask, generator=torch.Generator().manual_seed(2))
-    model.static_forwards = StaticForwards(model, cuda_graphs=False)
-    try:
-        for _ in range(2):  # the second call reuses the buffers
-            static = sampler.sample(model, ids, mask, generator=torch.Generator().manual_seed(2))
-            assert torch.equal(static.sequences, eager.sequences)
-            torch.testing.assert_close(static.step_logprobs, eager.step_logprobs, atol=1e-5, rtol=0)
-        assert len(model.static_forwards.buffers) == 1
-    finally:
-        del model.static_forwards
+    forwards = StaticForwards(model, cuda_graphs=False)
+    for _ in range(2):  # the second call reuses the buffers
+        static = sampler.sample(model, ids, mask, generator=torch.Generator().manual_seed(2), forwards=forwards)
+        assert torch.equal(static.sequences, eager.sequences)
+        torch.testing.assert_close(static.step_logprobs, eager.step_logprobs, atol=1e-5, rtol=0)
+    assert len(forwards.buffers) == 1

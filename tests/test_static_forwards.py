@@ -15,7 +15,7 @@ from dllm_ais.models import LLaDAConfig, LLaDAModelLM
 from dllm_ais.sampling.autoregressive import STOP_CHECK_INTERVAL, AutoregressiveSampler, AutoregressiveSamplerConfig
 from dllm_ais.sampling.diffusion import DiffusionSamplerConfig, MaskedDiffusionSampler
 from dllm_ais.sampling.fp8_cache import FP8KeyValueCache
-from dllm_ais.sampling.static_forwards import PROMPT_BUCKET, StaticForwards, bucketed_prompt_length
+from dllm_ais.sampling.forwards import PROMPT_BUCKET, StaticForwards, bucketed_prompt_length
 
 MASK, EOS, PAD = 127, 126, 126
 QWEN3_ASSET = Path(dllm_ais.__file__).parent / "assets" / "tiny_qwen3"
@@ -52,9 +52,9 @@ def prompts(lengths: list[int], device: str = "cpu", vocab: int = 120, pad: int 
     return ids.to(device), mask.to(device)
 
 
-def sample(model, config: DiffusionSamplerConfig, ids, mask, seed: int = 0):
+def sample(model, config: DiffusionSamplerConfig, ids, mask, seed: int = 0, forwards=None):
     generator = torch.Generator(device=ids.device).manual_seed(seed)
-    return MaskedDiffusionSampler(config).sample(model, ids, mask, generator)
+    return MaskedDiffusionSampler(config).sample(model, ids, mask, generator, forwards)
 
 
 SETTINGS = [
@@ -72,12 +72,12 @@ SETTINGS = [
 def test_static_forwards_sample_what_the_eager_model_samples(settings, temperature):
     eager = tiny_llada()
     static = tiny_llada()
-    static.static_forwards = StaticForwards(static, cuda_graphs=False)
+    forwards = StaticForwards(static, cuda_graphs=False)
     config = DiffusionSamplerConfig(gen_length=32, block_length=8, steps=16, temperature=temperature,
                                     mask_token_id=MASK, eos_token_ids=(EOS,), pad_token_id=PAD, **settings)
     for lengths in ([7, 7, 7], [5, 9, 3]):  # unpadded, padded; both bucketed to PROMPT_BUCKET by the static forwards
         ids, mask = prompts(lengths)
-        expected, got = sample(eager, config, ids, mask), sample(static, config, ids, mask)
+        expected, got = sample(eager, config, ids, mask), sample(static, config, ids, mask, forwards=forwards)
         assert got.prompt_length == expected.prompt_length == max(lengths)
         assert torch.equal(got.sequences, expected.sequences)
         assert torch.equal(got.attention_mask, expected.attention_mask)
@@ -96,14 +96,14 @@ def test_the_fp8_cache_in_static_buffers_samples_what_the_eager_fp8_cache_sample
     forwards pad them no further, and both samplers quantize the same canvas."""
     eager = tiny_llada()
     static = tiny_llada()
-    forwards = static.static_forwards = StaticForwards(static, cuda_graphs=False)
+    forwards = StaticForwards(static, cuda_graphs=False)
     config = DiffusionSamplerConfig(gen_length=32, block_length=8, steps=16, temperature=temperature,
                                     mask_token_id=MASK, eos_token_ids=(EOS,), pad_token_id=PAD, cache_dtype="fp8",
                                     **settings)
     storage = None
     for lengths in ([PROMPT_BUCKET] * 3, [PROMPT_BUCKET - 4, PROMPT_BUCKET, PROMPT_BUCKET - 9]):
         ids, mask = prompts(lengths)
-        expected, got = sample(eager, config, ids, mask), sample(static, config, ids, mask)
+        expected, got = sample(eager, config, ids, mask), sample(static, config, ids, mask, forwards=forwards)
         assert torch.equal(got.sequences, expected.sequences)
         assert torch.equal(got.commit_step, expected.commit_step)
         torch.testing.assert_close(got.step_logprobs, expected.step_logprobs, atol=1e-4, rtol=1e-4)
@@ -118,16 +118,16 @@ def test_the_fp8_cache_in_static_buffers_samples_what_the_eager_fp8_cache_sample
 
 def test_the_key_value_buffers_are_allocated_once_per_canvas_shape_and_written_in_place():
     model = tiny_llada()
-    forwards = model.static_forwards = StaticForwards(model, cuda_graphs=False)
+    forwards = StaticForwards(model, cuda_graphs=False)
     config = DiffusionSamplerConfig(gen_length=32, block_length=8, steps=16, cache="dual", mask_token_id=MASK,
                                     eos_token_ids=(EOS,), pad_token_id=PAD)
     ids, mask = prompts([5, 9, 3])
-    sample(model, config, ids, mask)
+    sample(model, config, ids, mask, forwards=forwards)
     (shape, buffers), = forwards.buffers.items()
     assert shape == (3, PROMPT_BUCKET + 32, "none")
     addresses = [keys.data_ptr() for keys, _ in buffers]
     before = buffers[0][0].clone()
-    sample(model, config, ids.flip(0), mask.flip(0))  # other prompts, the same canvas shape
+    sample(model, config, ids.flip(0), mask.flip(0), forwards=forwards)  # other prompts, the same canvas shape
     assert list(forwards.buffers) == [shape]
     assert [keys.data_ptr() for keys, _ in forwards.buffers[shape]] == addresses
     assert not torch.equal(forwards.buffers[shape][0][0], before)
@@ -137,29 +137,31 @@ def test_prompt_buckets_are_multiples_and_are_skipped_past_the_models_length():
     assert [bucketed_prompt_length(n) for n in (1, PROMPT_BUCKET, PROMPT_BUCKET + 1)] == [
         PROMPT_BUCKET, PROMPT_BUCKET, 2 * PROMPT_BUCKET]
     model = tiny_llada()  # max_sequence_length 256: a 200-token prompt + 32 fits, its bucket (256) + 32 does not
-    model.static_forwards = StaticForwards(model, cuda_graphs=False)
+    forwards = StaticForwards(model, cuda_graphs=False)
     config = DiffusionSamplerConfig(gen_length=32, block_length=8, steps=8, mask_token_id=MASK, eos_token_ids=(EOS,),
                                     pad_token_id=PAD)
     ids, mask = prompts([200, 190])
-    assert sample(model, config, ids, mask).sequences.shape == (2, 232)
+    assert sample(model, config, ids, mask, forwards=forwards).sequences.shape == (2, 232)
 
 
-def test_scoring_under_autograd_never_uses_the_static_forwards():
+def test_scoring_never_uses_the_engines_static_forwards():
     model = tiny_llada()
-    model.static_forwards = StaticForwards(model, cuda_graphs=False)
+    forwards = StaticForwards(model, cuda_graphs=False)
     config = DiffusionSamplerConfig(gen_length=16, block_length=8, steps=8, cache="dual", mask_token_id=MASK,
                                     eos_token_ids=(EOS,), pad_token_id=PAD)
     ids, mask = prompts([5, 9])
-    rollout = sample(model, config, ids, mask)
+    rollout = sample(model, config, ids, mask, forwards=forwards)
     sampler = MaskedDiffusionSampler(config)
     positions = torch.arange(rollout.prompt_length, rollout.sequences.shape[1])
     logits = sampler.scoring_logits(model, rollout.sequences, rollout.attention_mask, positions)
     assert logits.requires_grad
-    assert len(model.static_forwards.buffers) == 1  # the rollout's; scoring made none
+    with torch.no_grad():
+        list(sampler.decoder_logits(model, rollout))
+    assert len(forwards.buffers) == 1  # the rollout's; scoring and the decoder replay made none
 
 
 def test_a_forward_that_cannot_be_captured_runs_without_graphs_said_in_one_warning(monkeypatch, caplog):
-    import dllm_ais.sampling.static_forwards as static_forwards
+    import dllm_ais.sampling.forwards as static_forwards
 
     def cannot_capture(*args, **kwargs):
         raise RuntimeError("operation not permitted when stream is capturing\nsecond line")
@@ -167,13 +169,13 @@ def test_a_forward_that_cannot_be_captured_runs_without_graphs_said_in_one_warni
     monkeypatch.setattr(static_forwards, "_CapturedForward", cannot_capture)
     monkeypatch.setattr(static_forwards.torch.cuda, "graph_pool_handle", lambda: "pool")
     eager, model = tiny_llada(), tiny_llada()
-    model.static_forwards = StaticForwards(model, cuda_graphs=True)
+    forwards = StaticForwards(model, cuda_graphs=True)
     config = DiffusionSamplerConfig(gen_length=16, block_length=8, steps=8, cache="dual", mask_token_id=MASK,
                                     eos_token_ids=(EOS,), pad_token_id=PAD)
     ids, mask = prompts([7, 7])
     with caplog.at_level("WARNING", logger="dllm_ais"):
-        got, expected = sample(model, config, ids, mask), sample(eager, config, ids, mask)
-    assert torch.equal(got.sequences, expected.sequences) and not model.static_forwards.cuda_graphs
+        got, expected = sample(model, config, ids, mask, forwards=forwards), sample(eager, config, ids, mask)
+    assert torch.equal(got.sequences, expected.sequences) and not forwards.cuda_graphs
     assert [record.getMessage() for record in caplog.records] == [
         "the rollout engine's forward cannot be captured as a CUDA graph (operation not permitted when stream is "
         "capturing); its sampling forwards run without graphs from now on."]
@@ -183,9 +185,10 @@ def qwen3_prompts(lengths: list[int], device: str = "cpu") -> tuple[torch.Tensor
     return prompts(lengths, device, vocab=100, pad=QWEN3_EOS)
 
 
-def decode(model, ids, mask, seed: int = 0, **settings):
+def decode(model, ids, mask, seed: int = 0, forwards=None, **settings):
     config = AutoregressiveSamplerConfig(**{"max_new_tokens": 24, **settings})
-    return AutoregressiveSampler(config).sample(model, ids, mask, torch.Generator(device=ids.device).manual_seed(seed))
+    generator = torch.Generator(device=ids.device).manual_seed(seed)
+    return AutoregressiveSampler(config).sample(model, ids, mask, generator, forwards)
 
 
 AR_SETTINGS = [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.8, top_k=8, top_p=0.9)]
@@ -194,10 +197,10 @@ AR_SETTINGS = [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.
 @pytest.mark.parametrize("settings", AR_SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
 def test_static_decoding_samples_what_the_eager_decoding_samples(settings):
     eager, static = tiny_qwen3(), tiny_qwen3()
-    forwards = static.static_forwards = StaticForwards(static, cuda_graphs=False)
+    forwards = StaticForwards(static, cuda_graphs=False)
     for lengths in ([7, 7, 7], [5, 9, 3]):  # unpadded, left-padded
         ids, mask = qwen3_prompts(lengths)
-        expected, got = decode(eager, ids, mask, **settings), decode(static, ids, mask, **settings)
+        expected, got = decode(eager, ids, mask, **settings), decode(static, ids, mask, forwards=forwards, **settings)
         for name in ("sequences", "attention_mask", "completion_mask", "commit_step", "num_steps"):
             assert torch.equal(getattr(got, name), getattr(expected, name)), name
         assert got.prompt_length == expected.prompt_length
@@ -211,13 +214,13 @@ def test_static_decoding_samples_what_the_eager_decoding_samples(settings):
 
 def test_the_static_decode_cache_is_allocated_once_per_bucket_and_refilled_in_place():
     model = tiny_qwen3()
-    forwards = model.static_forwards = StaticForwards(model, cuda_graphs=False)
+    forwards = StaticForwards(model, cuda_graphs=False)
     ids, mask = qwen3_prompts([5, 9, 3])
-    first = decode(model, ids, mask, temperature=1.0)
+    first = decode(model, ids, mask, temperature=1.0, forwards=forwards)
     (shape, cache), = forwards.decode_caches.items()
     addresses = [layer.keys.data_ptr() for layer in cache.layers]
-    decode(model, *qwen3_prompts([4, 4, 4]), temperature=1.0)  # another prompt width, the same bucket
-    again = decode(model, ids, mask, temperature=1.0)
+    decode(model, *qwen3_prompts([4, 4, 4]), temperature=1.0, forwards=forwards)  # another prompt width, the same bucket
+    again = decode(model, ids, mask, temperature=1.0, forwards=forwards)
     assert list(forwards.decode_caches) == [shape] and forwards.decode_caches[shape] is cache
     assert [layer.keys.data_ptr() for layer in cache.layers] == addresses
     assert torch.equal(again.sequences, first.sequences)  # emptied between calls: nothing of the last call is read
@@ -225,13 +228,13 @@ def test_the_static_decode_cache_is_allocated_once_per_bucket_and_refilled_in_pl
 
 def test_static_decoding_checks_the_early_stop_every_interval_and_records_the_same_rollout():
     eager, static = tiny_qwen3(), tiny_qwen3()
-    static.static_forwards = StaticForwards(static, cuda_graphs=False)
+    forwards = StaticForwards(static, cuda_graphs=False)
     ids, mask = qwen3_prompts([5, 9, 3])
     every_token_ends = dict(temperature=1.0, eos_token_ids=tuple(range(104)), max_new_tokens=3 * STOP_CHECK_INTERVAL)
     calls = []
     handle = static.register_forward_pre_hook(lambda module, args: calls.append(1))
     try:
-        got = decode(static, ids, mask, **every_token_ends)
+        got = decode(static, ids, mask, forwards=forwards, **every_token_ends)
     finally:
         handle.remove()
     expected = decode(eager, ids, mask, **every_token_ends)
@@ -248,7 +251,7 @@ def test_the_autoregressive_policys_engine_is_compiled_like_the_diffusion_ones(t
 
     trainer = make_trainer(tokenizer, tmp_path, model_fn=qwen3_for, rollout={"compile": True})
     assert trainer.engine.execution_path.startswith("compiled")
-    assert isinstance(trainer.engine.model.static_forwards, StaticForwards)
+    assert isinstance(trainer.engine.forwards, StaticForwards) and not hasattr(trainer.engine.model, "static_forwards")
 
 
 @pytest.mark.slow
@@ -260,7 +263,7 @@ def test_the_compiled_engine_samples_what_the_eager_engine_samples():
     config = DiffusionSamplerConfig(gen_length=32, block_length=8, steps=16, cache="dual", mask_token_id=MASK,
                                     eos_token_ids=(EOS,), pad_token_id=PAD)
     ids, mask = prompts([5, 9, 3])
-    expected, got = sample(eager.model, config, ids, mask), sample(compiled.model, config, ids, mask)
+    expected, got = sample(eager.model, config, ids, mask), sample(compiled.model, config, ids, mask, forwards=compiled.forwards)
     assert torch.equal(got.sequences, expected.sequences)
     torch.testing.assert_close(got.step_logprobs, expected.step_logprobs, atol=1e-4, rtol=1e-4)
 
@@ -273,7 +276,7 @@ def test_the_compiled_autoregressive_engine_decodes_what_the_eager_engine_decode
     eager, compiled = RolloutEngine(trainer, "bf16"), RolloutEngine(trainer, "bf16", compile=True)
     ids, mask = qwen3_prompts([5, 9, 3])
     for settings in AR_SETTINGS[:2]:
-        expected, got = decode(eager.model, ids, mask, **settings), decode(compiled.model, ids, mask, **settings)
+        expected, got = decode(eager.model, ids, mask, **settings), decode(compiled.model, ids, mask, forwards=compiled.forwards, **settings)
         assert torch.equal(got.sequences, expected.sequences)
         torch.testing.assert_close(got.step_logprobs, expected.step_logprobs, atol=1e-4, rtol=1e-4)
 
@@ -294,8 +297,8 @@ def test_cuda_graph_rollouts_match_the_eager_engine(cache_dtype, caches):
     for cache in caches:
         config = DiffusionSamplerConfig(gen_length=32, block_length=8, steps=16, cache=cache, cache_dtype=cache_dtype,
                                         mask_token_id=MASK, eos_token_ids=(EOS,), pad_token_id=PAD)
-        first = sample(compiled.model, config, ids, mask)  # captures this cache mode's graphs
-        expected, got = sample(eager.model, config, ids, mask), sample(compiled.model, config, ids, mask)
+        first = sample(compiled.model, config, ids, mask, forwards=compiled.forwards)  # captures this cache mode's graphs
+        expected, got = sample(eager.model, config, ids, mask), sample(compiled.model, config, ids, mask, forwards=compiled.forwards)
         assert torch.equal(got.sequences, first.sequences) and torch.equal(got.step_logprobs, first.step_logprobs)
         completion = slice(expected.prompt_length, None)
         same = (got.sequences[:, completion] == expected.sequences[:, completion]).float().mean().item()
@@ -303,7 +306,7 @@ def test_cuda_graph_rollouts_match_the_eager_engine(cache_dtype, caches):
         print(f"cuda graphs fp8 cache={cache} cache_dtype={cache_dtype}: completion tokens equal {same:.3f}, "
               f"largest |Δ log-prob| {gap:.2e}")
         agreement[cache] = same
-    assert compiled.model.static_forwards.graphs, "no forward was captured"
+    assert compiled.forwards.graphs, "no forward was captured"
     assert min(agreement.values()) >= 0.75, agreement
 
 
@@ -318,8 +321,8 @@ def test_cuda_graph_decoding_reproduces_its_log_probs_and_replays_identically():
     eager, compiled = RolloutEngine(trainer, "fp8"), RolloutEngine(trainer, "fp8", compile=True)
     ids, mask = qwen3_prompts([12, 9, 5, 12], "cuda")
     for settings in AR_SETTINGS[:2]:
-        first = decode(compiled.model, ids, mask, max_new_tokens=40, **settings)
-        got = decode(compiled.model, ids, mask, max_new_tokens=40, **settings)
+        first = decode(compiled.model, ids, mask, max_new_tokens=40, forwards=compiled.forwards, **settings)
+        got = decode(compiled.model, ids, mask, max_new_tokens=40, forwards=compiled.forwards, **settings)
         assert torch.equal(got.sequences, first.sequences) and torch.equal(got.step_logprobs, first.step_logprobs)
         replayed = causal_logprobs(compiled.model, got.sequences, got.attention_mask, got.prompt_length,
                                    settings["temperature"])
@@ -330,4 +333,4 @@ def test_cuda_graph_decoding_reproduces_its_log_probs_and_replays_identically():
         print(f"cuda graph decoding {settings}: |recorded − teacher-forced log-prob| ≤ {gap:.2e}, "
               f"completion tokens equal to the eager engine's {same:.3f}")
         assert gap < 0.1, gap
-    assert len(compiled.model.static_forwards.graphs) == 1
+    assert len(compiled.forwards.graphs) == 1

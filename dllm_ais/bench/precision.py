@@ -9,7 +9,7 @@
 The model is `LLaDAModelLM` with LLaDA-8B's config (d_model 4096, 32 layers, 32 heads, MLP 12288, vocabulary 126464;
 `LLaDAConfig`'s defaults; `--shape dream-7b`: `DreamModel` with `DreamConfig`'s, Qwen2.5-7B's) and random weights in bfloat16 (nothing is downloaded), wrapped as the trainer is: LoRA
 (rank --lora-r) on every block linear. Figures, each printed beside the device, torch and torchao versions, the
-engine (eager, or compiled: `RolloutEngine(compile=True)`, `dllm_ais.sampling.static_forwards`) and the kernel path
+engine (eager, or compiled: `RolloutEngine(compile=True)`, `dllm_ais.sampling.forwards`) and the kernel path
 that ran it (`RolloutEngine.kernel_path`):
 
   rollout tokens/s   completion tokens per second of `MaskedDiffusionSampler.sample` (gen --gen-length, block
@@ -201,7 +201,7 @@ def bench_rollouts(args: argparse.Namespace, trainer, device: torch.device) -> N
 
                         def rollout(sampler=sampler, prompts=prompts):
                             return sampler.sample(engine.model, prompts, torch.ones_like(prompts),
-                                                  torch.Generator(device=device).manual_seed(0))
+                                                  torch.Generator(device=device).manual_seed(0), engine.forwards)
 
                         # A compiled engine warms up on the timed shapes: its first call compiles and captures them.
                         warm_up = rollout if engine_kind == "compiled" else lambda: rollout(one_block)
@@ -264,7 +264,8 @@ def greedy_rollout(args: argparse.Namespace, trainer, engine, device: torch.devi
 
     prompts = random_prompts(trainer, batch_sizes(args)[0], args.prompt_length, device)
     config = dataclasses.replace(sampler_config(args, trainer.config, "dual"), temperature=0.0)
-    return MaskedDiffusionSampler(config).sample(engine.model, prompts, torch.ones_like(prompts))
+    return MaskedDiffusionSampler(config).sample(engine.model, prompts, torch.ones_like(prompts),
+                                                 forwards=engine.forwards)
 
 
 def bench_whole_step(args: argparse.Namespace, trainer, device: torch.device) -> None:
@@ -305,7 +306,7 @@ def bench_whole_step(args: argparse.Namespace, trainer, device: torch.device) ->
                 with torch.no_grad():
                     rollout = part("rollout", lambda: policy.sample(
                         engine.model, prompts, torch.ones_like(prompts),
-                        torch.Generator(device=device).manual_seed(repeat)))
+                        torch.Generator(device=device).manual_seed(repeat), engine.forwards))
                     logp_rollout = part("logp_rollout", lambda: torch.cat([
                         policy.rollout_logprobs(engine.model, rollout.select(rows), seed=1)
                         for rows in micro_batch_slices(args)]))

@@ -6,10 +6,10 @@ left-padded batches with an attention mask, the model's KV cache. Not supported,
 `AutoregressiveSamplerConfig.from_generation_kwargs`: beam search, repetition/length penalties,
 min-p/typical-p, n-gram blocking, several return sequences per prompt (repeat the prompt instead).
 
-The rollout engine's model, when compiled (`rollout.compile`: it carries static forwards), decodes at static shapes:
+The rollout engine's forwards, when compiled (`rollout.compile`: `StaticForwards`), decode at static shapes:
 the prompts fill a transformers `StaticCache` sized to the prompt length's bucket plus `max_new_tokens`, and each step
 is one token per row under an attention mask of the cache's whole length, replayed as a CUDA graph on a GPU
-(`dllm_ais.sampling.static_forwards`). The early stop is then checked every `STOP_CHECK_INTERVAL` steps only: a check
+(`dllm_ais.sampling.forwards`). The early stop is then checked every `STOP_CHECK_INTERVAL` steps only: a check
 reads `finished` on the host, which waits for every step queued on the device; the steps run past the last EOS emit
 pad with log-prob 0, as finished rows always do, so the `Rollout` is the same as with a check every step.
 
@@ -34,7 +34,7 @@ from dllm_ais.likelihood import (
     shape_logits,
 )
 from dllm_ais.rollout import PromptError, Rollout, completion_mask_through_first_eos, token_id_tuple
-from dllm_ais.sampling.static_forwards import StaticForwards, bucketed_prompt_length, static_forwards_of
+from dllm_ais.sampling.forwards import EagerForwards, StaticForwards, bucketed_prompt_length
 
 __all__ = ["AutoregressiveSampler", "AutoregressiveSamplerConfig", "STOP_CHECK_INTERVAL"]
 
@@ -144,8 +144,10 @@ class AutoregressiveSampler:
         input_ids: Tensor,
         attention_mask: Tensor | None = None,
         generator: torch.Generator | None = None,
+        forwards: EagerForwards | None = None,
     ) -> Rollout:
-        """Decode `max_new_tokens` steps after left-padded prompts `input_ids` [B, P].
+        """Decode `max_new_tokens` steps after left-padded prompts `input_ids` [B, P], the forwards run by `forwards`
+        (`dllm_ais.sampling.forwards`; the rollout engine hands its own; None = the model as it is).
 
         Step k: s = shape_logits(f(x)_{last}, τ, top_k, top_p) in float32; token ~ softmax(s) drawn with
         `torch.multinomial(generator=generator)` (argmax for τ = 0); step_logprobs[:, k] = log softmax(s)[token];
@@ -163,10 +165,10 @@ class AutoregressiveSampler:
         device = input_ids.device
         eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
 
-        forwards = static_forwards_of(model)
-        decode = (_DynamicDecode(model, attention_mask) if forwards is None
-                  else _StaticDecode(forwards, attention_mask, cfg.max_new_tokens))
-        stop_check_interval = 1 if forwards is None else STOP_CHECK_INTERVAL
+        static = forwards is not None and forwards.static_shapes
+        decode = (_StaticDecode(forwards, attention_mask, cfg.max_new_tokens) if static
+                  else _DynamicDecode(model, attention_mask))
+        stop_check_interval = STOP_CHECK_INTERVAL if static else 1
         tokens, logprobs = [], []
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
         logits = decode.prefill(input_ids)

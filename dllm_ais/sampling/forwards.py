@@ -1,5 +1,8 @@
-"""The rollout engine's sampling forwards at static shapes: key/value buffers allocated once per canvas and written in
-place, each forward signature captured once as a CUDA graph and replayed (`rollout.compile`).
+"""The sampling forwards a sampler runs its model through, owned by whoever samples: `EagerForwards` (the model called
+as it is: the trainer's model, an uncompiled engine's) or the compiled rollout engine's `StaticForwards` (key/value
+buffers allocated once per canvas and written in place, each forward signature captured once as a CUDA graph and
+replayed: `rollout.compile`). `RolloutEngine` builds one and hands it to the samplers (``sample(..., forwards=)``);
+a sampler given none runs `EagerForwards` of the model it samples.
 
 A masked-diffusion rollout runs the same few forwards over and over: the full canvas (no cache, or a cache refresh),
 the current block against the cache (dual), or the block and everything after it (prefix). Eagerly, each forward
@@ -25,7 +28,7 @@ The autoregressive adapter's decode step is the same kind of forward: one token 
 attention mask of the cache's whole length, so that every step of every call has one signature; the cache advances its
 write offset in place, inside the graph.
 
-Sampling only: the trainer's scoring forwards (with gradients, varying shapes) run the model as it is.
+Sampling only: the trainer's scoring forwards (with gradients, varying shapes) run the model as it is (`EagerForwards`).
 """
 from __future__ import annotations
 
@@ -38,7 +41,7 @@ from transformers import StaticCache
 
 from dllm_ais.sampling.fp8_cache import FP8KeyValueCache, FP8KeyValueCacheRefresh
 
-__all__ = ["PROMPT_BUCKET", "StaticForwards", "bucketed_prompt_length", "compile_blocks", "static_forwards_of"]
+__all__ = ["PROMPT_BUCKET", "EagerForwards", "StaticForwards", "bucketed_prompt_length", "compile_blocks"]
 
 PROMPT_BUCKET = 64  # prompts are left-padded to a multiple of this many tokens: one set of graphs per bucket
 RECOMPILE_LIMIT = 64  # compiled variants of the block code torch keeps before falling back to eager
@@ -70,14 +73,35 @@ def compile_blocks(model: nn.Module) -> int:
     return len(blocks)
 
 
-def static_forwards_of(model: Any) -> "StaticForwards | None":
-    """The `StaticForwards` the rollout engine attached to `model`, when a sampling forward may use them: no
-    gradients are being recorded (the trainer's scoring forwards never use them)."""
-    forwards = getattr(model, "static_forwards", None)
-    return forwards if forwards is not None and not torch.is_grad_enabled() else None
+class EagerForwards:
+    """A model's sampling forwards, run as the model is: `logits` one forward, `key_value_buffers` a forward that
+    returns the keys/values it computed (a cache refresh). No static shapes: prompts are not bucketed, and a
+    block-causal model's cache grows with the blocks decoded."""
+
+    static_shapes = False
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+               logits_to_keep: torch.Tensor | int, past_key_values: Any = None,
+               cache_position: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, K, V] of ``model(input_ids, attention_mask=…, logits_to_keep=…, past_key_values=…,
+        cache_position=…, position_ids=…)`` (the inputs given as None left out)."""
+        return _forward_logits(self.model, _given_inputs(input_ids, attention_mask, logits_to_keep, cache_position,
+                                                         position_ids), past_key_values)
+
+    def key_value_buffers(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                          logits_to_keep: torch.Tensor, storage: str = "none") -> tuple[Any, torch.Tensor]:
+        """(keys/values, logits [B, K, V] at `logits_to_keep`) of a forward over the canvas `input_ids` [B, T] with
+        ``use_cache=True``: the keys/values as the model returns them (`storage` "none") or stored in FP8
+        (`FP8KeyValueCache`)."""
+        output = self.model(input_ids, attention_mask=attention_mask, use_cache=True, logits_to_keep=logits_to_keep)
+        stored = FP8KeyValueCache(output.past_key_values) if storage == "fp8" else output.past_key_values
+        return stored, output.logits
 
 
-class StaticForwards:
+class StaticForwards(EagerForwards):
     """A model's no-gradient forwards at static shapes: `logits` runs one (replaying its CUDA graph on a CUDA device),
     `key_value_buffers` holds the diffusion cache buffers per (batch, canvas length, storage), `decode_cache` the
     autoregressive decoding's `StaticCache` per (batch, length).
@@ -85,8 +109,10 @@ class StaticForwards:
     The logits returned are a fresh tensor; the buffers are written in place by every cached forward.
     """
 
+    static_shapes = True
+
     def __init__(self, model: nn.Module, cuda_graphs: bool):
-        self.model = model
+        super().__init__(model)
         self.cuda_graphs = cuda_graphs
         self.graphs: dict[tuple, _CapturedForward] = {}
         self.buffers: dict[tuple[int, int, str], Any] = {}
@@ -129,9 +155,7 @@ class StaticForwards:
         """Logits [B, K, V] of ``model(input_ids, attention_mask=…, logits_to_keep=…, past_key_values=…,
         cache_position=…, position_ids=…)`` (the inputs given as None left out): a replay of the signature's CUDA
         graph (captured at its first call) when graphs are on, the model itself otherwise."""
-        inputs = {name: value for name, value in (
-            ("input_ids", input_ids), ("attention_mask", attention_mask), ("logits_to_keep", logits_to_keep),
-            ("cache_position", cache_position), ("position_ids", position_ids)) if value is not None}
+        inputs = _given_inputs(input_ids, attention_mask, logits_to_keep, cache_position, position_ids)
         if not self.cuda_graphs:
             return _forward_logits(self.model, inputs, past_key_values)
         key = (id(past_key_values),) + tuple(
@@ -151,10 +175,19 @@ class StaticForwards:
         return graph.replay(inputs)
 
 
+def _given_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, logits_to_keep: torch.Tensor | int,
+                  cache_position: torch.Tensor | None, position_ids: torch.Tensor | None) -> dict[str, Any]:
+    """The forward's keyword inputs, those given as None left out."""
+    return {name: value for name, value in (
+        ("input_ids", input_ids), ("attention_mask", attention_mask), ("logits_to_keep", logits_to_keep),
+        ("cache_position", cache_position), ("position_ids", position_ids)) if value is not None}
+
+
 def _forward_logits(model: nn.Module, inputs: dict[str, Any], past_key_values: Any) -> torch.Tensor:
-    """The logits of ``model(**inputs, past_key_values=past_key_values)``, and an FP8 refresh's working pairs
-    quantized into its cache after the forward (`FP8KeyValueCacheRefresh.store_written`)."""
-    logits = model(**inputs, past_key_values=past_key_values).logits
+    """The logits of ``model(**inputs, past_key_values=past_key_values)`` (a model may return them bare), and an FP8
+    refresh's working pairs quantized into its cache after the forward (`FP8KeyValueCacheRefresh.store_written`)."""
+    output = model(**inputs) if past_key_values is None else model(**inputs, past_key_values=past_key_values)
+    logits = output.logits if hasattr(output, "logits") else output
     if isinstance(past_key_values, FP8KeyValueCacheRefresh):
         past_key_values.store_written()
     return logits
