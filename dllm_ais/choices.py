@@ -51,4 +51,26 @@ def block_fraction_problem(block_fraction: float, estimator: str) -> str | None:
     return (f"experimental.likelihood_block_fraction={block_fraction} scores a random share of the denoising "
             f"trajectory's blocks, which likelihood.estimator={estimator} does not replay: set likelihood.estimator to "
             f"{' or '.join(TRAJECTORY_ESTIMATORS)}, or experimental.likelihood_block_fraction=1")
+def routing_replay_problem(estimator: str, likelihood_order: str, replays_cached_decoder: bool, precision_flow: str,
+                           gradient_checkpointing: bool, diffusion: bool) -> str | None:
+    """Why `experimental.routing_replay` cannot go with these settings (None when it can). The replay has the engine
+    route the trainer's forwards on the canvases it sampled from, so only the trajectory replay of the rollout's own
+    order, without a block cache, scores those canvases; the one-step and sequence estimators score fresh random
+    canvases the engine never routed while sampling."""
+    needs = []
+    if not diffusion or estimator != "trajectory" or likelihood_order != "rollout":
+        needs.append("likelihood.estimator=trajectory with experimental.likelihood_order=rollout (the canvases the "
+                     "engine routed while sampling; the one-step estimator's fresh canvas has no rollout routing)")
+    if replays_cached_decoder:
+        needs.append("experimental.likelihood_decoder=exact or rollout.cache=none (cache-less replays)")
+    if precision_flow != "split":
+        needs.append("rollout.precision_flow=split (the unified flow's trainer routes by the engine's numerics "
+                     "already)")
+    if gradient_checkpointing:
+        needs.append("gradient_checkpointing=false (its recomputation would route by the trainer's own router)")
+    if not needs:
+        return None
+    return "experimental.routing_replay needs " + "; ".join(needs) + ", or set experimental.routing_replay=false"
+
+
 EVAL_PROTOCOLS = ("d1", "dream", "sdar")  # dllm_ais.evaluation: `dllm-ais eval --protocol` (d1's, Dream's, SDAR's decoding)

@@ -279,7 +279,7 @@ def make_generation_batch(config: GRPOConfig, parts: StepComponents, tokenizer, 
 
     start = time.perf_counter()
     parts.model.eval()
-    with torch.no_grad():
+    with torch.no_grad(), parts.routing_replay():
         logp_rollout = [micro_batched_logprobs(parts.policy.rollout_logprobs, parts.engine.model, rollout, s,
                                                micro_batch_size, advantages) for s in seeds]
         logp_old = logp_rollout if old_is_rollout(config, parts, rollout) else [
@@ -412,7 +412,7 @@ def optimisation_pass(config: GRPOConfig, parts: StepComponents, batch: Generati
     first_pass = iteration == 0  # the policy's entropy on the batch: once, at θ_old (a full-vocabulary pass)
     losses, entropies, finite, logp_theta = [], [], [], []
     for j, rows in enumerate(rows_of):
-        with accelerator.accumulate(model):
+        with accelerator.accumulate(model), parts.routing_replay():
             part = batch.rollout.select(rows)
             objective = TokenLoss(
                 batch.logp_old[k][rows], batch.advantages[rows], scored[rows],
