@@ -138,7 +138,8 @@ def test_bench_split_routing_disagrees_at_a_low_notch_and_replay_removes_it(mode
     config = load_config("recipes/tiny_sdar_digits.yaml", ["--output_dir=/tmp/unused", "--rollout.cache=none"])
     policy = with_trajectory_estimator(build_policy(config, model.config, tokenizer, temperature=1.0))
     input_ids, attention_mask = validation_prompts(config, tokenizer, 4, 0)
-    arms, _ = measure_routing(config, model, policy, "mxfp4", input_ids, attention_mask, seed=0)
+    arms, self_check = measure_routing(config, model, policy, "mxfp4", input_ids, attention_mask, seed=0)
+    assert self_check.routing_share == 0  # the engine's replay routes the sampled canvases as sampling did
     for canvas_kind in ("one-step canvas", "trajectory"):
         split, replayed, unified = (arms[arm][canvas_kind] for arm in ("split", "replayed", "unified"))
         assert split.pair_share > 0 and split.ratio["k3"] > 0
@@ -207,4 +208,6 @@ def test_bench_routing_prints_one_row_per_arm_and_zero_for_bf16(capsys):
     main(["--precisions", "bf16", "--prompts", "2"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| random-llada2 | bf16")]
     assert [row.split(" | ")[2] for row in rows] == ["split", "replayed", "unified"]
-    assert all(cell in ("0.0000", "0.00e+00", "0.000") for row in rows for cell in row.split(" | ")[3:-1])
+    cells = [row.removesuffix(" |").split(" | ") for row in rows]
+    assert all(cell in ("0.0000", "0.00e+00", "0.000") for row in cells for cell in row[3:-2] + row[-1:])
+    assert all(float(row[-2]) < 1e-4 for row in cells)  # the engine's replay of its own trajectory, to rounding

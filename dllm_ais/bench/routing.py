@@ -20,9 +20,11 @@ and three arms of the trainer (float32) are compared with it, each on two kinds 
 
 Figures: the share of (token, MoE layer) pairs whose selected expert SET differs between the engine and the experts
 the trainer used, the share of tokens with such a layer; k3 (mean of ρ − log ρ − 1) and max |log ρ| over the sampled
-tokens, log ρ = log π_trainer − log π_engine (the trajectory's π_engine: the sampler's record). `engine replay Δ`:
-max |Δ log p| between the engine scoring the trajectory again and its sampling record (0 when the replayed canvases
-route as sampling did: the condition of a replay by recomputation).
+tokens, log ρ = log π_trainer − log π_engine (the trajectory's π_engine: the sampler's record). The engine against
+itself, which a replay by recomputation relies on: `engine replay Δ`, max |Δ log p| between the engine scoring the
+trajectory again and its sampling record, and the share of (position, step, layer) whose experts differ between the
+engine's sampling forward of a step and its replay of that step's canvas (the sampler's block-aligned canvas mapped
+to the rollout's columns; one forward per step, so no parallel decoding).
 
 The tiny random LLaDA2 (`--models random-llada2`): `RANDOM_LLADA2` below (3 layers, the first dense; 16 experts in 4
 groups, 4 chosen among the best 2 groups; one shared expert; hidden 64; init std 0.1, router kaiming-uniform),
@@ -49,7 +51,9 @@ from dllm_ais.likelihood import one_step_masked_input
 from dllm_ais.likelihood.logits import noisy_canvas_logits
 from dllm_ais.loading import load_model, load_tokenizer
 from dllm_ais.models import LLaDA2MoeConfig, LLaDA2MoeModelLM
-from dllm_ais.models.routing import EngineRouting
+from dllm_ais.likelihood.trajectory import trajectory_stages
+from dllm_ais.models.routing import EngineRouting, RoutingTape, routed_layers, routing_tape, selection_differs
+from dllm_ais.models.sdar import canvas_blocks
 from dllm_ais.policy import build_policy
 from dllm_ais.quantization import PRECISIONS
 
@@ -138,23 +142,87 @@ def measure_arm(config, policy, trainer, engine, rollout, replay: bool) -> dict[
     return figures
 
 
+def sampler_completion_columns(prompt_mask: torch.Tensor, length: int, block_size: int
+                               ) -> tuple[int, torch.Tensor]:
+    """(canvas width, the columns [B, length] of each row's completion) of the block-causal sampler's block-aligned
+    canvas (`dllm_ais.sampling.diffusion.block_aligned_layout`: the completion of a row with n real prompt tokens
+    starts at ⌊P / block⌋·block + n mod block, the canvas is (⌊P / block⌋ + 1)·block + length wide)."""
+    first_block = prompt_mask.shape[1] // block_size
+    start = first_block * block_size + prompt_mask.long().sum(dim=1) % block_size
+    return (first_block + 1) * block_size + length, start[:, None] + torch.arange(length)
+
+
+def step_routing(tape: RoutingTape, rollout, stages: torch.Tensor, blocks: torch.Tensor, layers: int,
+                 replayed: bool, block_size: int) -> torch.Tensor:
+    """The experts [B, L, S, layers, top_k] (−1 where none) `tape` recorded for each completion position of a block
+    at its round s (the block's s-th step, `trajectory_stages`): from the sampler's forwards (one per step, the
+    whole canvas: the block of the tokens the step committed) or, `replayed`, from the trajectory replay's (one per
+    round: the noisy half's blocks holding a token of that round)."""
+    (batch, length), prompt = rollout.commit_step.shape, rollout.prompt_length
+    calls = [torch.stack(tape.used[start:start + layers], dim=1) for start in range(0, len(tape.used), layers)]
+    top_k = calls[0].shape[-1]
+    routing = torch.full((batch, length, int(stages.max()) + 1, layers, top_k), -1, dtype=torch.long)
+    rounds = torch.unique(stages).tolist() if replayed else list(range(len(calls)))
+    if replayed:  # the replay's [x_t | x_0]: the completion at the rollout's own columns
+        canvas_length, columns = 2 * rollout.sequences.shape[1], torch.arange(prompt, prompt + length).expand(batch, -1)
+    else:
+        canvas_length, columns = sampler_completion_columns(rollout.attention_mask[:, :prompt], length, block_size)
+    if len(calls) != len(rounds) or any(call.shape[0] != batch * canvas_length for call in calls):
+        raise ValueError("bench routing compares one forward per step (sampler) or round (replay), each one canvas "
+                         "per row: sample without parallel decoding and replay one step per forward")
+    for call, step in zip(calls, rounds):
+        canvas = call.view(batch, canvas_length, layers, top_k)
+        selected = canvas.gather(1, columns[..., None, None].expand(-1, -1, layers, top_k))
+        for row in range(batch):
+            scored = stages[row] == step if replayed else rollout.commit_step[row] == step
+            if scored.any():
+                denoised = torch.isin(blocks[row], blocks[row][scored])
+                routing[row, denoised, int(stages[row][scored][0])] = selected[row, denoised]
+    return routing
+
+
+def sampled_routing_share(sampled: RoutingTape, replayed: RoutingTape, rollout, model) -> float:
+    """The share of (position, step, layer) whose experts differ between the engine's sampling forward and its own
+    trajectory replay of the same canvas."""
+    layers = len(routed_layers(model))
+    stages = trajectory_stages(model, rollout)
+    blocks = canvas_blocks(rollout.attention_mask, rollout.sequences.shape[1], model.config.block_size)[
+        :, rollout.prompt_length:]
+    at_sampling, at_replay = (step_routing(tape, rollout, stages, blocks, layers, tape is replayed,
+                                           model.config.block_size)
+                              for tape in (sampled, replayed))
+    both = (at_sampling[..., 0] >= 0) & (at_replay[..., 0] >= 0)
+    return selection_differs(at_sampling[both], at_replay[both]).float().mean().item()
+
+
+@dataclass(frozen=True)
+class EngineSelfCheck:
+    """How the engine's trajectory replay matches its own sampling: max |Δ log p| of the sampled tokens and the
+    share of (position, step, layer) routed to other experts (module docstring)."""
+
+    max_abs_log_prob: float
+    routing_share: float
+
+
 def measure_routing(config, model, policy, precision: str, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                    seed: int) -> tuple[dict[str, dict[str, RoutingFigures]], float]:
-    """({arm: {canvas: RoutingFigures}}, engine replay Δ) at `precision` (module docstring); `policy` scores with
-    the trajectory estimator, without a block cache."""
+                    seed: int) -> tuple[dict[str, dict[str, RoutingFigures]], EngineSelfCheck]:
+    """({arm: {canvas: RoutingFigures}}, the engine's replay against its sampling) at `precision` (module
+    docstring); `policy` scores with the trajectory estimator, without a block cache."""
     arms = {}
     engine = RolloutEngine(model, precision=precision).model
-    rollout = policy.sample(engine, input_ids, attention_mask, torch.Generator().manual_seed(seed))
-    with torch.no_grad():
+    with routing_tape(engine, RoutingTape()) as sampled:
+        rollout = policy.sample(engine, input_ids, attention_mask, torch.Generator().manual_seed(seed))
+    with torch.no_grad(), routing_tape(engine, RoutingTape()) as replayed:
         engine_replay = (policy.logprobs(engine, rollout, seed=0) - policy.rollout_logprobs(None, rollout, seed=0))
-    engine_replay_delta = engine_replay[rollout.completion_mask].abs().max().item()
+    self_check = EngineSelfCheck(engine_replay[rollout.completion_mask].abs().max().item(),
+                                 sampled_routing_share(sampled, replayed, rollout, engine))
     for arm in ("split", "replayed"):
         arms[arm] = measure_arm(config, policy, model, engine, rollout, replay=arm == "replayed")
     unified = copy.deepcopy(model)
     RolloutEngine(unified, precision=precision, precision_flow="unified")
     rollout = policy.sample(unified, input_ids, attention_mask, torch.Generator().manual_seed(seed))
     arms["unified"] = measure_arm(config, policy, unified, unified, rollout, replay=False)
-    return arms, engine_replay_delta
+    return arms, self_check
 
 
 def figure_cells(figures: RoutingFigures) -> list[str]:
@@ -187,18 +255,18 @@ def main(argv: list[str] | None = None) -> None:
           "block cache; shares: expert set used by the trainer ≠ the engine's")
     print("| model | precision | arm | one-step: (token, layer) differ | token differs | k3 | max abs log ρ "
           "| trajectory: (position, step, layer) differ | (position, step) differs | k3 | max abs log ρ "
-          "| engine replay Δ |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| engine replay Δ | engine replay: (position, step, layer) differ |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in args.models.split(","):
         config, tokenizer, model = load_bench_model(name, args.seed)
         input_ids, attention_mask = validation_prompts(config, tokenizer, args.prompts, args.seed)
         policy = with_trajectory_estimator(build_policy(config, model.config, tokenizer, temperature=1.0))
         for precision in args.precisions.split(","):
-            arms, engine_replay_delta = measure_routing(config, model, policy, precision, input_ids, attention_mask,
-                                                        args.seed)
+            arms, self_check = measure_routing(config, model, policy, precision, input_ids, attention_mask, args.seed)
             for arm in ARMS:
                 cells = figure_cells(arms[arm]["one-step canvas"]) + figure_cells(arms[arm]["trajectory"])
-                print(f"| {name} | {precision} | {arm} | " + " | ".join(cells) + f" | {engine_replay_delta:.2e} |")
+                print(f"| {name} | {precision} | {arm} | " + " | ".join(cells)
+                      + f" | {self_check.max_abs_log_prob:.2e} | {self_check.routing_share:.4f} |")
             sys.stdout.flush()
 
 
