@@ -52,7 +52,7 @@ def block_fraction_problem(block_fraction: float, estimator: str) -> str | None:
             f"trajectory's blocks, which likelihood.estimator={estimator} does not replay: set likelihood.estimator to "
             f"{' or '.join(TRAJECTORY_ESTIMATORS)}, or experimental.likelihood_block_fraction=1")
 def routing_replay_problem(estimator: str, likelihood_order: str, replays_cached_decoder: bool, precision_flow: str,
-                           gradient_checkpointing: bool, diffusion: bool) -> str | None:
+                           precision: str, gradient_checkpointing: bool, diffusion: bool) -> str | None:
     """Why `experimental.routing_replay` cannot go with these settings (None when it can). The replay has the engine
     route the trainer's forwards on the canvases it sampled from, so only the trajectory replay of the rollout's own
     order, without a block cache, scores those canvases; the one-step and sequence estimators score fresh random
@@ -63,6 +63,9 @@ def routing_replay_problem(estimator: str, likelihood_order: str, replays_cached
                      "engine routed while sampling; the one-step estimator's fresh canvas has no rollout routing)")
     if replays_cached_decoder:
         needs.append("experimental.likelihood_decoder=exact or rollout.cache=none (cache-less replays)")
+    if precision in BATCH_SCALED_PRECISIONS:
+        needs.append(f"a per-row or per-block notch, not rollout.precision={precision} (its activation scale spans the "
+                     "batch, so the engine's forward on the trainer's canvases routes otherwise than its sampling did)")
     if precision_flow != "split":
         needs.append("rollout.precision_flow=split (the unified flow's trainer routes by the engine's numerics "
                      "already)")

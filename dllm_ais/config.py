@@ -318,7 +318,7 @@ class GRPOConfig:
         block_fraction = block_fraction_problem(experimental.likelihood_block_fraction, likelihood.estimator)
         routing = None if not experimental.routing_replay else routing_replay_problem(
             likelihood.estimator, experimental.likelihood_order, self.replays_decoder, rollout.precision_flow,
-            self.gradient_checkpointing, diffusion)
+            rollout.precision, self.gradient_checkpointing, diffusion)
         checks = [
             (self.generation_batch_size % self.num_generations == 0,
              f"per_device_train_batch_size * gradient_accumulation_steps = {self.generation_batch_size} must be divisible "

@@ -167,6 +167,8 @@ def config_with(*overrides: str) -> GRPOConfig:
      "rollout.precision_flow=split"),
     (("--likelihood.estimator=trajectory", "--rollout.cache=none", "--gradient_checkpointing=true"),
      "gradient_checkpointing=false"),
+    (("--likelihood.estimator=trajectory", "--rollout.cache=none", "--rollout.precision=nvfp4"),
+     "not rollout.precision=nvfp4"),
 ])
 def test_routing_replay_is_refused_where_the_engine_never_routed_the_scored_canvas(overrides, needed):
     with pytest.raises(ConfigError) as error:
