@@ -197,7 +197,8 @@ def test_a_training_step_replays_the_engines_routing_in_its_likelihood_passes(to
     contexts = []
     replay = trainer.parts.routing_replay
     trainer.parts.routing_replay = lambda: contexts.append(replay()) or contexts[-1]
-    trainer.optimisation_pass(trainer.make_generation_batch(), 0)
+    metrics = trainer.optimisation_pass(trainer.make_generation_batch(), 0)
+    assert 0 < metrics["routing/trainer_engine_differs"] < 1
     forwards = [forward for context in contexts for forward in context.forwards]
     assert len(contexts) == 2 and forwards  # ℓ_old's pass, then the one micro-batch of ℓ_θ
     assert any(forward.own_differs.any() for forward in forwards)

@@ -134,6 +134,13 @@ class EngineRouting:
         self.forwards: list[ReplayedForward] = []
         self._hooks, self._pending, self._engine_running = [], [], False
 
+    def own_differs_share(self) -> float:
+        """The share of (token, routed layer) pairs, over every forward so far (all their tokens), where the trainer's
+        own router chose another expert set than the engine's; 0 before any forward."""
+        if not self.forwards:
+            return 0.0
+        return torch.cat([forward.own_differs.flatten() for forward in self.forwards]).float().mean().item()
+
     def __enter__(self) -> "EngineRouting":
         self._hooks = [self.trainer.register_forward_pre_hook(self._before, with_kwargs=True),
                        self.trainer.register_forward_hook(self._after, with_kwargs=True)]
