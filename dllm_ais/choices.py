@@ -43,14 +43,6 @@ def replays_decoder(estimator: str, likelihood_order: str, likelihood_decoder: s
             and cache != "none")
 
 
-def block_fraction_problem(block_fraction: float, estimator: str) -> str | None:
-    """Why `likelihood_block_fraction` cannot go with `estimator` (None when it can): drawing blocks of the
-    denoising trajectory is for the estimators that replay it."""
-    if block_fraction == 1 or estimator in TRAJECTORY_ESTIMATORS:
-        return None
-    return (f"experimental.likelihood_block_fraction={block_fraction} scores a random share of the denoising "
-            f"trajectory's blocks, which likelihood.estimator={estimator} does not replay: set likelihood.estimator to "
-            f"{' or '.join(TRAJECTORY_ESTIMATORS)}, or experimental.likelihood_block_fraction=1")
 def routing_replay_problem(estimator: str, likelihood_order: str, replays_cached_decoder: bool, precision_flow: str,
                            precision: str, gradient_checkpointing: bool, diffusion: bool) -> str | None:
     """Why `experimental.routing_replay` cannot go with these settings (None when it can). The replay has the engine
@@ -76,4 +68,12 @@ def routing_replay_problem(estimator: str, likelihood_order: str, replays_cached
     return "experimental.routing_replay needs " + "; ".join(needs) + ", or set experimental.routing_replay=false"
 
 
+def block_fraction_problem(block_fraction: float, estimator: str) -> str | None:
+    """Why `likelihood_block_fraction` cannot go with `estimator` (None when it can): drawing blocks of the
+    denoising trajectory is for the estimators that replay it."""
+    if block_fraction == 1 or estimator in TRAJECTORY_ESTIMATORS:
+        return None
+    return (f"experimental.likelihood_block_fraction={block_fraction} scores a random share of the denoising "
+            f"trajectory's blocks, which likelihood.estimator={estimator} does not replay: set likelihood.estimator to "
+            f"{' or '.join(TRAJECTORY_ESTIMATORS)}, or experimental.likelihood_block_fraction=1")
 EVAL_PROTOCOLS = ("d1", "dream", "sdar")  # dllm_ais.evaluation: `dllm-ais eval --protocol` (d1's, Dream's, SDAR's decoding)
