@@ -149,7 +149,7 @@ def test_bench_split_routing_disagrees_at_a_low_notch_and_replay_removes_it(mode
 
 
 def test_engine_routing_through_the_unified_flows_one_model_agrees_with_itself(model, tokenizer):
-    RolloutEngine(model, precision="fp8", precision_flow="unified")
+    RolloutEngine(model, precision="mxfp8", precision_flow="unified")
     with torch.no_grad(), EngineRouting(model, model, replay=False) as routing:
         model(canvas())
     assert not routing.forwards[0].own_differs.any()
