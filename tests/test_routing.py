@@ -180,14 +180,17 @@ def test_routing_replay_is_accepted_with_the_cacheless_trajectory_replay():
     assert config_with("--likelihood.estimator=trajectory", "--rollout.cache=none").experimental.routing_replay
 
 
-def test_a_training_step_replays_the_engines_routing_in_its_likelihood_passes(tokenizer, tmp_path):
-    """`experimental.routing_replay` on a GRPO step of the tiny random LLaDA2 at MXFP4: ℓ_old's and ℓ_θ's forwards
-    all use the engine's experts, where the trainer's own router would have chosen others."""
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_training_step_replays_the_engines_routing_in_its_likelihood_passes(tokenizer, tmp_path, lora):
+    """`experimental.routing_replay` on a GRPO step of the tiny random LLaDA2 at MXFP4, fully fine-tuned or with
+    LoRA on the attention: ℓ_old's and ℓ_θ's forwards all use the engine's experts, where the trainer's own router
+    would have chosen others."""
     from dllm_ais.tasks.digits import make_digits_dataset
     from dllm_ais.trainer import GRPOTrainer
 
     config = GRPOConfig(task="digits", eval_size=0, num_generations=2, per_device_train_batch_size=2,
-                        max_completion_length=8, num_iterations=1, use_peft=False, beta=0.0, max_prompt_length=64,
+                        max_completion_length=8, num_iterations=1, use_peft=lora, beta=0.0, max_prompt_length=64,
+                        lora_r=2, lora_alpha=4, lora_target_modules=["query_key_value", "dense"],
                         dtype="float32", output_dir=str(tmp_path),
                         rollout={"block_length": 4, "steps": 4, "precision": "mxfp4", "cache": "none"},
                         likelihood={"estimator": "trajectory"}, experimental={"routing_replay": True})
