@@ -13,8 +13,10 @@ expert ids the tape returns. The weights stay the layer's own: its unbiased rout
   router (split routing, measured). Each forward's disagreement — whether a (token, layer)'s expert SET differs
   between the engine and the trainer's own router — is kept in `forwards`.
 
-Replay is exact only where the engine's forward on the trainer's canvas is the forward it sampled with: the
-trajectory estimator's replay of the decoder's own canvases, without a block cache (`choices.routing_replay_problem`).
+The engine's forward is recomputed on the trainer's inputs, not recorded while sampling (that needs a sampler hook),
+so the replayed routing is the sampled one only where that forward computes what sampling computed: the trajectory
+estimator's replay of the decoder's own canvases, without a block cache, at a notch whose activation scales do not
+span the batch (`choices.routing_replay_problem`; measured by `dllm-ais bench routing`).
 """
 from __future__ import annotations
 
