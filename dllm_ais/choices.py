@@ -43,6 +43,31 @@ def replays_decoder(estimator: str, likelihood_order: str, likelihood_decoder: s
             and cache != "none")
 
 
+def routing_replay_problem(estimator: str, likelihood_order: str, replays_cached_decoder: bool, precision_flow: str,
+                           precision: str, gradient_checkpointing: bool, diffusion: bool) -> str | None:
+    """Why `experimental.routing_replay` cannot go with these settings (None when it can). The replay has the engine
+    route the trainer's forwards on the canvases it sampled from, so only the trajectory replay of the rollout's own
+    order, without a block cache, scores those canvases; the one-step and sequence estimators score fresh random
+    canvases the engine never routed while sampling."""
+    needs = []
+    if not diffusion or estimator != "trajectory" or likelihood_order != "rollout":
+        needs.append("likelihood.estimator=trajectory with experimental.likelihood_order=rollout (the canvases the "
+                     "engine routed while sampling; the one-step estimator's fresh canvas has no rollout routing)")
+    if replays_cached_decoder:
+        needs.append("experimental.likelihood_decoder=exact or rollout.cache=none (cache-less replays)")
+    if precision in BATCH_SCALED_PRECISIONS:
+        needs.append(f"a per-row or per-block notch, not rollout.precision={precision} (its activation scale spans the "
+                     "batch, so the engine's forward on the trainer's canvases routes otherwise than its sampling did)")
+    if precision_flow != "split":
+        needs.append("rollout.precision_flow=split (the unified flow's trainer routes by the engine's numerics "
+                     "already)")
+    if gradient_checkpointing:
+        needs.append("gradient_checkpointing=false (its recomputation would route by the trainer's own router)")
+    if not needs:
+        return None
+    return "experimental.routing_replay needs " + "; ".join(needs) + ", or set experimental.routing_replay=false"
+
+
 def block_fraction_problem(block_fraction: float, estimator: str) -> str | None:
     """Why `likelihood_block_fraction` cannot go with `estimator` (None when it can): drawing blocks of the
     denoising trajectory is for the estimators that replay it."""

@@ -471,6 +471,7 @@ BENCHMARKS = {  # `dllm-ais bench NAME` -> what it measures; the module dllm_ais
     "rollout": "fast diffusion decoders (KV cache, parallel decoding, AR order) against the official algorithm",
     "sampler": "the diffusion sampler's overhead over bare forwards, and the rollout engine's weight sync",
     "mismatch": "token and sequence KL / ESS between the trainer and the rollout engine, per precision",
+    "routing": "MoE routing disagreement between engine and trainer per precision: split, replayed, unified",
     "memory": "peak memory of likelihood scoring + backward per diffusion estimator and step count",
     "step": "one GRPO step: rollout and correction shares, and the log-prob pass's peak memory",
     "precision": "the precision ladder on one CUDA GPU at LLaDA-8B's shape: rollout tokens/s, sync, step memory",

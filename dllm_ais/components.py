@@ -4,7 +4,10 @@ model (LoRA-wrapped, prepared by accelerate), the rollout engine, the reference 
 from __future__ import annotations
 
 import copy
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from functools import partial
+from typing import Callable
 
 import torch
 from accelerate import Accelerator
@@ -13,8 +16,9 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import get_scheduler
 
 from dllm_ais.config import ConfigError, GRPOConfig
-from dllm_ais.engine import RolloutEngine, quantize_trainer_model_
+from dllm_ais.engine import RolloutEngine, adapter_host, quantize_trainer_model_
 from dllm_ais.loading import keep_freed_host_memory, load_model, resolve_dtype
+from dllm_ais.models.routing import EngineRouting, routed_layers
 from dllm_ais.validation import problem_list
 from dllm_ais.policy import (CustomSampler, DiffusionPolicy, Policy, build_policy,
                              custom_policy_problems, is_diffusion, lora_target_modules)
@@ -25,7 +29,9 @@ class StepComponents:
     """What one GRPO step works with. `model` is the prepared (possibly wrapped or sharded) trainer model;
     `reference_model` is None when the reference is the model with its adapter disabled (or when beta = 0).
     `greedy_policy` decodes held-out prompts exactly (d1's protocol, whatever the rollouts use);
-    `rollout_sampler_policy` decodes them greedily with the rollout sampler, when that one is fast or custom."""
+    `rollout_sampler_policy` decodes them greedily with the rollout sampler, when that one is fast or custom.
+    `routing_replay()` is the context the trainer's likelihood passes run in: `EngineRouting` with
+    `experimental.routing_replay`, else nothing."""
 
     accelerator: Accelerator
     policy: Policy
@@ -36,6 +42,7 @@ class StepComponents:
     reference_model: torch.nn.Module | None
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
+    routing_replay: Callable[[], AbstractContextManager] = nullcontext
 
     @property
     def unwrapped_model(self) -> torch.nn.Module:
@@ -157,4 +164,19 @@ def build_components(config: GRPOConfig, tokenizer, accelerator: Accelerator, mo
         # accelerate reads DeepSpeed's micro-batch from a prepared dataloader, and the trainer prepares none
         deepspeed.deepspeed_config["train_micro_batch_size_per_gpu"] = config.per_device_train_batch_size
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    return StepComponents(accelerator, policy, greedy_policy, rollout_sampler_policy, model, engine, reference_model, optimizer, scheduler)
+    return StepComponents(accelerator, policy, greedy_policy, rollout_sampler_policy, model, engine, reference_model,
+                          optimizer, scheduler, engine_routing_replay(config, model, engine))
+
+
+def engine_routing_replay(config: GRPOConfig, model: torch.nn.Module,
+                          engine: RolloutEngine) -> Callable[[], AbstractContextManager]:
+    """The trainer's likelihood passes' context: with `experimental.routing_replay`, the prepared `model`'s forwards
+    route by the rollout engine's expert selection (`EngineRouting`); ConfigError when the model has no experts."""
+    if not config.experimental.routing_replay:
+        return nullcontext
+    host = adapter_host(model)
+    if not routed_layers(host):
+        raise ConfigError(f"experimental.routing_replay replays a mixture of experts' routing, and "
+                          f"{config.model_name_or_path} ({host.config.model_type}) has none: set "
+                          "experimental.routing_replay=false")
+    return partial(EngineRouting, host, engine.model)

@@ -21,7 +21,7 @@ import yaml
 
 from dllm_ais.choices import (
     BATCH_SCALED_PRECISIONS, LOSS_TYPES, REWARD_SCALINGS, SEQUENCE_ESTIMATORS, TRAJECTORY_ESTIMATORS,
-    block_fraction_problem, replays_decoder,
+    block_fraction_problem, replays_decoder, routing_replay_problem,
 )
 from dllm_ais.settings import (
     AT_LEAST_ONE, GROUP, GROUP_SHORTHANDS, MAX_PROMPTS, MAX_SIZE, MAX_TOKENS, MOVED_FIELDS, NON_NEGATIVE, PATH, POSITIVE,
@@ -316,6 +316,9 @@ class GRPOConfig:
         rollout, likelihood, experimental = self.rollout, self.likelihood, self.experimental
         diffusion = self.policy != "autoregressive"
         block_fraction = block_fraction_problem(experimental.likelihood_block_fraction, likelihood.estimator)
+        routing = None if not experimental.routing_replay else routing_replay_problem(
+            likelihood.estimator, experimental.likelihood_order, self.replays_decoder, rollout.precision_flow,
+            rollout.precision, self.gradient_checkpointing, diffusion)
         checks = [
             (self.generation_batch_size % self.num_generations == 0,
              f"per_device_train_batch_size * gradient_accumulation_steps = {self.generation_batch_size} must be divisible "
@@ -342,6 +345,7 @@ class GRPOConfig:
              "experimental.elbo_coupled pairs random masks and likelihood.spg_block_masking draws block masks: set one "
              "of them to false"),
             (block_fraction is None, block_fraction),
+            (routing is None, routing),
             (not (rollout.precision_flow == "unified" and rollout.precision in BATCH_SCALED_PRECISIONS and diffusion
                   and likelihood.estimator in TRAJECTORY_ESTIMATORS),
              f"rollout.precision={rollout.precision} scales activations over the whole batch, and "

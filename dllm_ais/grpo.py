@@ -84,6 +84,7 @@ SKIP_HINTS = {
     "loss": "try a lower learning_rate or max_grad_norm",
     "gradient": "try a lower learning_rate or max_grad_norm",
 }
+ROUTING_METRIC = "routing/trainer_engine_differs"  # experimental.routing_replay: docs/algorithms.md, MoE routing
 LOGPROB_HINT = "NaN/inf log-probs usually mean an overflow in low precision: try dtype=float32 or rollout.precision=bf16"
 
 
@@ -279,7 +280,7 @@ def make_generation_batch(config: GRPOConfig, parts: StepComponents, tokenizer, 
 
     start = time.perf_counter()
     parts.model.eval()
-    with torch.no_grad():
+    with torch.no_grad(), parts.routing_replay():
         logp_rollout = [micro_batched_logprobs(parts.policy.rollout_logprobs, parts.engine.model, rollout, s,
                                                micro_batch_size, advantages) for s in seeds]
         logp_old = logp_rollout if old_is_rollout(config, parts, rollout) else [
@@ -412,7 +413,7 @@ def optimisation_pass(config: GRPOConfig, parts: StepComponents, batch: Generati
     first_pass = iteration == 0  # the policy's entropy on the batch: once, at θ_old (a full-vocabulary pass)
     losses, entropies, finite, logp_theta = [], [], [], []
     for j, rows in enumerate(rows_of):
-        with accelerator.accumulate(model):
+        with accelerator.accumulate(model), parts.routing_replay() as routing:
             part = batch.rollout.select(rows)
             objective = TokenLoss(
                 batch.logp_old[k][rows], batch.advantages[rows], scored[rows],
@@ -431,7 +432,10 @@ def optimisation_pass(config: GRPOConfig, parts: StepComponents, batch: Generati
         finite.append(torch.stack([done.finite_logprobs, done.finite_loss]))
         if done.entropy is not None:
             entropies.append(masked_mean(done.entropy, scored[rows]))
-        for key, value in objective.metrics(done.metric_sums).items():
+        micro_metrics = objective.metrics(done.metric_sums)
+        if routing is not None:  # experimental.routing_replay: how often the trainer's own routing was overridden
+            micro_metrics[ROUTING_METRIC] = routing.own_differs_share()
+        for key, value in micro_metrics.items():
             summed[key] = summed.get(key, 0.0) + value / len(rows_of)
     summed["loss"] = torch.stack(losses).mean().item()
     if entropies:  # logged with every pass of this batch

@@ -261,6 +261,11 @@ class ExperimentalSettings(SettingsGroup):
                 "its cache replayed as sampled (the fast decoder is the policy trained; the ratio sees precision "
                 "only); exact = the model's full forward (the ratio sees the cache's logit error). Without a cache "
                 "both are the same replay."})
+    routing_replay: bool = field(default=False, metadata={
+        "help": "Mixture-of-experts models (LLaDA2.x): the trainer's likelihood passes route every token to the experts "
+                "the rollout engine chooses on the same forward (rollout routing replay; weights from the trainer's own "
+                "router). Needs likelihood.estimator=trajectory along the rollout's order, no cached-decoder replay, "
+                "the split precision flow, a notch not scaled over the batch, no gradient checkpointing."})
     elbo_coupled: bool = field(default=False, metadata={
         "help": "elbo and spg without block masking: pair each draw (rate t) with its complement (rate 1 - t), so "
                 "every token is scored once per pair (coupled-GRPO); doubles the forwards."})

@@ -43,6 +43,13 @@ biased scores among their experts chosen. The chosen experts' weights are their 
 sum (+1e-20; with more than one expert per token) and multiplied by ``routed_scaling_factor``. The MoE output is
 sum_k w_k · expert_k(x) (combined in float32, as the official code does) plus the shared experts' SwiGLU of x.
 
+Routing replay (`dllm_ais.models.routing`): each MoE block's `routing_tape`, when set, sees the experts its router
+selects and may hand back a recorded selection instead (the rollout engine's). The experts are then the recorded
+ones and their weights this router's own unbiased scores at them, renormalised as above: the selection is discrete
+and carries no gradient either way, while recomputed weights keep the router's gradient and the trainer's numerics
+(rollout routing replay, R3, as autoregressive MoE RL does it); replayed weights would carry the engine's rounding
+into the trainer and cut the router off from the loss.
+
 Experts (`LLaDA2MoeExperts`): the (token, choice) pairs are sorted by expert and each expert's rows multiply its own
 weights in one grouped matmul per projection (``torch.nn.functional.grouped_mm``: one kernel on CUDA, no loop over
 experts in Python). Each expert's slice of the stacked weights is an ``nn.Linear`` weight [out, in]: FP8 experts
@@ -76,7 +83,8 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from .llada import RMSNorm, apply_rotary, unsupported_config_message, write_into_layer_cache
 from .sdar import KeyValueCache, block_causal_hidden_states, kept_logits
 
-__all__ = ["LLaDA2MoeConfig", "LLaDA2MoeModel", "LLaDA2MoeModelLM", "grouped_expert_swiglu", "route"]
+__all__ = ["LLaDA2MoeConfig", "LLaDA2MoeModel", "LLaDA2MoeModelLM", "expert_weights", "grouped_expert_swiglu", "route",
+           "router_scores", "select_experts"]
 
 
 @dataclass(repr=False)
@@ -188,22 +196,43 @@ class LLaDA2MoeConfig(PreTrainedConfig):
         return problems
 
 
+def router_scores(hidden: torch.Tensor, router_weight: torch.Tensor) -> torch.Tensor:
+    """The unbiased router scores s = sigmoid(W_g x) [N, E], float32, of the tokens `hidden` [N, d]."""
+    return F.linear(hidden.float(), router_weight.float()).sigmoid()
+
+
+def select_experts(scores: torch.Tensor, expert_bias: torch.Tensor, top_k: int, n_group: int,
+                   topk_group: int) -> torch.Tensor:
+    """The experts [N, top_k] (long) the scores [N, E] select: group-limited top-k of s + `expert_bias` (module
+    docstring)."""
+    biased = scores + expert_bias
+    grouped = biased.view(len(scores), n_group, -1)
+    best_groups = grouped.topk(2, dim=-1).values.sum(-1).topk(topk_group, dim=-1).indices
+    kept = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=scores.device).scatter(1, best_groups, True)
+    candidates = grouped.masked_fill(~kept[..., None], float("-inf")).flatten(1)
+    return candidates.topk(top_k, dim=-1).indices
+
+
+def expert_weights(scores: torch.Tensor, experts: torch.Tensor, routed_scaling_factor: float) -> torch.Tensor:
+    """The weights [N, k] (float32) of the chosen `experts` [N, k]: their unbiased scores, divided by their sum
+    (+1e-20; when k > 1), times `routed_scaling_factor`."""
+    weights = scores.gather(1, experts)
+    if experts.shape[1] > 1:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor
+
+
 def route(hidden: torch.Tensor, router_weight: torch.Tensor, expert_bias: torch.Tensor, top_k: int, n_group: int,
-          topk_group: int, routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+          topk_group: int, routed_scaling_factor: float, experts: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     """(experts [N, top_k] long, weights [N, top_k] float32) of the tokens `hidden` [N, d] under the router
     `router_weight` [E, d] and its selection bias `expert_bias` [E] (the official LLaDA2 routing: module
-    docstring)."""
-    scores = F.linear(hidden.float(), router_weight.float()).sigmoid()
-    biased = scores + expert_bias
-    grouped = biased.view(len(hidden), n_group, -1)
-    best_groups = grouped.topk(2, dim=-1).values.sum(-1).topk(topk_group, dim=-1).indices
-    kept = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=hidden.device).scatter(1, best_groups, True)
-    candidates = grouped.masked_fill(~kept[..., None], float("-inf")).flatten(1)
-    experts = candidates.topk(top_k, dim=-1).indices
-    weights = scores.gather(1, experts)
-    if top_k > 1:
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return experts, weights * routed_scaling_factor
+    docstring). Given `experts` [N, top_k] (a replayed selection), those are the experts, weighted by this router's
+    own scores."""
+    scores = router_scores(hidden, router_weight)
+    if experts is None:
+        experts = select_experts(scores, expert_bias, top_k, n_group, topk_group)
+    return experts, expert_weights(scores, experts, routed_scaling_factor)
 
 
 def grouped_expert_swiglu(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
@@ -250,10 +279,16 @@ class LLaDA2MoeGate(nn.Module):
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
         self.register_buffer("expert_bias", torch.zeros(config.num_experts))
 
-    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(experts [N, top_k], float32 weights [N, top_k]) of the tokens `hidden` [N, d]."""
+    def forward(self, hidden: torch.Tensor, experts: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(experts [N, top_k], float32 weights [N, top_k]) of the tokens `hidden` [N, d] (`route`: the given
+        `experts`, weighted by this router's scores, or its own selection)."""
         return route(hidden, self.weight, self.expert_bias, self.top_k, self.n_group, self.topk_group,
-                     self.routed_scaling_factor)
+                     self.routed_scaling_factor, experts)
+
+    def selection(self, scores: torch.Tensor) -> torch.Tensor:
+        """The experts [N, top_k] this router selects from the scores [N, E] (`select_experts`)."""
+        return select_experts(scores, self.expert_bias, self.top_k, self.n_group, self.topk_group)
 
 
 class LLaDA2MoeExperts(nn.Module):
@@ -271,7 +306,10 @@ class LLaDA2MoeExperts(nn.Module):
 
 
 class LLaDA2MoeSparseMoeBlock(nn.Module):
-    """A mixture-of-experts MLP: the routed experts' weighted sum plus the shared experts (when configured)."""
+    """A mixture-of-experts MLP: the routed experts' weighted sum plus the shared experts (when configured).
+
+    `routing_tape` (None outside `dllm_ais.models.routing`'s contexts) sees each forward's selection, and may replace
+    it by a recorded one; the weights are always this router's own scores at the experts used."""
 
     def __init__(self, config: LLaDA2MoeConfig):
         super().__init__()
@@ -279,10 +317,16 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
         self.experts = LLaDA2MoeExperts(config)
         self.shared_experts = (LLaDA2MoeMLP(config, config.moe_intermediate_size * config.num_shared_experts)
                                if config.num_shared_experts else None)
+        self.routing_tape = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
-        experts, weights = self.gate(tokens)
+        if self.routing_tape is None:
+            experts, weights = self.gate(tokens)
+        else:
+            scores = router_scores(tokens, self.gate.weight)
+            experts = self.routing_tape.route(self.gate.selection(scores))
+            weights = expert_weights(scores, experts, self.gate.routed_scaling_factor)
         routed = self.experts(tokens, experts, weights).view_as(x)
         return routed if self.shared_experts is None else routed + self.shared_experts(x)
 
