@@ -215,6 +215,93 @@ def sample_records(columns: dict[str, list], rollout: Rollout, tokenizer, table:
                                                             advantages[rows].tolist(), values)]
 
 
+@dataclass
+class _Scored:
+    """A sampled batch's rewards: this process' rewards [B] and each reward function's metrics; every process'
+    rewards and group advantages, their statistics, and the reward table (None when a reward was not finite)."""
+
+    rewards: torch.Tensor
+    per_function_metrics: dict[str, float]
+    all_rewards: torch.Tensor
+    all_advantages: torch.Tensor
+    statistics: dict[str, float]
+    table: RewardTable | None
+
+
+def _sample(config: GRPOConfig, parts: StepComponents, tokenizer, columns: dict[str, list], generation_index: int,
+            policies: list, timings: dict[str, float]) -> Rollout:
+    """The engine's rollout of `columns["prompt"]`, prompt i by `policies[i]`, with the generation's own seed;
+    its seconds go into `timings`."""
+    accelerator = parts.accelerator
+    generator = torch.Generator(accelerator.device).manual_seed(
+        config.seed + 7919 * generation_index + 104_729 * accelerator.process_index
+        + 1_000_003 * config.experimental.rollout_seed_offset)
+    start = time.perf_counter()
+    rollout = sample_prompts(policies, parts.engine.model, tokenizer, columns["prompt"], config.max_prompt_length,
+                             accelerator.device, generator, config.rollout.batch_size, parts.engine.forwards)
+    timings["timing/sample_s"] = time.perf_counter() - start
+    return rollout
+
+
+def _score(config: GRPOConfig, parts: StepComponents, tokenizer, reward_funcs: list[Callable],
+           columns: dict[str, list], rollout: Rollout) -> _Scored:
+    """The rollout's rewards and group advantages over every process; SkippedBatch when one is not finite."""
+    accelerator = parts.accelerator
+    problem, table = "", None
+    try:
+        table = score_rollout_table(tokenizer, reward_funcs, columns, rollout)
+        rewards, per_function_metrics = table.weighted_sum(config.reward_weights), table.metrics()
+    except NonFiniteRewardError as error:
+        rewards, per_function_metrics, problem = torch.full((len(rollout.sequences),), math.nan), {}, str(error)
+    all_rewards = accelerator.gather(rewards.to(accelerator.device))
+    all_advantages = group_advantages(all_rewards, config.num_generations, config.scale_rewards)
+    statistics = reward_metrics(all_rewards, config.num_generations)
+    if not (torch.isfinite(all_advantages).all() and all(map(math.isfinite, statistics.values()))):
+        raise SkippedBatch("reward", non_finite_reward_problem(accelerator, problem, table))
+    return _Scored(rewards, per_function_metrics, all_rewards, all_advantages, statistics, table)
+
+
+def _rollout_metrics(config: GRPOConfig, parts: StepComponents, rollout: Rollout, scored: _Scored) -> dict[str, float]:
+    """The batch's reward statistics, completion lengths and endings, distinct completions per group and mean
+    denoising steps, over every process."""
+    gather = parts.accelerator.gather
+    lengths = gather(rollout.completion_mask.sum(1))
+    terminated = gather(ends_with_eos(rollout.completion_ids, parts.policy.sampler_config.eos_token_ids).long())
+    distinct = distinct_completions(rollout.completion_ids, rollout.completion_mask, config.num_generations)
+    return {
+        **scored.statistics, **completion_metrics(lengths, terminated),
+        "completions/distinct_per_group": gather(distinct.to(parts.accelerator.device)).mean().item(),
+        **({} if rollout.num_steps is None else {"completions/mean_steps": rollout.num_steps.float().mean().item()}),
+    }
+
+
+def _logprobs(config: GRPOConfig, parts: StepComponents, rollout: Rollout, seeds: list[int],
+              advantages: torch.Tensor) -> tuple[list, list, torch.Tensor | None, list]:
+    """(ℓ_rollout, ℓ_old, the trainer's commit-choice log-probs or None, ℓ_ref) per estimator seed, no gradients;
+    SkippedBatch when one is not finite at a completion position."""
+    micro_batch_size = config.per_device_train_batch_size
+    parts.model.eval()
+    with torch.no_grad(), parts.routing_replay():
+        logp_rollout = [micro_batched_logprobs(parts.policy.rollout_logprobs, parts.engine.model, rollout, s,
+                                               micro_batch_size, advantages) for s in seeds]
+        logp_old = logp_rollout if old_is_rollout(config, parts, rollout) else [
+            micro_batched_logprobs(parts.policy.logprobs, parts.model, rollout, s, micro_batch_size, advantages)
+            for s in seeds]
+        trainer_choice = config.correction.complete_ratio or (config.experimental.commit_choice_gradient
+                                                              and not config.correction.bypass_mode)
+        choice_old = None if not trainer_choice else micro_batched_logprobs(
+            parts.policy.choice_logprobs, parts.model, rollout, seeds[0], micro_batch_size, advantages)
+    logp_ref = [None if config.beta == 0 else reference_logprobs(parts, rollout, s, micro_batch_size, advantages)
+                for s in seeds]
+    logprobs = {"rollout log-probs": logp_rollout + [rollout.choice_logprobs], "old log-probs": logp_old + [choice_old],
+                "reference log-probs": logp_ref}
+    bad = any_process(parts.accelerator,
+                      *(non_finite(values, rollout.completion_mask) for values in logprobs.values()))
+    if any(bad):
+        raise SkippedBatch(next(stage for stage, flag in zip(logprobs, bad) if flag))
+    return logp_rollout, logp_old, choice_old, logp_ref
+
+
 def make_generation_batch(config: GRPOConfig, parts: StepComponents, tokenizer, reward_funcs: list[Callable],
                           columns: dict[str, list], generation_index: int, correction: RolloutCorrection,
                           tokens_seen: int = 0, fidelity: RolloutFidelity | None = None) -> GenerationBatch:
@@ -231,89 +318,50 @@ def make_generation_batch(config: GRPOConfig, parts: StepComponents, tokenizer, 
     Raises SkippedBatch (on every process alike) when a reward or a log-prob is NaN or inf.
     """
     accelerator, gather, rank = parts.accelerator, parts.accelerator.gather, parts.accelerator.process_index
-    micro_batch_size = config.per_device_train_batch_size
     timings = {"timing/sync_s": parts.engine.sync_from(parts.unwrapped_model)}
-    generator = torch.Generator(accelerator.device).manual_seed(
-        config.seed + 7919 * generation_index + 104_729 * rank + 1_000_003 * config.experimental.rollout_seed_offset)
     fidelity = fidelity or RolloutFidelity.from_config(config, parts.policy)
     fidelity_metrics = fidelity.metrics()
     seeds = estimator_seeds(config, parts.policy.num_estimator_seeds(config.num_iterations), generation_index, rank)
     num_exact = fidelity.exact_prompts(len(columns["prompt"]), config.num_generations, seeds[0])
-    policies = fidelity.prompt_policies(len(columns["prompt"]), num_exact)
-    start = time.perf_counter()
-    rollout = sample_prompts(policies, parts.engine.model, tokenizer, columns["prompt"], config.max_prompt_length,
-                             accelerator.device, generator, config.rollout.batch_size, parts.engine.forwards)
-    timings["timing/sample_s"] = time.perf_counter() - start
+    rollout = _sample(config, parts, tokenizer, columns, generation_index,
+                      fidelity.prompt_policies(len(columns["prompt"]), num_exact), timings)
     tokens = rollout.attention_mask[:, :rollout.prompt_length].sum() + rollout.completion_mask.sum()
     tokens_seen += int(gather(tokens.reshape(1)).sum())
 
-    problem, table = "", None
-    try:
-        table = score_rollout_table(tokenizer, reward_funcs, columns, rollout)
-        rewards, per_function_metrics = table.weighted_sum(config.reward_weights), table.metrics()
-    except NonFiniteRewardError as error:
-        rewards, per_function_metrics, problem = torch.full((len(rollout.sequences),), math.nan), {}, str(error)
-    all_rewards = gather(rewards.to(accelerator.device))
-    all_advantages = group_advantages(all_rewards, config.num_generations, config.scale_rewards)
-    statistics = reward_metrics(all_rewards, config.num_generations)
-    if not (torch.isfinite(all_advantages).all() and all(map(math.isfinite, statistics.values()))):
-        raise SkippedBatch("reward", non_finite_reward_problem(accelerator, problem, table))
-    local = slice(rank * len(rewards), (rank + 1) * len(rewards))
+    scored = _score(config, parts, tokenizer, reward_funcs, columns, rollout)
+    local = slice(rank * len(scored.rewards), (rank + 1) * len(scored.rewards))
+    all_advantages = scored.all_advantages
     advantages = all_advantages[local]
-
-    lengths = gather(rollout.completion_mask.sum(1))
-    terminated = gather(ends_with_eos(rollout.completion_ids, parts.policy.sampler_config.eos_token_ids).long())
-    rollout_metrics = {
-        **statistics, **completion_metrics(lengths, terminated),
-        "completions/distinct_per_group": gather(distinct_completions(
-            rollout.completion_ids, rollout.completion_mask, config.num_generations).to(accelerator.device)).mean().item(),
-        **({} if rollout.num_steps is None else {"completions/mean_steps": rollout.num_steps.float().mean().item()}),
-    }
+    rollout_metrics = _rollout_metrics(config, parts, rollout, scored)
     samples = None
     if config.log_completions and accelerator.is_main_process:
-        samples = sample_records(columns, rollout, tokenizer, table, rewards, advantages,
+        samples = sample_records(columns, rollout, tokenizer, scored.table, scored.rewards, advantages,
                                  config.num_completions_to_print)
     if config.drop_zero_std_groups:
-        keep = groups_to_update(all_rewards, config.num_generations, accelerator.num_processes)
+        keep = groups_to_update(scored.all_rewards, config.num_generations, accelerator.num_processes)
         rollout, advantages, all_advantages = rollout.select(keep[local]), advantages[keep[local]], all_advantages[keep]
         local = slice(rank * len(advantages), (rank + 1) * len(advantages))
 
     start = time.perf_counter()
-    parts.model.eval()
-    with torch.no_grad(), parts.routing_replay():
-        logp_rollout = [micro_batched_logprobs(parts.policy.rollout_logprobs, parts.engine.model, rollout, s,
-                                               micro_batch_size, advantages) for s in seeds]
-        logp_old = logp_rollout if old_is_rollout(config, parts, rollout) else [
-            micro_batched_logprobs(parts.policy.logprobs, parts.model, rollout, s, micro_batch_size, advantages)
-            for s in seeds]
-        trainer_choice = config.correction.complete_ratio or (config.experimental.commit_choice_gradient
-                                                              and not config.correction.bypass_mode)
-        choice_old = None if not trainer_choice else micro_batched_logprobs(
-            parts.policy.choice_logprobs, parts.model, rollout, seeds[0], micro_batch_size, advantages)
-    logp_ref = [None if config.beta == 0 else reference_logprobs(parts, rollout, s, micro_batch_size, advantages)
-                for s in seeds]
+    logp_rollout, logp_old, choice_old, logp_ref = _logprobs(config, parts, rollout, seeds, advantages)
     timings["timing/logprob_s"] = time.perf_counter() - start
-    logprobs = {"rollout log-probs": logp_rollout + [rollout.choice_logprobs], "old log-probs": logp_old + [choice_old],
-                "reference log-probs": logp_ref}
-    bad = any_process(accelerator, *(non_finite(values, rollout.completion_mask) for values in logprobs.values()))
-    if any(bad):
-        raise SkippedBatch(next(stage for stage, flag in zip(logprobs, bad) if flag))
 
     start = time.perf_counter()
     # Weights and diagnostics (ESS, α, ...) are computed over the whole batch, gathered from every process, at the
     # positions each estimate scores.
-    scored = [gather(micro_batched_positions(parts.policy, rollout, s, micro_batch_size).long()).bool() for s in seeds]
+    scored_positions = [gather(micro_batched_positions(parts.policy, rollout, s, config.per_device_train_batch_size)
+                               .long()).bool() for s in seeds]
     choice_pair = None if choice_old is None else (gather(choice_old), gather(rollout.choice_logprobs))
     corrections = correction([(gather(old), gather(ro)) for old, ro in zip(logp_old, logp_rollout)],
-                             all_advantages, scored, choice_pair)
+                             all_advantages, scored_positions, choice_pair)
     timings["timing/correction_s"] = time.perf_counter() - start
     fidelity.update([c.diagnostics for c in corrections])
     if config.experimental.rollout_exact_fraction > 0:
-        decoded_exactly = torch.arange(len(rewards), device=accelerator.device) < num_exact
-        fidelity_metrics.update(exact_share_metrics(gather(decoded_exactly), all_rewards))
+        decoded_exactly = torch.arange(len(scored.rewards), device=accelerator.device) < num_exact
+        fidelity_metrics.update(exact_share_metrics(gather(decoded_exactly), scored.all_rewards))
 
-    metrics = {**rollout_metrics, "num_tokens": float(tokens_seen), **fidelity_metrics, **per_function_metrics,
-               **timings}
+    metrics = {**rollout_metrics, "num_tokens": float(tokens_seen), **fidelity_metrics,
+               **scored.per_function_metrics, **timings}
     if config.experimental.commit_choice_gradient:  # the loss's log-probs hold the commit choice too (DiffusionPolicy)
         choice = rollout.choice_logprobs if choice_old is None else choice_old
         logp_old = [old + choice for old in logp_old]

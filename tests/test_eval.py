@@ -33,7 +33,7 @@ class ScriptedPolicy:
     def __init__(self, tokenizer, texts: list[str]):
         self.tokenizer, self.texts = tokenizer, list(texts)
 
-    def sample(self, model, input_ids, attention_mask, generator):
+    def sample(self, model, input_ids, attention_mask, generator, forwards=None):
         texts, self.texts = self.texts[:len(input_ids)], self.texts[len(input_ids):]
         ids = [self.tokenizer(text, add_special_tokens=False).input_ids for text in texts]
         length = max(len(row) for row in ids)
