@@ -135,7 +135,7 @@ def test_a_rollout_seed_offset_draws_other_rollouts_of_the_same_prompts(tokenize
     calls = []
 
     def recording_sample_prompts(policies, model, tokenizer, prompts, *args):
-        calls.append((list(prompts), args[-2].initial_seed()))
+        calls.append((list(prompts), args[2].initial_seed()))
         return sample_prompts(policies, model, tokenizer, prompts, *args)
 
     sample_prompts = grpo.sample_prompts

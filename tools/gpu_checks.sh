@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of the compiled rollout engine, as one script for one CUDA machine (about 8 minutes on an H200):
+# The GPU checks of the compiled rollout engine, as one script for one CUDA machine (about 10 minutes on an H200):
 # the CUDA-only tests (the diffusion forwards' graphs, with the FP8 cache too, and the autoregressive decode step's),
 # then `dllm-ais bench precision` (bf16 and fp8, eager and compiled, batch 8 and 64, a whole GRPO step, the unified
 # precision flow's step beside them with the GiB the models hold; the tests of tests/test_precision_flow.py on CPU
@@ -24,3 +24,7 @@ timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -s -p no:cacheprovider test
   | tee "$OUT/tests.log"
 timeout "${BENCH_TIMEOUT:-420}" python3 -m dllm_ais.cli bench precision --precisions "${PRECISIONS:-bf16,fp8}" \
   --batch "${BATCHES:-8,64}" --parts "${PARTS:-rollouts,step}" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+# The threshold decoder (Fast-dLLM's 0.9, its counts on the device, about one host read per block), eager and compiled
+# (random weights rarely pass the threshold: about one commit a step, the decoder's slowest case).
+timeout "${THRESHOLD_TIMEOUT:-150}" python3 -m dllm_ais.cli bench precision --precisions fp8 --batch 64 \
+  --parts rollouts --engines eager,compiled --threshold 0.9 --gen-length 64 2>&1 | tee "$OUT/bench-threshold.log"

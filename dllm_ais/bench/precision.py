@@ -80,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gen-length", type=int, default=256)
     parser.add_argument("--block-length", type=int, default=32)
     parser.add_argument("--steps", type=int, default=64, help="denoising steps (a multiple of gen/block)")
+    parser.add_argument("--threshold", type=float, default=None, help="parallel decoding: commit every position "
+                        "above this confidence (Fast-dLLM's 0.9), its counts on the device; steps then no longer apply")
     parser.add_argument("--lora-r", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=1, help="timed repetitions after one warm-up (median)")
     return parser
@@ -134,7 +136,7 @@ def sampler_config(args: argparse.Namespace, model_config, cache: str, cache_dty
     gen_length = gen_length or args.gen_length
     return DiffusionSamplerConfig(gen_length=gen_length, block_length=args.block_length,
                                   steps=max(1, args.steps * gen_length // args.gen_length),
-                                  temperature=1.0, cache=cache, cache_dtype=cache_dtype,
+                                  temperature=1.0, cache=cache, cache_dtype=cache_dtype, threshold=args.threshold,
                                   mask_token_id=model_config.mask_token_id,
                                   eos_token_ids=(model_config.eos_token_id,), pad_token_id=model_config.pad_token_id)
 
@@ -398,7 +400,8 @@ def main(argv: list[str] | None = None) -> None:
                                                        for engine in args.engines.split(",")] + ["fp8:unified"])
     trainer = build_trainer(args, device)
     print(f"batch {args.batch}, prompt {args.prompt_length}, gen {args.gen_length}, block {args.block_length}, "
-          f"steps {args.steps}, temperature 1; median of {args.repeats} after one warm-up (rollouts: of one block)")
+          f"steps {args.steps}" + ("" if args.threshold is None else f" (unused: threshold {args.threshold})")
+          + f", temperature 1; median of {args.repeats} after one warm-up (rollouts: of one block)")
     parts = args.parts.split(",")
     if "memory" in parts:
         bench_step_memory(args, trainer, random_prompts(trainer, batch_sizes(args)[0], args.prompt_length, device),
