@@ -172,7 +172,7 @@ def perplexity_diagnostics(logp_old: Tensor, logp_rollout: Tensor, mask: Tensor)
 
 def commit_ratio_diagnostics(choice_old: Tensor, choice_rollout: Tensor, mask: Tensor) -> dict[str, float]:
     """The commit part of the complete ratio alone, over the valid positions: with log ρ^c_t = clamp(c^old_t −
-    c^ro_t, ±20) the commit choice's log-ratio at position t (`MaskedDiffusionSampler.step_choice_logprobs`, replayed
+    c^ro_t, ±20) the commit choice's log-ratio at position t (`sampling.diffusion.choice.CommitChoice.step_logprobs`, replayed
     by the trainer and recorded by the sampler) and log ρ^c_b = clamp(Σ_t log ρ^c_t, ±20) a sequence's,
     `commit_k3_kl` = mean_t(ρ^c_t − log ρ^c_t − 1), `commit_eff_sample_size` = (Σ_b ρ^c_b)² / (n Σ_b (ρ^c_b)²) over
     the n sequences with a valid position, and `commit_seq_log_ratio_mean` = mean_b log ρ^c_b."""

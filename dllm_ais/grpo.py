@@ -40,6 +40,7 @@ from dllm_ais.likelihood import LogprobPiece, sum_pieces, whole_piece
 from dllm_ais.loss import TokenLoss, group_advantages, zero_std_groups
 from dllm_ais.metrics import completion_metrics, distinct_completions, ends_with_eos, reward_metrics
 from dllm_ais.ops import masked_mean
+from dllm_ais.sampling.diffusion.choice import recorded_choice
 from dllm_ais.policy import sample_prompts, scores_rollout_by_forward
 from dllm_ais.rewards import NonFiniteRewardError, RewardTable, completion_texts, score_rollout_table
 from dllm_ais.sampling.rollout import Rollout
@@ -293,13 +294,19 @@ def _logprobs(config: GRPOConfig, parts: StepComponents, rollout: Rollout, seeds
             parts.policy.choice_logprobs, parts.model, rollout, seeds[0], micro_batch_size, advantages)
     logp_ref = [None if config.beta == 0 else reference_logprobs(parts, rollout, s, micro_batch_size, advantages)
                 for s in seeds]
-    logprobs = {"rollout log-probs": logp_rollout + [rollout.choice_logprobs], "old log-probs": logp_old + [choice_old],
+    logprobs = {"rollout log-probs": logp_rollout + [recorded_choice_logprobs(rollout)], "old log-probs": logp_old + [choice_old],
                 "reference log-probs": logp_ref}
     bad = any_process(parts.accelerator,
                       *(non_finite(values, rollout.completion_mask) for values in logprobs.values()))
     if any(bad):
         raise SkippedBatch(next(stage for stage, flag in zip(logprobs, bad) if flag))
     return logp_rollout, logp_old, choice_old, logp_ref
+
+
+def recorded_choice_logprobs(rollout: Rollout) -> torch.Tensor | None:
+    """The rollout's recorded commit-choice log-probs [B, L] (the complete ratio's sampler side), None without."""
+    record = recorded_choice(rollout)
+    return None if record is None else record.logprobs
 
 
 def make_generation_batch(config: GRPOConfig, parts: StepComponents, tokenizer, reward_funcs: list[Callable],
@@ -351,7 +358,7 @@ def make_generation_batch(config: GRPOConfig, parts: StepComponents, tokenizer, 
     # positions each estimate scores.
     scored_positions = [gather(micro_batched_positions(parts.policy, rollout, s, config.per_device_train_batch_size)
                                .long()).bool() for s in seeds]
-    choice_pair = None if choice_old is None else (gather(choice_old), gather(rollout.choice_logprobs))
+    choice_pair = None if choice_old is None else (gather(choice_old), gather(recorded_choice_logprobs(rollout)))
     corrections = correction([(gather(old), gather(ro)) for old, ro in zip(logp_old, logp_rollout)],
                              all_advantages, scored_positions, choice_pair)
     timings["timing/correction_s"] = time.perf_counter() - start
@@ -363,7 +370,7 @@ def make_generation_batch(config: GRPOConfig, parts: StepComponents, tokenizer, 
     metrics = {**rollout_metrics, "num_tokens": float(tokens_seen), **fidelity_metrics,
                **scored.per_function_metrics, **timings}
     if config.experimental.commit_choice_gradient:  # the loss's log-probs hold the commit choice too (DiffusionPolicy)
-        choice = rollout.choice_logprobs if choice_old is None else choice_old
+        choice = recorded_choice_logprobs(rollout) if choice_old is None else choice_old
         logp_old = [old + choice for old in logp_old]
     return GenerationBatch(rollout, advantages, logp_old, logp_ref, [c.weights[local] for c in corrections],
                            [None if c.clip_scale is None else c.clip_scale[local] for c in corrections],

@@ -210,7 +210,7 @@ class DiffusionPolicy:
         (`MaskedDiffusionSampler.choice_logprobs`), replayed by the decoder whose logits the trajectory estimator
         scores: the rollout's cached decoder when it replays it (`replays_decoder`), else the uncached one. The
         trainer's side of the complete ratio (`correction.complete_ratio`); the rollout's is
-        `Rollout.choice_logprobs`. `seed` and `advantages` are unused (the replay is exact)."""
+        the rollout's `CommitChoiceRecord`. `seed` and `advantages` are unused (the replay is exact)."""
         return self.choice_sampler.choice_logprobs(model, rollout)
 
     def num_estimator_seeds(self, num_iterations: int) -> int:

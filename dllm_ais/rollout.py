@@ -6,7 +6,9 @@ import it from below."""
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, fields
+import dataclasses
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 
@@ -33,14 +35,9 @@ class Rollout:
         num_steps: optional [B] number of steps (model evaluations) each row took: the diffusion steps that
             committed at least one of its tokens, or the autoregressive steps through its first EOS. With parallel
             decoding it varies per row; None when the sampler does not record it.
-        choice_logprobs: optional [B, L] float32, a diffusion sampler with a stochastic commit rule
-            (``position_temperature`` > 0): the log-probability of each step's other draws, split over positions —
-            the commit choice (Plackett–Luce or threshold terms) and the candidates drawn and left uncommitted. A
-            row's step_logprobs + choice_logprobs sum to the log-probability of its whole trajectory
-            (docs/algorithms.md, "The complete ratio").
-        commit_rank: optional [B, L], with choice_logprobs: each token's place in its step's draw order (0 first).
-        discarded_candidates: optional [B, L, K], with choice_logprobs: the candidate drawn at position k at the
-            j-th forward of its block and left uncommitted, −1 where none (K = block_length).
+        records: what a sampler's recorders (experimental plug-ins) recorded beside the tokens, by name: each a
+            dataclass whose tensor fields have the batch first (e.g. the complete ratio's "commit_choice",
+            `dllm_ais.sampling.diffusion.choice.CommitChoiceRecord`); `select`, `to` and `concatenate` carry them.
     """
 
     sequences: torch.LongTensor
@@ -50,9 +47,7 @@ class Rollout:
     commit_step: torch.LongTensor
     prompt_length: int
     num_steps: torch.LongTensor | None = None
-    choice_logprobs: torch.Tensor | None = None
-    commit_rank: torch.LongTensor | None = None
-    discarded_candidates: torch.LongTensor | None = None
+    records: dict[str, Any] = field(default_factory=dict)
 
     @property
     def completion_ids(self) -> torch.LongTensor:
@@ -76,21 +71,41 @@ class Rollout:
         return self._map_tensors(lambda t: t[rows])
 
     def _map_tensors(self, fn) -> "Rollout":
-        return Rollout(**{f.name: fn(v) if torch.is_tensor(v := getattr(self, f.name)) else v for f in fields(self)})
+        mapped = {f.name: fn(v) if torch.is_tensor(v := getattr(self, f.name)) else v for f in fields(self)}
+        mapped["records"] = {name: _map_record(record, fn) for name, record in self.records.items()}
+        return Rollout(**mapped)
 
     @staticmethod
     def concatenate(parts: list["Rollout"]) -> "Rollout":
-        """One rollout holding the sequences of `parts` (same canvas layout) in order; an optional field stays None
-        unless every part has it."""
-        def joined(name: str):
-            values = [getattr(part, name) for part in parts]
-            if not torch.is_tensor(values[0]):
-                return values[0]
-            return torch.cat(values) if all(torch.is_tensor(v) for v in values) else None
-
+        """One rollout holding the sequences of `parts` (same canvas layout) in order; an optional field (a record,
+        a record's field) stays None (is left out) unless every part has it."""
         if len({part.prompt_length for part in parts}) != 1:
             raise ValueError("Rollouts with different prompt lengths cannot share one canvas.")
-        return Rollout(**{f.name: joined(f.name) for f in fields(Rollout)})
+        joined = {f.name: _joined([getattr(part, f.name) for part in parts]) for f in fields(Rollout)
+                  if f.name != "records"}
+        shared = set.intersection(*(set(part.records) for part in parts))
+        joined["records"] = {name: _joined_records([part.records[name] for part in parts]) for name in shared}
+        return Rollout(**joined)
+
+
+def _joined(values: list):
+    """The parts' values of one field: their tensors concatenated (None unless every part has one), or the first
+    part's value when the field holds no tensor."""
+    if not torch.is_tensor(values[0]):
+        return values[0]
+    return torch.cat(values) if all(torch.is_tensor(v) for v in values) else None
+
+
+def _joined_records(records: list) -> Any:
+    """The parts' records of one recorder, field by field (`_joined`)."""
+    return dataclasses.replace(records[0], **{f.name: _joined([getattr(r, f.name) for r in records])
+                                              for f in fields(records[0])})
+
+
+def _map_record(record: Any, fn) -> Any:
+    """A recorder's record with `fn` applied to its tensor fields."""
+    return dataclasses.replace(record, **{f.name: fn(v) for f in fields(record)
+                                          if torch.is_tensor(v := getattr(record, f.name))})
 
 
 def completion_mask_through_first_eos(completion_ids: torch.Tensor, eos_token_ids: list[int] | tuple[int, ...]) -> torch.Tensor:

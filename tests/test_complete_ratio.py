@@ -19,6 +19,7 @@ from dllm_ais.rollout import Rollout
 from dllm_ais.sampling.diffusion import (DiffusionSamplerConfig, MaskedDiffusionSampler, committed_set_logprobs,
                                         ranked_choice_logprobs, top_log_odds_scores)
 from dllm_ais.settings import CorrectionSettings
+from dllm_ais.sampling.diffusion.choice import COMMIT_CHOICE, CommitChoiceRecord, recorded_choice
 
 TOKENS, EOS, MASK = (0, 1, 2), 2, 3
 TEMPERATURE = 1.0
@@ -137,9 +138,9 @@ def trajectory_key(rollout: Rollout, row: int, ordered: bool) -> tuple:
         if not ordered:
             key += ((tuple(completion[i] for i in committed), tuple(committed)),)
             continue
-        candidates = tuple(completion[i] if step[i] == s else int(rollout.discarded_candidates[row, i, s])
+        candidates = tuple(completion[i] if step[i] == s else int(recorded_choice(rollout).discarded_candidates[row, i, s])
                            for i in masked)
-        committed.sort(key=lambda i: int(rollout.commit_rank[row, i]))
+        committed.sort(key=lambda i: int(recorded_choice(rollout).rank[row, i]))
         key += ((candidates, tuple(committed)),)
     return key
 
@@ -165,8 +166,8 @@ def rollout_of_trajectories(keys: list[tuple], gen_length: int, ordered: bool) -
     return Rollout(sequences=sequences, attention_mask=torch.ones_like(sequences),
                    completion_mask=torch.ones_like(completion, dtype=torch.bool),
                    step_logprobs=torch.zeros(rows, gen_length), commit_step=commit_step, prompt_length=1,
-                   choice_logprobs=torch.zeros(rows, gen_length), commit_rank=commit_rank,
-                   discarded_candidates=discarded if ordered else None)
+                   records={COMMIT_CHOICE: CommitChoiceRecord(torch.zeros(rows, gen_length), commit_rank,
+                                                              discarded if ordered else None)})
 
 
 RULES = [pytest.param(None, 0.5, 2, id="fixed-count-gumbel-top-k"),
@@ -185,10 +186,10 @@ def test_recorded_logprob_is_the_exact_probability_of_the_trajectory(threshold, 
     assert math.fsum(math.exp(v) for v in trajectories.values()) == pytest.approx(1.0, abs=1e-9)
 
     rollout = sampler.sample(model, torch.zeros(64, 1, dtype=torch.long), generator=torch.Generator().manual_seed(0))
-    recorded = (rollout.step_logprobs + rollout.choice_logprobs).sum(1)
+    recorded = (rollout.step_logprobs + recorded_choice(rollout).logprobs).sum(1)
     expected = torch.tensor([trajectories[trajectory_key(rollout, row, ordered)] for row in range(64)], dtype=torch.float64)
     torch.testing.assert_close(recorded.double(), expected, atol=1e-5, rtol=0)
-    torch.testing.assert_close(sampler.choice_logprobs(model, rollout), rollout.choice_logprobs)
+    torch.testing.assert_close(sampler.choice_logprobs(model, rollout), recorded_choice(rollout).logprobs)
 
     keys = list(trajectories)
     every = rollout_of_trajectories(keys, 3, ordered)
@@ -215,10 +216,10 @@ def test_the_committed_set_is_the_drawn_order_summed_out():
     assert math.fsum(math.exp(v) for v in sets.values()) == pytest.approx(1.0, abs=1e-9)
 
     rollout = as_set.sample(model, torch.zeros(64, 1, dtype=torch.long), generator=torch.Generator().manual_seed(0))
-    recorded = (rollout.step_logprobs + rollout.choice_logprobs).sum(1)
+    recorded = (rollout.step_logprobs + recorded_choice(rollout).logprobs).sum(1)
     expected = [sets[unordered(trajectory_key(rollout, row, True))] for row in range(64)]
     torch.testing.assert_close(recorded.double(), torch.tensor(expected, dtype=torch.float64), atol=1e-5, rtol=0)
-    torch.testing.assert_close(as_set.choice_logprobs(model, rollout), rollout.choice_logprobs)
+    torch.testing.assert_close(as_set.choice_logprobs(model, rollout), recorded_choice(rollout).logprobs)
     keys = list(sets)
     every = rollout_of_trajectories(keys, 3, True)
     trainer = (trajectory_logprobs(model, every, MASK, TEMPERATURE) + as_set.choice_logprobs(model, every)).sum(1)
@@ -293,7 +294,7 @@ def test_vanishing_position_temperature_is_the_deterministic_decoder(threshold):
                                                                    generator=torch.Generator().manual_seed(0))
     assert torch.equal(drawn.sequences, exact.sequences)
     assert torch.equal(drawn.commit_step, exact.commit_step)
-    assert exact.choice_logprobs is None and drawn.choice_logprobs is not None
+    assert recorded_choice(exact) is None and recorded_choice(drawn) is not None
 
 
 def test_top_log_odds_scores_the_top_probability_as_log_odds():
@@ -349,15 +350,15 @@ def test_the_trainer_replays_the_recorded_choice_with_the_fast_decoder(decoder, 
         gen_length=8, block_length=4, steps=4, temperature=1.0, mask_token_id=63, eos_token_ids=(62,), **decoder))
     prompts = torch.randint(0, 60, (6, 5), generator=torch.Generator().manual_seed(0))
     rollout = sampler.sample(model, prompts, generator=torch.Generator().manual_seed(1))
-    torch.testing.assert_close(sampler.choice_logprobs(model, rollout), rollout.choice_logprobs, atol=1e-4, rtol=0)
+    torch.testing.assert_close(sampler.choice_logprobs(model, rollout), recorded_choice(rollout).logprobs, atol=1e-4, rtol=0)
     other = tiny_llada()
     with torch.no_grad():
         other.model.transformer.ff_out.weight.mul_(1.5)
-    assert not torch.allclose(sampler.choice_logprobs(other, rollout), rollout.choice_logprobs, atol=1e-3)
-    assert (rollout.discarded_candidates is not None) == records_discarded
+    assert not torch.allclose(sampler.choice_logprobs(other, rollout), recorded_choice(rollout).logprobs, atol=1e-3)
+    assert (recorded_choice(rollout).discarded_candidates is not None) == records_discarded
     if records_discarded:
         halves = Rollout.concatenate([rollout.select(slice(0, 3)), rollout.select(slice(3, 6))])
-        assert torch.equal(halves.discarded_candidates, rollout.discarded_candidates)
+        assert torch.equal(recorded_choice(halves).discarded_candidates, recorded_choice(rollout).discarded_candidates)
 
 
 def test_the_correction_weights_the_complete_ratio_and_logs_the_commit_part():
@@ -430,7 +431,7 @@ def test_the_commit_choice_gradient_differentiates_the_whole_step(tokenizer, tmp
                            experimental={"rollout_position_temperature": 1.0, "commit_choice_gradient": True})
     batch = trainer.make_generation_batch()
     rollout, seed, scored = batch.rollout, batch.seeds[0], batch.rollout.completion_mask.bool()
-    recorded = rollout.step_logprobs + rollout.choice_logprobs
+    recorded = rollout.step_logprobs + recorded_choice(rollout).logprobs
     torch.testing.assert_close(batch.logp_old[0][scored], recorded[scored])
     model = trainer.model
     whole = sum_pieces(trainer.policy.logprob_pieces(model, rollout, seed), False)

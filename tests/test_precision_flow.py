@@ -23,6 +23,7 @@ from dllm_ais.policy import LORA_TARGET_PRESETS, build_policy
 from dllm_ais.quantization import PRECISIONS, StraightThroughQuantizedLinear, quantize_model_
 from dllm_ais.sampling.diffusion import DiffusionSamplerConfig, MaskedDiffusionSampler
 from dllm_ais.trainer import GRPOTrainer
+from dllm_ais.sampling.diffusion.choice import recorded_choice
 from test_trainer import make_trainer
 
 QUANTIZED = tuple(precision for precision in PRECISIONS if precision != "bf16")
@@ -161,10 +162,10 @@ def test_the_commit_choice_ratio_is_one_in_the_unified_flow():
     rollout = sampler.sample(unified, prompts, generator=torch.Generator().manual_seed(1))
     replayed = torch.cat([sampler.choice_logprobs(unified, rollout.select(slice(start, start + 2)))
                           for start in range(0, 6, 2)])
-    assert (replayed - rollout.choice_logprobs).abs().max() <= 1e-5
+    assert (replayed - recorded_choice(rollout).logprobs).abs().max() <= 1e-5
     split = RolloutEngine(model, precision="mxfp4").model
     drawn = sampler.sample(split, prompts, generator=torch.Generator().manual_seed(1))
-    assert (sampler.choice_logprobs(model, drawn) - drawn.choice_logprobs).abs().max() > 1e-3
+    assert (sampler.choice_logprobs(model, drawn) - recorded_choice(drawn).logprobs).abs().max() > 1e-3
 
 
 def test_the_old_log_prob_pass_is_skipped_where_the_flow_makes_it_the_rollouts(tokenizer, tmp_path, monkeypatch):

@@ -20,6 +20,7 @@ from dllm_ais.sampling.diffusion import (
     filter_top_p_top_k,
     sampling_logprobs,
 )
+from dllm_ais.sampling.diffusion.choice import recorded_choice
 from dllm_ais.sampling.forwards import StaticForwards
 from test_sdar import left_padded  # tests/ is on sys.path
 
@@ -133,8 +134,8 @@ def test_stochastic_commit_choice_replays_to_its_recorded_logprobs(model, offici
     ids, mask = left_padded([prompt[0], *other_prompts()])
     sampler = sdar_sampler(temperature=0.9, position_temperature=0.5)
     rollout = sampler.sample(model, ids, mask, generator=torch.Generator().manual_seed(1))
-    assert rollout.choice_logprobs.ne(0).any()
-    torch.testing.assert_close(sampler.choice_logprobs(model, rollout), rollout.choice_logprobs, atol=1e-5, rtol=0)
+    assert recorded_choice(rollout).logprobs.ne(0).any()
+    torch.testing.assert_close(sampler.choice_logprobs(model, rollout), recorded_choice(rollout).logprobs, atol=1e-5, rtol=0)
 
 
 def test_block_length_must_be_the_models_block_size(model, official):

@@ -13,6 +13,7 @@ from dllm_ais.dry_run import stand_in_model
 from dllm_ais.policy import build_policy
 from dllm_ais.tasks.digits import digits_reward, make_digits_dataset
 from dllm_ais.trainer import GRPOTrainer
+from dllm_ais.sampling.diffusion.choice import recorded_choice
 from test_trainer import lora_parameters
 
 BLOCK = 4
@@ -112,7 +113,7 @@ def test_the_complete_ratio_trains_an_sdar(tokenizer, tmp_path):
                            experimental={"rollout_position_temperature": 0.5})
     batch = trainer.make_generation_batch()
     choice_old = trainer.policy.choice_logprobs(trainer.model, batch.rollout)
-    torch.testing.assert_close(choice_old, batch.rollout.choice_logprobs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(choice_old, recorded_choice(batch.rollout).logprobs, atol=1e-5, rtol=0)
     assert_trains(trainer)
 
 

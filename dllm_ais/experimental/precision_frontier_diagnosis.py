@@ -52,6 +52,7 @@ from dllm_ais.loading import load_tokenizer
 from dllm_ais.loss import group_advantages
 from dllm_ais.policy import build_policy, sample_prompts
 from dllm_ais.rewards import resolve_reward_functions, score_rollout
+from dllm_ais.sampling.diffusion.choice import recorded_choice
 from dllm_ais.statistics import paired_difference
 
 
@@ -81,7 +82,7 @@ def log_ratios(setup: Setup, policies: dict, rollout, seed: int) -> dict[str, to
     """Per canvas, log ρ = ℓ_trainer − ℓ_engine [B, L] of the engine's completions (0 off the completion); with a
     trajectory policy and a rollout that records its commit choices (experimental.rollout_position_temperature > 0),
     also the complete ratio ("complete"): the trajectory's token log-ratio plus the commit choice's
-    (`DiffusionPolicy.choice_logprobs` against `Rollout.choice_logprobs`), over every completion position — the
+    (`DiffusionPolicy.choice_logprobs` against the rollout's `CommitChoiceRecord`), over every completion position — the
     whole trajectory's probability, tokens after the first EOS included."""
     trainer, engine = setup.parts.unwrapped_model, setup.parts.engine.model
     mask = rollout.completion_mask.bool()
@@ -89,10 +90,10 @@ def log_ratios(setup: Setup, policies: dict, rollout, seed: int) -> dict[str, to
                     - logprobs(setup, policy, engine, rollout, seed, rollout_side=True)
                     for estimator, policy in policies.items()}
     ratios = {estimator: torch.where(mask, ratio, 0.0) for estimator, ratio in token_ratios.items()}
-    if "trajectory" in policies and rollout.choice_logprobs is not None:
+    if "trajectory" in policies and recorded_choice(rollout) is not None:
         choice = torch.cat([policies["trajectory"].choice_logprobs(trainer, rollout.select(rows))
                             for rows in micro_batches(len(rollout.sequences), setup.config.per_device_train_batch_size)])
-        ratios["complete"] = token_ratios["trajectory"] + choice - rollout.choice_logprobs
+        ratios["complete"] = token_ratios["trajectory"] + choice - recorded_choice(rollout).logprobs
     return ratios
 
 

@@ -253,7 +253,7 @@ def decoder_trajectory_pieces(
     trainer's value sees the precision alone, and the policy being trained is the cached decoder itself. One piece
     per block: a block's steps share the graph of its cache. With `choice_replay`, each position's log-prob also holds
     the commit choice's terms scored from the same logits (a stochastic commit rule's log P(choice), split over the
-    block's positions as `Rollout.choice_logprobs` is): the log-probability of the whole step, commit choice
+    block's positions as the rollout's commit-choice record is): the log-probability of the whole step, commit choice
     included, whose gradient is the commit order's score function.
     """
     check_sampling_parameters(temperature, top_k=0, top_p=1.0)

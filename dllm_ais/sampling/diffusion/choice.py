@@ -25,8 +25,35 @@ from dllm_ais.sampling.diffusion.step import DenoiseStep, denoise_step, forced_c
 if TYPE_CHECKING:
     from dllm_ais.sampling.diffusion.sampler import MaskedDiffusionSampler
 
-__all__ = ["MAX_COMMITS_SCORED_AS_SET", "ChoiceRecord", "CommitChoice", "CommitChoiceReplay", "commit_orders",
-           "committed_set_logprobs", "ranked_choice_logprobs", "threshold_choice_logprobs"]
+__all__ = ["COMMIT_CHOICE", "MAX_COMMITS_SCORED_AS_SET", "ChoiceRecord", "CommitChoice", "CommitChoiceRecord",
+           "CommitChoiceReplay", "commit_orders", "committed_set_logprobs", "ranked_choice_logprobs",
+           "recorded_choice", "threshold_choice_logprobs"]
+
+COMMIT_CHOICE = "commit_choice"
+"""The name of the commit-choice record in `Rollout.records`."""
+
+
+@dataclass
+class CommitChoiceRecord:
+    """What a sampling call with a stochastic commit rule (``position_temperature`` > 0) records of its choices,
+    held in `Rollout.records` under `COMMIT_CHOICE`.
+
+    logprobs [B, L] float32: the log-probability of each step's other draws, split over positions — the commit
+    choice (Plackett–Luce or threshold terms) and the candidates drawn and left uncommitted; a row's
+    step_logprobs + logprobs sum to the log-probability of its whole trajectory (docs/algorithms.md, "The complete
+    ratio"). rank [B, L]: each token's place in its step's draw order (0 first). discarded_candidates [B, L, K] or
+    None: the candidate drawn at position k at the j-th forward of its block and left uncommitted, −1 where none
+    (K = block_length), when the ratio holds them.
+    """
+
+    logprobs: torch.Tensor
+    rank: torch.LongTensor
+    discarded_candidates: torch.LongTensor | None = None
+
+
+def recorded_choice(rollout: Rollout) -> CommitChoiceRecord | None:
+    """`rollout`'s commit-choice record, None when its sampler drew no commit choice."""
+    return rollout.records.get(COMMIT_CHOICE)
 
 
 def ranked_choice_logprobs(scores: torch.Tensor, still_masked: torch.Tensor, commit: torch.Tensor,
@@ -169,8 +196,8 @@ class CommitChoice:
 @dataclass
 class ChoiceRecord:
     """What a sampling call with a stochastic commit rule (``position_temperature`` > 0) records of its choices
-    besides the committed tokens, as the `Rollout` fields of the same names, per canvas position [B, T] until
-    `fields` reads them at the completion's: `choice_logprobs` (each step's `CommitChoice.step_logprobs`, added up
+    besides the committed tokens, per canvas position [B, T] until `record` reads them at the completion's
+    (`CommitChoiceRecord`): `choice_logprobs` (each step's `CommitChoice.step_logprobs`, added up
     per position), `commit_rank` (the draw order among a step's commits) and, when the sampler's ratio needs them
     (`CommitChoice.records_discarded_candidates`), `discarded_candidates` [B, T, block_length] (the candidate drawn
     at a position at the k-th forward of its block and left uncommitted, −1 where none)."""
@@ -198,43 +225,44 @@ class ChoiceRecord:
             self.discarded_candidates[:, block, forward_in_block] = torch.where(still_masked & ~commit,
                                                                                 step.candidates, -1)
 
-    def fields(self, layout: CanvasLayout) -> dict[str, torch.Tensor | None]:
-        """The records at the completion positions of `layout`, by `Rollout` field name."""
-        return {name: None if getattr(self, name) is None else layout.completion(getattr(self, name))
-                for name in ("choice_logprobs", "commit_rank", "discarded_candidates")}
+    def record(self, layout: CanvasLayout) -> CommitChoiceRecord:
+        """The record at the completion positions of `layout`."""
+        discarded = self.discarded_candidates
+        return CommitChoiceRecord(layout.completion(self.choice_logprobs), layout.completion(self.commit_rank),
+                                  None if discarded is None else layout.completion(discarded))
 
 
 class CommitChoiceReplay:
     """The log-probability terms [B, L] of a rollout's recorded commit choices (and discarded candidates, when the
     ratio holds them), one replayed step at a time: called with each ``(block, committed, logits)`` that
     `MaskedDiffusionSampler.decoder_logits` yields, in order, it returns that step's `CommitChoice.step_logprobs` of
-    the recorded choice (`Rollout.commit_rank`, `discarded_candidates`) on the completion's positions, 0 elsewhere.
+    the recorded choice (`CommitChoiceRecord`: its rank and discarded candidates) on the completion's positions, 0 elsewhere.
     The step is `denoise_step` with the rollout's tokens as candidates and the recorded commits, so the rule scores
     the step's `logits` as sampling did (top-p / top-k filtered) and the terms are differentiable in them: the
     trainer's log-prob of the commit choice, from the logits the trajectory estimator scores."""
 
     def __init__(self, sampler: "MaskedDiffusionSampler", rollout: Rollout):
-        self.choice = CommitChoice(sampler)
-        if rollout.commit_rank is None or (self.choice.records_discarded_candidates
-                                           and rollout.discarded_candidates is None):
+        self.choice, self.record = CommitChoice(sampler), recorded_choice(rollout)
+        if self.record is None or (self.choice.records_discarded_candidates
+                                   and self.record.discarded_candidates is None):
             raise ValueError("The commit choice's log-prob needs a rollout that records its commit choices: sample "
                              "with position_temperature > 0 (experimental.rollout_position_temperature)")
         self.sampler, self.rollout = sampler, rollout
         self.block, self.still_masked, self.step = None, None, 0
 
     def __call__(self, window: slice | torch.LongTensor, committed: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        rollout, completion = self.rollout, self.rollout.completion_ids
+        record, completion = self.record, self.rollout.completion_ids
         if window is not self.block:  # a new block: every completion position in it masked
             self.block, self.step = window, 0
             self.still_masked = torch.ones_like(committed) if isinstance(window, slice) else window >= 0
         tokens = completion_window(completion, window)
         candidates = tokens
         if self.choice.records_discarded_candidates:
-            discarded = completion_window(rollout.discarded_candidates[:, :, self.step], window)
+            discarded = completion_window(record.discarded_candidates[:, :, self.step], window)
             candidates = torch.where(committed | (discarded < 0), tokens, discarded)
         step = denoise_step(self.sampler, logits, tokens, self.still_masked, None, width=tokens.shape[1],
                             forced_tokens=candidates, commit=committed, score=self.choice.depends_on_model)
-        step.commit_rank = completion_window(rollout.commit_rank, window)
+        step.commit_rank = completion_window(record.rank, window)
         terms = self.choice.step_logprobs(step, self.still_masked)
         self.still_masked = self.still_masked & ~committed
         self.step += 1

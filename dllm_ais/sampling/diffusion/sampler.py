@@ -17,7 +17,7 @@ from dllm_ais.rollout import PromptError, Rollout, completion_mask_through_first
 from dllm_ais.sampling.diffusion.cache import BLOCK_CAUSAL_CACHE, BlockCache, forward_logits
 from dllm_ais.sampling.diffusion.canvas import (CanvasLayout, block_aligned_layout, completion_layout,
                                                 completion_window)
-from dllm_ais.sampling.diffusion.choice import ChoiceRecord, CommitChoiceReplay
+from dllm_ais.sampling.diffusion.choice import COMMIT_CHOICE, ChoiceRecord, CommitChoiceReplay
 from dllm_ais.sampling.diffusion.draw import gumbel_argmax, sampling_logprobs
 from dllm_ais.sampling.diffusion.rules import checked_scores, resolve_remasking_rule
 from dllm_ais.sampling.diffusion.sampler_config import DiffusionSamplerConfig, SpecialTokenIds, resolve_special_tokens
@@ -259,7 +259,7 @@ class MaskedDiffusionSampler:
             commit_step=layout.completion(state.commit_step),
             prompt_length=input_ids.shape[1],
             num_steps=state.num_steps,
-            **({} if state.choice is None else state.choice.fields(layout)),
+            records={} if state.choice is None else {COMMIT_CHOICE: state.choice.record(layout)},
         )
 
     def _denoise_block_on_schedule(self, state: _Denoising, block: slice, masked_left: list[int]) -> None:
@@ -379,9 +379,8 @@ class MaskedDiffusionSampler:
     @torch.no_grad()
     def choice_logprobs(self, model: Any, rollout: Rollout) -> torch.Tensor:
         """float32 [B, L]: `model`'s log-probability of `rollout`'s recorded commit choices (and discarded
-        candidates, when recorded) (`Rollout.choice_logprobs`, `commit_rank`, `discarded_candidates`), per position
-        as the sampler records it: each step replayed by `decoder_logits` (this sampler's cache, as sampled) and
-        scored by `commit_choice_replay`. On the model that sampled, this is the recorded `choice_logprobs`; with
+        candidates, when recorded) (`choice.CommitChoiceRecord`), per position as the sampler records it: each step replayed by `decoder_logits` (this sampler's cache, as sampled) and
+        scored by `commit_choice_replay`. On the model that sampled, this is the recorded log-probs; with
         the trajectory estimator's token log-probs it completes the ratio of the two samplers."""
         replay = self.commit_choice_replay(rollout)
         result = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=rollout.completion_ids.device)
