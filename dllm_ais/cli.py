@@ -199,7 +199,8 @@ def block_diffusion_decoding(block_size: int, values: dict) -> dict:
     """SDAR's own decoding (`with_sdar_protocol`, what `eval` decodes a block-diffusion model with) as rollout
     settings: the model's blocks of `block_size`, a step per completion position (the `values`' max_completion_length,
     else the embedded recipe's)."""
-    from dllm_ais.config import EMBEDDED_RECIPE, SDAR_ROLLOUT, recipe_setting
+    from dllm_ais.config import EMBEDDED_RECIPE, recipe_setting
+    from dllm_ais.decoding_protocols import SDAR_ROLLOUT
     from dllm_ais.validation import read_recipe
 
     length = values.get("max_completion_length", recipe_setting(read_recipe(EMBEDDED_RECIPE), "max_completion_length"))
@@ -485,7 +486,7 @@ def _bench(args: argparse.Namespace, arguments: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from dllm_ais.config import describe_fields
+    from dllm_ais.config_reference import describe_fields
 
     parser = argparse.ArgumentParser(prog="dllm-ais", description=MAIN_HELP,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

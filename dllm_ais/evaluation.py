@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from dllm_ais.config import (D1_ROLLOUT, DREAM_ROLLOUT, SDAR_ROLLOUT, ConfigError, GRPOConfig, with_d1_protocol,
-                             with_dream_protocol, with_sdar_protocol)
+from dllm_ais.config import D1_ROLLOUT, ConfigError, GRPOConfig, with_d1_protocol
+from dllm_ais.decoding_protocols import DREAM_ROLLOUT, SDAR_ROLLOUT, with_dream_protocol, with_sdar_protocol
 from dllm_ais.loading import resolve_model_path
 from dllm_ais.policy import sample_prompts
 from dllm_ais.rewards import RewardTable, score_rollout_table

@@ -25,7 +25,7 @@ Block-diffusion models (SDAR, `families.is_block_causal`) take the same paths in
   weight, SDAR's block-diffusion ELBO, its own training loss — not an autoregressive score, which SDAR (bidirectional
   inside a block) does not define. The greedy flag: SDAR's decoder, one token per step by confidence in blocks of
   ``block_size`` (the continuation's length rounded up to whole blocks), reproduces the continuation.
-- `generate_until` decodes with SDAR's own protocol (`config.with_sdar_protocol`: blocks of the model's
+- `generate_until` decodes with SDAR's own protocol (`decoding_protocols.with_sdar_protocol`: blocks of the model's
   ``block_size``, a step per block position, low_confidence_dynamic at 0.9, the exact cache), any sampler setting
   given in --model_args replacing its value; a block_length other than ``block_size`` is refused.
 
@@ -60,7 +60,8 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from dllm_ais.choices import CACHE_MODES
-from dllm_ais.config import DTYPES, POLICIES, GRPOConfig, with_d1_protocol, with_sdar_protocol
+from dllm_ais.config import DTYPES, POLICIES, GRPOConfig, with_d1_protocol
+from dllm_ais.decoding_protocols import with_sdar_protocol
 from dllm_ais.data import apply_chat_template
 from dllm_ais.statistics import standard_error
 from dllm_ais.likelihood import (

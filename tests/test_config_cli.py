@@ -71,7 +71,7 @@ def test_ci_runs_the_readme_test_command():
 
 
 def test_train_help_teaches_the_fields_in_groups_one_line_each(capsys):
-    from dllm_ais.config import HELP_WIDTH, configuration_reference
+    from dllm_ais.config_reference import HELP_WIDTH, configuration_reference
 
     with pytest.raises(SystemExit):
         main(["train", "--help"])
@@ -86,7 +86,7 @@ def test_train_help_teaches_the_fields_in_groups_one_line_each(capsys):
         "likelihood", "correction", "experimental"]
     assert all(len(line) <= HELP_WIDTH for line in fields.splitlines())
     assert (ROOT / "docs" / "configuration.md").read_text() == configuration_reference() + "\n", (
-        "docs/configuration.md is stale: python -c 'from dllm_ais.config import configuration_reference as r; "
+        "docs/configuration.md is stale: python -c 'from dllm_ais.config_reference import configuration_reference as r; "
         "print(r())' > docs/configuration.md")
 
 

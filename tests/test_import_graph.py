@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("the step's numerical stages", {"sampling", "likelihood", "quantization", "engine", "correction", "loss",
                                      "metrics"}),
     ("tasks and their rewards", {"tasks", "rewards"}),
-    ("the config and its rules", {"config"}),
+    ("the config and its rules", {"config", "config_rules", "config_reference", "decoding_protocols"}),
     ("a run's inputs and outputs", {"data", "loading", "run_lock", "run_dir", "reporting"}),
     ("the policy seam", {"policy", "fidelity"}),
     ("one GRPO step and what it is built from", {"grpo", "components", "evaluation", "checkpoint"}),
