@@ -32,8 +32,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("the policy seam", {"policy", "fidelity"}),
     ("one GRPO step and what it is built from", {"grpo", "components", "evaluation", "checkpoint"}),
     ("training loops", {"trainer", "sft", "launch"}),
-    ("entry points", {"cli", "commands", "inference_commands", "dry_run", "export", "__init__", "compare", "bench",
-                      "experimental", "lm_eval_model"}),
+    ("entry points", {"cli", "commands", "inference_commands", "dry_run", "export", "__init__", "compare",
+                      "compare_plan", "compare_reuse", "compare_report", "bench", "experimental", "lm_eval_model"}),
 ]
 
 def _module_files() -> dict[str, Path]:
