@@ -77,7 +77,7 @@ def train_failed(args: argparse.Namespace, overrides: list[str], config, error: 
     other error is raised on."""
     from pathlib import Path
 
-    from dllm_ais.checkpoint import newest_intact_checkpoint
+    from dllm_ais.checkpoint_choice import newest_intact_checkpoint
     from dllm_ais.run_dir import clean_leftovers, no_space_error
     from dllm_ais.run_lock import holds_run_lock
 

@@ -59,7 +59,7 @@ class Run:
     @property
     def result(self) -> Path:
         """The run's `held_out.json`: present once it has finished."""
-        from dllm_ais.checkpoint import HELD_OUT_FILE
+        from dllm_ais.checkpoint_choice import HELD_OUT_FILE
 
         return self.output_dir / HELD_OUT_FILE
 
@@ -198,7 +198,7 @@ def planned_identities(runs: list[Run], configs: dict[Run, GRPOConfig | None]) -
 def train_command(run: Run, restart: bool = False) -> list[str]:
     """The run's `dllm-ais train`: fresh into an empty directory, resumed from its newest checkpoint when it has one
     (unless `restart`), else rerun over what an earlier try of it wrote."""
-    from dllm_ais.checkpoint import run_checkpoints
+    from dllm_ais.run_dir import run_checkpoints
 
     command = [sys.executable, "-m", "dllm_ais.cli", "train", *run.arguments, f"--output_dir={run.output_dir}"]
     if run_checkpoints(run.output_dir) and not restart:

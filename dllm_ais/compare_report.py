@@ -37,7 +37,7 @@ def summarise(study: Study, runs: list[Run]) -> dict[str, Any]:
     """The study's numbers from its finished runs: per arm the held-out accuracy and reward (per seed and their mean
     over seeds) and, for every arm but the baseline, `versus_baseline` on the compared metric — accuracy when every
     run has one, else reward."""
-    from dllm_ais.checkpoint import read_held_out
+    from dllm_ais.checkpoint_choice import read_held_out
 
     held_out = {(run.arm, run.seed): read_held_out(run.output_dir)["after"] for run in runs}
     metric = "accuracy" if all(values["accuracy"] is not None for values in held_out.values()) else "reward"

@@ -23,7 +23,7 @@ AGREEMENT = {"rel_tol": 1e-5, "abs_tol": 1e-6}  # a float32 mean the run logged 
 def read_result(output_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
     """(the record, None) of the `held_out.json` in a run's `output_dir` that dllm-ais wrote whole
     (`evaluation.held_out_problem`), or (None, why it is damaged or foreign)."""
-    from dllm_ais.checkpoint import read_held_out
+    from dllm_ais.checkpoint_choice import read_held_out
     from dllm_ais.evaluation import held_out_problem
     from dllm_ais.safe_files import FileTooLarge
 
@@ -102,7 +102,7 @@ def final_disagreement(output_dir: Path, config: GRPOConfig) -> str | None:
     """Why the run's `final/` is not the model its result was evaluated on — missing, not a final model dllm-ais
     wrote, damaged (`run_dir.verify_checkpoint`), of another step than `max_steps`, or saved with another config —
     or None."""
-    from dllm_ais.checkpoint import CONFIG_FILE
+    from dllm_ais.checkpoint_choice import CONFIG_FILE
     from dllm_ais.run_dir import directory_kind, provenance, verify_checkpoint
 
     final = output_dir / "final"
@@ -174,7 +174,8 @@ def examine(run: Run, config: GRPOConfig | None, identity: dict[str, Any] | None
     identity (a changed recipe, prompts or dllm-ais version); when its result is damaged or foreign, move the file
     aside and train it like an unfinished run: resumed from its newest checkpoint unless its `config.yaml` shows a
     change a resume refuses, else afresh."""
-    from dllm_ais.checkpoint import RESUMABLE_CHANGES, run_checkpoints
+    from dllm_ais.checkpoint_choice import RESUMABLE_CHANGES
+    from dllm_ais.run_dir import run_checkpoints
     from dllm_ais.evaluation import UNHASHED_FIELDS
 
     reasons = []

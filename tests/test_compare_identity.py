@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dllm_ais import compare, compare_plan, compare_reuse
-from dllm_ais.checkpoint import CONFIG_FILE, HELD_OUT_FILE, prepare_output_dir, write_held_out
+from dllm_ais.checkpoint_choice import CONFIG_FILE, HELD_OUT_FILE, prepare_output_dir, write_held_out
 from dllm_ais.cli import build_parser, main
 from dllm_ais.config import EMBEDDED_RECIPE, load_config, save_config
 from dllm_ais.data import load_task_dataset

@@ -297,7 +297,7 @@ RANKS_PREPARE = """\
 import os, sys, time
 from pathlib import Path
 
-import dllm_ais.checkpoint as checkpoint
+import dllm_ais.checkpoint_choice as checkpoint_choice
 import dllm_ais.run_lock as run_lock
 from dllm_ais.config import EMBEDDED_RECIPE, load_config
 from dllm_ais.launch import end_process_group
@@ -312,12 +312,12 @@ if rank == 0:  # the main process renames its lock record in late: the record's 
         rename(source, target)
     os.replace = late_rename
 else:  # the other process checks the directory once the main one has begun writing its lock record there
-    resume_checkpoint = checkpoint.resume_checkpoint
+    resume_checkpoint = checkpoint_choice.resume_checkpoint
     def resume_checkpoint_once_recorded(*args, **kwargs):
         while not (run.is_dir() and any(run_lock.LOCK_FILE in p.name for p in run.iterdir())):
             time.sleep(0.01)
         return resume_checkpoint(*args, **kwargs)
-    checkpoint.resume_checkpoint = resume_checkpoint_once_recorded
+    checkpoint_choice.resume_checkpoint = resume_checkpoint_once_recorded
 GRPOTrainer(load_config(EMBEDDED_RECIPE, [f"--output_dir={run}", "--eval_size=0", "--per_device_train_batch_size=8"]))
 print(f"process {rank}: prepared", flush=True)
 end_process_group()

@@ -84,7 +84,7 @@ def measure_mismatch(study, precisions: list[str], prompts: int, seed: int) -> d
 
 def per_prompt_values(runs: list[str], metric: str) -> list[list[float]]:
     """Each run's held-out `metric` per prompt (after training)."""
-    from dllm_ais.checkpoint import read_held_out
+    from dllm_ais.checkpoint_choice import read_held_out
 
     return [read_held_out(Path(run))["after"][metric] for run in runs]
 
