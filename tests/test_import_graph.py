@@ -34,7 +34,8 @@ LAYERS: list[tuple[str, set[str]]] = [
                                                   "checkpoint_choice", "checkpoint_loading"}),
     ("training loops", {"trainer", "sft", "launch"}),
     ("entry points", {"cli", "commands", "inference_commands", "dry_run", "export", "__init__", "compare",
-                      "compare_plan", "compare_reuse", "compare_report", "bench", "experimental", "lm_eval_model"}),
+                      "compare_plan", "compare_reuse", "compare_report", "bench", "experimental", "lm_eval_model",
+                      "lm_eval_requests", "lm_eval_arguments"}),
 ]
 
 def _module_files() -> dict[str, Path]:
