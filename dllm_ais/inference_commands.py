@@ -141,7 +141,8 @@ def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     from dllm_ais.evaluation import (EvalProtocol, dataset_provenance, device_name, evaluate_policy, library_versions,
                                      markdown_table, model_provenance, report_entry, write_report)
     from dllm_ais.loading import resolve_dtype
-    from dllm_ais.models.families import is_block_causal
+    from dllm_ais.decoding_protocols import protocol_family
+    from dllm_ais.models.families import find_family, is_block_causal
     from dllm_ais.policy import build_policy, is_diffusion
     from dllm_ais.rewards import resolve_reward_functions
     from dllm_ais.tasks import get_task
@@ -152,16 +153,17 @@ def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     reward_funcs = resolve_reward_functions(config.reward_funcs or list(task.reward_funcs))
     model, tokenizer = load_for_inference(args, config)
     block_size = model.config.block_size if is_block_causal(model) else None
-    name = args.protocol or ("sdar" if block_size else "d1")
+    name = args.protocol or (family.eval_protocol if (family := find_family(model)) else "d1")
     protocol = EvalProtocol.for_task(task, args.gen_lengths, args.block_length, args.temperature, name, block_size)
     odd = [length for length in protocol.gen_lengths if length % 2]
     if odd and protocol.name == "d1" and is_diffusion(config.policy, model.config.model_type):
         raise ConfigError(f"--gen_lengths {','.join(map(str, odd))}: the protocol denoises in gen_length / 2 steps, "
                           "so every gen length must be even (e.g. 16,32).")
-    misfit = [length for length in protocol.gen_lengths if protocol.name == "sdar" and length % block_size]
+    in_model_blocks = protocol.name != "d1" and protocol_family(protocol.name).protocol_blocks == "block_size"
+    misfit = [length for length in protocol.gen_lengths if in_model_blocks and length % block_size]
     if misfit:
         fitting = ",".join(str(-(-length // block_size) * block_size) for length in protocol.gen_lengths)
-        raise ConfigError(f"the sdar protocol decodes in this model's blocks of block_size={block_size}: gen length "
+        raise ConfigError(f"the {protocol.name} protocol decodes in this model's blocks of block_size={block_size}: gen length "
                           f"{','.join(map(str, misfit))} is not a multiple of it; pass --gen_lengths {fitting}")
     try:  # every gen length's sampler is checked before the first one runs
         policies = {gen_length: build_policy(protocol.decoding(config, gen_length),
