@@ -190,7 +190,8 @@ def add_sft_command(commands, common: argparse.ArgumentParser) -> None:
 
 
 def add_lm_eval_command(commands) -> None:
-    """`dllm-ais lm-eval ...`: the lm-evaluation-harness CLI with this library's model; every argument is the harness's."""
+    """`dllm-ais lm-eval ...`: the lm-evaluation-harness CLI with this library's model; every argument is the
+    harness's."""
     lm_eval = commands.add_parser(
         "lm-eval", add_help=False, help="lm-evaluation-harness on any task, with this library's model (needs [lm-eval])",
         description="Forwards every argument to the lm_eval CLI with --model dllm_ais (registered; the default), "
