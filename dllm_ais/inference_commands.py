@@ -56,33 +56,36 @@ def inference_config(args: argparse.Namespace, overrides: list[str], family_deco
     values = {**({"model_name_or_path": args.model} if args.model else {}), **parse_overrides(overrides)}
     if saved := saved_settings(args):
         return load_config(None, {**checkpoint_settings(saved), **values})
-    if (family_decoding and args.recipe is None and args.model
-            and (block_size := block_diffusion_block_size(args.model)) is not None):
-        values = {**block_diffusion_decoding(block_size, values), **values}
+    if family_decoding and args.recipe is None and args.model and (blocks := block_diffusion_blocks(args.model)):
+        values = {**block_diffusion_decoding(*blocks, values), **values}
     return load_config(args.recipe or EMBEDDED_RECIPE, values)
 
 
-def block_diffusion_block_size(name_or_path: str) -> int | None:
-    """The block size in the config.json of the model `name_or_path` (an adapter's: its base's) when it is a
-    block-diffusion model (SDAR); None otherwise. Read from the file: no model code runs."""
+def block_diffusion_blocks(name_or_path: str) -> tuple[str, int] | None:
+    """The model_type and block size in the config.json of the model `name_or_path` (an adapter's: its base's) when
+    it is a block-diffusion model (SDAR) that names its block size; None otherwise. Read from the file: no model code
+    runs."""
     from dllm_ais.loading import model_file, model_sources, read_json_object
     from dllm_ais.models.families import is_block_causal
 
     file = model_file(model_sources(name_or_path)[-1], "config.json")
     settings = read_json_object(file) if file else {}
-    return settings.get("block_size") if is_block_causal(settings.get("model_type")) else None
+    model_type, block_size = settings.get("model_type"), settings.get("block_size")
+    return (model_type, block_size) if is_block_causal(model_type) and block_size is not None else None
 
 
-def block_diffusion_decoding(block_size: int, values: dict) -> dict:
-    """SDAR's own decoding (`with_sdar_protocol`, what `eval` decodes a block-diffusion model with) as rollout
-    settings: the model's blocks of `block_size`, a step per completion position (the `values`' max_completion_length,
-    else the embedded recipe's)."""
+def block_diffusion_decoding(model_type: str, block_size: int, values: dict) -> dict:
+    """The decoding `eval` gives a block-diffusion model of `model_type` (its family record's `eval_protocol`: SDAR's
+    own for SDAR and LLaDA2.x) as rollout settings: the model's blocks of `block_size`, a step per completion position
+    (the `values`' max_completion_length, else the embedded recipe's)."""
     from dllm_ais.config import EMBEDDED_RECIPE, recipe_setting
-    from dllm_ais.decoding_protocols import SDAR_ROLLOUT
+    from dllm_ais.decoding_protocols import protocol_family, protocol_rollout
+    from dllm_ais.models.families import family_of
     from dllm_ais.validation import read_recipe
 
+    rollout = protocol_rollout(protocol_family(family_of(model_type).eval_protocol))
     length = values.get("max_completion_length", recipe_setting(read_recipe(EMBEDDED_RECIPE), "max_completion_length"))
-    return {f"rollout.{name}": value for name, value in {**SDAR_ROLLOUT, "block_length": block_size,
+    return {f"rollout.{name}": value for name, value in {**rollout, "block_length": block_size,
                                                            "steps": length}.items()}
 
 

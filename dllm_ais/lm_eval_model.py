@@ -25,8 +25,9 @@ Block-diffusion models (SDAR, `families.is_block_causal`) take the same paths in
   weight, SDAR's block-diffusion ELBO, its own training loss — not an autoregressive score, which SDAR (bidirectional
   inside a block) does not define. The greedy flag: SDAR's decoder, one token per step by confidence in blocks of
   ``block_size`` (the continuation's length rounded up to whole blocks), reproduces the continuation.
-- `generate_until` decodes with SDAR's own protocol (`decoding_protocols.with_sdar_protocol`: blocks of the model's
-  ``block_size``, a step per block position, low_confidence_dynamic at 0.9, the exact cache), any sampler setting
+- `generate_until` decodes with the family's default protocol (its record's `eval_protocol`, SDAR's for SDAR and
+  LLaDA2.x, `decoding_protocols.with_family_protocol`: blocks of the model's ``block_size``, a step per block
+  position, low_confidence_dynamic at 0.9, the exact cache), any sampler setting
   given in --model_args replacing its value; a block_length other than ``block_size`` is refused.
 
 Causal LMs (Qwen3, ...): teacher-forced log-probs and greedy flags as the harness's `hf` model computes them, and
@@ -56,9 +57,9 @@ from dllm_ais.likelihood import mask_generator, plain_logits
 from dllm_ais.lm_eval_arguments import ModelArguments, available_device, tokenizer_source
 from dllm_ais.lm_eval_requests import (LikelihoodEstimate, batches, causal_continuation_scores, check_monte_carlo_sizes,
                                        completion_text, d1_sampler_config, diffusion_loglikelihood, grouped_by_kwargs,
-                                       left_padded, sdar_sampler_config)
+                                       left_padded, block_protocol_sampler_config)
 from dllm_ais.loading import load_model, load_tokenizer, refuse_remote_code, resolve_dtype, special_tokens
-from dllm_ais.models.families import is_block_causal
+from dllm_ais.models.families import family_of, is_block_causal
 from dllm_ais.policy import is_diffusion
 from dllm_ais.sampling.autoregressive import AutoregressiveSampler, AutoregressiveSamplerConfig
 from dllm_ais.sampling.diffusion import MaskedDiffusionSampler
@@ -236,7 +237,8 @@ class DllmAisLM(TemplateLM):
         model's: SDAR's decoder without the dynamic rule, over the length rounded up to whole blocks."""
         if self.block_size is not None:
             gen_length = -(-continuation_length // self.block_size) * self.block_size
-            return MaskedDiffusionSampler(sdar_sampler_config(gen_length, self.block_size, self.tokens, 0.0).exact())
+            return MaskedDiffusionSampler(block_protocol_sampler_config(family_of(self.model), gen_length,
+                                                                        self.block_size, self.tokens, 0.0).exact())
         settings = {**self.sampler_settings, "steps": continuation_length, "remasking": "low_confidence",
                     "cache": "none", "threshold": None, "factor": None}
         return MaskedDiffusionSampler(d1_sampler_config(continuation_length, continuation_length, self.tokens, 0.0,
@@ -316,7 +318,8 @@ class DllmAisLM(TemplateLM):
         block, temperature = self.block_length, temperature if do_sample else 0.0
         gen_length = self.gen_length or -(-max_tokens // block) * block
         if self.block_size is not None:
-            config = sdar_sampler_config(gen_length, block, self.tokens, temperature, **self.sampler_settings)
+            config = block_protocol_sampler_config(family_of(self.model), gen_length, block, self.tokens, temperature,
+                                                   **self.sampler_settings)
             return MaskedDiffusionSampler(config), gen_length
         steps = self.sampler_settings["steps"] or max(gen_length // 2, 1)
         settings = {**self.sampler_settings, "steps": steps}

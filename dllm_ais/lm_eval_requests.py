@@ -16,10 +16,11 @@ from lm_eval.models.utils import postprocess_generated_text
 from torch import Tensor, nn
 
 from dllm_ais.config import GRPOConfig, with_d1_protocol
-from dllm_ais.decoding_protocols import with_sdar_protocol
+from dllm_ais.decoding_protocols import protocol_family, with_family_protocol
 from dllm_ais.likelihood import (LogitsFn, MaskDraw, causal_position_ids, elbo_from_draws, masked_completion_logprobs,
                                  plain_logits, selective_log_softmax)
 from dllm_ais.loading import SpecialTokens
+from dllm_ais.models.families import ModelFamily
 from dllm_ais.policy import diffusion_sampler_config
 from dllm_ais.sampling.diffusion import DiffusionSamplerConfig
 from dllm_ais.statistics import standard_error
@@ -128,12 +129,14 @@ def d1_sampler_config(gen_length: int, block_length: int, tokens: SpecialTokens,
                                    temperature, **settings)
 
 
-def sdar_sampler_config(gen_length: int, block_size: int, tokens: SpecialTokens, temperature: float,
-                        **settings: Any) -> DiffusionSamplerConfig:
-    """The sampler of SDAR's protocol at `gen_length` (`with_sdar_protocol`: blocks of the model's `block_size`, a
-    step per block position, low_confidence_dynamic at 0.9, the exact cache), see `protocol_sampler_config`."""
-    return protocol_sampler_config(with_sdar_protocol(GRPOConfig(policy="diffusion"), gen_length, block_size), tokens,
-                                   temperature, **settings)
+def block_protocol_sampler_config(family: ModelFamily, gen_length: int, block_size: int, tokens: SpecialTokens,
+                                  temperature: float, **settings: Any) -> DiffusionSamplerConfig:
+    """The sampler of a block-causal `family`'s default protocol (its record's `eval_protocol`; SDAR's for SDAR and
+    LLaDA2.x: blocks of the model's `block_size`, a step per block position, low_confidence_dynamic at 0.9, the exact
+    cache) at `gen_length`, see `protocol_sampler_config`."""
+    decoding = with_family_protocol(GRPOConfig(policy="diffusion"), protocol_family(family.eval_protocol), gen_length,
+                                    block_size)
+    return protocol_sampler_config(decoding, tokens, temperature, **settings)
 
 
 def completion_text(tokenizer, completion_ids: Tensor, completion_mask: Tensor, max_tokens: int,
