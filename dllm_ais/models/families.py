@@ -1,7 +1,7 @@
 """What differs between the model families, one `ModelFamily` record each (`FAMILIES`), looked up by model_type
 (`family_of`; `find_family` for a model_type that may be another causal LM of transformers). The sampler, the
-likelihood estimators, SFT, the LoRA presets, export, evaluation's protocols and the dry run read these records; no
-other module names a family's model_type.
+likelihood estimators, SFT, the LoRA presets, export, evaluation's protocols, the Auto-class registration and the dry
+run's name hints read these records (the dry run's tiny stand-in models are still built per family there).
 
 =========  ================  ==========  ====================  ===================  =========  =================
 family     model_type        policy      attention             logits predicting i  mask id    own protocol
@@ -10,7 +10,7 @@ LLaDA      ``llada``         diffusion   bidirectional         position i       
 Dream      ``Dream``         diffusion   bidirectional         position i - 1       151666     dream
 SDAR       ``sdar``          diffusion   block-causal (4)      position i           151669     sdar
 LLaDA2.x   ``llada2_moe``    diffusion   block-causal (32)     position i           156895     none yet
-Qwen3      ``qwen3`` (and    autoregr.   causal                position i + 1       none       none
+Qwen3      ``qwen3`` (and    autoregr.   causal                position i - 1       none       none
            qwen2, llama)
 =========  ================  ==========  ====================  ===================  =========  =================
 
