@@ -19,10 +19,8 @@ from typing import Any, Callable
 
 import yaml
 
-from dllm_ais.choices import (
-    BATCH_SCALED_PRECISIONS, LOSS_TYPES, REWARD_SCALINGS, SEQUENCE_ESTIMATORS, TRAJECTORY_ESTIMATORS,
-    block_fraction_problem, replays_decoder, routing_replay_problem,
-)
+from dllm_ais.choices import LOSS_TYPES, REWARD_SCALINGS, replays_decoder
+from dllm_ais.config_rules import cross_field_problems, reference_problems
 from dllm_ais.settings import (
     AT_LEAST_ONE, GROUP, GROUP_SHORTHANDS, MAX_PROMPTS, MAX_SIZE, MAX_TOKENS, MOVED_FIELDS, NON_NEGATIVE, PATH, POSITIVE,
     SETTINGS_GROUPS, CorrectionSettings, ExperimentalSettings, LikelihoodSettings, RolloutSettings, SettingsGroup, choice,
@@ -31,8 +29,7 @@ from dllm_ais.safe_files import write_file
 from dllm_ais.tasks import TaskNames
 from dllm_ais.trackers import TRACKERS, normalize_report_to
 from dllm_ais.validation import (
-    ConfigError, Interval, accepts_float, field_problems, model_path_problem, parse_yaml, path_kind, problem_list,
-    read_recipe, show, unknown_key_problems,
+    ConfigError, accepts_float, field_problems, parse_yaml, problem_list, read_recipe, show, unknown_key_problems,
 )
 
 EMBEDDED_MODEL = "embedded"
@@ -58,15 +55,9 @@ SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 # d1's evaluation decoder, whatever the length: LLaDA's own sampler, no block cache, no parallel commits, no guidance
 D1_ROLLOUT = {"remasking": "low_confidence", "schedule": "even", "cache": "none", "cache_dtype": "none",
               "threshold": None, "cache_refresh_interval": None, "cfg_scale": 0.0}
-DREAM_ROLLOUT = {**D1_ROLLOUT, "remasking": "entropy", "schedule": "time_linear"}
-# SDAR's own decoder (JetAstra/SDAR): low_confidence_dynamic (the drawn token's probability, every position above the
-# threshold and at least the step's scheduled count) at the threshold of the README's inference examples, with the
-# exact cache of finished blocks (any cache mode is that cache for a block-causal model)
-SDAR_THRESHOLD = 0.9
-SDAR_ROLLOUT = {**D1_ROLLOUT, "remasking": "maskgit_plus", "threshold": SDAR_THRESHOLD, "cache": "dual"}
 
 
-def _exact_decoding(config: "GRPOConfig", gen_length: int, rollout: dict) -> "GRPOConfig":
+def exact_decoding(config: "GRPOConfig", gen_length: int, rollout: dict) -> "GRPOConfig":
     """`config` decoding ``gen_length`` tokens with the rollout settings `rollout`, no top-p / top-k, no factor rule,
     the top-scored positions and the rollout's own commit order (no commit choice to score or differentiate)."""
     experimental = dataclasses.replace(config.experimental, rollout_factor=None, rollout_position_temperature=0.0,
@@ -81,26 +72,8 @@ def with_d1_protocol(config: "GRPOConfig", gen_length: int, block_length: int | 
     min(block_length, gen_length) (default: the config's), gen_length / 2 steps (two tokens per step). Held-out
     validation and `dllm-ais eval` both decode with it, for every diffusion family."""
     block_length = min(block_length or config.rollout.block_length, gen_length)
-    return _exact_decoding(config, gen_length, {**D1_ROLLOUT, "block_length": block_length,
+    return exact_decoding(config, gen_length, {**D1_ROLLOUT, "block_length": block_length,
                                                 "steps": max(gen_length // 2, 1)})
-
-
-def with_dream_protocol(config: "GRPOConfig", gen_length: int) -> "GRPOConfig":
-    """`config` decoding as Dream's own evaluation does (``diffusion_generate``), greedy: the whole completion as one
-    block, one step per token, Dream's entropy rule on its time-linear schedule (`DREAM_ROLLOUT`); `dllm-ais eval
-    --protocol dream`. Dream's published runs sample at temperature 0.1 with top-p 0.9; this protocol is greedy."""
-    return _exact_decoding(config, gen_length, {**DREAM_ROLLOUT, "block_length": gen_length, "steps": gen_length})
-
-
-def with_sdar_protocol(config: "GRPOConfig", gen_length: int, block_size: int) -> "GRPOConfig":
-    """`config` decoding as SDAR's own generation does (JetAstra/SDAR ``generate.py``), greedy: blocks of the model's
-    `block_size`, as many denoising steps per block as it has positions (``denoising_steps = block_length``, 4 for
-    the released models), `SDAR_ROLLOUT`'s low_confidence_dynamic at `SDAR_THRESHOLD`, the exact cache; `dllm-ais
-    eval --protocol sdar`. ``generate.py``'s own default threshold is 0.85, its README's engines use 0.9; threshold
-    1.0 would be the static rule (low_confidence_static)."""
-    return _exact_decoding(config, gen_length, {**SDAR_ROLLOUT, "block_length": block_size, "steps": gen_length})
-
-
 
 
 @dataclass
@@ -310,132 +283,10 @@ class GRPOConfig:
         invalid_names = set(invalid) | {f"{name}.{field}" for name in SETTINGS_GROUPS
                                          for field in field_problems(getattr(self, name))}
         problems = ([problem for found in invalid.values() for problem in found] + group_problems
-                    + _reference_problems(self, invalid_names))
+                    + reference_problems(self, invalid_names))
         if invalid or group_problems:  # the rules below assume well-typed fields
             return problems
-        rollout, likelihood, experimental = self.rollout, self.likelihood, self.experimental
-        diffusion = self.policy != "autoregressive"
-        block_fraction = block_fraction_problem(experimental.likelihood_block_fraction, likelihood.estimator)
-        routing = None if not experimental.routing_replay else routing_replay_problem(
-            likelihood.estimator, experimental.likelihood_order, self.replays_decoder, rollout.precision_flow,
-            rollout.precision, self.gradient_checkpointing, diffusion)
-        checks = [
-            (self.generation_batch_size % self.num_generations == 0,
-             f"per_device_train_batch_size * gradient_accumulation_steps = {self.generation_batch_size} must be divisible "
-             f"by num_generations={self.num_generations} (whole groups per device)"),
-            (not diffusion or self.max_completion_length % rollout.block_length == 0,
-             f"max_completion_length={self.max_completion_length} must be a multiple of rollout.block_length="
-             f"{rollout.block_length}"),
-            (rollout.threshold is None or experimental.rollout_factor is None,
-             "rollout.threshold and experimental.rollout_factor are two parallel-decoding rules: set one of them"),
-            (not diffusion or rollout.steps % max(self.max_completion_length // rollout.block_length, 1) == 0,
-             f"rollout.steps={rollout.steps} must be a multiple of the number of blocks, max_completion_length / "
-             f"rollout.block_length = {self.max_completion_length // rollout.block_length} (the exact decoder, which "
-             "held-out evaluation and the exact-order experiments use, follows its fixed schedule)"),
-            (not diffusion or rollout.block_length % 2 == 0 or rollout.block_length >= self.max_completion_length,
-             f"rollout.block_length={rollout.block_length} must be even: held-out validation decodes with d1's "
-             f"protocol, max_completion_length / 2 = {self.max_completion_length // 2} steps, a whole number per block"),
-            (not diffusion or rollout.steps <= self.max_completion_length,
-             f"rollout.steps={rollout.steps} must be <= max_completion_length={self.max_completion_length} "
-             "(at most one denoising step per token)"),
-            (experimental.ratio_type != "ctpo" or likelihood.estimator not in SEQUENCE_ESTIMATORS,
-             f"likelihood.estimator={likelihood.estimator} is sequence-level (one ratio per completion): set "
-             "experimental.ratio_type=token, or a token-level estimator (one_step, trajectory, step_merge) for ctpo"),
-            (not (likelihood.estimator == "spg" and likelihood.spg_block_masking and experimental.elbo_coupled),
-             "experimental.elbo_coupled pairs random masks and likelihood.spg_block_masking draws block masks: set one "
-             "of them to false"),
-            (block_fraction is None, block_fraction),
-            (routing is None, routing),
-            (not (rollout.precision_flow == "unified" and rollout.precision in BATCH_SCALED_PRECISIONS and diffusion
-                  and likelihood.estimator in TRAJECTORY_ESTIMATORS),
-             f"rollout.precision={rollout.precision} scales activations over the whole batch, and "
-             f"likelihood.estimator={likelihood.estimator} takes ℓ_rollout from the sampler's batch while the trainer "
-             "replays micro-batches, so the unified flow would not compute one set of numbers: use a per-row or "
-             "per-block notch (fp8, mxfp4, ...), likelihood.estimator=one_step, or rollout.precision_flow=split"),
-            (not self.drop_zero_std_groups or self.beta == 0,
-             f"drop_zero_std_groups leaves out groups whose KL term (beta={self.beta}) still has a gradient: set "
-             "beta=0, or drop_zero_std_groups=false"),
-            (experimental.likelihood_block_fraction == 1 or experimental.ratio_type == "token",
-             f"experimental.likelihood_block_fraction={experimental.likelihood_block_fraction} scores some tokens "
-             f"only, and ratio_type={experimental.ratio_type}'s prefix needs every token: set experimental.ratio_type="
-             "token, or experimental.likelihood_block_fraction=1"),
-            (experimental.likelihood_order == "rollout" or likelihood.estimator in TRAJECTORY_ESTIMATORS,
-             f"experimental.likelihood_order={experimental.likelihood_order} orders the trajectory estimator's "
-             f"replay: set likelihood.estimator to one of {', '.join(TRAJECTORY_ESTIMATORS)}, or "
-             "experimental.likelihood_order=rollout"),
-            (not self.replays_decoder or experimental.rollout_exact_fraction == 0,
-             f"experimental.rollout_exact_fraction={experimental.rollout_exact_fraction} decodes some groups exactly, "
-             "but experimental.likelihood_decoder=rollout replays every completion with the configured (cached) "
-             "decoder: set experimental.likelihood_decoder=exact, or experimental.rollout_exact_fraction=0"),
-            (experimental.rollout_fidelity == "fixed" or (diffusion and self.fast_rollouts),
-             f"experimental.rollout_fidelity={experimental.rollout_fidelity} moves between a fast diffusion decoder "
-             "and the exact one: set rollout.cache, rollout.threshold or experimental.rollout_factor, or "
-             "experimental.rollout_fidelity=fixed"),
-            (experimental.rollout_fidelity == "fixed" or not diffusion or self.ratio_sees_decoder,
-             f"experimental.rollout_fidelity={experimental.rollout_fidelity} reacts to the decoder's mismatch, which "
-             "only the trajectory estimator's ratio sees: set likelihood.estimator=trajectory, "
-             "experimental.likelihood_order=rollout and experimental.likelihood_decoder=exact, or "
-             "experimental.rollout_fidelity=fixed"),
-            (experimental.rollout_exact_fraction == 0 or (diffusion and self.fast_rollouts),
-             f"experimental.rollout_exact_fraction={experimental.rollout_exact_fraction} mixes exact with fast "
-             "diffusion rollouts: set rollout.cache, rollout.threshold or experimental.rollout_factor, or "
-             "experimental.rollout_exact_fraction=0"),
-            (not (self.overwrite_output_dir and self.resume_from_checkpoint not in (None, False)),
-             "resume_from_checkpoint continues the run in output_dir; overwrite_output_dir=true starts afresh: set one"),
-            (not self.correction.complete_ratio or (diffusion and likelihood.estimator == "trajectory"
-                                                     and experimental.likelihood_order == "rollout"),
-             "correction.complete_ratio multiplies the trajectory's token ratio by the commit choice's: set "
-             "likelihood.estimator=trajectory and experimental.likelihood_order=rollout (a diffusion policy), or "
-             "correction.complete_ratio=false"),
-            (not self.correction.complete_ratio or (experimental.rollout_position_temperature > 0
-                                                     and experimental.rollout_factor is None),
-             "correction.complete_ratio needs a commit choice with a probability: set "
-             "experimental.rollout_position_temperature > 0 (Gumbel-top-k commits, or with rollout.threshold "
-             "independent commits with probability sigmoid((confidence - threshold) / T)) and leave "
-             "experimental.rollout_factor unset, or correction.complete_ratio=false"),
-            (not self.correction.complete_ratio or (experimental.rollout_fidelity == "fixed"
-                                                     and experimental.rollout_exact_fraction == 0),
-             "correction.complete_ratio replays every completion with the configured decoder, and "
-             "experimental.rollout_fidelity / rollout_exact_fraction decode some with another: set "
-             "experimental.rollout_fidelity=fixed and experimental.rollout_exact_fraction=0, or "
-             "correction.complete_ratio=false"),
-            (not experimental.commit_choice_as_set or (experimental.rollout_position_temperature > 0
-                                                        and self.rollout.threshold is None
-                                                        and experimental.rollout_factor is None
-                                                        and self.rollout.schedule == "even"),
-             "experimental.commit_choice_as_set scores a fixed count's drawn positions as a set: set "
-             "experimental.rollout_position_temperature > 0, rollout.threshold=null, no experimental.rollout_factor "
-             "and rollout.schedule=even, or experimental.commit_choice_as_set=false"),
-            (not experimental.commit_choice_gradient or (diffusion and self.replays_decoder
-                                                          and experimental.rollout_position_temperature > 0
-                                                          and experimental.rollout_factor is None),
-             "experimental.commit_choice_gradient differentiates the commit choice's log-prob from the replayed "
-             "decoder's logits: set likelihood.estimator=trajectory, a rollout.cache (prefix or dual) with "
-             "experimental.likelihood_decoder=rollout, experimental.rollout_position_temperature > 0 and no "
-             "experimental.rollout_factor, or experimental.commit_choice_gradient=false"),
-            (not experimental.commit_choice_gradient or (self.beta == 0 and experimental.rollout_fidelity == "fixed"
-                                                          and experimental.rollout_exact_fraction == 0),
-             "experimental.commit_choice_gradient needs every completion decoded by the configured decoder and no "
-             "KL term (whose reference log-probs hold no commit choice): set beta=0, "
-             "experimental.rollout_fidelity=fixed and experimental.rollout_exact_fraction=0, or "
-             "experimental.commit_choice_gradient=false"),
-            (not self.correction.bypass_mode or experimental.rollout_fidelity == "fixed",
-             f"experimental.rollout_fidelity={experimental.rollout_fidelity} reads the mismatch before the update, "
-             "which correction.bypass_mode measures during it: set experimental.rollout_fidelity=fixed, or "
-             "correction.bypass_mode=false"),
-            (self.eval_steps == 0 or self.eval_size > 0,
-             f"eval_steps={self.eval_steps} scores the validation split: set eval_size > 0, or eval_steps=0"),
-            (not (self.eval_steps and self.save_steps) or self.save_steps % self.eval_steps == 0,
-             f"save_steps={self.save_steps} must be a multiple of eval_steps={self.eval_steps}, so that every "
-             "checkpoint has a validation score to be ranked by"),
-            (self.reward_weights is None or self.reward_funcs is not None,
-             "reward_weights needs reward_funcs (one weight per function)"),
-            (self.reward_weights is None or self.reward_funcs is None or len(self.reward_weights) == len(self.reward_funcs),
-             "reward_weights must have one entry per reward function"),
-            (not set(self.report_to) - set(TRACKERS),
-             f"report_to={show(self.report_to)}: supported trackers are {', '.join(TRACKERS)} (or none, all)"),
-        ]
-        return problems + [message for ok, message in checks if not ok]
+        return problems + cross_field_problems(self)
 
     def validate(self) -> "GRPOConfig":
         """Raise ConfigError listing every problem (see `problems`) with its fix; return self when valid."""
@@ -478,49 +329,6 @@ GRPO_FIELD_TYPES = typing.get_type_hints(GRPOConfig)
 
 def _problem_list(problems: list[str]) -> str:
     return problem_list("Invalid configuration:", problems)
-
-
-def _reference_problems(config: GRPOConfig, invalid: set[str]) -> list[str]:
-    """What the config names must exist: a local model directory, the dataset file, the task's settings
-    (`task_args`), reward and remasking names.
-
-    Fields in `invalid` (already reported; a group's as ``group.field``) are skipped.
-    """
-    from dllm_ais.rewards import resolve_reward_functions
-    from dllm_ais.tasks import get_task
-    from dllm_ais.sampling.diffusion import resolve_remasking_rule
-
-    problems = []
-    if "model_name_or_path" not in invalid:
-        problems.append(model_path_problem(config.model_name_or_path))
-    if not {"dataset_path", "task"} & invalid:
-        if config.dataset_path is not None and path_kind(config.dataset_path) in ("missing", "invalid"):
-            problems.append(f"dataset_path={show(config.dataset_path)}: no such file or directory")
-        task = get_task(config.task)
-        if "task_args" not in invalid:
-            problems.extend(task.task_args_problems(config.task_args))
-        if task.generate is not None and config.dataset_path is not None:
-            problems.append(f"dataset_path: the {task.name} task is generated and reads no files; leave dataset_path "
-                            "unset")
-        elif task.generate is None and task.hub_train is None and task.hub_test is None and config.dataset_path is None:
-            problems.append(f"task={config.task} has no default dataset: set dataset_path to a local file of its rows")
-    if "output_dir" not in invalid and path_kind(config.output_dir) in ("file", "invalid"):
-        problems.append(f"output_dir={show(config.output_dir)}: not a usable directory path (a file, or an invalid name)")
-    # `module:function` names are imported only when a run starts (GRPOTrainer), never while reading a config.
-    for name in [] if "reward_funcs" in invalid else config.reward_funcs or []:
-        try:
-            if ":" not in name:
-                resolve_reward_functions([name])
-            elif not all(name.partition(":")[::2]):
-                raise ValueError("write 'package.module:function'")
-        except ValueError as error:
-            problems.append(f"reward_funcs: {show(name)}: {error}")
-    if "rollout.remasking" not in invalid:
-        try:
-            resolve_remasking_rule(config.rollout.remasking)
-        except ValueError as error:
-            problems.append(f"rollout.remasking={show(config.rollout.remasking)}: {error}")
-    return [problem for problem in problems if problem]
 
 
 def _as_float_if_numeric(value: Any) -> Any:
@@ -715,74 +523,3 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | dict[st
 def save_config(config: GRPOConfig, path: str | Path) -> None:
     """Write `config` as a recipe to `path` (staged and renamed, never through a link: `safe_files.write_file`)."""
     write_file(path, yaml.safe_dump(config.to_dict(), sort_keys=False))
-
-
-# The top-level fields' sections in `--help` and docs/configuration.md: (title, the section's first field)
-TOP_LEVEL_SECTIONS = (("model", "model_name_or_path"), ("data and rewards", "task"),
-                      ("sampling (TRL's names)", "num_generations"), ("loss", "beta"),
-                      ("optimisation", "learning_rate"), ("output and run", "output_dir"))
-HELP_WIDTH = 150
-
-
-def config_sections() -> list[tuple[str, str, list[dataclasses.Field]]]:
-    """(title, option prefix, fields) of each section of the config: the top-level fields by `TOP_LEVEL_SECTIONS`,
-    then each settings group (prefix ``group.``)."""
-    top = [f for f in dataclasses.fields(GRPOConfig) if not f.metadata.get(GROUP)]
-    starts = [next(i for i, f in enumerate(top) if f.name == first) for _, first in TOP_LEVEL_SECTIONS]
-    sections = [(title, "", top[start:end]) for (title, _), start, end
-                in zip(TOP_LEVEL_SECTIONS, starts, [*starts[1:], len(top)])]
-    return sections + [(f"{name}: {group.TITLE}", f"{name}.", list(dataclasses.fields(group)))
-                       for name, group in SETTINGS_GROUPS.items()]
-
-
-def describe_fields() -> str:
-    """The body of `dllm-ais train --help`: each section of the config under its heading, one line per field
-    (``--name=default  help [choices] range``, the help's first sentence, at most `HELP_WIDTH` characters; the full
-    text is in docs/configuration.md, `configuration_reference`)."""
-    lines = []
-    for title, prefix, fields in config_sections():
-        lines += [f"{title}:"] + [_field_line(prefix, f) for f in fields] + [""]
-    return "\n".join(lines).rstrip()
-
-
-def configuration_reference() -> str:
-    """docs/configuration.md: every field of every section with its default, its full help, choices and range
-    (a test keeps the file equal to this)."""
-    lines = ["# Configuration reference", "",
-             "Generated from `dllm_ais/config.py` by `dllm_ais.config.configuration_reference` (the test suite checks it "
-             "is current). Set a field in "
-             "a YAML recipe (settings groups as nested mappings: `rollout: {cache: dual}`) or on the command line "
-             "(`--learning_rate=1e-5`, `--rollout.cache=dual`). The `experimental` group holds study knobs: they may "
-             "change between releases.", ""]
-    for title, prefix, fields in config_sections():
-        lines += [f"## {title}", "", "| field | default | description |", "| --- | --- | --- |"]
-        lines += [f"| `{prefix}{f.name}` | `{_default(f)}` | {_field_text(f, full=True)} |" for f in fields]
-        lines.append("")
-    return "\n".join(lines)
-
-
-def _default(f: dataclasses.Field) -> Any:
-    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-
-
-def _field_text(f: dataclasses.Field, full: bool) -> str:
-    """A field's help (the first sentence unless `full`), choices and range."""
-    help_text = f.metadata.get("help", "")
-    extra = [help_text if full else _first_sentence(help_text)]
-    if "choices" in f.metadata:
-        extra.append("[" + "|".join(f.metadata["choices"]) + "]")
-    if "range" in f.metadata:
-        extra.append(Interval.parse(f.metadata["range"]).describe().replace("must be ", ""))
-    return " ".join(e for e in extra if e).replace("|", "\\|" if full else "|")
-
-
-def _field_line(prefix: str, f: dataclasses.Field) -> str:
-    """``  --prefix.name=default  help [choices] range`` of one field, cut to `HELP_WIDTH` characters."""
-    line = f"  {f'--{prefix}{f.name}={_default(f)}':<44} {_field_text(f, full=False)}".rstrip()
-    return line if len(line) <= HELP_WIDTH else line[:HELP_WIDTH - 1] + "…"
-
-
-def _first_sentence(text: str) -> str:
-    """`text` up to the end of its first sentence (a period followed by a space)."""
-    head, period, _ = text.partition(". ")
-    return head + "." if period else text

@@ -17,23 +17,20 @@ from dllm_ais.config import EMBEDDED_MODEL, GRPOConfig
 from dllm_ais.correction import MIN_GROUPS_FOR_NOISE
 from dllm_ais.data import examples_from_rows, load_task_dataset
 from dllm_ais.loading import load_model_config, load_tokenizer
+from dllm_ais.models.families import FAMILIES
 from dllm_ais.policy import is_diffusion
 from dllm_ais.tasks import get_task
 from dllm_ais.trackers import missing_tracker_problems
 
 
-NAME_HINTS_OF_MODEL_TYPES = {"llada": "llada", "dream": "Dream", "diffucoder": "Dream", "sdar": "sdar"}
-"""Without a reachable config.json, a model name containing one of these (any case) is taken for that model_type."""
-
-
 def recipe_model_type(config: GRPOConfig) -> str | None:
     """The recipe model's model_type without downloading weights: from its config.json if reachable, else guessed
-    from the model name (`NAME_HINTS_OF_MODEL_TYPES`); None when neither tells."""
+    from the model name (a family record's `name_hints`); None when neither tells."""
     try:
         return load_model_config(config.model_name_or_path, config.trust_remote_code).model_type
     except (OSError, ValueError):
         name = config.model_name_or_path.lower()
-        return next((model_type for hint, model_type in NAME_HINTS_OF_MODEL_TYPES.items() if hint in name), None)
+        return next((family.model_types[0] for family in FAMILIES for hint in family.name_hints if hint in name), None)
 
 
 def recipe_is_diffusion(config: GRPOConfig) -> bool:

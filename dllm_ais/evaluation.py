@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from dllm_ais.config import (D1_ROLLOUT, DREAM_ROLLOUT, SDAR_ROLLOUT, ConfigError, GRPOConfig, with_d1_protocol,
-                             with_dream_protocol, with_sdar_protocol)
+from dllm_ais.config import D1_ROLLOUT, ConfigError, GRPOConfig, with_d1_protocol
+from dllm_ais.decoding_protocols import protocol_family, protocol_rollout, with_family_protocol
 from dllm_ais.loading import resolve_model_path
 from dllm_ais.policy import sample_prompts
 from dllm_ais.rewards import RewardTable, score_rollout_table
@@ -182,37 +182,38 @@ class EvalProtocol:
     @classmethod
     def for_task(cls, task: Task, gen_lengths: tuple[int, ...] | None = None, block_length: int | None = None,
                  temperature: float = 0.0, name: str = "d1", block_size: int | None = None) -> "EvalProtocol":
-        """The task's protocol (d1's for the real tasks; with `name` "dream" Dream's decoding, `with_dream_protocol`;
-        with "sdar" SDAR's, `with_sdar_protocol`, in the blocks of the model's `block_size`), with any of its
-        settings replaced. ConfigError when "sdar" meets a model without blocks or another block length."""
-        if name == "sdar":
+        """The task's protocol (d1's for the real tasks; with another `name`, that family's own decoder,
+        `decoding_protocols.with_family_protocol`: "dream" Dream's, "sdar" SDAR's in the blocks of the model's
+        `block_size`), with any of its settings replaced. ConfigError when a protocol decoding in the model's blocks
+        meets a model without blocks or another block length."""
+        if name != "d1" and protocol_family(name).protocol_blocks == "block_size":
             if block_size is None:
-                raise ConfigError("--protocol sdar decodes a block-causal model (SDAR) in its own blocks; this model "
-                                  "has none: use --protocol d1")
+                raise ConfigError(f"--protocol {name} decodes a block-causal model ({protocol_family(name).name}) in "
+                                  "its own blocks; this model has none: use --protocol d1")
             if block_length not in (None, block_size):
-                raise ConfigError(f"--block_length {block_length}: the sdar protocol decodes in the model's blocks of "
-                                  f"block_size={block_size}; leave --block_length unset")
+                raise ConfigError(f"--block_length {block_length}: the {name} protocol decodes in the model's blocks "
+                                  f"of block_size={block_size}; leave --block_length unset")
             block_length = block_size
         return cls(tuple(gen_lengths or task.eval_gen_lengths), block_length or task.eval_block_length, temperature,
                    name)
 
     def decoding(self, config: GRPOConfig, gen_length: int) -> GRPOConfig:
-        """`config` decoding with this protocol at ``gen_length`` (`with_d1_protocol`, `with_dream_protocol` or
-        `with_sdar_protocol`)."""
-        if self.name == "dream":
-            return with_dream_protocol(config, gen_length)
-        if self.name == "sdar":
-            return with_sdar_protocol(config, gen_length, self.block_length)
-        return with_d1_protocol(config, gen_length, self.block_length)
+        """`config` decoding with this protocol at ``gen_length`` (`with_d1_protocol`, or the family's own,
+        `with_family_protocol`)."""
+        if self.name == "d1":
+            return with_d1_protocol(config, gen_length, self.block_length)
+        return with_family_protocol(config, protocol_family(self.name), gen_length, self.block_length)
 
     def to_dict(self) -> dict[str, Any]:
-        if self.name == "dream":
-            return {**asdict(self), **DREAM_ROLLOUT, "block_length": "gen_length", "steps": "gen_length",
-                    "gen_lengths": list(self.gen_lengths)}
-        if self.name == "sdar":
-            return {**asdict(self), **SDAR_ROLLOUT, "steps": "gen_length (block_length per block)",
-                    "gen_lengths": list(self.gen_lengths)}
-        return {**asdict(self), **D1_ROLLOUT, "steps": "gen_length / 2", "gen_lengths": list(self.gen_lengths)}
+        gen_lengths = list(self.gen_lengths)
+        if self.name == "d1":
+            return {**asdict(self), **D1_ROLLOUT, "steps": "gen_length / 2", "gen_lengths": gen_lengths}
+        family = protocol_family(self.name)
+        if family.protocol_blocks == "completion":
+            return {**asdict(self), **protocol_rollout(family), "block_length": "gen_length", "steps": "gen_length",
+                    "gen_lengths": gen_lengths}
+        return {**asdict(self), **protocol_rollout(family), "steps": "gen_length (block_length per block)",
+                "gen_lengths": gen_lengths}
 
 
 # --------------------------------------------------------------------------------------------- provenance

@@ -7,7 +7,7 @@ estimator, ...) and, when a `dllm-ais eval` report of this model is found or giv
 
 An exported masked-diffusion model carries our modeling files (LLaDA: `modeling_llada.py`; Dream: `modeling_dream.py`
 with the `llada.py` it shares norms and RoPE with; SDAR: `modeling_sdar.py` with the `dream.py`, `llada.py` and
-`families.py` it imports; they import only torch and transformers) and an `auto_map` in config.json (`REMOTE_CODE`), so `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)` loads it without
+`families.py` it imports; they import only torch and transformers) and an `auto_map` in config.json (each family's record, `dllm_ais.models.families`), so `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)` loads it without
 dllm-ais installed. With `import dllm_ais` the registered native class is used instead, remote code or not:
 transformers (5.x) prefers a model type registered outside `transformers.*` over a checkpoint's `auto_map`.
 """
@@ -22,45 +22,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dataclasses import dataclass
 import importlib
 
 import torch
 from dllm_ais.config import EMBEDDED_MODELS, ConfigError, GRPOConfig, canonical_values, recipe_setting
 from dllm_ais.run_dir import MARKER, atomic_directory, check_destination, check_not_source
 from dllm_ais.loading import adapter_base, load_model, load_tokenizer_as_saved, resolve_model_path
+from dllm_ais.models.families import ModelFamily, find_family
 
-@dataclass(frozen=True)
-class RemoteCode:
-    """What an export of a model_type outside transformers ships so that transformers alone loads it: `files`
-    (exported name → our module under dllm_ais/models) and the config's `auto_map`."""
-
-    family: str
-    files: dict[str, str]
-    auto_map: dict[str, str]
-
-    @property
-    def main_file(self) -> str:
-        return next(iter(self.files))
+def shipped_code(model_type: str | None) -> ModelFamily | None:
+    """The family whose modeling files an export of `model_type` ships (its record's `exported_files` and
+    `auto_map`); None when transformers loads the model alone (or the family has no files to ship)."""
+    family = find_family(model_type)
+    return family if family is not None and family.exported_files else None
 
 
-REMOTE_CODE = {
-    "llada": RemoteCode("LLaDA", {"modeling_llada.py": "llada"}, {
-        "AutoConfig": "modeling_llada.LLaDAConfig", "AutoModel": "modeling_llada.LLaDAModelLM",
-        "AutoModelForCausalLM": "modeling_llada.LLaDAModelLM"}),
-    "Dream": RemoteCode("Dream", {"modeling_dream.py": "dream", "llada.py": "llada"}, {
-        "AutoConfig": "modeling_dream.DreamConfig", "AutoModel": "modeling_dream.DreamModel",
-        "AutoModelForCausalLM": "modeling_dream.DreamModel"}),
-    # The official SDAR checkpoints ship JetLM's configuration_sdar.py and modeling_sdar.py; an export ships ours
-    # instead (the same module tree and config fields, so the weights and config.json are unchanged) under the
-    # official file name, its auto_map naming our classes.
-    "sdar": RemoteCode("SDAR", {"modeling_sdar.py": "sdar", "dream.py": "dream", "llada.py": "llada",
-                                "families.py": "families"}, {
-        "AutoConfig": "modeling_sdar.SDARConfig", "AutoModel": "modeling_sdar.SDARModel",
-        "AutoModelForCausalLM": "modeling_sdar.SDARForCausalLM"}),
-}
-REMOTE_CODE_FILE = REMOTE_CODE["llada"].main_file
-LLADA_AUTO_MAP = REMOTE_CODE["llada"].auto_map
 TRAINING_CONFIG = "dllm_ais_config.yaml"
 EVAL_REPORT_DIRECTORY = "eval_results"  # where `dllm-ais eval` writes its reports by default
 MAX_REPORT_BYTES = 64 * 2**20
@@ -153,25 +129,25 @@ def find_eval_report(source: Path) -> Path | None:
     return max(found)[1] if found else None
 
 
-def loading_instructions(name: str, remote: RemoteCode | None) -> str:
+def loading_instructions(name: str, remote: ModelFamily | None) -> str:
     """The card's "How to load" section for the model published as `name` (`remote`: the remote code it ships)."""
     if remote is None:
         return ("```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
                 f'model = AutoModelForCausalLM.from_pretrained("{name}", dtype="auto")\n'
                 f'tokenizer = AutoTokenizer.from_pretrained("{name}")\n```\n')
     return (
-        "With dllm-ais installed, its registered native implementation loads the model (no remote code):\n\n```python\nimport torch, dllm_ais  # registers {remote.family} with the transformers Auto classes\n"
+        "With dllm-ais installed, its registered native implementation loads the model (no remote code):\n\n```python\nimport torch, dllm_ais  # registers {remote.name} with the transformers Auto classes\n"
         "from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
         f'model = AutoModelForCausalLM.from_pretrained("{name}", dtype=torch.bfloat16)\n'
         f'tokenizer = AutoTokenizer.from_pretrained("{name}")\n```\n\n'
-        f"With transformers alone, the same implementation ships here as `{'` and `'.join(remote.files)}` (it imports "
+        f"With transformers alone, the same implementation ships here as `{'` and `'.join(remote.exported_files)}` (it imports "
         "only torch and transformers):\n\n```python\n"
         f'model = AutoModelForCausalLM.from_pretrained("{name}", dtype=torch.bfloat16, trust_remote_code=True)\n```\n\n'
-        f"{remote.family} is a masked-diffusion model: sample with dllm-ais' `MaskedDiffusionSampler` (or "
+        f"{remote.name} is a masked-diffusion model: sample with dllm-ais' `MaskedDiffusionSampler` (or "
         f"`dllm-ais generate --model {name}`), not with `model.generate`.\n")
 
 
-def model_card(name: str, base_model: str | None, remote: RemoteCode | None, recipe: dict[str, Any] | None,
+def model_card(name: str, base_model: str | None, remote: ModelFamily | None, recipe: dict[str, Any] | None,
                report: dict[str, Any] | None, report_name: str | None, source_name: str):
     """The export's `huggingface_hub.ModelCard`: metadata (base model, library, tags) and a body with the training
     recipe, the evaluation table and how to load the model. Nothing in it is a local absolute path."""
@@ -185,7 +161,7 @@ def model_card(name: str, base_model: str | None, remote: RemoteCode | None, rec
     tags = ["dllm-ais", "grpo", "reinforcement-learning"]
     tags += [f"rollout-{settings['rollout.precision']}"] if "rollout.precision" in settings else []
     tags += [f"correction-{settings['correction.method']}"] if "correction.method" in settings else []
-    tags += [remote.family.lower(), "masked-diffusion", "custom_code"] if remote else []
+    tags += [remote.name.lower(), "masked-diffusion", "custom_code"] if remote else []
     data = ModelCardData(base_model=base_model if base_model and is_hub_id(base_model) else None,
                          library_name="transformers", tags=tags, pipeline_tag=None if remote else "text-generation")
     origin = f"`{base_model}`" if base_model else "a local model"
@@ -221,7 +197,7 @@ def export_merged_model(adapter_or_model_dir: str | Path, output_dir: str | Path
                         eval_report: str | Path | None = None) -> Path:
     """Merge a LoRA adapter into its base model and write a Hub-layout model directory: safetensors, tokenizer,
     config, the model card (`model_card`) and, for a masked-diffusion family, its modeling files with an `auto_map`
-    (`REMOTE_CODE`).
+    (`shipped_code`).
 
     `output_dir` must be absent or empty, or — with `overwrite` — an earlier export (checked before anything loads);
     it is never the source, nor a directory holding it, nor a run's checkpoint-N or final/ (`check_destination`).
@@ -243,13 +219,13 @@ def export_merged_model(adapter_or_model_dir: str | Path, output_dir: str | Path
         base = recipe.get("model_name_or_path") if recipe else None
     tokenizer_source = source if (source / "tokenizer_config.json").is_file() else resolve_model_path(base)
     tokenizer = load_tokenizer_as_saved(str(tokenizer_source))
-    remote = REMOTE_CODE.get(model.config.model_type)
+    remote = shipped_code(model.config.model_type)
     if remote:
         model.config.auto_map = dict(remote.auto_map)
     with atomic_directory(output_dir, overwrite) as staging:
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
-        for exported_name, module in (remote.files.items() if remote else ()):
+        for exported_name, module in (remote.exported_files.items() if remote else ()):
             shutil.copyfile(importlib.import_module(f"dllm_ais.models.{module}").__file__, staging / exported_name)
         card = model_card(push_to_hub or output_dir.name, portable_name(base), remote, recipe, report,
                           report_path.name if report_path is not None else None, source.name)

@@ -34,7 +34,7 @@ SET_ASIDE: dict[Path, Path] = {}  # run directory -> where this process moved th
 
 def note_set_aside(output_dir: Path, directory: Path) -> None:
     """Record that this process moves the checkpoints of the later steps a resume in `output_dir` leaves into
-    `directory` (`dllm_ais.checkpoint.set_abandoned_steps_aside`), so that a Ctrl-C before the first step names it."""
+    `directory` (`dllm_ais.checkpoint_choice.set_abandoned_steps_aside`), so that a Ctrl-C before the first step names it."""
     SET_ASIDE[Path(output_dir).resolve()] = directory
 
 

@@ -79,7 +79,7 @@ def check_processes(accelerator: Any) -> None:
 
 
 def prepare_output_dir_in_turn(config: GRPOConfig, accelerator: Any) -> Path | None:
-    """`checkpoint.prepare_output_dir` on every process, the main one first; the checkpoint to resume from.
+    """`checkpoint_choice.prepare_output_dir` on every process, the main one first; the checkpoint to resume from.
 
     The main process alone changes the directory (its lock and the lock's record, written beside it and renamed in,
     the run's marker, leftovers removed): another process checking at the same time could meet a half-made entry and
@@ -87,7 +87,7 @@ def prepare_output_dir_in_turn(config: GRPOConfig, accelerator: Any) -> Path | N
     raised on every process."""
     from accelerate.utils import broadcast_object_list
 
-    from dllm_ais.checkpoint import prepare_output_dir
+    from dllm_ais.checkpoint_choice import prepare_output_dir
 
     if accelerator.num_processes == 1:
         return prepare_output_dir(config)

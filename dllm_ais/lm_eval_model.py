@@ -25,8 +25,9 @@ Block-diffusion models (SDAR, `families.is_block_causal`) take the same paths in
   weight, SDAR's block-diffusion ELBO, its own training loss — not an autoregressive score, which SDAR (bidirectional
   inside a block) does not define. The greedy flag: SDAR's decoder, one token per step by confidence in blocks of
   ``block_size`` (the continuation's length rounded up to whole blocks), reproduces the continuation.
-- `generate_until` decodes with SDAR's own protocol (`config.with_sdar_protocol`: blocks of the model's
-  ``block_size``, a step per block position, low_confidence_dynamic at 0.9, the exact cache), any sampler setting
+- `generate_until` decodes with the family's default protocol (its record's `eval_protocol`, SDAR's for SDAR and
+  LLaDA2.x, `decoding_protocols.with_family_protocol`: blocks of the model's ``block_size``, a step per block
+  position, low_confidence_dynamic at 0.9, the exact cache), any sampler setting
   given in --model_args replacing its value; a block_length other than ``block_size`` is refused.
 
 Causal LMs (Qwen3, ...): teacher-forced log-probs and greedy flags as the harness's `hf` model computes them, and
@@ -41,332 +42,31 @@ the left to fit `max_length` instead of failing.
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import logging
-import re
-import typing
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
-from lm_eval.models.utils import (handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text,
-                                  resolve_max_length)
+from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, resolve_max_length
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from dllm_ais.choices import CACHE_MODES
-from dllm_ais.config import DTYPES, POLICIES, GRPOConfig, with_d1_protocol, with_sdar_protocol
 from dllm_ais.data import apply_chat_template
-from dllm_ais.statistics import standard_error
-from dllm_ais.likelihood import (
-    LogitsFn,
-    MaskDraw,
-    causal_position_ids,
-    elbo_from_draws,
-    mask_generator,
-    masked_completion_logprobs,
-    plain_logits,
-    selective_log_softmax,
-)
-from dllm_ais.loading import (SpecialTokens, adapter_base, load_model, load_tokenizer, refuse_remote_code,
-                              resolve_dtype, resolve_model_path, special_tokens)
-from dllm_ais.models.families import is_block_causal
-from dllm_ais.policy import diffusion_sampler_config, is_diffusion
+from dllm_ais.likelihood import mask_generator, plain_logits
+from dllm_ais.lm_eval_arguments import ModelArguments, available_device, tokenizer_source
+from dllm_ais.lm_eval_requests import (LikelihoodEstimate, batches, causal_continuation_scores, check_monte_carlo_sizes,
+                                       completion_text, d1_sampler_config, diffusion_loglikelihood, grouped_by_kwargs,
+                                       left_padded, block_protocol_sampler_config)
+from dllm_ais.loading import load_model, load_tokenizer, refuse_remote_code, resolve_dtype, special_tokens
+from dllm_ais.models.families import family_of, is_block_causal
+from dllm_ais.policy import is_diffusion
 from dllm_ais.sampling.autoregressive import AutoregressiveSampler, AutoregressiveSamplerConfig
-from dllm_ais.sampling.diffusion import DiffusionSamplerConfig, MaskedDiffusionSampler
-from dllm_ais.validation import ConfigError, field_problems, show
+from dllm_ais.sampling.diffusion import MaskedDiffusionSampler
+from dllm_ais.validation import ConfigError
 
-logger = logging.getLogger(__name__)
 MODEL_NAME = "dllm_ais"
-DEFAULT_SEED = 1234  # eval_llada.py's set_seed
 DEFAULT_MAX_LENGTH = 2048  # the harness's `hf` default when the config names no context length
-D1_BLOCK_LENGTH = 32
-
-
-# --------------------------------------------------------------------------------------------- diffusion likelihood
-
-
-@dataclass(frozen=True)
-class LikelihoodEstimate:
-    """A Monte-Carlo estimate of log p(continuation | context): its value (the mean of `num_samples` per-copy values)
-    and standard error s_b / √B over the B = num_samples / batch_size batch means (each an independent unbiased
-    estimate; NaN for a single batch)."""
-
-    value: float
-    standard_error: float
-    num_samples: int
-
-
-def llada_mask_draw(gen_length: int, batch: int, generator: torch.Generator) -> MaskDraw:
-    """One batch of LLaDA's evaluation forward process over a continuation of L = `gen_length` tokens.
-
-    k ~ U{1, …, L}; copy i ∈ [0, b) masks n_i = ((round(k + i·L/b) − 1) mod L) + 1 tokens — stratified counts
-    spread over 1..L — at the positions j with σ_i(j) < n_i, σ_i a uniform permutation; its rate is t_i = n_i / L.
-    Draws from `generator`: randint for k, then one randperm(L) per copy (eval_llada.py's `_forward_process`, in its
-    order).
-    """
-    start = torch.randint(1, gen_length + 1, (), generator=generator)
-    counts = torch.round(torch.linspace(float(start), start + (batch - 1) * (gen_length / batch), steps=batch)).long()
-    counts = (counts - 1) % gen_length + 1
-    permutations = torch.stack([torch.randperm(gen_length, generator=generator) for _ in range(batch)])
-    return MaskDraw(masked=permutations < counts.unsqueeze(1), rate=counts.float() / gen_length)
-
-
-def check_monte_carlo_sizes(num_samples: int, batch_size: int) -> None:
-    """Raise ConfigError unless the number of copies is a positive multiple of the Monte-Carlo batch."""
-    if num_samples < 1 or batch_size < 1 or num_samples % batch_size:
-        raise ConfigError(f"mc_num={num_samples} must be a positive multiple of mc_batch_size={batch_size} "
-                          "(--model_args)")
-
-
-@torch.no_grad()
-def diffusion_loglikelihood(model: nn.Module, context: Tensor, continuation: Tensor, mask_token_id: int,
-                            num_samples: int, batch_size: int, generator: torch.Generator,
-                            logits_fn: LogitsFn = plain_logits) -> LikelihoodEstimate:
-    """LLaDA's Monte-Carlo estimate of log p(continuation | context) for 1-D token tensors: the mean over
-    `num_samples` copies of (1 / t) Σ_{masked j} log softmax(f(x̃)_j)[x_j], drawn `batch_size` at a time by
-    `llada_mask_draw` (one forward per batch; the context is never masked), scored by `logits_fn`."""
-    check_monte_carlo_sizes(num_samples, batch_size)
-    sequence = torch.cat([context, continuation]).unsqueeze(0).expand(batch_size, -1)
-    attention_mask = torch.ones_like(sequence)
-    batch_means = []
-    for _ in range(num_samples // batch_size):
-        draw = llada_mask_draw(len(continuation), batch_size, generator)
-        logprobs = masked_completion_logprobs(model, sequence, attention_mask, len(context), mask_token_id,
-                                              draw.masked, logits_fn=logits_fn)
-        batch_means.append(elbo_from_draws([logprobs], [draw]).mean())
-    means = torch.stack(batch_means).cpu()
-    return LikelihoodEstimate(means.mean().item(), standard_error(means), num_samples)
-
-
-# --------------------------------------------------------------------------------------------- causal likelihood
-
-
-def left_padded(rows: list[list[int]], pad_token_id: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """Token-id lists as one left-padded [B, max length] batch and its attention mask (1 on real tokens)."""
-    width = max(map(len, rows))
-    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for index, row in enumerate(rows):
-        input_ids[index, width - len(row):] = torch.tensor(row, dtype=torch.long)
-        attention_mask[index, width - len(row):] = 1
-    return input_ids.to(device), attention_mask.to(device)
-
-
-@torch.no_grad()
-def causal_continuation_scores(model: nn.Module, rows: list[list[int]], continuation_lengths: list[int],
-                               pad_token_id: int) -> list[tuple[float, bool]]:
-    """Per row x (a context followed by its last c tokens, the continuation): Σ_{j in the continuation}
-    log softmax(f(x_<j))[x_j] and whether every x_j is the argmax, as the harness's `hf` model scores it: the rows
-    without their last token run as one left-padded forward (position ids = cumsum(attention mask) − 1), its LM head
-    on the last max(c) positions only."""
-    device = next(model.parameters()).device
-    input_ids, attention_mask = left_padded([row[:-1] for row in rows], pad_token_id, device)
-    next_ids, _ = left_padded([row[1:] for row in rows], pad_token_id, device)
-    scored = max(continuation_lengths)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=causal_position_ids(attention_mask),
-                   use_cache=False, logits_to_keep=scored).logits
-    targets = next_ids[:, -scored:]
-    logprobs = selective_log_softmax(logits, targets)
-    lengths = torch.tensor(continuation_lengths, device=device).unsqueeze(1)
-    in_continuation = torch.arange(scored, device=device) >= scored - lengths
-    totals = torch.where(in_continuation, logprobs, 0.0).sum(dim=1)
-    greedy = ((logits.argmax(dim=-1) == targets) | ~in_continuation).all(dim=1)
-    return list(zip(totals.tolist(), greedy.tolist()))
-
-
-# --------------------------------------------------------------------------------------------- generation
-
-
-def protocol_sampler_config(protocol: GRPOConfig, tokens: SpecialTokens, temperature: float,
-                            **settings: Any) -> DiffusionSamplerConfig:
-    """The sampler a protocol's config decodes with at `temperature`, with the model's special tokens and any sampler
-    `settings` that are not None (steps, remasking, cfg_scale, cache, threshold, factor, ...) replaced."""
-    chosen = {key: value for key, value in settings.items() if value is not None}
-    return dataclasses.replace(diffusion_sampler_config(protocol, tokens, temperature), **chosen)
-
-
-def d1_sampler_config(gen_length: int, block_length: int, tokens: SpecialTokens, temperature: float,
-                      **settings: Any) -> DiffusionSamplerConfig:
-    """The sampler of d1's protocol at `gen_length` (`with_d1_protocol`: blocks of min(block_length, gen_length),
-    gen_length / 2 steps, low-confidence remasking, no cache, no guidance), see `protocol_sampler_config`."""
-    return protocol_sampler_config(with_d1_protocol(GRPOConfig(policy="diffusion"), gen_length, block_length), tokens,
-                                   temperature, **settings)
-
-
-def sdar_sampler_config(gen_length: int, block_size: int, tokens: SpecialTokens, temperature: float,
-                        **settings: Any) -> DiffusionSamplerConfig:
-    """The sampler of SDAR's protocol at `gen_length` (`with_sdar_protocol`: blocks of the model's `block_size`, a
-    step per block position, low_confidence_dynamic at 0.9, the exact cache), see `protocol_sampler_config`."""
-    return protocol_sampler_config(with_sdar_protocol(GRPOConfig(policy="diffusion"), gen_length, block_size), tokens,
-                                   temperature, **settings)
-
-
-def completion_text(tokenizer, completion_ids: Tensor, completion_mask: Tensor, max_tokens: int,
-                    until: list[str]) -> str:
-    """The text of one completion: its tokens through the first EOS (`completion_mask`) and at most `max_tokens`,
-    decoded without special tokens, cut before the first of the `until` strings."""
-    tokens = completion_ids[completion_mask.bool()][:max_tokens]
-    return postprocess_generated_text(tokenizer.decode(tokens, skip_special_tokens=True), until, None)
-
-
-def _grouped_by_kwargs(requests: list) -> dict[str, list[int]]:
-    """Request indices grouped by their generation kwargs (one sampler per group)."""
-    groups: dict[str, list[int]] = {}
-    for index, request in enumerate(requests):
-        groups.setdefault(json.dumps(request.args[1], sort_keys=True, default=str), []).append(index)
-    return groups
-
-
-def _batches(indices: list[int], size: int) -> list[list[int]]:
-    return [indices[start:start + size] for start in range(0, len(indices), size)]
-
-
-# --------------------------------------------------------------------------------------------- the harness model
-
-
-def tokenizer_source(pretrained: str) -> str:
-    """Where the tokenizer of `pretrained` is: the directory itself, or for an adapter directory without tokenizer
-    files its base model."""
-    if (Path(resolve_model_path(pretrained)) / "tokenizer_config.json").is_file():
-        return pretrained
-    return adapter_base(pretrained) or pretrained
-
-
-BOOLEAN_WORDS = {"true": True, "yes": True, "on": True, "1": True,
-                 "false": False, "no": False, "off": False, "0": False}
-
-
-def harness_value(annotation: Any, value: Any) -> Any:
-    """A --model_args value as the harness passes it (its command line makes `-3` the float -3.0 and leaves `no` a
-    string, which Python would count as true) in the type `annotation` names, where that is exact: a boolean from
-    true/false, yes/no, on/off, 1/0 (any case), an integer from an integral number or its digits, a float from its
-    text. Any other value is returned as it is, for `field_problems` to report."""
-    kinds = set(typing.get_args(annotation)) or {annotation}
-    if bool in kinds:
-        if isinstance(value, str):
-            return BOOLEAN_WORDS.get(value.strip().lower(), value)
-        return bool(value) if type(value) in (int, float) and value in (0, 1) else value
-    if isinstance(value, bool):
-        return value
-    if int in kinds:
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str) and re.fullmatch(r"[+-]?\d+", value.strip()):
-            return int(value)
-    if float in kinds and isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return value
-    return value
-
-
-def device_problem(name: str, device: str) -> str | None:
-    """Why the torch device `device` cannot hold the model on this machine: not a device name, or a CUDA device it
-    does not have."""
-    try:
-        parsed = torch.device(device)
-    except (RuntimeError, TypeError):
-        return f"{name}={show(device)}: not a device name (cpu, cuda, cuda:N)"
-    if parsed.type == "cuda" and (parsed.index or 0) >= torch.cuda.device_count():
-        return f"{name}={show(device)}: this machine has {torch.cuda.device_count()} CUDA devices"
-    return None
-
-
-# The sampler's settings are checked before the model is loaded, so before its special tokens are known.
-UNKNOWN_TOKENS = SpecialTokens(mask_token_id=None, eos_token_ids=(), pad_token_id=None)
-
-
-@dataclass(frozen=True)
-class ModelArguments:
-    """The --model_args of the `dllm_ais` harness model (`DllmAisLM`), each checked for its type, range or choices
-    by `parse` before anything loads."""
-
-    pretrained: str = "embedded"
-    dtype: str = dataclasses.field(default="auto", metadata={"choices": DTYPES})
-    batch_size: int = dataclasses.field(default=1, metadata={"range": "[1, inf)"})
-    device: str | None = None
-    device_map: str | None = None
-    policy: str = dataclasses.field(default="auto", metadata={"choices": POLICIES})
-    trust_remote_code: bool = False
-    max_length: int | None = dataclasses.field(default=None, metadata={"range": "[1, inf)"})
-    seed: int = dataclasses.field(default=DEFAULT_SEED, metadata={"range": "[0, inf)"})
-    mc_num: int = dataclasses.field(default=128, metadata={"range": "[1, inf)"})
-    mc_batch_size: int | None = dataclasses.field(default=None, metadata={"range": "[1, inf)"})
-    is_check_greedy: bool = True
-    cfg_scale: float = dataclasses.field(default=0.0, metadata={"range": "[0, inf)"})
-    gen_length: int | None = dataclasses.field(default=None, metadata={"range": "[1, inf)"})
-    block_length: int = dataclasses.field(default=D1_BLOCK_LENGTH, metadata={"range": "[1, inf)"})
-    steps: int | None = dataclasses.field(default=None, metadata={"range": "[1, inf)"})
-    remasking: str = "low_confidence"
-    cache: str = dataclasses.field(default="none", metadata={"choices": CACHE_MODES})
-    threshold: float | None = None
-    factor: float | None = None
-
-    @classmethod
-    def parse(cls, values: dict[str, Any]) -> "ModelArguments":
-        """The arguments `values` (as the harness passes them, converted by `harness_value`); ConfigError, in one
-        line, naming every unknown or invalid argument."""
-        hints = typing.get_type_hints(cls)
-        unknown = [show(name) for name in values if name not in hints]
-        if unknown:
-            raise ConfigError(f"--model_args: unknown argument {', '.join(unknown)}; the dllm_ais model takes "
-                              f"{', '.join(hints)}")
-        arguments = cls(**{name: harness_value(hints[name], value) for name, value in values.items()})
-        invalid = field_problems(arguments)
-        invalid.update({name: [f"{name}={show(values[name])}: pass true or false (or yes/no, on/off, 1/0)"]
-                        for name in invalid if hints[name] is bool})
-        problems = [problem for found in invalid.values() for problem in found]
-        if not problems:
-            problems = [found for name, device in arguments.placements() if (found := device_problem(name, device))]
-        if problems:
-            raise ConfigError(f"--model_args: {'; '.join(problems)}")
-        steps = arguments.steps if arguments.gen_length else None  # else fitted to each request's gen_length
-        try:
-            d1_sampler_config(arguments.gen_length or arguments.block_length, arguments.block_length, UNKNOWN_TOKENS,
-                              0.0, **{**arguments.sampler_settings, "steps": steps})
-        except ValueError as error:
-            raise ConfigError(f"--model_args: {error}") from None
-        return arguments
-
-    def placements(self) -> list[tuple[str, str]]:
-        """(argument, device) for each device these arguments name that must exist here: device_map unless auto,
-        and device unless `cuda_missing` (`available_device` then uses the CPU)."""
-        named = [("device_map", self.device_map)] if self.device_map not in (None, "auto") else []
-        if self.device is not None and not cuda_missing(self.device):
-            named.append(("device", self.device))
-        return named
-
-    @property
-    def monte_carlo_batch(self) -> int:
-        """Copies per forward: mc_batch_size, else min(batch_size, mc_num)."""
-        return self.mc_batch_size or min(self.batch_size, self.mc_num)
-
-    @property
-    def sampler_settings(self) -> dict[str, Any]:
-        """The diffusion sampler's settings among these arguments."""
-        return {"steps": self.steps, "remasking": self.remasking, "cfg_scale": float(self.cfg_scale),
-                "cache": self.cache, "threshold": self.threshold, "factor": self.factor}
-
-
-def cuda_missing(device: str) -> bool:
-    """Whether `device` asks for CUDA on a machine without it (the harness CLI asks for cuda:0 by default)."""
-    return device.startswith("cuda") and not torch.cuda.is_available()
-
-
-def available_device(device: str | None) -> torch.device:
-    """`device` when this machine has it; else (none named, or `cuda_missing`) CUDA when available, else the CPU."""
-    if device is not None and not cuda_missing(device):
-        return torch.device(device)
-    if device is not None:
-        logger.warning("device %s is not available here; running on the CPU", device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @register_model(MODEL_NAME)
@@ -511,7 +211,7 @@ class DllmAisLM(TemplateLM):
         lengths = [len(continuation) for _, _, continuation in requests]
         order = sorted(range(len(rows)), key=lambda index: -len(rows[index]))
         results: list[tuple[float, bool] | None] = [None] * len(rows)
-        for batch in tqdm(_batches(order, self.batch_size), desc="loglikelihood", disable=disable_tqdm):
+        for batch in tqdm(batches(order, self.batch_size), desc="loglikelihood", disable=disable_tqdm):
             scores = causal_continuation_scores(self.model, [rows[i] for i in batch], [lengths[i] for i in batch],
                                                 self.tokens.pad_token_id)
             for index, result in zip(batch, scores):
@@ -537,7 +237,8 @@ class DllmAisLM(TemplateLM):
         model's: SDAR's decoder without the dynamic rule, over the length rounded up to whole blocks."""
         if self.block_size is not None:
             gen_length = -(-continuation_length // self.block_size) * self.block_size
-            return MaskedDiffusionSampler(sdar_sampler_config(gen_length, self.block_size, self.tokens, 0.0).exact())
+            return MaskedDiffusionSampler(block_protocol_sampler_config(family_of(self.model), gen_length,
+                                                                        self.block_size, self.tokens, 0.0).exact())
         settings = {**self.sampler_settings, "steps": continuation_length, "remasking": "low_confidence",
                     "cache": "none", "threshold": None, "factor": None}
         return MaskedDiffusionSampler(d1_sampler_config(continuation_length, continuation_length, self.tokens, 0.0,
@@ -587,12 +288,12 @@ class DllmAisLM(TemplateLM):
         generator = torch.Generator(self._device).manual_seed(self.seed)
         eos_text = self.tokenizer.decode(self.eot_token_id)
         progress = tqdm(total=len(requests), desc="generate_until", disable=disable_tqdm or self._rank != 0)
-        for indices in _grouped_by_kwargs(requests).values():
+        for indices in grouped_by_kwargs(requests).values():
             kwargs = dict(normalize_gen_kwargs(requests[indices[0]].args[1], 256))
             until = handle_stop_sequences(kwargs.pop("until", None), eos=eos_text)
             max_tokens = kwargs.pop("max_gen_toks")
             sampler, gen_length = self._generation_sampler(max_tokens, kwargs)
-            for batch in _batches(indices, self.batch_size):
+            for batch in batches(indices, self.batch_size):
                 input_ids, attention_mask = self._encode_prompts([requests[i].args[0] for i in batch], gen_length)
                 rollout = sampler.sample(self.model, input_ids, attention_mask, generator)
                 for row, index in enumerate(batch):
@@ -617,7 +318,8 @@ class DllmAisLM(TemplateLM):
         block, temperature = self.block_length, temperature if do_sample else 0.0
         gen_length = self.gen_length or -(-max_tokens // block) * block
         if self.block_size is not None:
-            config = sdar_sampler_config(gen_length, block, self.tokens, temperature, **self.sampler_settings)
+            config = block_protocol_sampler_config(family_of(self.model), gen_length, block, self.tokens, temperature,
+                                                   **self.sampler_settings)
             return MaskedDiffusionSampler(config), gen_length
         steps = self.sampler_settings["steps"] or max(gen_length // 2, 1)
         settings = {**self.sampler_settings, "steps": steps}

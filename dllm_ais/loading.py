@@ -202,7 +202,7 @@ def refuse_remote_code(name_or_path: str, trust_remote_code: bool = False) -> No
     with each base model it names) would run code from the model's own files (`config_code_problem`,
     `tokenizer_code_problem`), or its adapters name each other as base (`model_sources`). It reads the files
     itself, before any transformers call that could import such code. `trust_remote_code` comes from the user's own
-    command line, never from a file inside a checkpoint (`dllm_ais.cli.checkpoint_settings`)."""
+    command line, never from a file inside a checkpoint (`dllm_ais.inference_commands.checkpoint_settings`)."""
     sources = model_sources(name_or_path)
     if trust_remote_code:
         return

@@ -22,7 +22,7 @@ from dllm_ais.likelihood import (
     scored_positions, whole_piece,
 )
 from dllm_ais.loading import SpecialTokens, special_tokens
-from dllm_ais.models.families import DIFFUSION_MODEL_TYPES, is_block_causal
+from dllm_ais.models.families import FAMILIES, find_family, is_block_causal, is_diffusion_family
 from dllm_ais.sampling.autoregressive import AutoregressiveSampler, AutoregressiveSamplerConfig
 from dllm_ais.sampling.diffusion import DiffusionSamplerConfig, MaskedDiffusionSampler, resolve_remasking_rule
 from dllm_ais.sampling.forwards import EagerForwards
@@ -33,23 +33,16 @@ from dllm_ais.validation import ConfigError
 if TYPE_CHECKING:
     from dllm_ais.config import GRPOConfig
 
-LORA_TARGET_PRESETS: dict[str, str | list[str]] = {
-    # `ff_out` names both each block's down-projection and LLaDA's LM head: the regex pins it to blocks.N.
-    "llada": r".*\.blocks\.\d+\.(q_proj|k_proj|v_proj|attn_out|ff_proj|up_proj|ff_out)",
-    "Dream": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-    "qwen3": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-    "sdar": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],  # Qwen3's names
-    "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-    "qwen2": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-}
-
-
 def lora_target_modules(model_type: str) -> str | list[str]:
-    """The LoRA target preset for a transformers `model_type` (ValueError naming the fix if none exists)."""
-    if model_type not in LORA_TARGET_PRESETS:
+    """The LoRA target preset of a transformers `model_type`'s family (its record's `lora_targets`); ValueError naming
+    the fix if it has none."""
+    family = find_family(model_type)
+    if family is None or family.lora_targets is None:
+        presets = [name for family in FAMILIES if family.lora_targets is not None for name in family.model_types]
         raise ValueError(f"No LoRA target preset for model_type {model_type!r}; set lora_target_modules explicitly "
-                         f"(presets exist for {', '.join(LORA_TARGET_PRESETS)}).")
-    return LORA_TARGET_PRESETS[model_type]
+                         f"(presets exist for {', '.join(presets)}).")
+    targets = family.lora_targets
+    return targets if isinstance(targets, str) else list(targets)
 
 
 class Policy(Protocol):
@@ -282,7 +275,7 @@ def is_diffusion(policy: str, model_type: str | None) -> bool:
         raise ConfigError(f"model_type {model_type!r} is block diffusion (each position sees the rest of its block), "
                           "not a causal LM: set policy to auto or diffusion.")
     if policy == "auto":
-        return model_type in DIFFUSION_MODEL_TYPES
+        return is_diffusion_family(model_type)
     return policy == "diffusion"
 
 

@@ -36,11 +36,9 @@ from dllm_ais.choices import SFT_MASKINGS
 from dllm_ais.data import tokenize_prompts
 from dllm_ais.likelihood import causal_position_ids
 from dllm_ais.models import SDARConfig, SDARForCausalLM
-from dllm_ais.models.families import is_block_causal, position_logits
+from dllm_ais.models.families import family_of, is_block_causal, position_logits
 from dllm_ais.models.sdar import block_diffusion_logits
 
-BLOCK_DIFFUSION_SOURCE_TYPES = ("qwen3",)
-"""model_types `block_diffusion_from_causal` converts: SDAR's module tree is Qwen3's."""
 ADDED_MASK_TOKEN = "<|MASK|>"
 """The mask token `block_diffusion_from_causal` adds to a tokenizer without one (SDAR's own)."""
 
@@ -91,9 +89,9 @@ def block_diffusion_from_causal(model: torch.nn.Module, tokenizer, block_size: i
     tokenizer's mask token — `ADDED_MASK_TOKEN`, added to `tokenizer` (in place) when it has none, with an embedding
     and LM-head row grown for it if the vocabulary has no spare row. ValueError naming the fix for another
     model_type or an unsupported config (sliding windows, RoPE scaling)."""
-    source = model.config
-    if source.model_type not in BLOCK_DIFFUSION_SOURCE_TYPES:
-        raise ValueError(f"--as_block_diffusion converts a causal {' or '.join(BLOCK_DIFFUSION_SOURCE_TYPES)} model "
+    source, convertible = model.config, family_of(SDARConfig.model_type).converts_from
+    if source.model_type not in convertible:
+        raise ValueError(f"--as_block_diffusion converts a causal {' or '.join(convertible)} model "
                          f"(SDAR's architecture); got model_type {source.model_type!r}: pass a Qwen3 checkpoint")
     if tokenizer.mask_token_id is None:
         tokenizer.add_special_tokens({"mask_token": ADDED_MASK_TOKEN})

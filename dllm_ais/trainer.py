@@ -22,7 +22,8 @@ from accelerate.utils import broadcast_object_list, set_seed
 from tqdm.auto import tqdm
 
 from dllm_ais import grpo
-from dllm_ais.checkpoint import Checkpointer, NonFiniteError, RunState, write_held_out
+from dllm_ais.checkpoint import Checkpointer, NonFiniteError, RunState
+from dllm_ais.checkpoint_choice import write_held_out
 from dllm_ais.components import build_components, high_precision_base, make_accelerator, with_trained_weights_
 from dllm_ais.config import GRPOConfig, save_config
 from dllm_ais.correction import RolloutCorrection

@@ -294,7 +294,7 @@ def write_sites():
     """Every write of a file dllm-ais makes outside a staging directory, as (file name, the write into `folder`)."""
     import torch
 
-    from dllm_ais.checkpoint import write_held_out
+    from dllm_ais.checkpoint_choice import write_held_out
     from dllm_ais.config import GRPOConfig, save_config
     from dllm_ais.evaluation import EvalResult
     from dllm_ais.metrics import MetricsLog, plot_metrics

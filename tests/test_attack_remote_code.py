@@ -155,7 +155,7 @@ def test_the_users_own_flag_runs_the_code(tmp_path):
 @pytest.mark.parametrize("word, value", [("true", True), ("YES", True), ("on", True), ("1", True), (1, True),
                                          ("false", False), ("No", False), ("off", False), ("0", False), (0, False)])
 def test_lm_eval_booleans_parse_strictly(word, value):
-    from dllm_ais.lm_eval_model import ModelArguments
+    from dllm_ais.lm_eval_arguments import ModelArguments
 
     arguments = ModelArguments.parse({"trust_remote_code": word, "is_check_greedy": word})
     assert arguments.trust_remote_code is value and arguments.is_check_greedy is value

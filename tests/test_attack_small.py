@@ -14,7 +14,8 @@ import textwrap
 
 import pytest
 
-from dllm_ais.cli import build_parser, interrupted_before_training, main
+from dllm_ais.cli import build_parser, main
+from dllm_ais.commands import interrupted_before_training
 from dllm_ais.config import EMBEDDED_RECIPE, load_config
 from dllm_ais.metrics import MetricsLog
 from dllm_ais.run_dir import verify_checkpoint
@@ -140,7 +141,8 @@ def two_checkpoints(tmp_path_factory):
 STALLED_LOAD = """\
 import sys, time, pathlib
 import dllm_ais.checkpoint as checkpoint
-from dllm_ais.cli import build_parser, interrupted_before_training, main
+from dllm_ais.cli import build_parser, main
+from dllm_ais.commands import interrupted_before_training
 load_data = checkpoint.load_data
 
 def stalled_load_data(*args, **kwargs):  # the test sends SIGINT here, halfway through loading the checkpoint

@@ -9,7 +9,8 @@ import pytest
 
 from dllm_ais import compare
 from dllm_ais.cli import main
-from dllm_ais.compare import StudyError, Run, as_argument, read_study, train_command, versus_baseline
+from dllm_ais.compare_plan import StudyError, Run, as_argument, read_study, train_command
+from dllm_ais.compare_report import versus_baseline
 from dllm_ais.statistics import across_seeds, paired_difference, standard_error, t_quantile_975
 
 STUDIES = Path(__file__).resolve().parent.parent / "recipes" / "studies"

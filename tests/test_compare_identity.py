@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dllm_ais import compare
-from dllm_ais.checkpoint import CONFIG_FILE, HELD_OUT_FILE, prepare_output_dir, write_held_out
+from dllm_ais import compare, compare_plan, compare_reuse
+from dllm_ais.checkpoint_choice import CONFIG_FILE, HELD_OUT_FILE, prepare_output_dir, write_held_out
 from dllm_ais.cli import build_parser, main
 from dllm_ais.config import EMBEDDED_RECIPE, load_config, save_config
 from dllm_ais.data import load_task_dataset
@@ -75,8 +75,8 @@ def compare_lines(out: str) -> dict[str, str]:
     return {line.split(":")[0]: line.split(": ", 1)[1] for line in out.splitlines() if line.startswith("seed ")}
 
 
-def study_runs(study: Path, folder: Path, seeds: int) -> list[compare.Run]:
-    return compare.plan_runs(compare.read_study(study), seeds, [], folder)
+def study_runs(study: Path, folder: Path, seeds: int) -> list[compare_plan.Run]:
+    return compare_plan.plan_runs(compare_plan.read_study(study), seeds, [], folder)
 
 
 def test_an_edited_base_recipe_reruns_every_run_with_the_new_value(tmp_path, trains, capsys):
@@ -98,7 +98,7 @@ def test_an_edited_base_recipe_reruns_every_run_with_the_new_value(tmp_path, tra
         assert line.startswith("rerun — config changed since it ran (learning_rate: 0.0005 -> 0.001) (config hash ")
         assert load_config(run.output_dir / "config.yaml").learning_rate == 1e-3
         recorded = json.loads(run.result.read_text())["identity"]
-        assert recorded["config_sha256"] == config_sha256(compare.resolved_config(run))
+        assert recorded["config_sha256"] == config_sha256(compare_plan.resolved_config(run))
 
     assert main(["compare", str(study), "--seeds", "1", f"--output_dir={folder}"]) == 0
     out = capsys.readouterr().out
@@ -106,7 +106,7 @@ def test_an_edited_base_recipe_reruns_every_run_with_the_new_value(tmp_path, tra
     assert all(line.startswith("reused — its result records the same config") for line in compare_lines(out).values())
 
 
-def finished_study(tmp_path: Path, capsys) -> tuple[Path, Path, compare.Run]:
+def finished_study(tmp_path: Path, capsys) -> tuple[Path, Path, compare_plan.Run]:
     """A one-arm, one-seed study trained once; returns (study file, study folder, its run)."""
     study = write_study(tmp_path, {"none": {"correction": "none"}})
     folder = tmp_path / "study"
@@ -184,7 +184,7 @@ def test_a_result_of_other_prompts_or_another_version_is_rerun(tmp_path, trains,
     assert not list(folder.rglob("*.damaged*.json"))  # dllm-ais' own stale result is replaced, not kept aside
 
 
-def as_configured_before(run: compare.Run, missing: str) -> None:
+def as_configured_before(run: compare_plan.Run, missing: str) -> None:
     """Make `run` look trained by a release without the setting `missing` (``group.field`` or a top-level field):
     its config.yaml without it, its result recording that release's config hash."""
     import yaml
@@ -252,7 +252,7 @@ def test_an_unfinished_run_whose_config_changed_is_rerun_not_resumed(tmp_path):
     checkpoint's config differs), so it is rerun afresh; with an unchanged config (or only max_steps) it resumes."""
     study = write_study(tmp_path, {"none": {"correction": "none"}})
     run = study_runs(study, tmp_path / "study", 1)[0]
-    config = compare.resolved_config(run)
+    config = compare_plan.resolved_config(run)
     (run.output_dir / "checkpoint-1").mkdir(parents=True)
     (run.output_dir / "checkpoint-1" / ".dllm-ais.json").write_text(json.dumps({"written_by": "dllm-ais"}))
     identity = result_identity(config, None)
@@ -260,10 +260,10 @@ def test_an_unfinished_run_whose_config_changed_is_rerun_not_resumed(tmp_path):
     for saved, action in ((config, "resume"), (load_config(EMBEDDED_RECIPE, {**arm, "max_steps": 1}), "resume"),
                           (load_config(EMBEDDED_RECIPE, {**arm, "learning_rate": 1e-3}), "rerun")):
         save_config(saved, run.output_dir / "config.yaml")
-        plan = compare.examine(run, config, identity)
+        plan = compare_reuse.examine(run, config, identity)
         assert plan.line.startswith(f"seed 0 arm none: {action} — ")
     assert "(learning_rate: 0.001 -> 0.0005): a resume would be refused" in plan.line
-    assert compare.train_command(run, plan.restart)[-1] == "--overwrite_output_dir=true"
+    assert compare_plan.train_command(run, plan.restart)[-1] == "--overwrite_output_dir=true"
 
 
 @pytest.mark.slow
@@ -300,7 +300,7 @@ def test_an_arm_folder_holding_only_a_planted_result_is_set_aside_and_trained(tm
     study = write_study(tmp_path, {"none": {"correction": "none"}})
     folder = tmp_path / "study"
     run = study_runs(study, folder, 1)[0]
-    config = compare.resolved_config(run)
+    config = compare_plan.resolved_config(run)
     held_out = load_task_dataset(config.task, split="validation", size=config.eval_size, seed=config.seed)
     ones = torch.ones(len(held_out))
     run.output_dir.mkdir(parents=True)
@@ -317,7 +317,7 @@ def test_an_arm_folder_holding_only_a_planted_result_is_set_aside_and_trained(tm
     assert "| none | 0.5000 |" in out and "1 runs (0 reused)" in out
 
 
-def copy_arm(source: compare.Run, destination: compare.Run, planned: dict) -> None:
+def copy_arm(source: compare_plan.Run, destination: compare_plan.Run, planned: dict) -> None:
     """The attack: `cp -r` one arm's finished run over another's, its result's identity edited to the other's."""
     shutil.rmtree(destination.output_dir)
     shutil.copytree(source.output_dir, destination.output_dir)
@@ -327,19 +327,19 @@ def copy_arm(source: compare.Run, destination: compare.Run, planned: dict) -> No
     destination.result.write_text(json.dumps(record))
 
 
-def edit_config(run: compare.Run) -> None:
+def edit_config(run: compare_plan.Run) -> None:
     """Make the copy's config.yaml say what `run`'s arm plans."""
-    save_config(compare.resolved_config(run), run.output_dir / "config.yaml")
+    save_config(compare_plan.resolved_config(run), run.output_dir / "config.yaml")
 
 
-def edit_config_and_metrics(run: compare.Run) -> None:
+def edit_config_and_metrics(run: compare_plan.Run) -> None:
     """`edit_config`, and the copy's metrics.jsonl made to log the edited values."""
     edit_config(run)
     metrics = run.output_dir / "metrics.jsonl"
     metrics.write_text(metrics.read_text().replace("0.5", "1.0"))
 
 
-def edit_all_but_final(run: compare.Run, step: int) -> None:
+def edit_all_but_final(run: compare_plan.Run, step: int) -> None:
     """`edit_config_and_metrics`, and the step its final/ records set to `step`."""
     edit_config_and_metrics(run)
     marker = json.loads((run.output_dir / "final" / ".dllm-ais.json").read_text())

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 from test_precision_frontier import held_out_runs
 
-from dllm_ais.compare import Study, plan_runs, read_study, resolved_config, summarise
+from dllm_ais.compare_plan import Study, plan_runs, read_study, resolved_config
+from dllm_ais.compare_report import summarise
 from dllm_ais.experimental.complete_ratio_front import main, notch_mismatch, study_front
 
 ONES, FOUR_LOST = [1.0] * 20, [0.0] * 4 + [1.0] * 16

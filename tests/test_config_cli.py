@@ -71,7 +71,7 @@ def test_ci_runs_the_readme_test_command():
 
 
 def test_train_help_teaches_the_fields_in_groups_one_line_each(capsys):
-    from dllm_ais.config import HELP_WIDTH, configuration_reference
+    from dllm_ais.config_reference import HELP_WIDTH, configuration_reference
 
     with pytest.raises(SystemExit):
         main(["train", "--help"])
@@ -86,7 +86,7 @@ def test_train_help_teaches_the_fields_in_groups_one_line_each(capsys):
         "likelihood", "correction", "experimental"]
     assert all(len(line) <= HELP_WIDTH for line in fields.splitlines())
     assert (ROOT / "docs" / "configuration.md").read_text() == configuration_reference() + "\n", (
-        "docs/configuration.md is stale: python -c 'from dllm_ais.config import configuration_reference as r; "
+        "docs/configuration.md is stale: python -c 'from dllm_ais.config_reference import configuration_reference as r; "
         "print(r())' > docs/configuration.md")
 
 
@@ -297,7 +297,7 @@ RANKS_PREPARE = """\
 import os, sys, time
 from pathlib import Path
 
-import dllm_ais.checkpoint as checkpoint
+import dllm_ais.checkpoint_choice as checkpoint_choice
 import dllm_ais.run_lock as run_lock
 from dllm_ais.config import EMBEDDED_RECIPE, load_config
 from dllm_ais.launch import end_process_group
@@ -312,12 +312,12 @@ if rank == 0:  # the main process renames its lock record in late: the record's 
         rename(source, target)
     os.replace = late_rename
 else:  # the other process checks the directory once the main one has begun writing its lock record there
-    resume_checkpoint = checkpoint.resume_checkpoint
+    resume_checkpoint = checkpoint_choice.resume_checkpoint
     def resume_checkpoint_once_recorded(*args, **kwargs):
         while not (run.is_dir() and any(run_lock.LOCK_FILE in p.name for p in run.iterdir())):
             time.sleep(0.01)
         return resume_checkpoint(*args, **kwargs)
-    checkpoint.resume_checkpoint = resume_checkpoint_once_recorded
+    checkpoint_choice.resume_checkpoint = resume_checkpoint_once_recorded
 GRPOTrainer(load_config(EMBEDDED_RECIPE, [f"--output_dir={run}", "--eval_size=0", "--per_device_train_batch_size=8"]))
 print(f"process {rank}: prepared", flush=True)
 end_process_group()

@@ -190,7 +190,7 @@ def test_the_trainer_scores_the_validation_split(tmp_path):
 
 
 def test_the_dream_protocol_decodes_the_whole_completion_with_dreams_rule():
-    from dllm_ais.config import with_dream_protocol
+    from dllm_ais.decoding_protocols import with_dream_protocol
 
     config = load_config(ROOT / "recipes" / "dream7b_gsm8k_lora_fp8_ais.yaml")
     decoding = EvalProtocol.for_task(get_task("gsm8k"), (256,), name="dream").decoding(config, 256)
@@ -205,7 +205,8 @@ def test_the_sdar_protocol_decodes_in_the_models_blocks_with_sdars_dynamic_rule(
     """SDAR's own generation: blocks of the model's block_size, as many steps per block as it has positions,
     low_confidence_dynamic (the drawn token's probability, maskgit_plus, above 0.9) with the exact cache; a model
     without blocks, or another block length, is refused in one line."""
-    from dllm_ais.config import ConfigError, with_sdar_protocol
+    from dllm_ais.config import ConfigError
+    from dllm_ais.decoding_protocols import with_sdar_protocol
 
     config = load_config(ROOT / "recipes" / "dream7b_gsm8k_lora_fp8_ais.yaml")
     protocol = EvalProtocol.for_task(get_task("gsm8k"), (256,), name="sdar", block_size=4)

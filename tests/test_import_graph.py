@@ -27,12 +27,15 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("the step's numerical stages", {"sampling", "likelihood", "quantization", "engine", "correction", "loss",
                                      "metrics"}),
     ("tasks and their rewards", {"tasks", "rewards"}),
-    ("the config and its rules", {"config"}),
+    ("the config and its rules", {"config", "config_rules", "config_reference", "decoding_protocols"}),
     ("a run's inputs and outputs", {"data", "loading", "run_lock", "run_dir", "reporting"}),
     ("the policy seam", {"policy", "fidelity"}),
-    ("one GRPO step and what it is built from", {"grpo", "components", "evaluation", "checkpoint"}),
+    ("one GRPO step and what it is built from", {"grpo", "components", "evaluation", "checkpoint",
+                                                  "checkpoint_choice", "checkpoint_loading"}),
     ("training loops", {"trainer", "sft", "launch"}),
-    ("entry points", {"cli", "dry_run", "export", "__init__", "compare", "bench", "experimental", "lm_eval_model"}),
+    ("entry points", {"cli", "commands", "inference_commands", "dry_run", "export", "__init__", "compare",
+                      "compare_plan", "compare_reuse", "compare_report", "bench", "experimental", "lm_eval_model",
+                      "lm_eval_requests", "lm_eval_arguments"}),
 ]
 
 def _module_files() -> dict[str, Path]:

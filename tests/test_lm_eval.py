@@ -19,7 +19,8 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from dllm_ais.cli import main  # noqa: E402
 from dllm_ais.config import EMBEDDED_MODELS  # noqa: E402
 from dllm_ais.likelihood import mask_generator  # noqa: E402
-from dllm_ais.lm_eval_model import DllmAisLM, d1_sampler_config, diffusion_loglikelihood, llada_mask_draw  # noqa: E402
+from dllm_ais.lm_eval_model import DllmAisLM  # noqa: E402
+from dllm_ais.lm_eval_requests import d1_sampler_config, diffusion_loglikelihood, llada_mask_draw  # noqa: E402
 from dllm_ais.sampling.diffusion import MaskedDiffusionSampler  # noqa: E402
 
 QUESTIONS = [("reverse 4 5 1", "1 5 4"), ("sort 3 9 1 4", "1 3 4 9"), ("reverse 7 2 8 1", "1 8 2 7"),

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from dllm_ais.checkpoint import HELD_OUT_FILE, prepare_output_dir
+from dllm_ais.checkpoint_choice import HELD_OUT_FILE, prepare_output_dir
 from dllm_ais.run_dir import (MARKER, OutputExistsError, atomic_directory, begin_staging, check_destination,
                               clean_leftovers, commit_staging, provenance, prune_checkpoints, run_checkpoints)
 from dllm_ais.cli import main

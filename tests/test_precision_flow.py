@@ -19,7 +19,7 @@ from dllm_ais.components import check_unified_flow_launch
 from dllm_ais.config import EMBEDDED_RECIPE, ConfigError, load_config
 from dllm_ais.engine import RolloutEngine, adapter_host
 from dllm_ais.loading import load_model, load_tokenizer
-from dllm_ais.policy import LORA_TARGET_PRESETS, build_policy
+from dllm_ais.policy import build_policy, lora_target_modules
 from dllm_ais.quantization import PRECISIONS, StraightThroughQuantizedLinear, quantize_model_
 from dllm_ais.sampling.diffusion import DiffusionSamplerConfig, MaskedDiffusionSampler
 from dllm_ais.trainer import GRPOTrainer
@@ -81,7 +81,7 @@ def test_with_lora_the_engine_is_the_trainers_model_holding_one_quantized_base()
     weight only (no high-precision copy, outside parameters and state dict), the adapters train beside it, and a
     sync copies nothing: the engine computes with the adapter as the optimizer left it."""
     trainer = get_peft_model(bare_tiny_llada(MASK, EOS), LoraConfig(r=4, lora_alpha=8,
-                                                                     target_modules=LORA_TARGET_PRESETS["llada"]))
+                                                                     target_modules=lora_target_modules("llada")))
     bytes_before = sum(p.numel() * p.element_size() for p in trainer.parameters())
     engine = RolloutEngine(trainer, precision="fp8", precision_flow="unified")
     assert engine.model is adapter_host(trainer) and engine.shares_trainer_model

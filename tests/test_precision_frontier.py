@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from dllm_ais.choices import PRECISIONS
-from dllm_ais.compare import Run, Study, read_study, summarise
+from dllm_ais.compare_plan import Run, Study, read_study
+from dllm_ais.compare_report import summarise
 from dllm_ais.experimental import precision_frontier as frontier_module
 from dllm_ais.experimental.precision_frontier import DEFAULT_STUDY, arm_grid, frontier, markdown, plot
 

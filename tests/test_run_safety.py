@@ -14,7 +14,7 @@ import time
 import psutil
 import pytest
 
-from dllm_ais.checkpoint import prepare_output_dir, resume_checkpoint
+from dllm_ais.checkpoint_choice import prepare_output_dir, resume_checkpoint
 from dllm_ais.run_dir import (NoSpaceLeft, begin_staging, check_destination, clean_leftovers, commit_staging,
                               staged_directory, verify_checkpoint)
 from dllm_ais.cli import main

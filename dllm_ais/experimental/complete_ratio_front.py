@@ -32,7 +32,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from dllm_ais.compare import read_report, versus_baseline
+from dllm_ais.compare_report import read_report, versus_baseline
 from dllm_ais.experimental.precision_frontier import (LOSS_STANDARD_ERRORS, RESCUE_POINTS, per_prompt_values, points,
                                                       save_front)
 from dllm_ais.metrics import read_records

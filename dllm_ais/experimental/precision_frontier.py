@@ -36,7 +36,9 @@ from typing import Any
 
 import torch
 
-from dllm_ais.compare import read_report, read_study, run_study, versus_baseline
+from dllm_ais.compare import run_study
+from dllm_ais.compare_plan import read_study
+from dllm_ais.compare_report import read_report, versus_baseline
 from dllm_ais.safe_files import save_figure, write_file
 
 DEFAULT_STUDY = Path(__file__).resolve().parents[2] / "recipes" / "studies" / "frontier_llada_digits.yaml"
@@ -65,7 +67,7 @@ def measure_mismatch(study, precisions: list[str], prompts: int, seed: int) -> d
     from dataclasses import asdict
 
     from dllm_ais.bench.mismatch import measure_notch, validation_prompts
-    from dllm_ais.compare import as_argument
+    from dllm_ais.compare_plan import as_argument
     from dllm_ais.config import EMBEDDED_RECIPE, load_config
     from dllm_ais.loading import load_model, load_tokenizer
     from dllm_ais.policy import build_policy
@@ -82,7 +84,7 @@ def measure_mismatch(study, precisions: list[str], prompts: int, seed: int) -> d
 
 def per_prompt_values(runs: list[str], metric: str) -> list[list[float]]:
     """Each run's held-out `metric` per prompt (after training)."""
-    from dllm_ais.checkpoint import read_held_out
+    from dllm_ais.checkpoint_choice import read_held_out
 
     return [read_held_out(Path(run))["after"][metric] for run in runs]
 

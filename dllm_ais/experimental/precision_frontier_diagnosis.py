@@ -198,7 +198,8 @@ def bf16_rewards(setup: Setup, columns, seed: int) -> tuple[torch.Tensor, torch.
     return rewards.view(-1, G).mean(1), greedy_rewards
 
 
-def main() -> None:
+def parsed_arguments() -> tuple[argparse.Namespace, list[str]]:
+    """The command line: the study's options, and the config overrides left for `load_config`."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("recipe", nargs="?", default=str(EMBEDDED_RECIPE))
     parser.add_argument("--part", choices=("mismatch", "gradient", "all"), default="all")
@@ -208,9 +209,12 @@ def main() -> None:
     parser.add_argument("--clip", type=float, default=2.0, help="truncation of the importance weights")
     parser.add_argument("--permutations", type=int, default=2)
     parser.add_argument("--steps", type=lambda text: [float(v) for v in text.split(",") if v], default=[0.1])
-    args, overrides = parser.parse_known_args()
-    torch.set_num_threads(1)
-    config = load_config(args.recipe, overrides)
+    return parser.parse_known_args()
+
+
+def loaded_setup(config):
+    """The config's components (the engine synced from the trainer's model, in eval mode), tokenizer and rewards,
+    and its training prompts, built in a training run's order after seeding."""
     accelerator = make_accelerator(config)
     set_seed(config.seed, device_specific=True)
     tokenizer = load_tokenizer(config.model_name_or_path)
@@ -220,18 +224,12 @@ def main() -> None:
                   resolve_reward_functions(config.reward_funcs or config.task))
     setup.parts.model.eval()
     setup.parts.engine.sync_from(setup.parts.unwrapped_model)
-    G, estimators = config.num_generations, args.estimators.split(",")
-    policies = {e: build_policy(with_estimator(config, e), setup.parts.unwrapped_model.config, tokenizer)
-                for e in estimators}
-    columns = grouped_prompts(dataset.select(range(args.prompts)), G)
-    seeds = [config.seed + 1000 * (r + 1) for r in range(args.replicates)]
-    start = time.perf_counter()
-    batches = {side: [draw(setup, model, columns, s) for s in seeds]
-               for side, model in (("bf16", setup.parts.unwrapped_model),
-                                   (config.rollout.precision, setup.parts.engine.model))}
-    print(f"{args.prompts} prompts x {G}, {args.replicates} batches per side, rollout.precision "
-          f"{config.rollout.precision}, estimators {estimators}, decoder cache {config.rollout.cache} threshold "
-          f"{config.rollout.threshold} ({time.perf_counter() - start:.0f} s sampling)")
+    return setup, dataset
+
+
+def print_rollout_summary(batches: dict, G: int) -> None:
+    """Per side: mean steps per row, mean reward, the share of zero-std groups and of completions identical to
+    bf16's of the same seed."""
     for side, drawn in batches.items():
         zero = [(r.view(-1, G).std(1) == 0).float().mean().item() for _, r, _ in drawn]
         same = [(ro.completion_ids == ref.completion_ids).all(1).float().mean().item()
@@ -241,22 +239,18 @@ def main() -> None:
               f"mean reward {[round(r.mean().item(), 4) for _, r, _ in drawn]}, "
               f"frac_reward_zero_std {[round(z, 3) for z in zero]}, completions identical to bf16's "
               f"(same seed) {[round(s, 3) for s in same]}")
-    engine_side = config.rollout.precision
-    ratios = [log_ratios(setup, policies, rollout, config.seed) for rollout, _, _ in batches[engine_side]]
-    if args.part in ("mismatch", "all"):
-        print(f"mismatch of the {engine_side} engine's completions (batch 0; log ρ = ℓ_trainer − ℓ_engine):")
-        rollout, _, advantages = batches[engine_side][0]
-        canvases = list(ratios[0])
-        for canvas in canvases:
-            mismatch_report(canvas, ratios[0][canvas], rollout, advantages, G)
-        reward_test(batches, ratios, engine_side, canvases, G)
-    if args.part == "mismatch":
-        return
 
+
+def gradient_directions(setup: Setup, args: argparse.Namespace, policies: dict, batches: dict, ratios: list,
+                        replicates: int) -> dict:
+    """Per estimator and arm (bf16, the engine uncorrected, token / sequence IS on each canvas's ratio): the
+    gradients at θ_old of each batch, printed against the bf16 batches' (norm, SNR, cosine, excess distance); returns
+    each arm's mean gradient."""
+    config, G = setup.config, setup.config.num_generations
+    engine_side = config.rollout.precision
     permutations = torch.Generator().manual_seed(1)
     directions = {}
-    for estimator in estimators:
-        policy = policies[estimator]
+    for estimator, policy in policies.items():
         arms = {"bf16": [(b, None) for b in batches["bf16"]],
                 f"{engine_side} uncorrected": [(b, None) for b in batches[engine_side]]}
         for canvas in ratios[0]:
@@ -267,7 +261,7 @@ def main() -> None:
         gradients = {arm: [flat_gradient(setup, policy, rollout, advantages, weights, config.seed)
                            for (rollout, _, advantages), weights in runs] for arm, runs in arms.items()}
         reference = gradients["bf16"]
-        pairs = [(i, j) for i in range(len(seeds)) for j in range(len(seeds)) if i != j]
+        pairs = [(i, j) for i in range(replicates) for j in range(replicates) if i != j]
         within = sum((reference[i] - reference[j]).square().sum().item() for i, j in pairs) / len(pairs)
         print(f"[{estimator} estimator] gradients at θ_old; D_within(bf16) {within:.4e}")
         for arm, grads in gradients.items():
@@ -283,21 +277,58 @@ def main() -> None:
                   f"cos to other bf16 batches {cosine:+.3f}  excess (D_cross − D_within)/D_within "
                   f"{(cross - within) / within:+.3f}")
             directions[(estimator, arm)] = torch.stack(grads).mean(0)
+    return directions
 
-    if not args.steps:
-        return
-    evaluation_seed = config.seed + 77
+
+def first_order_test(setup: Setup, columns, directions: dict, steps: list[float], prompts: int) -> None:
+    """The bf16 policy's sampled and greedy rewards after a step along each arm's mean gradient, paired against
+    θ_old's on the same prompts."""
+    evaluation_seed = setup.config.seed + 77
     base_sampled, base_greedy = bf16_rewards(setup, columns, evaluation_seed)
-    print(f"first-order test on the bf16 policy ({args.prompts} prompts; θ_old: temperature-1 reward "
+    print(f"first-order test on the bf16 policy ({prompts} prompts; θ_old: temperature-1 reward "
           f"{base_sampled.mean():.4f}, greedy exact reward {base_greedy.mean():.4f}):")
     for (estimator, arm), direction in directions.items():
-        for step in args.steps:
+        for step in steps:
             undo = shifted(setup, direction, step)
             sampled, greedy = bf16_rewards(setup, columns, evaluation_seed)
             undo()
             a, b = paired_difference(base_sampled, sampled), paired_difference(base_greedy, greedy)
             print(f"  [{estimator}] {arm:38s} step {step:g}: sampled Δ {a.mean:+.4f} ± {a.standard_error:.4f}, "
                   f"greedy exact Δ {b.mean:+.4f} ± {b.standard_error:.4f}")
+
+
+def main() -> None:
+    args, overrides = parsed_arguments()
+    torch.set_num_threads(1)
+    config = load_config(args.recipe, overrides)
+    setup, dataset = loaded_setup(config)
+    G, estimators = config.num_generations, args.estimators.split(",")
+    policies = {e: build_policy(with_estimator(config, e), setup.parts.unwrapped_model.config, setup.tokenizer)
+                for e in estimators}
+    columns = grouped_prompts(dataset.select(range(args.prompts)), G)
+    seeds = [config.seed + 1000 * (r + 1) for r in range(args.replicates)]
+    start = time.perf_counter()
+    batches = {side: [draw(setup, model, columns, s) for s in seeds]
+               for side, model in (("bf16", setup.parts.unwrapped_model),
+                                   (config.rollout.precision, setup.parts.engine.model))}
+    print(f"{args.prompts} prompts x {G}, {args.replicates} batches per side, rollout.precision "
+          f"{config.rollout.precision}, estimators {estimators}, decoder cache {config.rollout.cache} threshold "
+          f"{config.rollout.threshold} ({time.perf_counter() - start:.0f} s sampling)")
+    print_rollout_summary(batches, G)
+    engine_side = config.rollout.precision
+    ratios = [log_ratios(setup, policies, rollout, config.seed) for rollout, _, _ in batches[engine_side]]
+    if args.part in ("mismatch", "all"):
+        print(f"mismatch of the {engine_side} engine's completions (batch 0; log ρ = ℓ_trainer − ℓ_engine):")
+        rollout, _, advantages = batches[engine_side][0]
+        canvases = list(ratios[0])
+        for canvas in canvases:
+            mismatch_report(canvas, ratios[0][canvas], rollout, advantages, G)
+        reward_test(batches, ratios, engine_side, canvases, G)
+    if args.part == "mismatch":
+        return
+    directions = gradient_directions(setup, args, policies, batches, ratios, len(seeds))
+    if args.steps:
+        first_order_test(setup, columns, directions, args.steps, args.prompts)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from dllm_ais.likelihood.logits import (
     selective_log_softmax,
     shape_logits,
 )
-from dllm_ais.models.families import DIFFUSION_MODEL_TYPES
+from dllm_ais.models.families import is_diffusion_family
 
 
 def causal_position_ids(attention_mask: Tensor) -> Tensor:
@@ -24,7 +24,7 @@ def causal_position_ids(attention_mask: Tensor) -> Tensor:
 def require_causal_lm(model: nn.Module, caller: str) -> None:
     """Raise ValueError if `model` is a masked-diffusion (LLaDA, Dream) or encoder-decoder model."""
     config = getattr(model, "config", None)
-    if getattr(config, "model_type", None) in DIFFUSION_MODEL_TYPES:
+    if is_diffusion_family(getattr(config, "model_type", None)):
         raise ValueError(
             f"{caller} needs a causal LM, but this is a {config.model_type} masked-diffusion model (bidirectional). "
             "Use MaskedDiffusionSampler with one_step_logprobs / trajectory_logprobs instead."
