@@ -12,7 +12,6 @@ import functools
 import itertools
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -20,12 +19,10 @@ import torch.nn.functional as F
 from dllm_ais.rollout import Rollout
 from dllm_ais.sampling.diffusion.canvas import CanvasLayout, completion_window
 from dllm_ais.sampling.diffusion.rules import depends_on_model, reads_candidates
-from dllm_ais.sampling.diffusion.step import DenoiseStep, denoise_step, forced_commit_scores
+from dllm_ais.sampling.diffusion.step import DenoiseStep, StepStages, denoise_step, forced_commit_scores
 
-if TYPE_CHECKING:
-    from dllm_ais.sampling.diffusion.sampler import MaskedDiffusionSampler
 
-__all__ = ["COMMIT_CHOICE", "MAX_COMMITS_SCORED_AS_SET", "ChoiceRecord", "CommitChoice", "CommitChoiceRecord",
+__all__ = ["COMMIT_CHOICE", "ChoiceRecord", "CommitChoice", "CommitChoiceRecord",
            "CommitChoiceReplay", "commit_orders", "committed_set_logprobs", "ranked_choice_logprobs",
            "recorded_choice", "threshold_choice_logprobs"]
 
@@ -72,11 +69,6 @@ def ranked_choice_logprobs(scores: torch.Tensor, still_masked: torch.Tensor, com
     not_yet_drawn = ordered.flip(1).logcumsumexp(dim=1).flip(1)
     terms = torch.where(commit.gather(1, order), ordered - not_yet_drawn, 0.0)
     return torch.zeros_like(terms).scatter(1, order, terms).float()
-
-
-MAX_COMMITS_SCORED_AS_SET = 5
-"""The most positions a step may commit when its choice is scored as a set (`committed_set_logprobs` sums over every
-order of them: 5! = 120)."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -134,7 +126,7 @@ class CommitChoice:
     """The commit-choice probability of `sampler`'s steps: its settings and remasking rule, read by the recorder
     while sampling and by the replay while training."""
 
-    def __init__(self, sampler: "MaskedDiffusionSampler"):
+    def __init__(self, sampler: StepStages):
         self.sampler, self.config, self.rule = sampler, sampler.config, sampler.remasking_rule
 
     @property
@@ -208,7 +200,7 @@ class ChoiceRecord:
     discarded_candidates: torch.LongTensor | None
 
     @classmethod
-    def empty(cls, shape: torch.Size, sampler: "MaskedDiffusionSampler", device: torch.device) -> "ChoiceRecord":
+    def empty(cls, shape: torch.Size, sampler: StepStages, device: torch.device) -> "ChoiceRecord":
         choice = CommitChoice(sampler)
         discarded = (torch.full((*shape, sampler.config.block_length), -1, dtype=torch.long, device=device)
                      if choice.records_discarded_candidates else None)
@@ -241,7 +233,7 @@ class CommitChoiceReplay:
     the step's `logits` as sampling did (top-p / top-k filtered) and the terms are differentiable in them: the
     trainer's log-prob of the commit choice, from the logits the trajectory estimator scores."""
 
-    def __init__(self, sampler: "MaskedDiffusionSampler", rollout: Rollout):
+    def __init__(self, sampler: StepStages, rollout: Rollout):
         self.choice, self.record = CommitChoice(sampler), recorded_choice(rollout)
         if self.record is None or (self.choice.records_discarded_candidates
                                    and self.record.discarded_candidates is None):

@@ -11,10 +11,14 @@ from typing import Any
 from dllm_ais.choices import CACHE_DTYPES, CACHE_MODES, COMMIT_SCHEDULES
 from dllm_ais.models.families import is_block_causal, logits_are_shifted
 from dllm_ais.rollout import token_id_tuple
-from dllm_ais.sampling.diffusion.choice import MAX_COMMITS_SCORED_AS_SET
 from dllm_ais.sampling.diffusion.rules import RemaskingRule, resolve_remasking_rule
 
-__all__ = ["DiffusionSamplerConfig", "SpecialTokenIds", "pad_equals_mask_problem", "resolve_special_tokens"]
+__all__ = ["MAX_COMMITS_SCORED_AS_SET", "DiffusionSamplerConfig", "SpecialTokenIds", "pad_equals_mask_problem", "resolve_special_tokens"]
+
+
+MAX_COMMITS_SCORED_AS_SET = 5
+"""The most positions a step may commit when its choice is scored as a set (`committed_set_logprobs` sums over every
+order of them: 5! = 120)."""
 
 
 def pad_equals_mask_problem(pad_token_id: int | None, mask_token_id: int | None) -> str | None:

@@ -11,19 +11,38 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from dllm_ais.sampling.diffusion.draw import filter_top_p_top_k, masked_positions_first, perturb_scores_for_sampling
-from dllm_ais.sampling.diffusion.rules import reads_candidates
+from dllm_ais.sampling.diffusion.rules import RemaskingRule, reads_candidates
+from dllm_ais.sampling.diffusion.sampler_config import DiffusionSamplerConfig
 from dllm_ais.sampling.diffusion.schedule import parallel_commit_counts
 
-if TYPE_CHECKING:
-    from dllm_ais.sampling.diffusion.sampler import MaskedDiffusionSampler
 
-__all__ = ["DenoiseStep", "denoise_step", "draw_ranks", "forced_commit_scores", "threshold_commits",
+__all__ = ["DenoiseStep", "StepStages", "denoise_step", "draw_ranks", "forced_commit_scores", "threshold_commits",
            "top_ranked_positions"]
+
+
+class StepStages(Protocol):
+    """What a denoising step reads of its sampler (`MaskedDiffusionSampler`): the settings, the remasking rule, and
+    the stages a subclass may override."""
+
+    config: DiffusionSamplerConfig
+    remasking_rule: RemaskingRule
+
+    def propose_tokens(self, logits: torch.Tensor, generator: torch.Generator | None
+                       ) -> tuple[torch.LongTensor, torch.Tensor]: ...
+
+    def token_logprobs(self, logits: torch.Tensor, tokens: torch.LongTensor) -> torch.Tensor: ...
+
+    def rule_scores(self, logits: torch.Tensor, candidates: torch.Tensor,
+                    generator: torch.Generator | None) -> torch.Tensor: ...
+
+    def rule_logits(self, logits: torch.Tensor) -> torch.Tensor: ...
+
+    def choose_positions(self, scores: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass
@@ -46,7 +65,7 @@ class DenoiseStep:
     commit_rank: torch.LongTensor | None = None
 
 
-def denoise_step(sampler: "MaskedDiffusionSampler", logits: torch.Tensor, block_tokens: torch.LongTensor,
+def denoise_step(sampler: StepStages, logits: torch.Tensor, block_tokens: torch.LongTensor,
                  still_masked: torch.Tensor, generator: torch.Generator | None, *, width: int,
                  counts: list[int] | torch.Tensor | None = None, floor: torch.Tensor | None = None,
                  row: tuple[int, slice] | None = None, forced_tokens: torch.LongTensor | None = None,
@@ -85,7 +104,7 @@ def denoise_step(sampler: "MaskedDiffusionSampler", logits: torch.Tensor, block_
     return step
 
 
-def _choose_commits(sampler: "MaskedDiffusionSampler", step: DenoiseStep, still_masked: torch.Tensor,
+def _choose_commits(sampler: StepStages, step: DenoiseStep, still_masked: torch.Tensor,
                     counts: list[int] | torch.Tensor | None, floor: torch.Tensor | None, row: tuple[int, slice],
                     generator: torch.Generator | None, rank: bool) -> tuple[torch.Tensor, torch.LongTensor | None]:
     """The positions `denoise_step` commits ([B, Lb] bool) and their draw order (or None)."""
@@ -142,7 +161,7 @@ def threshold_commits(scores: torch.Tensor, forced_scores: torch.Tensor, still_m
     return commit | (torch.zeros_like(commit).scatter(1, forced, True) & needs_forced)
 
 
-def forced_commit_scores(sampler: "MaskedDiffusionSampler", logits: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+def forced_commit_scores(sampler: StepStages, logits: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     """[B, Lb] the scores threshold decoding draws its forced commit from (`threshold_commits`): the rule's `scores`
     when it reads no candidate, else its scores of each position's most probable token, so that the forced choice
     reads no drawn candidate either."""
