@@ -445,11 +445,25 @@ def renamed_items(values: dict[str, Any], origin: str) -> list[tuple[str, Any]]:
 
 
 def canonical_values(values: dict[str, Any], origin: str = "the config") -> dict[str, Any]:
-    """`values` as the nested mapping of the current layout: flat names of earlier releases moved into their settings
-    groups (`renamed_items`), dotted names nested (`set_override`)."""
+    """`values` as the nested mapping of the current layout: names of earlier releases — flat ones, or a group's
+    field moved to another group — moved to their place (`renamed_items`), dotted names nested (`set_override`)."""
     result: dict[str, Any] = {}
-    for key, value in renamed_items(values, origin):
+    for key, value in renamed_items(_with_moved_group_fields(values), origin):
         set_override(result, key, value)
+    return result
+
+
+def _with_moved_group_fields(values: dict[str, Any]) -> dict[str, Any]:
+    """`values` with each settings group's field that moved to another group (``correction.complete_ratio`` in a
+    nested ``correction:`` mapping) taken out of its mapping as a dotted name, for `renamed_items` to move."""
+    result = dict(values)
+    for group, entries in values.items():
+        if group not in SETTINGS_GROUPS or not isinstance(entries, dict):
+            continue
+        moved = {name for name in entries if isinstance(name, str) and f"{group}.{name}" in MOVED_FIELDS}
+        if moved:
+            result[group] = {name: value for name, value in entries.items() if name not in moved}
+            result.update({f"{group}.{name}": entries[name] for name in moved})
     return result
 
 

@@ -140,32 +140,37 @@ def mixed_fidelity_rules(config: Any) -> list[str]:
 
 
 def complete_ratio_rules(config: Any) -> list[str]:
-    """The complete ratio (correction.complete_ratio) and the recorded commit choice (the stochastic commit
+    """The complete ratio (experimental.complete_ratio) and the recorded commit choice (the stochastic commit
     rule, experimental.rollout_position_temperature > 0; commit_choice_as_set; commit_choice_gradient): the
-    study knobs of the commit choice's probability, kept together so they can move behind the experimental door
-    as one."""
+    study knobs of the commit choice's probability, behind the experimental door together."""
     rollout = config.rollout
     likelihood = config.likelihood
     experimental = config.experimental
     diffusion = config.policy != "autoregressive"
+    correction = config.correction
     return broken([
-        (not config.correction.complete_ratio or (diffusion and likelihood.estimator == "trajectory"
+        (not correction.bypass_mode or correction.method == "none" or experimental.complete_ratio,
+         f"correction.bypass_mode takes the rollout's log-probs as the old ones, so correction.method="
+         f"{correction.method} would see ratios of exactly 1: set correction.method=none (the loss's clipped ratio "
+         "then carries the mismatch), experimental.complete_ratio=true (the method weights the commit ratio), or "
+         "correction.bypass_mode=false"),
+        (not experimental.complete_ratio or (diffusion and likelihood.estimator == "trajectory"
                                                  and experimental.likelihood_order == "rollout"),
-         "correction.complete_ratio multiplies the trajectory's token ratio by the commit choice's: set "
+         "experimental.complete_ratio multiplies the trajectory's token ratio by the commit choice's: set "
          "likelihood.estimator=trajectory and experimental.likelihood_order=rollout (a diffusion policy), or "
-         "correction.complete_ratio=false"),
-        (not config.correction.complete_ratio or (experimental.rollout_position_temperature > 0
+         "experimental.complete_ratio=false"),
+        (not experimental.complete_ratio or (experimental.rollout_position_temperature > 0
                                                  and experimental.rollout_factor is None),
-         "correction.complete_ratio needs a commit choice with a probability: set "
+         "experimental.complete_ratio needs a commit choice with a probability: set "
          "experimental.rollout_position_temperature > 0 (Gumbel-top-k commits, or with rollout.threshold "
          "independent commits with probability sigmoid((confidence - threshold) / T)) and leave "
-         "experimental.rollout_factor unset, or correction.complete_ratio=false"),
-        (not config.correction.complete_ratio or (experimental.rollout_fidelity == "fixed"
+         "experimental.rollout_factor unset, or experimental.complete_ratio=false"),
+        (not experimental.complete_ratio or (experimental.rollout_fidelity == "fixed"
                                                  and experimental.rollout_exact_fraction == 0),
-         "correction.complete_ratio replays every completion with the configured decoder, and "
+         "experimental.complete_ratio replays every completion with the configured decoder, and "
          "experimental.rollout_fidelity / rollout_exact_fraction decode some with another: set "
          "experimental.rollout_fidelity=fixed and experimental.rollout_exact_fraction=0, or "
-         "correction.complete_ratio=false"),
+         "experimental.complete_ratio=false"),
         (not experimental.commit_choice_as_set or (experimental.rollout_position_temperature > 0
                                                     and rollout.threshold is None
                                                     and experimental.rollout_factor is None

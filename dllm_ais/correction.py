@@ -48,7 +48,7 @@ VERL_DIAGNOSTICS = (
     "training_ppl", "rollout_ppl", "ppl_ratio", "kl", "k3_kl", "chi2_token", "chi2_seq",
 )
 COMMIT_DIAGNOSTICS = ("commit_k3_kl", "commit_eff_sample_size", "commit_seq_log_ratio_mean")
-"""The commit part of the complete ratio (`correction.complete_ratio`), logged beside the token ones under
+"""The commit part of the complete ratio (`experimental.complete_ratio`), logged beside the token ones under
 `rollout_corr/`."""
 TRL_DIAGNOSTICS = (
     "importance_sampling_ratio/min", "importance_sampling_ratio/mean", "importance_sampling_ratio/max",
@@ -548,7 +548,7 @@ class RolloutCorrection:
         [B, L]; AIS's α average then advances once, over the seeds. In bypass mode: weights 1 at the scored
         positions and no diagnostics (see `first_update_diagnostics`).
 
-        `choice_pair` (c_old, c_rollout) [B, L] (`correction.complete_ratio`): the commit choice's log-probs, the
+        `choice_pair` (c_old, c_rollout) [B, L] (`experimental.complete_ratio`): the commit choice's log-probs, the
         trainer's and the sampler's; every method then corrects with the complete ratio, ℓ + c on both sides (in
         bypass mode, where ℓ_old = ℓ_rollout, the commit ratio alone), and the diagnostics gain the commit part's
         (`commit_ratio_diagnostics`)."""

@@ -288,7 +288,7 @@ def _logprobs(config: GRPOConfig, parts: StepComponents, rollout: Rollout, seeds
         logp_old = logp_rollout if old_is_rollout(config, parts, rollout) else [
             micro_batched_logprobs(parts.policy.logprobs, parts.model, rollout, s, micro_batch_size, advantages)
             for s in seeds]
-        trainer_choice = config.correction.complete_ratio or (config.experimental.commit_choice_gradient
+        trainer_choice = config.experimental.complete_ratio or (config.experimental.commit_choice_gradient
                                                               and not config.correction.bypass_mode)
         choice_old = None if not trainer_choice else micro_batched_logprobs(
             parts.policy.choice_logprobs, parts.model, rollout, seeds[0], micro_batch_size, advantages)

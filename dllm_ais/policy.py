@@ -202,7 +202,7 @@ class DiffusionPolicy:
         """`model`'s log-probs [B, L] of the rollout's recorded commit choices and discarded candidates
         (`MaskedDiffusionSampler.choice_logprobs`), replayed by the decoder whose logits the trajectory estimator
         scores: the rollout's cached decoder when it replays it (`replays_decoder`), else the uncached one. The
-        trainer's side of the complete ratio (`correction.complete_ratio`); the rollout's is
+        trainer's side of the complete ratio (`experimental.complete_ratio`); the rollout's is
         the rollout's `CommitChoiceRecord`. `seed` and `advantages` are unused (the replay is exact)."""
         return self.choice_sampler.choice_logprobs(model, rollout)
 

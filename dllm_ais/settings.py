@@ -180,12 +180,7 @@ class CorrectionSettings(SettingsGroup):
         "help": "verl's rollout_correction.bypass_mode: the rollout's log-probs are the old ones, so the trainer's "
                 "no-grad pass over each generation batch is skipped and the loss's clipped ratio pi_theta / "
                 "pi_rollout carries the mismatch, measured on the batch's first update. Needs method=none (or "
-                "complete_ratio, whose commit ratio the method then weights)."})
-    complete_ratio: bool = field(default=False, metadata={
-        "help": "The importance ratio also holds the diffusion decoder's commit choice: rho = token ratio x commit "
-                "ratio, the commit choice's (and its discarded candidates') log-prob replayed by the trainer against "
-                "the one the sampler recorded. Needs likelihood.estimator=trajectory and a stochastic commit rule, "
-                "experimental.rollout_position_temperature > 0 (docs/algorithms.md, 'The complete ratio')."})
+                "experimental.complete_ratio, whose commit ratio the method then weights)."})
 
     def rule_problems(self) -> list[str]:
         checks = [
@@ -197,11 +192,6 @@ class CorrectionSettings(SettingsGroup):
             (self.method != "ais" or (self.clip_low is None and not self.normalize),
              "correction.method=ais mixes with min(rho, correction.clip): leave correction.clip_low=null and "
              "correction.normalize=false"),
-            (not self.bypass_mode or self.method == "none" or self.complete_ratio,
-             f"correction.bypass_mode takes the rollout's log-probs as the old ones, so correction.method="
-             f"{self.method} would see ratios of exactly 1: set correction.method=none (the loss's clipped ratio then "
-             "carries the mismatch), correction.complete_ratio=true (the method weights the commit ratio), or "
-             "correction.bypass_mode=false"),
         ]
         return [message for ok, message in checks if not ok]
 
@@ -225,6 +215,12 @@ class ExperimentalSettings(SettingsGroup):
         "help": "With rollout_position_temperature > 0 and a fixed count: the commit choice's log-prob (the complete "
                 "ratio's commit term) is the committed set's, the draw order within a step summed out, instead of "
                 "the drawn order's. Even schedule, at most 5 commits a step."})
+    complete_ratio: bool = field(default=False, metadata={
+        "help": "The importance ratio also holds the diffusion decoder's commit choice: rho = token ratio x commit "
+                "ratio, the commit choice's (and its discarded candidates') log-prob replayed by the trainer against "
+                "the one the sampler recorded. Needs likelihood.estimator=trajectory and a stochastic commit rule, "
+                "rollout_position_temperature > 0 (docs/algorithms.md, 'The complete ratio'; its verdict: "
+                "BENCHMARKS.md)."})
     commit_choice_gradient: bool = field(default=False, metadata={
         "help": "With rollout_position_temperature > 0: the loss's log-probs also hold the commit choice's (the "
                 "drawn order's score function joins the policy gradient; PPO's ratio is then the whole step's). "
@@ -312,6 +308,7 @@ MOVED_FIELDS = {
     "is_normalize": "correction.normalize", "ais_rule": "correction.ais_rule", "ais_snr_scale": "correction.ais_snr_scale",
     "ais_kl_scale": "correction.ais_kl_scale", "ais_alpha_max": "correction.ais_alpha_max",
     "ais_alpha_ema": "correction.ais_alpha_ema", "bypass_mode": "correction.bypass_mode",
+    "correction.complete_ratio": "experimental.complete_ratio",
     **{name: f"experimental.{name}" for name in (
         "rollout_factor", "rollout_fidelity", "rollout_fidelity_k3_max", "rollout_fidelity_ess_min",
         "rollout_fidelity_patience", "rollout_exact_fraction", "likelihood_block_fraction", "likelihood_order",

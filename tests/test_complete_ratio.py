@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import config_of
-from dllm_ais.config import ConfigError, GRPOConfig
+from dllm_ais.config import ConfigError, GRPOConfig, canonical_values
 from dllm_ais.correction import RolloutCorrection
 from dllm_ais.likelihood import trajectory_logprobs
 from dllm_ais.likelihood.trajectory import sum_pieces
@@ -368,7 +368,7 @@ def test_the_correction_weights_the_complete_ratio_and_logs_the_commit_part():
     token_old, token_rollout, choice_old, choice_rollout = (0.1 * torch.randn(4, 5, generator=generator)
                                                              for _ in range(4))
     mask = torch.ones(4, 5, dtype=torch.bool)
-    settings = CorrectionSettings("tis", level="sequence", clip=100.0, complete_ratio=True)
+    settings = CorrectionSettings("tis", level="sequence", clip=100.0)
     [correction] = RolloutCorrection(settings)([(token_old, token_rollout)], torch.zeros(4), [mask],
                                                (choice_old, choice_rollout))
     complete = (token_old - token_rollout + choice_old - choice_rollout).sum(1).exp()
@@ -393,7 +393,7 @@ def test_the_complete_sequence_ratio_holds_the_positions_after_the_first_eos():
     token_old, token_rollout, choice_old, choice_rollout = (0.1 * torch.randn(3, 6, generator=generator)
                                                              for _ in range(4))
     scored = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0]], dtype=torch.bool)
-    settings = CorrectionSettings("tis", level="sequence", clip=100.0, complete_ratio=True)
+    settings = CorrectionSettings("tis", level="sequence", clip=100.0)
     [correction] = RolloutCorrection(settings)([(token_old, token_rollout)], torch.zeros(3), [scored],
                                                (choice_old, choice_rollout))
     whole = (token_old - token_rollout + choice_old - choice_rollout).sum(1).exp()
@@ -407,16 +407,25 @@ def config_problems(**groups) -> list[str]:
 
 
 def test_the_complete_ratio_setting_and_its_rules():
-    """correction.complete_ratio needs the trajectory estimator and a commit rule with a probability."""
-    complete = {"correction": {"method": "tis", "complete_ratio": True}}
-    assert config_problems(**complete, likelihood={"estimator": "trajectory"},
-                           experimental={"rollout_position_temperature": 0.05}) == []
+    """experimental.complete_ratio needs the trajectory estimator and a commit rule with a probability; it lets
+    bypass mode weight the commit ratio; the name of an earlier release (correction.complete_ratio, nested or dotted)
+    reads as it, said in one warning."""
+    correction = {"method": "tis"}
+    assert config_problems(correction=correction, likelihood={"estimator": "trajectory"},
+                           experimental={"complete_ratio": True, "rollout_position_temperature": 0.05}) == []
     assert any("experimental.rollout_position_temperature > 0" in p
-               for p in config_problems(**complete, likelihood={"estimator": "trajectory"}))
-    assert any("likelihood.estimator=trajectory" in p
-               for p in config_problems(**complete, experimental={"rollout_position_temperature": 0.05}))
-    assert CorrectionSettings("tis", bypass_mode=True, complete_ratio=True).problems() == []
-    assert CorrectionSettings("tis", bypass_mode=True).problems() != []
+               for p in config_problems(correction=correction, likelihood={"estimator": "trajectory"},
+                                        experimental={"complete_ratio": True}))
+    assert any("likelihood.estimator=trajectory" in p for p in config_problems(
+        correction=correction, experimental={"complete_ratio": True, "rollout_position_temperature": 0.05}))
+    bypass = {**correction, "bypass_mode": True}
+    assert config_problems(correction=bypass, likelihood={"estimator": "trajectory"},
+                           experimental={"complete_ratio": True, "rollout_position_temperature": 0.05}) == []
+    assert any("correction.bypass_mode" in p for p in config_problems(correction=bypass))
+    for earlier in ({"correction": {"method": "tis", "complete_ratio": True}},
+                    {"correction.method": "tis", "correction.complete_ratio": True}):
+        values = canonical_values(earlier)
+        assert values["experimental"] == {"complete_ratio": True} and values["correction"] == {"method": "tis"}
 
 
 def test_the_commit_choice_gradient_differentiates_the_whole_step(tokenizer, tmp_path):
@@ -455,8 +464,9 @@ def test_a_run_scoring_the_commit_choice_as_a_set_trains_with_the_complete_ratio
 
     trainer = make_trainer(tokenizer, tmp_path, rollout={"precision": "bf16", "cache": "dual",
                                                          "remasking": "top_log_odds"},
-                           likelihood={"estimator": "trajectory"}, correction={"method": "ais", "complete_ratio": True},
-                           experimental={"rollout_position_temperature": 1.0, "commit_choice_as_set": True})
+                           likelihood={"estimator": "trajectory"}, correction={"method": "ais"},
+                           experimental={"rollout_position_temperature": 1.0, "commit_choice_as_set": True,
+                                         "complete_ratio": True})
     assert trainer.policy.sampler.config.commit_choice_as_set
     history = trainer.train().history
     assert len(history) == 2 and all(math.isfinite(r["loss"]) for r in history)

@@ -109,8 +109,8 @@ def test_the_complete_ratio_trains_an_sdar(tokenizer, tmp_path):
     ratio 1 on a bf16 engine) and trains."""
     trainer = sdar_trainer(tokenizer, tmp_path, rollout={"precision": "bf16", "cache": "prefix"},
                            likelihood={"estimator": "trajectory"},
-                           correction={"method": "tis", "complete_ratio": True},
-                           experimental={"rollout_position_temperature": 0.5})
+                           correction={"method": "tis"},
+                           experimental={"rollout_position_temperature": 0.5, "complete_ratio": True})
     batch = trainer.make_generation_batch()
     choice_old = trainer.policy.choice_logprobs(trainer.model, batch.rollout)
     torch.testing.assert_close(choice_old, recorded_choice(batch.rollout).logprobs, atol=1e-5, rtol=0)
