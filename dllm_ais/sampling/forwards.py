@@ -36,6 +36,7 @@ import logging
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import StaticCache
 
@@ -100,6 +101,29 @@ class EagerForwards:
         stored = FP8KeyValueCache(output.past_key_values) if storage == "fp8" else output.past_key_values
         return stored, output.logits
 
+    def block_causal_buffers(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                             block: slice) -> tuple[Any, torch.Tensor]:
+        """(keys/values, logits [B, Lb, V] of `block`) of a block-causal model's first forward of a canvas
+        `input_ids` [B, T]: positions [0, block.stop) run, their keys/values kept in buffers of the canvas length
+        (zero past block.stop until written: a block never attends to a later one)."""
+        stop = block.stop
+        positions = torch.arange(block.start, stop, device=input_ids.device)
+        output = self.model(input_ids[:, :stop], use_cache=True, logits_to_keep=positions,
+                            attention_mask=None if attention_mask is None else attention_mask[:, :stop])
+        room = input_ids.shape[1] - stop
+        return [tuple(F.pad(tensor, (0, 0, 0, room)) for tensor in layer) for layer in output.past_key_values], \
+            output.logits
+
+    def cached_step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                    logits_to_keep: torch.Tensor, past_key_values: Any,
+                    cache_position: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """(logits, keys/values) of a forward of `input_ids` [B, K] at `cache_position` against `past_key_values`,
+        writing its own keys/values there: the model's returned cache (the buffers, or, under grad, their written
+        copy)."""
+        output = self.model(input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep,
+                            past_key_values=past_key_values, cache_position=cache_position, use_cache=True)
+        return output.logits, output.past_key_values
+
 
 class StaticForwards(EagerForwards):
     """A model's no-gradient forwards at static shapes: `logits` runs one (replaying its CUDA graph on a CUDA device),
@@ -137,6 +161,21 @@ class StaticForwards(EagerForwards):
         written = buffers.refresh if storage == "fp8" else buffers
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         return buffers, self.logits(input_ids, attention_mask, logits_to_keep, written, positions)
+
+    def block_causal_buffers(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                             block: slice) -> tuple[Any, torch.Tensor]:
+        """The buffers of a block-causal model's canvas `input_ids` [B, T] at static shape: the whole canvas run into
+        them (`key_value_buffers`; the positions after `block` then hold keys/values of masks, rewritten before a
+        later block reads them), and the logits of `block`."""
+        return self.key_value_buffers(input_ids, attention_mask,
+                                      torch.arange(block.start, block.stop, device=input_ids.device))
+
+    def cached_step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                    logits_to_keep: torch.Tensor, past_key_values: Any,
+                    cache_position: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """(logits, the buffers) of a forward written into the buffers in place (`logits`: a captured graph on a
+        GPU)."""
+        return self.logits(input_ids, attention_mask, logits_to_keep, past_key_values, cache_position), past_key_values
 
     def decode_cache(self, batch: int, length: int) -> StaticCache:
         """An empty `StaticCache` of `batch` rows and room for `length` tokens (prompt and completion): one per

@@ -1,6 +1,7 @@
 """The block KV cache of one sampling call (Fast-dLLM's prefix and dual caches, a block-causal model's exact cache of
-finished blocks) and the sampling forwards that read and write it, through the sampler's `Forwards`
-(`dllm_ais.sampling.forwards`: the model as it is, or the compiled engine's static forwards)."""
+finished blocks): which forward refreshes it and which reads it. The keys/values themselves are allocated and written
+by the sampler's forwards (`dllm_ais.sampling.forwards`: the model as it is, or the compiled engine's static buffers,
+in the model's dtype or FP8), the one owner of their storage; a `BlockCache` holds the handle for one call."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from dllm_ais.models.families import logit_source_positions
 from dllm_ais.sampling.forwards import EagerForwards
@@ -76,38 +76,21 @@ class BlockCache:
         """Logits [B, Lb, V] of the `block` positions of a block-causal model's canvas `inputs` [B, T], every position
         before `block` holding its final token (the blocks are decoded in order).
 
-        The first call runs positions [0, block.stop) and keeps their keys/values in buffers of the canvas length
-        (the later positions zero until written: a block never attends to later blocks); with static forwards
-        (the compiled engine's), it runs the whole canvas into their buffers of that shape instead (the later
-        positions then hold keys/values of masks, rewritten before a later block reads them), and every call replays
-        a captured forward. Every later call runs [`stored_until`, block.stop) against the buffers, writing those
-        positions: the current block alone, or, at a block's first step, also the block finished before it, whose
-        clean keys/values are stored so. The block's own keys/values, written while it is still masked, are
-        rewritten by the next block's first forward before any later block reads them; the logits are those of the
-        full block-causal forward. Under grad (a replay) the model writes into copies of the buffers, which the cache
-        keeps instead.
+        The first call has `forwards` build the keys/values buffers of the canvas length (`block_causal_buffers`:
+        positions [0, block.stop) eagerly; the whole canvas into the compiled engine's static buffers). Every later
+        call runs [`stored_until`, block.stop) against them, writing those positions (`cached_step`): the current
+        block alone, or, at a block's first step, also the block finished before it, whose clean keys/values are
+        stored so. The block's own keys/values, written while it is still masked, are rewritten by the next block's
+        first forward before any later block reads them; the logits are those of the full block-causal forward.
+        Under grad (a replay) the model writes into copies of the buffers, which the cache keeps instead.
         """
-        positions = torch.arange(block.start, block.stop, device=inputs.device)
-        if self.past_key_values is None and forwards.static_shapes:  # the engine's buffers, written over the canvas
-            self.past_key_values, logits = forwards.key_value_buffers(inputs, attention_mask, positions)
-        elif self.past_key_values is None:
-            stop = block.stop
-            output = forwards.model(inputs[:, :stop], use_cache=True, logits_to_keep=positions,
-                                    attention_mask=None if attention_mask is None else attention_mask[:, :stop])
-            room = inputs.shape[1] - stop
-            self.past_key_values = [tuple(F.pad(tensor, (0, 0, 0, room)) for tensor in layer)
-                                    for layer in output.past_key_values]
-            logits = output.logits
+        if self.past_key_values is None:
+            self.past_key_values, logits = forwards.block_causal_buffers(inputs, attention_mask, block)
         else:
             start = self.stored_until
-            cached = {"attention_mask": attention_mask, "logits_to_keep": positions - start,
-                      "past_key_values": self.past_key_values,
-                      "cache_position": torch.arange(start, block.stop, device=inputs.device)}
-            if forwards.static_shapes:
-                logits = forwards.logits(inputs[:, start:block.stop], **cached)
-            else:
-                output = forwards.model(inputs[:, start:block.stop], use_cache=True, **cached)
-                self.past_key_values = output.past_key_values  # the buffers, or their written copy under grad
-                logits = output.logits
+            positions = torch.arange(block.start, block.stop, device=inputs.device)
+            logits, self.past_key_values = forwards.cached_step(
+                inputs[:, start:block.stop], attention_mask, positions - start, self.past_key_values,
+                torch.arange(start, block.stop, device=inputs.device))
         self.stored_until = block.start
         return logits
