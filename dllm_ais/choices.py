@@ -51,4 +51,5 @@ def block_fraction_problem(block_fraction: float, estimator: str) -> str | None:
     return (f"experimental.likelihood_block_fraction={block_fraction} scores a random share of the denoising "
             f"trajectory's blocks, which likelihood.estimator={estimator} does not replay: set likelihood.estimator to "
             f"{' or '.join(TRAJECTORY_ESTIMATORS)}, or experimental.likelihood_block_fraction=1")
-EVAL_PROTOCOLS = ("d1", "dream", "sdar")  # dllm_ais.evaluation: `dllm-ais eval --protocol` (d1's, Dream's, SDAR's decoding)
+# dllm_ais.evaluation: `dllm-ais eval --protocol` (d1's, Dream's, SDAR's, LLaDA2's decoding)
+EVAL_PROTOCOLS = ("d1", "dream", "sdar", "llada2")

@@ -179,32 +179,35 @@ def inference_config(args: argparse.Namespace, overrides: list[str], family_deco
     if saved := saved_settings(args):
         return load_config(None, {**checkpoint_settings(saved), **values})
     if (family_decoding and args.recipe is None and args.model
-            and (block_size := block_diffusion_block_size(args.model)) is not None):
-        values = {**block_diffusion_decoding(block_size, values), **values}
+            and (blocks := block_diffusion_family(args.model)) is not None):
+        values = {**block_diffusion_decoding(*blocks, values), **values}
     return load_config(args.recipe or EMBEDDED_RECIPE, values)
 
 
-def block_diffusion_block_size(name_or_path: str) -> int | None:
-    """The block size in the config.json of the model `name_or_path` (an adapter's: its base's) when it is a
-    block-diffusion model (SDAR); None otherwise. Read from the file: no model code runs."""
+def block_diffusion_family(name_or_path: str) -> tuple[int, str] | None:
+    """(block size, its family's eval protocol: `config.block_protocol_of`) from the config.json of the model
+    `name_or_path` (an adapter's: its base's) when it is a block-diffusion model (SDAR, LLaDA2); None otherwise. Read
+    from the file: no model code runs."""
+    from dllm_ais.config import block_protocol_of
     from dllm_ais.loading import model_file, model_sources, read_json_object
     from dllm_ais.models.families import is_block_causal
 
     file = model_file(model_sources(name_or_path)[-1], "config.json")
     settings = read_json_object(file) if file else {}
-    return settings.get("block_size") if is_block_causal(settings.get("model_type")) else None
+    model_type = settings.get("model_type")
+    return (settings.get("block_size"), block_protocol_of(model_type)) if is_block_causal(model_type) else None
 
 
-def block_diffusion_decoding(block_size: int, values: dict) -> dict:
-    """SDAR's own decoding (`with_sdar_protocol`, what `eval` decodes a block-diffusion model with) as rollout
-    settings: the model's blocks of `block_size`, a step per completion position (the `values`' max_completion_length,
-    else the embedded recipe's)."""
-    from dllm_ais.config import EMBEDDED_RECIPE, SDAR_ROLLOUT, recipe_setting
+def block_diffusion_decoding(block_size: int, protocol: str, values: dict) -> dict:
+    """The family's own decoding (`with_sdar_protocol` of `protocol`, what `eval` decodes a block-diffusion model
+    with) as rollout settings: the model's blocks of `block_size`, a step per completion position (the `values`'
+    max_completion_length, else the embedded recipe's)."""
+    from dllm_ais.config import BLOCK_PROTOCOL_ROLLOUTS, EMBEDDED_RECIPE, recipe_setting
     from dllm_ais.validation import read_recipe
 
     length = values.get("max_completion_length", recipe_setting(read_recipe(EMBEDDED_RECIPE), "max_completion_length"))
-    return {f"rollout.{name}": value for name, value in {**SDAR_ROLLOUT, "block_length": block_size,
-                                                           "steps": length}.items()}
+    return {f"rollout.{name}": value for name, value in {**BLOCK_PROTOCOL_ROLLOUTS[protocol],
+                                                           "block_length": block_size, "steps": length}.items()}
 
 
 def _load_for_inference(args: argparse.Namespace, config):
@@ -257,7 +260,7 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     import shlex
     import time
 
-    from dllm_ais.config import ConfigError
+    from dllm_ais.config import BLOCK_PROTOCOL_ROLLOUTS, ConfigError, block_protocol_of
     from dllm_ais.data import load_task_dataset
     from dllm_ais.evaluation import (EvalProtocol, dataset_provenance, device_name, evaluate_policy, library_versions,
                                      markdown_table, model_provenance, report_entry, write_report)
@@ -273,16 +276,17 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     reward_funcs = resolve_reward_functions(config.reward_funcs or list(task.reward_funcs))
     model, tokenizer = _load_for_inference(args, config)
     block_size = model.config.block_size if is_block_causal(model) else None
-    name = args.protocol or ("sdar" if block_size else "d1")
+    name = args.protocol or (block_protocol_of(model.config.model_type) if block_size else "d1")
     protocol = EvalProtocol.for_task(task, args.gen_lengths, args.block_length, args.temperature, name, block_size)
     odd = [length for length in protocol.gen_lengths if length % 2]
     if odd and protocol.name == "d1" and is_diffusion(config.policy, model.config.model_type):
         raise ConfigError(f"--gen_lengths {','.join(map(str, odd))}: the protocol denoises in gen_length / 2 steps, "
                           "so every gen length must be even (e.g. 16,32).")
-    misfit = [length for length in protocol.gen_lengths if protocol.name == "sdar" and length % block_size]
+    misfit = [length for length in protocol.gen_lengths
+              if protocol.name in BLOCK_PROTOCOL_ROLLOUTS and length % block_size]
     if misfit:
         fitting = ",".join(str(-(-length // block_size) * block_size) for length in protocol.gen_lengths)
-        raise ConfigError(f"the sdar protocol decodes in this model's blocks of block_size={block_size}: gen length "
+        raise ConfigError(f"the {protocol.name} protocol decodes in this model's blocks of block_size={block_size}: gen length "
                           f"{','.join(map(str, misfit))} is not a multiple of it; pass --gen_lengths {fitting}")
     try:  # every gen length's sampler is checked before the first one runs
         policies = {gen_length: build_policy(protocol.decoding(config, gen_length),
@@ -525,9 +529,10 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--split", default="test", choices=("test", "validation", "train"))
     evaluate.add_argument("--protocol", choices=EVAL_PROTOCOLS,
                           help="d1 (any diffusion model; the default), dream: Dream's own greedy decoding (one block, "
-                               "a step per token, entropy rule, time-linear schedule), or sdar: SDAR's own (the model's "
+                               "a step per token, entropy rule, time-linear schedule), sdar: SDAR's own (the model's "
                                "blocks, a step per block position, low_confidence_dynamic at 0.9, exact cache; the "
-                               "default for an SDAR model)")
+                               "default for an SDAR model), or llada2: LLaDA2's own (the same at 0.95; the default for "
+                               "a LLaDA2 model)")
     evaluate.add_argument("--gen_lengths", type=comma_separated_ints,
                           help="comma-separated completion lengths (default: the task's, 128,256,512)")
     evaluate.add_argument("--block_length", type=int, help="diffusion block length (default: the task's, 32)")

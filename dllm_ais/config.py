@@ -44,6 +44,9 @@ EMBEDDED_MODELS = {  # name usable as model_name_or_path -> directory shipped in
     # a tiny SDAR (block diffusion) on digits, the tiny Qwen3 continued by block-diffusion SFT
     # (recipes/tiny_sdar_digits.yaml)
     f"{EMBEDDED_MODEL}-sdar": Path(__file__).parent / "assets" / "tiny_sdar",
+    # a tiny LLaDA2 (mixture-of-experts block diffusion) on digits, the tiny Qwen3's weights mapped into it, then
+    # block-diffusion SFT (recipes/tiny_llada2_digits.yaml)
+    f"{EMBEDDED_MODEL}-llada2": Path(__file__).parent / "assets" / "tiny_llada2",
     # the long-completion warm starts on reasoning-gym chain sums (recipes/tiny_{llada,qwen3}_chain_sum.yaml)
     f"{EMBEDDED_MODEL}-llada-chain-sum": Path(__file__).parent / "assets" / "tiny_llada_chain_sum",
     f"{EMBEDDED_MODEL}-qwen3-chain-sum": Path(__file__).parent / "assets" / "tiny_qwen3_chain_sum",
@@ -64,6 +67,19 @@ DREAM_ROLLOUT = {**D1_ROLLOUT, "remasking": "entropy", "schedule": "time_linear"
 # exact cache of finished blocks (any cache mode is that cache for a block-causal model)
 SDAR_THRESHOLD = 0.9
 SDAR_ROLLOUT = {**D1_ROLLOUT, "remasking": "maskgit_plus", "threshold": SDAR_THRESHOLD, "cache": "dual"}
+# LLaDA2's own decoder (inclusionAI's generate): the same rule at its default threshold 0.95 (its minimal_topk and EOS
+# early stop are not the sampler's: docs/architecture.md, "Model families")
+LLADA2_THRESHOLD = 0.95
+LLADA2_ROLLOUT = {**SDAR_ROLLOUT, "threshold": LLADA2_THRESHOLD}
+BLOCK_PROTOCOL_ROLLOUTS = {"sdar": SDAR_ROLLOUT, "llada2": LLADA2_ROLLOUT}
+"""The block-causal families' own decodings, by `dllm-ais eval --protocol` name (`with_sdar_protocol`)."""
+FAMILY_BLOCK_PROTOCOLS = {"sdar": "sdar", "llada2_moe": "llada2"}
+"""A block-causal model_type's own protocol (`block_protocol_of`)."""
+
+
+def block_protocol_of(model_type: str | None) -> str:
+    """The eval protocol a block-causal `model_type` decodes with by default: its family's own (SDAR's otherwise)."""
+    return FAMILY_BLOCK_PROTOCOLS.get(model_type, "sdar")
 
 
 def _exact_decoding(config: "GRPOConfig", gen_length: int, rollout: dict) -> "GRPOConfig":
@@ -92,13 +108,15 @@ def with_dream_protocol(config: "GRPOConfig", gen_length: int) -> "GRPOConfig":
     return _exact_decoding(config, gen_length, {**DREAM_ROLLOUT, "block_length": gen_length, "steps": gen_length})
 
 
-def with_sdar_protocol(config: "GRPOConfig", gen_length: int, block_size: int) -> "GRPOConfig":
+def with_sdar_protocol(config: "GRPOConfig", gen_length: int, block_size: int, name: str = "sdar") -> "GRPOConfig":
     """`config` decoding as SDAR's own generation does (JetAstra/SDAR ``generate.py``), greedy: blocks of the model's
     `block_size`, as many denoising steps per block as it has positions (``denoising_steps = block_length``, 4 for
     the released models), `SDAR_ROLLOUT`'s low_confidence_dynamic at `SDAR_THRESHOLD`, the exact cache; `dllm-ais
     eval --protocol sdar`. ``generate.py``'s own default threshold is 0.85, its README's engines use 0.9; threshold
-    1.0 would be the static rule (low_confidence_static)."""
-    return _exact_decoding(config, gen_length, {**SDAR_ROLLOUT, "block_length": block_size, "steps": gen_length})
+    1.0 would be the static rule (low_confidence_static). `name` "llada2": LLaDA2's own (`LLADA2_ROLLOUT`, the same at
+    `LLADA2_THRESHOLD`, in its blocks; `dllm-ais eval --protocol llada2`)."""
+    return _exact_decoding(config, gen_length, {**BLOCK_PROTOCOL_ROLLOUTS[name], "block_length": block_size,
+                                                "steps": gen_length})
 
 
 
@@ -113,9 +131,11 @@ class GRPOConfig:
     # --- model ---
     model_name_or_path: str = field(default=EMBEDDED_MODEL, metadata={**PATH,
         "help": f"Hub id or local directory of the policy; {', '.join(map(repr, EMBEDDED_MODELS))} = the tiny models "
-                "shipped with the package (LLaDA and Qwen3 on digits and on chain sums, Dream and SDAR on digits)."})
+                "shipped with the package (LLaDA and Qwen3 on digits and on chain sums, Dream, SDAR and LLaDA2 on "
+                "digits)."})
     policy: str = field(default="auto", metadata={**choice(*POLICIES),
-        "help": "diffusion (LLaDA-style masked diffusion) or autoregressive; auto: diffusion for llada, Dream and sdar."})
+        "help": "diffusion (LLaDA-style masked diffusion) or autoregressive; auto: diffusion for llada, Dream, sdar and "
+                "llada2_moe."})
     dtype: str = field(default="auto", metadata={**choice(*DTYPES),
         "help": "Trainer weights dtype; auto = bfloat16 on CUDA, float32 on CPU."})
     trust_remote_code: bool = field(default=False, metadata={"help": "Passed to from_pretrained (not needed for LLaDA)."})
@@ -126,6 +146,11 @@ class GRPOConfig:
     lora_target_modules: list[str] | str | None = field(default=None, metadata={
         "help": "Module names or a regex; None = the preset for the model type (LLaDA: every block's "
                 "q_proj k_proj v_proj attn_out ff_proj up_proj ff_out, never the LM head)."})
+    lora_target_parameters: list[str] | None = field(default=None, metadata={
+        "help": "Parameters LoRA adapts directly (peft's target_parameters: stacked MoE experts, one adapter per "
+                "expert; needs lora_dropout 0), matched by name suffix; None = the preset for the model type "
+                "(LLaDA2: experts.gate_up_proj experts.down_proj; none for the others), [] = none. The router "
+                "(mlp.gate.weight) stays frozen unless named here."})
     gradient_checkpointing: bool = False
 
     # --- data and rewards ---

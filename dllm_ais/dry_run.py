@@ -22,8 +22,9 @@ from dllm_ais.tasks import get_task
 from dllm_ais.trackers import missing_tracker_problems
 
 
-NAME_HINTS_OF_MODEL_TYPES = {"llada": "llada", "dream": "Dream", "diffucoder": "Dream", "sdar": "sdar"}
-"""Without a reachable config.json, a model name containing one of these (any case) is taken for that model_type."""
+NAME_HINTS_OF_MODEL_TYPES = {"llada2": "llada2_moe", "llada": "llada", "dream": "Dream", "diffucoder": "Dream", "sdar": "sdar"}
+"""Without a reachable config.json, a model name containing one of these (any case, the first that matches) is taken
+for that model_type."""
 
 
 def recipe_model_type(config: GRPOConfig) -> str | None:
@@ -43,10 +44,20 @@ def recipe_is_diffusion(config: GRPOConfig) -> bool:
 
 def stand_in_model(diffusion: bool, tokenizer, model_type: str | None = None, block_size: int = 4) -> torch.nn.Module:
     """A randomly initialised tiny model of the recipe's family over the embedded tokenizer's vocabulary: a Dream
-    for model_type Dream, an SDAR of `block_size` for model_type sdar, else a LLaDA for a diffusion recipe and a
-    Qwen3 for an autoregressive one."""
+    for model_type Dream, an SDAR of `block_size` for model_type sdar, a LLaDA2 MoE of `block_size` (4 experts in 2
+    groups, 2 per token, a shared one, the first layer dense) for model_type llada2_moe, else a LLaDA for a diffusion
+    recipe and a Qwen3 for an autoregressive one."""
     torch.manual_seed(0)
     vocab = len(tokenizer)
+    if diffusion and model_type == "llada2_moe":
+        from dllm_ais.models import LLaDA2MoeConfig, LLaDA2MoeModelLM
+
+        return LLaDA2MoeModelLM(LLaDA2MoeConfig(
+            vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, num_experts=4, num_shared_experts=1, num_experts_per_tok=2, n_group=2,
+            topk_group=1, moe_intermediate_size=16, first_k_dense_replace=1, max_position_embeddings=4096,
+            rope_theta=10000.0, block_size=block_size, mask_token_id=tokenizer.mask_token_id,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))
     if diffusion and model_type == "sdar":
         from dllm_ais.models import SDARConfig, SDARForCausalLM
 

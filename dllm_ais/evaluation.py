@@ -4,7 +4,7 @@
 (test split) call. It keeps every prompt's values in dataset order, so two evaluations of the same prompts can be
 compared pairwise.
 
-`dllm-ais eval` runs d1's protocol by default (SDAR's own for a block-causal model): greedy decoding (temperature 0),
+`dllm-ais eval` runs d1's protocol by default (a block-causal model's family's own: SDAR's, LLaDA2's): greedy decoding (temperature 0),
 block length 32, steps = gen_length / 2 at gen lengths 128, 256 and 512, accuracy (the task's correctness check alone, 0/1) on
 the full test split, with the standard error of the accuracy and the mean of every reward function. Its report
 records what is needed to reproduce the number: protocol, seed, model id and revision (or local path and content
@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from dllm_ais.config import (D1_ROLLOUT, DREAM_ROLLOUT, SDAR_ROLLOUT, ConfigError, GRPOConfig, with_d1_protocol,
-                             with_dream_protocol, with_sdar_protocol)
+from dllm_ais.config import (BLOCK_PROTOCOL_ROLLOUTS, D1_ROLLOUT, DREAM_ROLLOUT, ConfigError, GRPOConfig,
+                             with_d1_protocol, with_dream_protocol, with_sdar_protocol)
 from dllm_ais.loading import resolve_model_path
 from dllm_ais.policy import sample_prompts
 from dllm_ais.rewards import RewardTable, score_rollout_table
@@ -183,15 +183,16 @@ class EvalProtocol:
     def for_task(cls, task: Task, gen_lengths: tuple[int, ...] | None = None, block_length: int | None = None,
                  temperature: float = 0.0, name: str = "d1", block_size: int | None = None) -> "EvalProtocol":
         """The task's protocol (d1's for the real tasks; with `name` "dream" Dream's decoding, `with_dream_protocol`;
-        with "sdar" SDAR's, `with_sdar_protocol`, in the blocks of the model's `block_size`), with any of its
-        settings replaced. ConfigError when "sdar" meets a model without blocks or another block length."""
-        if name == "sdar":
+        with "sdar" SDAR's or "llada2" LLaDA2's, `with_sdar_protocol`, in the blocks of the model's `block_size`),
+        with any of its settings replaced. ConfigError when a block protocol meets a model without blocks or another
+        block length."""
+        if name in BLOCK_PROTOCOL_ROLLOUTS:
             if block_size is None:
-                raise ConfigError("--protocol sdar decodes a block-causal model (SDAR) in its own blocks; this model "
-                                  "has none: use --protocol d1")
+                raise ConfigError(f"--protocol {name} decodes a block-causal model (SDAR, LLaDA2) in its own blocks; "
+                                  "this model has none: use --protocol d1")
             if block_length not in (None, block_size):
-                raise ConfigError(f"--block_length {block_length}: the sdar protocol decodes in the model's blocks of "
-                                  f"block_size={block_size}; leave --block_length unset")
+                raise ConfigError(f"--block_length {block_length}: the {name} protocol decodes in the model's blocks "
+                                  f"of block_size={block_size}; leave --block_length unset")
             block_length = block_size
         return cls(tuple(gen_lengths or task.eval_gen_lengths), block_length or task.eval_block_length, temperature,
                    name)
@@ -201,16 +202,16 @@ class EvalProtocol:
         `with_sdar_protocol`)."""
         if self.name == "dream":
             return with_dream_protocol(config, gen_length)
-        if self.name == "sdar":
-            return with_sdar_protocol(config, gen_length, self.block_length)
+        if self.name in BLOCK_PROTOCOL_ROLLOUTS:
+            return with_sdar_protocol(config, gen_length, self.block_length, self.name)
         return with_d1_protocol(config, gen_length, self.block_length)
 
     def to_dict(self) -> dict[str, Any]:
         if self.name == "dream":
             return {**asdict(self), **DREAM_ROLLOUT, "block_length": "gen_length", "steps": "gen_length",
                     "gen_lengths": list(self.gen_lengths)}
-        if self.name == "sdar":
-            return {**asdict(self), **SDAR_ROLLOUT, "steps": "gen_length (block_length per block)",
+        if self.name in BLOCK_PROTOCOL_ROLLOUTS:
+            return {**asdict(self), **BLOCK_PROTOCOL_ROLLOUTS[self.name], "steps": "gen_length (block_length per block)",
                     "gen_lengths": list(self.gen_lengths)}
         return {**asdict(self), **D1_ROLLOUT, "steps": "gen_length / 2", "gen_lengths": list(self.gen_lengths)}
 

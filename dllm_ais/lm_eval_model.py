@@ -18,15 +18,16 @@ Masked-diffusion models (LLaDA):
   at `max_gen_toks` tokens, its first EOS and the first `until` string.
 - `loglikelihood_rolling` (perplexity tasks) is refused: there is no left-to-right factorisation to roll.
 
-Block-diffusion models (SDAR, `families.is_block_causal`) take the same paths in their own blocks:
+Block-diffusion models (SDAR, LLaDA2: `families.is_block_causal`) take the same paths in their own blocks:
 
 - `loglikelihood` is the same Monte-Carlo estimate with the same draws, each masked token scored with its own block
   noisy and the blocks before it clean (`likelihood.noisy_canvas_logits`, the training-mode forward): with the 1/t
   weight, SDAR's block-diffusion ELBO, its own training loss — not an autoregressive score, which SDAR (bidirectional
   inside a block) does not define. The greedy flag: SDAR's decoder, one token per step by confidence in blocks of
   ``block_size`` (the continuation's length rounded up to whole blocks), reproduces the continuation.
-- `generate_until` decodes with SDAR's own protocol (`config.with_sdar_protocol`: blocks of the model's
-  ``block_size``, a step per block position, low_confidence_dynamic at 0.9, the exact cache), any sampler setting
+- `generate_until` decodes with the family's own protocol (`config.with_sdar_protocol`: blocks of the model's
+  ``block_size``, a step per block position, low_confidence_dynamic at 0.9 for SDAR and 0.95 for LLaDA2
+  (`config.block_protocol_of`), the exact cache), any sampler setting
   given in --model_args replacing its value; a block_length other than ``block_size`` is refused.
 
 Causal LMs (Qwen3, ...): teacher-forced log-probs and greedy flags as the harness's `hf` model computes them, and
@@ -60,7 +61,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from dllm_ais.choices import CACHE_MODES
-from dllm_ais.config import DTYPES, POLICIES, GRPOConfig, with_d1_protocol, with_sdar_protocol
+from dllm_ais.config import DTYPES, POLICIES, GRPOConfig, block_protocol_of, with_d1_protocol, with_sdar_protocol
 from dllm_ais.data import apply_chat_template
 from dllm_ais.statistics import standard_error
 from dllm_ais.likelihood import (
@@ -200,11 +201,12 @@ def d1_sampler_config(gen_length: int, block_length: int, tokens: SpecialTokens,
 
 
 def sdar_sampler_config(gen_length: int, block_size: int, tokens: SpecialTokens, temperature: float,
-                        **settings: Any) -> DiffusionSamplerConfig:
-    """The sampler of SDAR's protocol at `gen_length` (`with_sdar_protocol`: blocks of the model's `block_size`, a
-    step per block position, low_confidence_dynamic at 0.9, the exact cache), see `protocol_sampler_config`."""
-    return protocol_sampler_config(with_sdar_protocol(GRPOConfig(policy="diffusion"), gen_length, block_size), tokens,
-                                   temperature, **settings)
+                        protocol: str = "sdar", **settings: Any) -> DiffusionSamplerConfig:
+    """The sampler of a block-diffusion family's protocol at `gen_length` (`with_sdar_protocol`: blocks of the
+    model's `block_size`, a step per block position, low_confidence_dynamic at 0.9 for SDAR's, 0.95 for `protocol`
+    "llada2", the exact cache), see `protocol_sampler_config`."""
+    return protocol_sampler_config(with_sdar_protocol(GRPOConfig(policy="diffusion"), gen_length, block_size, protocol),
+                                   tokens, temperature, **settings)
 
 
 def completion_text(tokenizer, completion_ids: Tensor, completion_mask: Tensor, max_tokens: int,
@@ -424,7 +426,8 @@ class DllmAisLM(TemplateLM):
         self.gen_length, self.block_length = arguments.gen_length, arguments.block_length
         self.sampler_settings = arguments.sampler_settings
         self.block_size = config.block_size if self.diffusion and is_block_causal(self.model) else None
-        if self.block_size is not None:  # SDAR's protocol, each setting given in model_args replacing its own
+        self.block_protocol = block_protocol_of(config.model_type)
+        if self.block_size is not None:  # its family's protocol, each setting given in model_args replacing its own
             if "block_length" in model_args and arguments.block_length != self.block_size:
                 raise ConfigError(f"--model_args block_length={arguments.block_length}: this block-diffusion model "
                                   f"decodes in its blocks of block_size={self.block_size}; leave block_length unset")
@@ -617,7 +620,8 @@ class DllmAisLM(TemplateLM):
         block, temperature = self.block_length, temperature if do_sample else 0.0
         gen_length = self.gen_length or -(-max_tokens // block) * block
         if self.block_size is not None:
-            config = sdar_sampler_config(gen_length, block, self.tokens, temperature, **self.sampler_settings)
+            config = sdar_sampler_config(gen_length, block, self.tokens, temperature, self.block_protocol,
+                                         **self.sampler_settings)
             return MaskedDiffusionSampler(config), gen_length
         steps = self.sampler_settings["steps"] or max(gen_length // 2, 1)
         settings = {**self.sampler_settings, "steps": steps}

@@ -38,9 +38,24 @@ LORA_TARGET_PRESETS: dict[str, str | list[str]] = {
     "Dream": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
     "qwen3": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
     "sdar": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],  # Qwen3's names
+    # LLaDA2's fused attention projections, the dense layers' MLP and the shared experts (the routed experts are
+    # stacked parameters: LORA_TARGET_PARAMETER_PRESETS); never the router (mlp.gate) or the LM head
+    "llada2_moe": ["query_key_value", "dense", "gate_proj", "up_proj", "down_proj"],
     "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
     "qwen2": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
 }
+
+
+LORA_TARGET_PARAMETER_PRESETS: dict[str, list[str]] = {
+    "llada2_moe": ["experts.gate_up_proj", "experts.down_proj"],  # LLaDA2MoeExperts' stacks [E, out, in]
+}
+"""peft `target_parameters` presets (parameters LoRA adapts directly, by name suffix) of the model_types that have
+them; the others have none."""
+
+
+def lora_target_parameters(model_type: str) -> list[str]:
+    """The LoRA `target_parameters` preset for a transformers `model_type` (empty for most)."""
+    return list(LORA_TARGET_PARAMETER_PRESETS.get(model_type, []))
 
 
 def lora_target_modules(model_type: str) -> str | list[str]:
