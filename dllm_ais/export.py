@@ -7,7 +7,7 @@ estimator, ...) and, when a `dllm-ais eval` report of this model is found or giv
 
 An exported masked-diffusion model carries our modeling files (LLaDA: `modeling_llada.py`; Dream: `modeling_dream.py`
 with the `llada.py` it shares norms and RoPE with; SDAR: `modeling_sdar.py` with the `dream.py`, `llada.py` and
-`families.py` it imports; they import only torch and transformers) and an `auto_map` in config.json (`REMOTE_CODE`), so `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)` loads it without
+`families.py` it imports; LLaDA2: `modeling_llada2_moe.py` with the `sdar.py` and those it imports; they import only torch and transformers) and an `auto_map` in config.json (`REMOTE_CODE`), so `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)` loads it without
 dllm-ais installed. With `import dllm_ais` the registered native class is used instead, remote code or not:
 transformers (5.x) prefers a model type registered outside `transformers.*` over a checkpoint's `auto_map`.
 """
@@ -58,6 +58,13 @@ REMOTE_CODE = {
                                 "families.py": "families"}, {
         "AutoConfig": "modeling_sdar.SDARConfig", "AutoModel": "modeling_sdar.SDARModel",
         "AutoModelForCausalLM": "modeling_sdar.SDARForCausalLM"}),
+    # The official LLaDA2 checkpoints ship inclusionAI's configuration_llada2_moe.py and modeling_llada2_moe.py; an
+    # export ships ours under the modeling file's name (the official per-expert keys and config fields: the
+    # checkpoint is unchanged), with the modules it imports.
+    "llada2_moe": RemoteCode("LLaDA2", {"modeling_llada2_moe.py": "llada2", "sdar.py": "sdar", "dream.py": "dream",
+                                        "llada.py": "llada", "families.py": "families"}, {
+        "AutoConfig": "modeling_llada2_moe.LLaDA2MoeConfig", "AutoModel": "modeling_llada2_moe.LLaDA2MoeModel",
+        "AutoModelForCausalLM": "modeling_llada2_moe.LLaDA2MoeModelLM"}),
 }
 REMOTE_CODE_FILE = REMOTE_CODE["llada"].main_file
 LLADA_AUTO_MAP = REMOTE_CODE["llada"].auto_map

@@ -503,9 +503,13 @@ def official_expert_conversions() -> list[WeightConverter]:
 
 
 def register_with_auto_classes() -> None:
-    """Make `AutoConfig`/`AutoModel`/`AutoModelForCausalLM` resolve model_type "llada2_moe" to this implementation,
-    with the official checkpoints' expert layout converted on load and save."""
+    """Make `AutoConfig`/`AutoModel`/`AutoModelForCausalLM` resolve model_type "llada2_moe" to this implementation
+    (the official checkpoints' expert layout is converted on load and save however the class is reached: below)."""
     AutoConfig.register(LLaDA2MoeConfig.model_type, LLaDA2MoeConfig, exist_ok=True)
     AutoModel.register(LLaDA2MoeConfig, LLaDA2MoeModel, exist_ok=True)
     AutoModelForCausalLM.register(LLaDA2MoeConfig, LLaDA2MoeModelLM, exist_ok=True)
-    register_checkpoint_conversion_mapping(LLaDA2MoeConfig.model_type, official_expert_conversions(), overwrite=True)
+
+
+# At import, not in `register_with_auto_classes`: an export ships this file as remote code, which transformers imports
+# without dllm_ais, and without the conversion it would leave the stacked experts at their initial values.
+register_checkpoint_conversion_mapping(LLaDA2MoeConfig.model_type, official_expert_conversions(), overwrite=True)
