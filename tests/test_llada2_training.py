@@ -120,6 +120,22 @@ def test_fp8_experts_follow_the_trainers_merged_experts_after_a_sync(tokenizer, 
     assert (fp8_grouped_mm(rows, stack, ends) - exact).abs().max() <= 0.1 * exact.abs().max()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="torch._scaled_grouped_mm needs a CUDA GPU of compute capability 9.0 or more")
+def test_cuda_fp8_grouped_mm_is_the_emulated_one():
+    """On Hopper and later the FP8 experts run torch._scaled_grouped_mm: the same per-row FP8 operands as the emulated
+    path (uneven and empty groups), so the two agree to bf16 output rounding."""
+    from dllm_ais.quantization import quantized_weight
+
+    generator = torch.Generator().manual_seed(0)
+    stack = quantized_weight("fp8", torch.randn(4, 64, 128, generator=generator).cuda().bfloat16())
+    rows = torch.randn(40, 128, generator=generator).cuda().bfloat16()
+    ends = torch.tensor([5, 5, 23, 40], dtype=torch.int32, device="cuda")
+    native = fp8_grouped_mm(rows, stack, ends)
+    emulated = fp8_grouped_mm(rows.cpu(), quantized_weight("fp8", stack.dequantize().float().cpu()), ends.cpu())
+    torch.testing.assert_close(native.float().cpu(), emulated.float(), atol=2e-2, rtol=2e-2)
+
+
 def test_the_exact_caches_recorded_logprobs_are_the_trainers_trajectory_replay(tokenizer, tmp_path):
     """LLaDA2's cached rollouts (its exact cache of finished blocks) record log-probs the trainer's trajectory replay
     (its [x_t | x_0] training-mode forward) reproduces: k3 = 0 on a bf16 engine, experts and routing included."""
