@@ -83,6 +83,9 @@ final norm and the LM head; each MoE layer's 384 MLP units are cut into the shar
 routed experts (32 each), the router starting from its own random init. The partial RoPE and the routing change what
 the copied attention and MLP compute, so the mapped model is a starting point, not the Qwen3; block-diffusion SFT
 (as SDAR's) on the same noisy demonstrations follows. The builder prints the greedy validation reward before SFT too.
+Measured (seed 0, 800 steps at 1e-3, 128 validation prompts, d1's protocol in blocks of 4, one thread beside other
+jobs): the mapped model scores greedy reward 0.075 (accuracy 0 %) before SFT and 0.742 (68.0 %) after, SFT loss 3.784
+-> 0.029 (the shipped `embedded-llada2`).
 
 `--init-from MODEL` continues a warm start instead (its weights and tokenizer; `--steps 0` skips straight to the
 prefix-mask stage) into `--output-dir`, on the training rows of `--seed`'s block. From that earlier LLaDA warm start
