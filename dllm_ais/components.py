@@ -21,7 +21,8 @@ from dllm_ais.loading import keep_freed_host_memory, load_model, resolve_dtype
 from dllm_ais.models.routing import EngineRouting, routed_layers
 from dllm_ais.validation import problem_list
 from dllm_ais.policy import (CustomSampler, DiffusionPolicy, Policy, build_policy,
-                             custom_policy_problems, is_diffusion, lora_target_modules)
+                             custom_policy_problems, is_diffusion, lora_target_modules,
+                             lora_target_parameters)
 
 
 @dataclass
@@ -128,6 +129,20 @@ def check_unified_flow_launch(accelerator: Accelerator) -> None:
                           "rollout.precision_flow=split")
 
 
+def lora_config(config: GRPOConfig, model_type: str) -> LoraConfig:
+    """The run's LoRA: `lora_target_modules` and `lora_target_parameters` (each None = the model type's preset).
+    ConfigError when parameters are targeted with lora_dropout > 0 (peft cannot drop out inside a stacked weight)."""
+    modules = config.lora_target_modules or lora_target_modules(model_type)
+    parameters = (lora_target_parameters(model_type) if config.lora_target_parameters is None
+                  else list(config.lora_target_parameters))
+    if parameters and config.lora_dropout > 0:
+        raise ConfigError(f"lora_dropout={config.lora_dropout} with LoRA on parameters {parameters} (model_type "
+                          f"{model_type!r}): peft adapts them without dropout; set lora_dropout: 0.0, or "
+                          "lora_target_parameters: [] to leave them frozen")
+    return LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+                      target_modules=modules, target_parameters=parameters or None)
+
+
 def build_components(config: GRPOConfig, tokenizer, accelerator: Accelerator, model=None,
                      sampler: CustomSampler | None = None, policy: Policy | None = None) -> StepComponents:
     """Load the model (unless given), build the policies (`training_policies`: from the config, or around `sampler`,
@@ -140,9 +155,7 @@ def build_components(config: GRPOConfig, tokenizer, accelerator: Accelerator, mo
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     if config.use_peft and not isinstance(model, PeftModel):
-        targets = config.lora_target_modules or lora_target_modules(model.config.model_type)
-        model = get_peft_model(model, LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha,
-                                                 lora_dropout=config.lora_dropout, target_modules=targets))
+        model = get_peft_model(model, lora_config(config, model.config.model_type))
     model.to(accelerator.device)
     reference_model = None
     if config.beta > 0 and not isinstance(model, PeftModel):

@@ -41,6 +41,9 @@ EMBEDDED_MODELS = {  # name usable as model_name_or_path -> directory shipped in
     # a tiny SDAR (block diffusion) on digits, the tiny Qwen3 continued by block-diffusion SFT
     # (recipes/tiny_sdar_digits.yaml)
     f"{EMBEDDED_MODEL}-sdar": Path(__file__).parent / "assets" / "tiny_sdar",
+    # a tiny LLaDA2 (mixture-of-experts block diffusion) on digits, the tiny Qwen3's weights mapped into it, then
+    # block-diffusion SFT (recipes/tiny_llada2_digits.yaml)
+    f"{EMBEDDED_MODEL}-llada2": Path(__file__).parent / "assets" / "tiny_llada2",
     # the long-completion warm starts on reasoning-gym chain sums (recipes/tiny_{llada,qwen3}_chain_sum.yaml)
     f"{EMBEDDED_MODEL}-llada-chain-sum": Path(__file__).parent / "assets" / "tiny_llada_chain_sum",
     f"{EMBEDDED_MODEL}-qwen3-chain-sum": Path(__file__).parent / "assets" / "tiny_qwen3_chain_sum",
@@ -86,9 +89,11 @@ class GRPOConfig:
     # --- model ---
     model_name_or_path: str = field(default=EMBEDDED_MODEL, metadata={**PATH,
         "help": f"Hub id or local directory of the policy; {', '.join(map(repr, EMBEDDED_MODELS))} = the tiny models "
-                "shipped with the package (LLaDA and Qwen3 on digits and on chain sums, Dream and SDAR on digits)."})
+                "shipped with the package (LLaDA and Qwen3 on digits and on chain sums, Dream, SDAR and LLaDA2 on "
+                "digits)."})
     policy: str = field(default="auto", metadata={**choice(*POLICIES),
-        "help": "diffusion (LLaDA-style masked diffusion) or autoregressive; auto: diffusion for llada, Dream and sdar."})
+        "help": "diffusion (LLaDA-style masked diffusion) or autoregressive; auto: diffusion for llada, Dream, sdar and "
+                "llada2_moe."})
     dtype: str = field(default="auto", metadata={**choice(*DTYPES),
         "help": "Trainer weights dtype; auto = bfloat16 on CUDA, float32 on CPU."})
     trust_remote_code: bool = field(default=False, metadata={"help": "Passed to from_pretrained (not needed for LLaDA)."})
@@ -99,6 +104,11 @@ class GRPOConfig:
     lora_target_modules: list[str] | str | None = field(default=None, metadata={
         "help": "Module names or a regex; None = the preset for the model type (LLaDA: every block's "
                 "q_proj k_proj v_proj attn_out ff_proj up_proj ff_out, never the LM head)."})
+    lora_target_parameters: list[str] | None = field(default=None, metadata={"empty_means_none": True,
+        "help": "Parameters LoRA adapts directly (peft's target_parameters: stacked MoE experts, one adapter per "
+                "expert; needs lora_dropout 0), matched by name suffix; None = the preset for the model type "
+                "(LLaDA2: experts.gate_up_proj experts.down_proj; none for the others), [] = none. The router "
+                "(mlp.gate.weight) stays frozen unless named here."})
     gradient_checkpointing: bool = False
 
     # --- data and rewards ---

@@ -25,12 +25,14 @@ from dllm_ais.trackers import missing_tracker_problems
 
 def recipe_model_type(config: GRPOConfig) -> str | None:
     """The recipe model's model_type without downloading weights: from its config.json if reachable, else guessed
-    from the model name (a family record's `name_hints`); None when neither tells."""
+    from the model name (a family record's `name_hints`, the longest hint the name contains: "llada2" before
+    "llada"); None when neither tells."""
     try:
         return load_model_config(config.model_name_or_path, config.trust_remote_code).model_type
     except (OSError, ValueError):
         name = config.model_name_or_path.lower()
-        return next((family.model_types[0] for family in FAMILIES for hint in family.name_hints if hint in name), None)
+        hints = [(len(hint), family.model_types[0]) for family in FAMILIES for hint in family.name_hints if hint in name]
+        return max(hints)[1] if hints else None
 
 
 def recipe_is_diffusion(config: GRPOConfig) -> bool:
@@ -40,10 +42,20 @@ def recipe_is_diffusion(config: GRPOConfig) -> bool:
 
 def stand_in_model(diffusion: bool, tokenizer, model_type: str | None = None, block_size: int = 4) -> torch.nn.Module:
     """A randomly initialised tiny model of the recipe's family over the embedded tokenizer's vocabulary: a Dream
-    for model_type Dream, an SDAR of `block_size` for model_type sdar, else a LLaDA for a diffusion recipe and a
-    Qwen3 for an autoregressive one."""
+    for model_type Dream, an SDAR of `block_size` for model_type sdar, a LLaDA2 MoE of `block_size` (4 experts in 2
+    groups, 2 per token, a shared one, the first layer dense) for model_type llada2_moe, else a LLaDA for a diffusion
+    recipe and a Qwen3 for an autoregressive one."""
     torch.manual_seed(0)
     vocab = len(tokenizer)
+    if diffusion and model_type == "llada2_moe":
+        from dllm_ais.models import LLaDA2MoeConfig, LLaDA2MoeModelLM
+
+        return LLaDA2MoeModelLM(LLaDA2MoeConfig(
+            vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, num_experts=4, num_shared_experts=1, num_experts_per_tok=2, n_group=2,
+            topk_group=1, moe_intermediate_size=16, first_k_dense_replace=1, max_position_embeddings=4096,
+            rope_theta=10000.0, block_size=block_size, mask_token_id=tokenizer.mask_token_id,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))
     if diffusion and model_type == "sdar":
         from dllm_ais.models import SDARConfig, SDARForCausalLM
 

@@ -25,7 +25,7 @@ from typing import Iterator, NamedTuple
 import torch
 from accelerate.utils import extract_model_from_parallel
 from peft import PeftModel
-from peft.tuners.lora import LoraLayer
+from peft.tuners.lora import LoraLayer, ParamWrapper
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 from torch import Tensor, nn
@@ -197,7 +197,8 @@ class _ParameterSource(NamedTuple):
     """One parameter of the engine's plain model, as stored in the trainer's model.
 
     `parameter` is the trainer's tensor (for a LoRA-wrapped layer its base-layer tensor); `lora_layer` is
-    set for the weight of a LoRA-wrapped layer, whose active adapters add their ΔW.
+    set for the weight of a LoRA-wrapped layer (or a parameter peft's ParamWrapper adapts), whose active adapters add
+    their ΔW.
     """
 
     name: str
@@ -245,13 +246,25 @@ def _parameter_sources(trainer_model: nn.Module) -> Iterator[_ParameterSource]:
 
 def _module_parameter_sources(module: nn.Module, prefix: str, seen: set[int]) -> Iterator[_ParameterSource]:
     module, lora_layer = _plain_module(module, prefix.rstrip("."))
+    adapted = _adapted_parameters(lora_layer)
     for name, param in module.named_parameters(recurse=False):
         if id(param) in seen:  # tied weights: listed once, like nn.Module.named_parameters()
             continue
         seen.add(id(param))
-        yield _ParameterSource(prefix + name, param, lora_layer if name == "weight" else None)
+        yield _ParameterSource(prefix + name, param, adapted.get(name))
     for name, child in module.named_children():
         yield from _module_parameter_sources(child, f"{prefix}{name}.", seen)
+
+
+def _adapted_parameters(lora_layer: LoraLayer | None) -> dict[str, LoraLayer]:
+    """The base layer's parameters `lora_layer` adapts, each with the LoRA layer whose ΔW it gets: ``weight`` for a
+    LoRA module; each targeted parameter's own wrapper for peft's ParamWrapper (``target_parameters``: nested, one
+    wrapper per parameter, e.g. a stack of experts' gate_up_proj and down_proj)."""
+    adapted, layer = {}, lora_layer
+    while isinstance(layer, ParamWrapper):
+        adapted[layer.parameter_name] = layer
+        layer = layer.base_layer
+    return adapted if adapted or lora_layer is None else {"weight": lora_layer}
 
 
 def _without_adapters(module: nn.Module, name: str = "") -> nn.Module:

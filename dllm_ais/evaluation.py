@@ -4,10 +4,11 @@
 (test split) call. It keeps every prompt's values in dataset order, so two evaluations of the same prompts can be
 compared pairwise.
 
-`dllm-ais eval` runs d1's protocol by default (SDAR's own for a block-causal model): greedy decoding (temperature 0),
-block length 32, steps = gen_length / 2 at gen lengths 128, 256 and 512, accuracy (the task's correctness check alone, 0/1) on
-the full test split, with the standard error of the accuracy and the mean of every reward function. Its report
-records what is needed to reproduce the number: protocol, seed, model id and revision (or local path and content
+`dllm-ais eval` runs d1's protocol by default (a block-causal model's family's own, SDAR's or LLaDA2's: its
+record's `eval_protocol`): greedy decoding (temperature 0), block length 32, steps = gen_length / 2 at gen lengths
+128, 256 and 512, accuracy (the task's correctness check alone, 0/1) on the full test split, with the standard error
+of the accuracy and the mean of every reward function. Its report records what is needed to reproduce the number:
+protocol, seed, model id and revision (or local path and content
 hash), dtype, rollout precision, device, library versions and the command.
 """
 
@@ -183,8 +184,8 @@ class EvalProtocol:
     def for_task(cls, task: Task, gen_lengths: tuple[int, ...] | None = None, block_length: int | None = None,
                  temperature: float = 0.0, name: str = "d1", block_size: int | None = None) -> "EvalProtocol":
         """The task's protocol (d1's for the real tasks; with another `name`, that family's own decoder,
-        `decoding_protocols.with_family_protocol`: "dream" Dream's, "sdar" SDAR's in the blocks of the model's
-        `block_size`), with any of its settings replaced. ConfigError when a protocol decoding in the model's blocks
+        `decoding_protocols.with_family_protocol`: "dream" Dream's, "sdar" SDAR's or "llada2" LLaDA2's in the
+        blocks of the model's `block_size`), with any of its settings replaced. ConfigError when a protocol decoding in the model's blocks
         meets a model without blocks or another block length."""
         if name != "d1" and protocol_family(name).protocol_blocks == "block_size":
             if block_size is None:

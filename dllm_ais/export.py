@@ -7,7 +7,9 @@ estimator, ...) and, when a `dllm-ais eval` report of this model is found or giv
 
 An exported masked-diffusion model carries our modeling files (LLaDA: `modeling_llada.py`; Dream: `modeling_dream.py`
 with the `llada.py` it shares norms and RoPE with; SDAR: `modeling_sdar.py` with the `dream.py`, `llada.py` and
-`families.py` it imports; they import only torch and transformers) and an `auto_map` in config.json (each family's record, `dllm_ais.models.families`), so `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)` loads it without
+`families.py` it imports; LLaDA2: `modeling_llada2_moe.py` with the `sdar.py` and those it imports; they import only
+torch and transformers) and an `auto_map` in config.json (each family's record, `dllm_ais.models.families`), so
+`AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)` loads it without
 dllm-ais installed. With `import dllm_ais` the registered native class is used instead, remote code or not:
 transformers (5.x) prefers a model type registered outside `transformers.*` over a checkpoint's `auto_map`.
 """

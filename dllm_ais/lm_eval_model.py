@@ -18,16 +18,16 @@ Masked-diffusion models (LLaDA):
   at `max_gen_toks` tokens, its first EOS and the first `until` string.
 - `loglikelihood_rolling` (perplexity tasks) is refused: there is no left-to-right factorisation to roll.
 
-Block-diffusion models (SDAR, `families.is_block_causal`) take the same paths in their own blocks:
+Block-diffusion models (SDAR, LLaDA2: `families.is_block_causal`) take the same paths in their own blocks:
 
 - `loglikelihood` is the same Monte-Carlo estimate with the same draws, each masked token scored with its own block
   noisy and the blocks before it clean (`likelihood.noisy_canvas_logits`, the training-mode forward): with the 1/t
   weight, SDAR's block-diffusion ELBO, its own training loss — not an autoregressive score, which SDAR (bidirectional
   inside a block) does not define. The greedy flag: SDAR's decoder, one token per step by confidence in blocks of
   ``block_size`` (the continuation's length rounded up to whole blocks), reproduces the continuation.
-- `generate_until` decodes with the family's default protocol (its record's `eval_protocol`, SDAR's for SDAR and
-  LLaDA2.x, `decoding_protocols.with_family_protocol`: blocks of the model's ``block_size``, a step per block
-  position, low_confidence_dynamic at 0.9, the exact cache), any sampler setting
+- `generate_until` decodes with the family's default protocol (its record's `eval_protocol`: SDAR's for SDAR,
+  LLaDA2's for LLaDA2.x; `decoding_protocols.with_family_protocol`: blocks of the model's ``block_size``, a step per
+  block position, low_confidence_dynamic at 0.9 for SDAR and 0.95 for LLaDA2, the exact cache), any sampler setting
   given in --model_args replacing its value; a block_length other than ``block_size`` is refused.
 
 Causal LMs (Qwen3, ...): teacher-forced log-probs and greedy flags as the harness's `hf` model computes them, and
@@ -124,7 +124,7 @@ class DllmAisLM(TemplateLM):
         self.gen_length, self.block_length = arguments.gen_length, arguments.block_length
         self.sampler_settings = arguments.sampler_settings
         self.block_size = config.block_size if self.diffusion and is_block_causal(self.model) else None
-        if self.block_size is not None:  # SDAR's protocol, each setting given in model_args replacing its own
+        if self.block_size is not None:  # its family's protocol, each setting given in model_args replacing its own
             if "block_length" in model_args and arguments.block_length != self.block_size:
                 raise ConfigError(f"--model_args block_length={arguments.block_length}: this block-diffusion model "
                                   f"decodes in its blocks of block_size={self.block_size}; leave block_length unset")

@@ -33,6 +33,14 @@ from dllm_ais.validation import ConfigError
 if TYPE_CHECKING:
     from dllm_ais.config import GRPOConfig
 
+
+def lora_target_parameters(model_type: str) -> list[str]:
+    """The LoRA `target_parameters` preset of a transformers `model_type`'s family (its record's
+    `lora_target_parameters`: stacked experts LoRA adapts directly); empty for most."""
+    family = find_family(model_type)
+    return list(family.lora_target_parameters) if family is not None else []
+
+
 def lora_target_modules(model_type: str) -> str | list[str]:
     """The LoRA target preset of a transformers `model_type`'s family (its record's `lora_targets`); ValueError naming
     the fix if it has none."""

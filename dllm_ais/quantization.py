@@ -42,6 +42,13 @@ Precision modes of the rollout engine (design OVERVIEW, "Precision modes"):
   (torchao's ``NVFP4Tensor.to_nvfp4`` then ``dequantize``) before the high-precision matmul: the same numerics
   up to float32 accumulation order (torchao has no emulated NVFP4 matmul).
 
+Stacked mixture-of-experts weights (LLaDA2's `LLaDA2MoeExperts`: [E, out, in], each expert's slice a Linear weight) are
+quantized in ``"fp8"`` mode only (`quantize_stacked_experts_`): each expert's rows as a Linear's (torchao's
+``Float8Tensor``, per-row scales [E, out, 1]), the activation rows per row at call time, and the grouped matmul
+runs ``torch._scaled_grouped_mm`` on CUDA ≥ 9.0 (elsewhere the same FP8 operands dequantized through ``grouped_mm``,
+float rounding aside the same numerics). In the other modes the experts keep their high-precision weights (a warning
+says so): torchao has no grouped kernel for them.
+
 The torchao imports below are partly semi-internal (``QuantizeTensorToFloat8Kwargs``,
 ``KernelPreference``, ``Float8MMConfig``, the config handler registry); they are pinned by the
 project's ``torchao==0.18.0``.
@@ -81,11 +88,13 @@ from torchao.quantization.transform_module import _QUANTIZE_CONFIG_HANDLER
 from torchao.utils import TorchAOBaseTensor
 
 from dllm_ais.choices import PRECISIONS
+from dllm_ais.models.llada2 import LLaDA2MoeExperts
 from dllm_ais.ops import check_choice
 
 __all__ = ["PRECISIONS", "SkipRule", "StraightThroughQuantizedLinear", "check_precision", "kernel_path",
            "is_quantizable", "native_fp8_available", "native_mx_available", "quantize_model_",
-           "quantized_weight", "requantize_", "straight_through_linears_"]
+           "quantize_stacked_experts_", "quantized_weight", "requantize_", "stacked_expert_modules",
+           "straight_through_linears_"]
 
 FP8_DTYPE = torch.float8_e4m3fn
 # FP8 and INT8 matmul kernels need both matrix dimensions of the weight to be multiples of 16; the block formats also
@@ -100,6 +109,8 @@ INPUT_MULTIPLES = {**INT4_GROUP_SIZES, **dict.fromkeys(MX_ELEMENT_DTYPES, MX_BLO
                    **dict.fromkeys(NVFP4_MODES, NVFP4_BLOCK_SIZE)}
 FP8_GRANULARITIES = {"fp8": PerRow, "fp8_tensor": PerTensor}  # the W8A8 FP8 modes and their scale granularity
 NATIVE_FP8_MIN_CAPABILITY = (8, 9)
+NATIVE_FP8_GROUPED_MIN_CAPABILITY = (9, 0)  # torch._scaled_grouped_mm (Hopper and later)
+STACKED_EXPERT_PRECISIONS = ("fp8",)
 NATIVE_MX_MIN_CAPABILITY = (10, 0)
 # Lower bound on a row's absolute maximum before its FP8 scale is taken: an all-zero activation row (e.g. the
 # embedding of a padding token, which `padding_idx` keeps at zero) would otherwise get scale 0 and turn into NaN.
@@ -174,7 +185,55 @@ def quantize_model_(model: nn.Module, precision: str, skip: SkipRule) -> list[st
             linear.register_forward_pre_hook(_nvfp4_round_trip_input)
     if names:
         _log_kernel_path(precision, kernel_path(precision, model.get_submodule(names[0]).weight.device))
+    return names + quantize_stacked_experts_(model, precision)
+
+
+def stacked_expert_modules(model: nn.Module) -> list[tuple[str, LLaDA2MoeExperts]]:
+    """(name, module) of every stack of routed experts in `model` (LLaDA2's `LLaDA2MoeExperts`)."""
+    return [(name, module) for name, module in model.named_modules() if isinstance(module, LLaDA2MoeExperts)]
+
+
+def quantize_stacked_experts_(model: nn.Module, precision: str) -> list[str]:
+    """In "fp8" mode, replace in place both weight stacks of every `stacked_expert_modules` entry whose dims are
+    multiples of 16 by its per-row FP8 stack and its `grouped_mm` by `fp8_grouped_mm`; return the names of the
+    modules quantized. Other modes leave the experts in high precision (a warning, once per mode)."""
+    experts = stacked_expert_modules(model)
+    if not experts or precision == "bf16":
+        return []
+    if precision not in STACKED_EXPERT_PRECISIONS:
+        _warn_experts_kept(precision)
+        return []
+    names = []
+    for name, module in experts:
+        stacks = (module.gate_up_proj, module.down_proj)
+        if any(dim % DIM_MULTIPLE for stack in stacks for dim in stack.shape[1:]):
+            continue
+        module.gate_up_proj, module.down_proj = (
+            nn.Parameter(quantized_weight(precision, stack.detach()), requires_grad=False) for stack in stacks)
+        module.grouped_mm = fp8_grouped_mm
+        names.append(name)
     return names
+
+
+def fp8_grouped_mm(rows: torch.Tensor, stacked: Float8Tensor, group_ends: torch.Tensor) -> torch.Tensor:
+    """`dllm_ais.models.llada2.plain_grouped_mm` of FP8 experts: `rows` [N, in] quantized per row as a W8A8 Linear's
+    activations, times the per-row FP8 `stacked` [E, out, in] group by group; [N, out] in rows' dtype."""
+    activation = Float8Tensor.from_hp(rows, float8_dtype=FP8_DTYPE, granularity=PerRow(), hp_value_lb=AMAX_FLOOR,
+                                      kernel_preference=KernelPreference.TORCH)
+    if _cuda_capability_at_least(rows.device, NATIVE_FP8_GROUPED_MIN_CAPABILITY):
+        return torch._scaled_grouped_mm(
+            activation.qdata, stacked.qdata.transpose(1, 2), activation.scale.reshape(-1).float(),
+            stacked.scale.reshape(stacked.shape[0], -1).float(), offs=group_ends, out_dtype=torch.bfloat16,
+            use_fast_accum=True).to(rows.dtype)
+    return torch.nn.functional.grouped_mm(activation.dequantize(torch.float32),
+                                          stacked.dequantize(torch.float32).transpose(1, 2),
+                                          offs=group_ends).to(rows.dtype)
+
+
+@functools.cache
+def _warn_experts_kept(precision: str) -> None:
+    logger.warning("precision=%r quantizes no stacked experts (only %s does); they run in high precision.",
+                   precision, ", ".join(STACKED_EXPERT_PRECISIONS))
 
 
 def straight_through_linears_(linears: Iterable[tuple[str, nn.Module, str, nn.Linear]], precision: str,
@@ -187,6 +246,9 @@ def straight_through_linears_(linears: Iterable[tuple[str, nn.Module, str, nn.Li
         return []
     names = []
     for name, holder, attribute, linear in linears:
+        if isinstance(linear, LLaDA2MoeExperts) and precision in STACKED_EXPERT_PRECISIONS:
+            raise NotImplementedError(f"rollout.precision_flow=unified does not quantize the stacked experts ({name}) "
+                                      "in the trainer: set rollout.precision_flow=split")
         if is_quantizable(name, linear, skip, precision):
             setattr(holder, attribute, StraightThroughQuantizedLinear(linear, precision))
             names.append(name)
@@ -267,9 +329,10 @@ class _StraightThroughLinear(torch.autograd.Function):
 
 
 def quantized_weight(precision: str, weight: torch.Tensor) -> TorchAOBaseTensor:
-    """`weight` [out, in] quantized as the engine stores it in mode `precision` (any mode but "bf16")."""
-    if precision in FP8_GRANULARITIES and not native_fp8_available(weight.device):
-        return _emulated_w8a8_weight(weight, FP8_GRANULARITIES[precision]())
+    """`weight` [out, in] quantized as the engine stores it in mode `precision` (any mode but "bf16"); in the FP8 modes
+    also a stack of experts' weights [E, out, in] (scales per row of each expert)."""
+    if precision in FP8_GRANULARITIES and (weight.ndim == 3 or not native_fp8_available(weight.device)):
+        return _emulated_w8a8_weight(weight, FP8_GRANULARITIES[precision]())  # a stack: its own grouped matmul
     if precision in MX_ELEMENT_DTYPES and not native_mx_available(weight.device):
         return _emulated_mx_weight(weight, MX_ELEMENT_DTYPES[precision])
     if precision == "nvfp4" and not native_mx_available(weight.device):

@@ -130,7 +130,8 @@ def is_numeric(annotation: Any) -> bool:
 
 # ------------------------------------------------------------------------------------------------- fields
 def field_problems(instance: Any) -> dict[str, list[str]]:
-    """The problems of each invalid field of the dataclass `instance` (type, choices, blank values, declared range)."""
+    """The problems of each invalid field of the dataclass `instance` (type, choices, blank values, declared range; an
+    empty list where None is the default, unless the field's metadata says `empty_means_none`)."""
     hints = typing.get_type_hints(type(instance))
     problems = {f.name: value_problems(f, hints[f.name], getattr(instance, f.name)) for f in dataclasses.fields(instance)}
     return {name: found for name, found in problems.items() if found}
@@ -146,7 +147,7 @@ def value_problems(f: dataclasses.Field, annotation: Any, value: Any) -> list[st
     items = value if isinstance(value, list) else [value]
     if any(isinstance(item, str) and not item.strip() for item in items):
         return [f"{shown}: must not be blank"]
-    if value == [] and f.default is None:
+    if value == [] and f.default is None and not f.metadata.get("empty_means_none"):
         return [f"{shown}: leave it unset (null) for the default, or give at least one item"]
     numbers = [item for item in items if isinstance(item, (int, float)) and not isinstance(item, bool)]
     if "range" in f.metadata:

@@ -69,17 +69,29 @@ def config_of(*settings: dict, **overrides) -> GRPOConfig:
     return GRPOConfig(**values)
 
 
-@pytest.fixture(scope="session")
-def official_sdar_dir(tmp_path_factory, tokenizer):
-    """tests/data/sdar_official (weights and config written by JetLM's code) with the embedded tokenizer saved beside
-    them, as a model directory the CLI, export and lm-eval load (the config's mask 271, pad 270, eos 269 stay)."""
+def official_fixture_with_tokenizer(name: str, tmp_path_factory, tokenizer):
+    """tests/data/<name> (weights and config written by a family's official code) with the embedded tokenizer saved
+    beside them, as a model directory the CLI, export and lm-eval load (the config's special ids stay)."""
     import shutil
     from pathlib import Path
 
-    official = Path(__file__).parent / "data" / "sdar_official"
-    directory = tmp_path_factory.mktemp("sdar_official")
-    for name in ("config.json", "model.safetensors"):
-        shutil.copyfile(official / name, directory / name)
+    official = Path(__file__).parent / "data" / name
+    directory = tmp_path_factory.mktemp(name)
+    for file in ("config.json", "model.safetensors"):
+        shutil.copyfile(official / file, directory / file)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+@pytest.fixture(scope="session")
+def official_sdar_dir(tmp_path_factory, tokenizer):
+    """tests/data/sdar_official (JetLM's code wrote it; mask 271, pad 270, eos 269) with the embedded tokenizer."""
+    return official_fixture_with_tokenizer("sdar_official", tmp_path_factory, tokenizer)
+
+
+@pytest.fixture(scope="session")
+def official_llada2_dir(tmp_path_factory, tokenizer):
+    """tests/data/llada2_official (inclusionAI's code wrote it; per-expert keys, blocks of 4) with the embedded
+    tokenizer."""
+    return official_fixture_with_tokenizer("llada2_official", tmp_path_factory, tokenizer)
 

@@ -112,6 +112,22 @@ def test_precision_benchmark_runs_dreams_shape(capsys):
         ["bf16", "eager"], ["fp8", "eager"], ["fp8", "unified"]]
 
 
+def test_precision_benchmark_runs_llada2_minis_shape_tiny_with_fp8_experts(capsys):
+    """`--shape llada2-mini` benches a LLaDA2 MoE (block-causal, in blocks of --block-length; LoRA on its experts too)
+    through the same rollouts and step, its FP8 engine quantizing the experts; on CPU at a tiny LLaDA2 shape."""
+    assert main(["bench", "precision", "--device", "cpu", "--shape", "llada2-mini", "--precisions", "bf16,fp8",
+                 "--batch", "2", "--prompt-length", "8", "--gen-length", "16", "--block-length", "8", "--steps", "4",
+                 "--parts", "rollouts,step", "--step-batch", "4", "--micro-batch", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "model: LLaDA2MoeModelLM hidden=64 layers=2" in out and " failed: " not in out
+    rollouts = [line for line in out.splitlines() if " tokens/s " in line]
+    assert {(line.split()[0], line.split()[5]) for line in rollouts} == {
+        (precision, cache) for precision in ("bf16", "fp8") for cache in ("none", "dual")}
+    assert all(float(line.split()[7]) > 0 for line in rollouts)
+    steps = [line.split(" | ")[0].split()[1:3] for line in out.splitlines() if line.startswith("step ")]
+    assert steps == [["bf16", "eager"], ["fp8", "eager"]]
+
+
 def test_precision_benchmark_reports_a_failing_notch_in_one_line_and_runs_the_others(capsys, monkeypatch):
     import dllm_ais.engine
 

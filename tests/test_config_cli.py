@@ -184,6 +184,7 @@ def test_cli_train_eval_generate_export_on_the_embedded_model(tmp_path, capsys):
                                             ("llada8b_gsm8k_ar_order.yaml", "diffusion"),
                                             ("dream7b_gsm8k_lora_fp8_ais.yaml", "diffusion"),
                                             ("sdar8b_gsm8k_lora_fp8_ais.yaml", "diffusion"),
+                                            ("llada2_mini_gsm8k_lora_fp8_ais.yaml", "diffusion"),
                                             ("qwen3_8b_gsm8k_lora_fp8_ais.yaml", "autoregressive")])
 def test_dry_run_of_the_gpu_recipes_runs_one_step_on_cpu(capsys, monkeypatch, tmp_path, recipe, family):
     """Offline, as CI runs (the Hub is not reached: without this each run waited ~20 s on it before falling back to
@@ -223,6 +224,22 @@ def test_an_sdar_recipe_gets_an_sdar_stand_in_in_the_models_blocks():
     assert stand_in_model(True, tokenizer, "sdar", block_size=8).config.block_size == 8
     assert stand_in.config.mask_token_id == tokenizer.mask_token_id
     assert (config.rollout.cache, config.likelihood.estimator, config.rollout.steps) == ("dual", "trajectory", 256)
+
+
+def test_a_llada2_recipe_gets_a_llada2_moe_stand_in_in_the_models_blocks():
+    """LLaDA2.0-mini's name is taken for llada2_moe (not LLaDA) offline; the stand-in is a tiny LLaDA2 MoE in the
+    recipe's blocks, with experts the FP8 engine quantizes and LoRA adapts (no dropout)."""
+    from dllm_ais.dry_run import recipe_model_type, stand_in_model
+    from dllm_ais.loading import load_tokenizer
+
+    config = load_config(ROOT / "recipes" / "llada2_mini_gsm8k_lora_fp8_ais.yaml")
+    offline = dataclasses.replace(config, model_name_or_path="/nonexistent/LLaDA2.0-mini")
+    assert recipe_model_type(offline) == "llada2_moe"
+    tokenizer = load_tokenizer("embedded")
+    stand_in = stand_in_model(True, tokenizer, "llada2_moe", block_size=8)
+    assert stand_in.config.model_type == "llada2_moe" and stand_in.config.block_size == 8
+    assert stand_in.config.num_experts == 4 and stand_in.config.mask_token_id == tokenizer.mask_token_id
+    assert (config.rollout.block_length, config.rollout.threshold, config.lora_dropout) == (32, 0.95, 0.0)
 
 
 def test_cli_trains_the_tiny_qwen3_through_the_shared_loop(tmp_path, capsys):

@@ -249,3 +249,21 @@ def test_eval_of_an_sdar_model_runs_sdars_own_protocol_by_default(official_sdar_
     # the fixture's proposals never pass 0.9, so the dynamic rule commits as the static one it was generated with
     assert rollout.step_logprobs.exp().max() < 0.9
     assert torch.equal(rollout.sequences[:, :generated.shape[1]], generated)
+
+
+def test_eval_of_a_llada2_model_runs_llada2s_own_protocol_by_default(official_llada2_dir, tmp_path, capsys):
+    """`dllm-ais eval` of a LLaDA2 checkpoint decodes as LLaDA2's generate by default: its blocks of 4, a step per
+    position, the dynamic rule at its threshold 0.95 (not SDAR's 0.9), the exact cache; `--protocol sdar` still
+    applies SDAR's."""
+    output = tmp_path / "eval.json"
+    assert main(["eval", "--model", str(official_llada2_dir), "--limit=2", "--output", str(output)]) == 0
+    protocol = json.loads(output.read_text())["protocol"]
+    assert (protocol["name"], protocol["block_length"], protocol["remasking"], protocol["threshold"],
+            protocol["cache"], protocol["temperature"]) == ("llada2", 4, "maskgit_plus", 0.95, "dual", 0.0)
+    assert "llada2 protocol" in capsys.readouterr().out
+    config = EvalProtocol.for_task(get_task("gsm8k"), (256,), name="llada2", block_size=32).decoding(GRPOConfig(), 256)
+    assert (config.rollout.block_length, config.rollout.steps, config.rollout.threshold) == (32, 256, 0.95)
+    sdar = tmp_path / "sdar.json"
+    assert main(["eval", "--model", str(official_llada2_dir), "--limit=2", "--protocol", "sdar", "--output",
+                 str(sdar)]) == 0
+    assert json.loads(sdar.read_text())["protocol"]["threshold"] == 0.9

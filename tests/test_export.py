@@ -9,6 +9,7 @@ import textwrap
 
 import pytest
 import torch
+from safetensors.torch import load_file
 import yaml
 
 from dllm_ais.run_dir import MARKER
@@ -226,6 +227,32 @@ def test_an_exported_sdar_loads_with_transformers_alone_and_natively(official_sd
     assert remote["True"]["module"].endswith("modeling_sdar")
     with torch.no_grad():
         expected = load_model(str(source), torch.float32).eval()(torch.tensor(PROMPT_IDS)).logits
+    for name in ("native-False.pt", "native-True.pt", "remote-True.pt"):
+        assert torch.equal(torch.load(tmp_path / name, weights_only=True), expected), name
+
+
+@pytest.mark.slow  # two fresh Python processes load the export
+def test_an_exported_llada2_loads_with_transformers_alone_and_natively(official_llada2_dir, tmp_path):
+    """The official LLaDA2 fixture (inclusionAI's code wrote it: per-expert keys) exported: our modeling_llada2_moe.py
+    and the modules it imports ship with an auto_map naming them, and the checkpoint keeps the official per-expert
+    keys, so transformers alone loads it with trust_remote_code=True — the remote module itself registers the expert
+    conversion — and with dllm_ais imported the native class does; the logits are the fixture's."""
+    merged = export_merged_model(official_llada2_dir, tmp_path / "merged", torch.float32)
+    config = json.loads((merged / "config.json").read_text())
+    assert config["model_type"] == "llada2_moe" and config["auto_map"] == {
+        "AutoConfig": "modeling_llada2_moe.LLaDA2MoeConfig", "AutoModel": "modeling_llada2_moe.LLaDA2MoeModel",
+        "AutoModelForCausalLM": "modeling_llada2_moe.LLaDA2MoeModelLM"}
+    assert {path.name for path in merged.glob("*.py")} == {"modeling_llada2_moe.py", "sdar.py", "dream.py",
+                                                           "llada.py", "families.py"}
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in load_file(merged / "model.safetensors")
+
+    native = fresh_python("import dllm_ais\n" + LOAD, merged, tmp_path / "native", tmp_path=tmp_path)
+    assert native == {"False": {"module": "dllm_ais.models.llada2"}, "True": {"module": "dllm_ais.models.llada2"}}
+    remote = fresh_python(BLOCK_DLLM_AIS + LOAD, merged, tmp_path / "remote", tmp_path=tmp_path)
+    assert "custom code" in remote["False"]["error"]
+    assert remote["True"]["module"].endswith("modeling_llada2_moe")
+    with torch.no_grad():
+        expected = load_model(str(official_llada2_dir), torch.float32).eval()(torch.tensor(PROMPT_IDS)).logits
     for name in ("native-False.pt", "native-True.pt", "remote-True.pt"):
         assert torch.equal(torch.load(tmp_path / name, weights_only=True), expected), name
 

@@ -15,7 +15,7 @@ from dllm_ais.choices import EVAL_PROTOCOLS
 from dllm_ais.models import DreamConfig, LLaDA2MoeConfig, LLaDAConfig, SDARConfig
 from dllm_ais.models.families import (FAMILIES, family_of, find_family, is_block_causal, is_diffusion_family,
                                       logits_are_shifted, position_logits)
-from dllm_ais.policy import lora_target_modules
+from dllm_ais.policy import lora_target_modules, lora_target_parameters
 
 VOCAB, MASK, LENGTH, BLOCK = 64, 63, 12, 4
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -88,11 +88,16 @@ def test_a_tiny_model_of_each_family_attends_as_its_record_says(family):
 def test_a_lora_preset_names_linears_of_the_tiny_model_and_never_its_head(family):
     from peft import LoraConfig, get_peft_model
 
-    model = tiny_model(family.model_types[0])
-    adapted = get_peft_model(model, LoraConfig(r=2, target_modules=lora_target_modules(family.model_types[0])))
+    model_type = family.model_types[0]
+    model = tiny_model(model_type)
+    parameters = lora_target_parameters(model_type)
+    adapted = get_peft_model(model, LoraConfig(r=2, target_modules=lora_target_modules(model_type),
+                                               target_parameters=parameters or None))
     wrapped = [name for name, module in adapted.named_modules() if hasattr(module, "lora_A")]
     assert wrapped and not any("lm_head" in name or name.endswith("ff_out") and "blocks" not in name
-                               for name in wrapped)
+                               or name.endswith("mlp.gate") for name in wrapped)
+    adapted_parameters = {getattr(module, "parameter_name", None) for module in adapted.modules()}
+    assert {name.rpartition(".")[2] for name in parameters} <= adapted_parameters
 
 
 @pytest.mark.parametrize("embedded", ["embedded", "embedded-dream", "embedded-sdar"])
@@ -133,5 +138,6 @@ def test_an_unknown_model_type_is_refused_in_one_line():
         family_of("gpt2")
     assert "'gpt2'" in str(refused.value) and "\n" not in str(refused.value)
     assert "families.py" in str(refused.value)
-    with pytest.raises(ValueError, match="No LoRA target preset for model_type 'llada2_moe'"):
-        lora_target_modules("llada2_moe")
+    with pytest.raises(ValueError, match="No LoRA target preset for model_type 'gpt2'") as refused:
+        lora_target_modules("gpt2")
+    assert "\n" not in str(refused.value) and lora_target_parameters("gpt2") == []

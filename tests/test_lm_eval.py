@@ -452,3 +452,20 @@ def test_sdar_generation_decodes_with_sdars_own_protocol(sdar, official_sdar_dir
     assert text == sdar.tokenizer.decode(tokens, skip_special_tokens=True)
     with pytest.raises(ConfigError, match="block_length=32: .* block_size=4"):
         DllmAisLM(pretrained=str(official_sdar_dir), block_length=32)
+
+
+def test_llada2_scores_its_block_diffusion_elbo_and_generates_with_its_own_protocol(official_llada2_dir):
+    """LLaDA2 under the harness model (the official fixture: MoE, blocks of 4): the same block-diffusion ELBO as SDAR's
+    (every masked token against the clean blocks before its own), and generate_until with LLaDA2's protocol (its
+    blocks, a step per position, the dynamic rule at its threshold 0.95, the exact cache)."""
+    llada2 = DllmAisLM(pretrained=str(official_llada2_dir), batch_size=2, mc_num=8, mc_batch_size=4)
+    context, continuation = "sort 3 9 1 4", " 1 3 4 9"
+    context_ids, continuation_ids = llada2._encode_pair(context, continuation)
+    (value, _), = llada2.loglikelihood([Instance("loglikelihood", {}, (context, continuation), 0)], disable_tqdm=True)
+    reference = sdar_reference_loglikelihood(llada2.model, torch.tensor(context_ids), torch.tensor(continuation_ids),
+                                             llada2.tokens.mask_token_id, 8, 4, mask_generator(llada2.seed), 4)
+    assert value == pytest.approx(reference, abs=1e-4)
+    sampler, gen_length = llada2._generation_sampler(6, {})
+    config = sampler.config
+    assert (gen_length, config.block_length, config.steps, config.remasking, config.threshold, config.cache,
+            config.temperature) == (8, 4, 8, "maskgit_plus", 0.95, "dual", 0.0)

@@ -191,7 +191,7 @@ def test_a_training_step_replays_the_engines_routing_in_its_likelihood_passes(to
     config = GRPOConfig(task="digits", eval_size=0, num_generations=2, per_device_train_batch_size=2,
                         max_completion_length=8, num_iterations=1, use_peft=lora, beta=0.0, max_prompt_length=64,
                         lora_r=2, lora_alpha=4, lora_target_modules=["query_key_value", "dense"],
-                        dtype="float32", output_dir=str(tmp_path),
+                        lora_target_parameters=[], dtype="float32", output_dir=str(tmp_path),
                         rollout={"block_length": 4, "steps": 4, "precision": "mxfp4", "cache": "none"},
                         likelihood={"estimator": "trajectory"}, experimental={"routing_replay": True})
     config.validate()

@@ -7,6 +7,8 @@ long-completion warm starts on reasoning-gym's chain sums.
                                                         # the tiny Qwen3, then masked-diffusion SFT)
     python tools/build_tiny_model.py --family sdar    # tiny SDAR   -> dllm_ais/assets/tiny_sdar  (the tiny Qwen3
                                                         # as block diffusion, blocks of 4, then block-diffusion SFT)
+    python tools/build_tiny_model.py --family llada2  # tiny LLaDA2 -> dllm_ais/assets/tiny_llada2 (the tiny Qwen3's
+                                                        # weights mapped into a small MoE, then block-diffusion SFT)
     python tools/build_tiny_model.py --task chain_sum --family qwen3
                                                         # -> dllm_ais/assets/tiny_qwen3_chain_sum (embedded-qwen3-chain-sum)
     python tools/build_tiny_model.py --task chain_sum # -> dllm_ais/assets/tiny_llada_chain_sum (embedded-llada-chain-sum)
@@ -72,6 +74,19 @@ under a block-causal mask of `--block-size` (4, SDAR's) positions, the tokenizer
 block-diffusion SFT (`run_sft`: the LLaDA loss on SDAR's [x_t | x_0] training forward) on the same noisy
 demonstrations. The builder prints the greedy validation reward before SFT too (d1's protocol in blocks of 4).
 
+LLaDA2 (`--family llada2`, digits only) is the mixture-of-experts block-diffusion family (`dllm_ais.models.llada2`)
+at the tiny Qwen3's size: 4 layers of 128, the first dense, the others 8 routed experts of width 32 in 4 groups (2 chosen
+per token among the best 2 groups) beside a shared expert of width 128, partial RoPE on half of each head, blocks of
+`--block-size` (4). `llada2_from_qwen3` fills it from the tiny Qwen3 where the weights map: embeddings, each layer's
+q/k/v (fused into `query_key_value`), o (`dense`), query/key norms and layer norms, the dense first layer's MLP, the
+final norm and the LM head; each MoE layer's 384 MLP units are cut into the shared expert (the first 128) and the 8
+routed experts (32 each), the router starting from its own random init. The partial RoPE and the routing change what
+the copied attention and MLP compute, so the mapped model is a starting point, not the Qwen3; block-diffusion SFT
+(as SDAR's) on the same noisy demonstrations follows. The builder prints the greedy validation reward before SFT too.
+Measured (seed 0, 800 steps at 1e-3, 128 validation prompts, d1's protocol in blocks of 4, one thread beside other
+jobs): the mapped model scores greedy reward 0.075 (accuracy 0 %) before SFT and 0.742 (68.0 %) after, SFT loss 3.784
+-> 0.029 (the shipped `embedded-llada2`).
+
 `--init-from MODEL` continues a warm start instead (its weights and tokenizer; `--steps 0` skips straight to the
 prefix-mask stage) into `--output-dir`, on the training rows of `--seed`'s block. From that earlier LLaDA warm start
 (the pilot's 5250 prefix steps; git history before 2026-11-27), `--steps 0 --prefix-steps 2000 --seed 2` took
@@ -104,7 +119,8 @@ from dllm_ais.config import EMBEDDED_MODELS, GRPOConfig, with_d1_protocol  # noq
 from dllm_ais.data import load_task_dataset  # noqa: E402
 from dllm_ais.evaluation import evaluate_policy  # noqa: E402
 from dllm_ais.loading import load_model, load_tokenizer, resolve_model_path  # noqa: E402
-from dllm_ais.models import DreamConfig, DreamModel, LLaDAConfig, LLaDAModelLM  # noqa: E402
+from dllm_ais.models import (DreamConfig, DreamModel, LLaDA2MoeConfig, LLaDA2MoeModelLM, LLaDAConfig,  # noqa: E402
+                             LLaDAModelLM)
 from dllm_ais.policy import build_policy  # noqa: E402
 from dllm_ais.sft import SFTConfig, block_diffusion_from_causal, run_sft  # noqa: E402
 from dllm_ais.tasks import get_task  # noqa: E402
@@ -170,6 +186,58 @@ def dream_from_qwen3(qwen3: torch.nn.Module, tokenizer) -> DreamModel:
     return dream
 
 
+TINY_LLADA2_EXPERTS = dict(num_experts=8, moe_intermediate_size=32, num_shared_experts=4, n_group=4, topk_group=2,
+                           num_experts_per_tok=2, first_k_dense_replace=1)
+"""The tiny LLaDA2's experts: each MoE layer's routed experts (8 × 32 units) and shared expert (4 × 32) together are
+as wide as the tiny Qwen3's MLP (384), so its MLP units map onto them."""
+
+
+def llada2_from_qwen3(qwen3: torch.nn.Module, tokenizer, block_size: int) -> LLaDA2MoeModelLM:
+    """A tiny LLaDA2 MoE of the Qwen3 model's attention shape holding its weights where they map (module docstring,
+    "LLaDA2"): mask token the tokenizer's, blocks of `block_size`."""
+    source = qwen3.config
+    rope = getattr(source, "rope_parameters", None) or {}
+    config = LLaDA2MoeConfig(
+        vocab_size=source.vocab_size, hidden_size=source.hidden_size, intermediate_size=source.intermediate_size,
+        num_hidden_layers=source.num_hidden_layers, num_attention_heads=source.num_attention_heads,
+        num_key_value_heads=source.num_key_value_heads, head_dim=source.head_dim, rms_norm_eps=source.rms_norm_eps,
+        max_position_embeddings=source.max_position_embeddings, rope_theta=float(rope.get("rope_theta", 10000.0)),
+        block_size=block_size, mask_token_id=tokenizer.mask_token_id, pad_token_id=source.pad_token_id,
+        eos_token_id=source.eos_token_id, tie_word_embeddings=False, **TINY_LLADA2_EXPERTS)
+    model = LLaDA2MoeModelLM(config)
+    weights = qwen3.state_dict()
+    mapped = {"model.word_embeddings.weight": weights["model.embed_tokens.weight"],
+              "model.norm.weight": weights["model.norm.weight"], "lm_head.weight": weights["lm_head.weight"]}
+    shared = config.moe_intermediate_size * config.num_shared_experts
+    for index in range(config.num_hidden_layers):
+        old, new = f"model.layers.{index}.", f"model.layers.{index}."
+        mapped[new + "attention.query_key_value.weight"] = torch.cat(
+            [weights[old + f"self_attn.{name}_proj.weight"] for name in "qkv"])
+        mapped[new + "attention.dense.weight"] = weights[old + "self_attn.o_proj.weight"]
+        mapped[new + "attention.query_layernorm.weight"] = weights[old + "self_attn.q_norm.weight"]
+        mapped[new + "attention.key_layernorm.weight"] = weights[old + "self_attn.k_norm.weight"]
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            mapped[new + norm + ".weight"] = weights[old + norm + ".weight"]
+        gate, up, down = (weights[old + f"mlp.{name}_proj.weight"] for name in ("gate", "up", "down"))
+        if not config.is_moe_layer(index):
+            mapped.update({new + f"mlp.{name}_proj.weight": tensor for name, tensor in
+                           (("gate", gate), ("up", up), ("down", down))})
+            continue
+        mapped[new + "mlp.shared_experts.gate_proj.weight"] = gate[:shared]
+        mapped[new + "mlp.shared_experts.up_proj.weight"] = up[:shared]
+        mapped[new + "mlp.shared_experts.down_proj.weight"] = down[:, :shared]
+        width = config.moe_intermediate_size
+        gate_e, up_e = gate[shared:].view(-1, width, gate.shape[1]), up[shared:].view(-1, width, up.shape[1])
+        mapped[new + "mlp.experts.gate_up_proj"] = torch.cat([gate_e, up_e], dim=1)
+        mapped[new + "mlp.experts.down_proj"] = down[:, shared:].view(down.shape[0], -1, width).transpose(0, 1)
+    missing, unexpected = model.load_state_dict(mapped, strict=False)
+    kept_random = {name for name in missing if name.endswith(("mlp.gate.weight", "mlp.gate.expert_bias"))}
+    if set(missing) - kept_random or unexpected:
+        raise ValueError(f"Qwen3 -> LLaDA2 weight map: missing {sorted(set(missing) - kept_random)}, "
+                         f"unexpected {unexpected}")
+    return model
+
+
 def noisy_demonstrations(dataset, descending_sort_fraction: float, seed: int):
     """The SFT data of the digits warm start (a `completion` column): the task's answers, except that a share of
     the `sort` ones sort in descending order — the habit an imperfect demonstrator leaves in a model. The reward
@@ -225,16 +293,18 @@ class WarmStartTask:
     diffusion_prefix_steps: int = 0  # LLaDA: then this many prefix-mask SFT steps (SFTConfig.masking) at half the rate
 
 
-DREAM_SOURCE = "embedded-qwen3"  # the autoregressive warm start the tiny Dream and the tiny SDAR are initialised from
+DREAM_SOURCE = "embedded-qwen3"  # the autoregressive warm start the tiny Dream, SDAR and LLaDA2 are initialised from
+FROM_QWEN3 = ("dream", "sdar", "llada2")  # the families built from it (digits only)
 
 WARM_START_TASKS = {
     "digits": WarmStartTask("digits", noisy_demonstrations,
-                            noise_fractions={"llada": 0.6, "qwen3": 0.6, "dream": 0.6, "sdar": 0.6},
+                            noise_fractions={"llada": 0.6, "qwen3": 0.6, "dream": 0.6, "sdar": 0.6, "llada2": 0.6},
                             gen_length=16, max_positions=512,
                             output_dirs={"llada": EMBEDDED_MODELS["embedded"],
                                          "qwen3": EMBEDDED_MODELS["embedded-qwen3"],
                                          "dream": EMBEDDED_MODELS["embedded-dream"],
-                                         "sdar": EMBEDDED_MODELS["embedded-sdar"]}),
+                                         "sdar": EMBEDDED_MODELS["embedded-sdar"],
+                                         "llada2": EMBEDDED_MODELS["embedded-llada2"]}),
     # Qwen3 at 0.5: greedy accuracy 79 % (too little headroom); at 0.7: 25 %.
     "chain_sum": WarmStartTask("reasoning_gym", chain_sum_demonstrations, noise_fractions={"llada": 0.5, "qwen3": 0.7},
                                gen_length=128, max_positions=1024, task_args=LONG_TASK_ARGS, word_vocab_size=256,
@@ -255,8 +325,9 @@ def tokenizer_backend(spec: WarmStartTask, train):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--family", choices=("llada", "qwen3", "dream", "sdar"), default="llada")
-    parser.add_argument("--block-size", type=int, default=4, help="sdar: the model's block size")
+    parser.add_argument("--family", choices=("llada", "qwen3", "dream", "sdar", "llada2"),
+                        default="llada")
+    parser.add_argument("--block-size", type=int, default=4, help="sdar, llada2: the model's block size")
     parser.add_argument("--dream-init", choices=("qwen3", "random"), default="qwen3",
                         help="dream: map the embedded Qwen3 warm start's weights (default) or start from random ones")
     parser.add_argument("--task", choices=tuple(WARM_START_TASKS), default="digits")
@@ -267,14 +338,15 @@ def main() -> None:
                         help="continue the SFT of this warm start (an embedded name or a directory) with its own "
                              "tokenizer instead of building a new model; needs --output-dir")
     parser.add_argument("--steps", type=int, default=None,
-                        help="default: llada 2400, qwen3 800, dream and sdar 600; 0 with --init-from skips to the prefix-mask "
+                        help="default: llada 2400, qwen3 800, dream, sdar and llada2 600; 0 with --init-from skips to the prefix-mask "
                              "stage")
     parser.add_argument("--prefix-steps", type=int, default=None,
                         help="LLaDA: prefix-mask SFT steps after the i.i.d.-mask ones, at half the learning rate "
                              "(default: " + ", ".join(f"{name} {spec.diffusion_prefix_steps}"
                                                       for name, spec in WARM_START_TASKS.items()) + ")")
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--learning-rate", type=float, default=None, help="default: llada 1e-3, qwen3 2e-3, dream and sdar 1e-3")
+    parser.add_argument("--learning-rate", type=float, default=None, help="default: llada 1e-3, qwen3 2e-3, "
+                        "dream, sdar and llada2 1e-3")
     parser.add_argument("--train-size", type=int, default=None,
                         help="SFT rows (default: the task's training split, 10,000 for chain_sum)")
     parser.add_argument("--eval-size", type=int, default=128, help="held-out prompts scored at the end")
@@ -290,11 +362,11 @@ def main() -> None:
     # steps, greedy reward 0.29) than next-token SFT at the same size.
     if args.init_from and not args.output_dir:
         parser.error("--init-from needs --output-dir (the default is the embedded model's own directory)")
-    if args.family in ("dream", "sdar") and args.task != "digits":
+    if args.family in FROM_QWEN3 and args.task != "digits":
         parser.error(f"--family {args.family} builds the digits warm start only")
     if args.steps is None:
-        args.steps = {"llada": 2400, "qwen3": 800, "dream": 600, "sdar": 600}[args.family]
-    args.learning_rate = args.learning_rate or {"llada": 1e-3, "qwen3": 2e-3, "dream": 1e-3, "sdar": 1e-3}[args.family]
+        args.steps = {"llada": 2400, "qwen3": 800}.get(args.family, 600)
+    args.learning_rate = args.learning_rate or {"llada": 1e-3, "qwen3": 2e-3}.get(args.family, 1e-3)
     noise_fraction = spec.noise_fractions[args.family] if args.noise_fraction is None else args.noise_fraction
     output_dir = args.output_dir or spec.output_dirs[args.family]
 
@@ -305,7 +377,7 @@ def main() -> None:
         saved_tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.init_from))  # as it was shipped
         tokenizer = load_tokenizer(args.init_from)
         model = load_model(args.init_from, torch.float32).to(args.device)
-    elif args.family in ("dream", "sdar"):  # the tiny Qwen3's tokenizer (the character one) and its weights
+    elif args.family in FROM_QWEN3:  # the tiny Qwen3's tokenizer (the character one) and its weights
         saved_tokenizer = build_hf_tokenizer(None)  # as built, like the others (not as loaded: no loader fields)
         tokenizer = load_tokenizer(DREAM_SOURCE)
         if saved_tokenizer.get_vocab() != tokenizer.get_vocab() or saved_tokenizer.mask_token != tokenizer.mask_token:
@@ -313,6 +385,9 @@ def main() -> None:
         if args.family == "sdar":
             model = block_diffusion_from_causal(load_model(DREAM_SOURCE, torch.float32), tokenizer,
                                                 args.block_size).to(args.device)
+        elif args.family == "llada2":
+            model = llada2_from_qwen3(load_model(DREAM_SOURCE, torch.float32), tokenizer,
+                                      args.block_size).to(args.device)
         elif args.dream_init == "qwen3":
             model = dream_from_qwen3(load_model(DREAM_SOURCE, torch.float32), tokenizer).to(args.device)
         else:
@@ -324,10 +399,10 @@ def main() -> None:
         tokenizer.padding_side = "left"
         model = tiny_model(args.family, tokenizer, args.d_model, args.n_layers, spec.max_positions).to(args.device)
     train = fitting(train, tokenizer, spec.gen_length)
-    diffusion = args.family in ("llada", "dream", "sdar")
+    diffusion = args.family != "qwen3"
     config = with_d1_protocol(GRPOConfig(policy="diffusion" if diffusion else "autoregressive",
                                          task=spec.task, task_args=spec.task_args), spec.gen_length,
-                              args.block_size if args.family == "sdar" else 32)
+                              args.block_size if args.family in ("sdar", "llada2") else 32)
     held_out = load_task_dataset(spec.task, "validation", size=args.eval_size, seed=args.seed,
                                  task_args=spec.task_args)
     task = get_task(spec.task)
@@ -339,7 +414,7 @@ def main() -> None:
                                max_prompt_length=spec.max_positions - spec.gen_length,
                                accuracy=task.accuracy).summary()
 
-    if args.family in ("dream", "sdar"):
+    if args.family in FROM_QWEN3:
         before = greedy_score()
         print(f"{args.family} ({args.dream_init if args.family == 'dream' else 'qwen3'} init) before SFT: greedy held-out {args.task} reward "
               f"{before['eval/reward']:.3f}, accuracy {before['eval/accuracy']:.3f} ({len(held_out)} prompts)")

@@ -71,6 +71,22 @@ def random_dream(max_length: int, tiny: bool = False):
     return DreamModel(DreamConfig(max_position_embeddings=max_length, **(TINY_DREAM if tiny else {})))
 
 
+TINY_LLADA2 = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "head_dim": 16, "num_experts": 4, "moe_intermediate_size": 16, "n_group": 2,
+               "topk_group": 1, "num_experts_per_tok": 2, "vocab_size": 160, "mask_token_id": 159, "pad_token_id": 158,
+               "eos_token_id": 158}
+
+
+def random_llada2(block_size: int, tiny: bool = False):
+    """A randomly initialised LLaDA2 MoE (seed 0) at LLaDA2.0-mini's shape (`LLaDA2MoeConfig`'s defaults: 20 layers
+    of 2048, 256 experts of 512, 8 per token, one shared, 32768 positions), or a tiny one, in blocks of
+    `block_size`."""
+    from dllm_ais.models import LLaDA2MoeConfig, LLaDA2MoeModelLM
+
+    torch.manual_seed(0)
+    return LLaDA2MoeModelLM(LLaDA2MoeConfig(block_size=block_size, **(TINY_LLADA2 if tiny else {})))
+
+
 def peak_resident_bytes() -> int:
     """This process's peak resident set size so far (`ru_maxrss`, kilobytes on Linux)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -63,7 +63,8 @@ RECIPES = {"llada": EMBEDDED_RECIPE,  # the embedded models' recipes, by name; t
            "llada-chain-sum": Path(__file__).resolve().parents[2] / "recipes" / "tiny_llada_chain_sum.yaml",
            "qwen3": Path(__file__).resolve().parents[2] / "recipes" / "tiny_qwen3_digits_fp8_ais.yaml",
            "dream": Path(__file__).resolve().parents[2] / "recipes" / "tiny_dream_digits.yaml",
-           "sdar": Path(__file__).resolve().parents[2] / "recipes" / "tiny_sdar_digits.yaml"}
+           "sdar": Path(__file__).resolve().parents[2] / "recipes" / "tiny_sdar_digits.yaml",
+           "llada2": Path(__file__).resolve().parents[2] / "recipes" / "tiny_llada2_digits.yaml"}
 KV_CACHE_NOTCH = "bf16 + fp8 KV cache"
 
 
@@ -174,7 +175,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="dllm-ais bench mismatch", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="llada,llada-chain-sum,qwen3",
-                        help="comma-separated: llada / llada-chain-sum / qwen3 / dream / sdar (the embedded models' recipes) "
+                        help="comma-separated: llada / llada-chain-sum / qwen3 / dream / sdar / llada2 (the embedded models' "
+                             "recipes) "
                              "or recipe paths")
     parser.add_argument("--precisions", default=",".join(p for p in PRECISIONS if p != "bf16"))
     parser.add_argument("--kv-cache", choices=("fp8", "none"), default="fp8",

@@ -1,15 +1,20 @@
-"""The precision ladder on one CUDA GPU at LLaDA-8B's (or Dream-7B's) shape: rollout throughput per notch and engine
-(eager or compiled), engine sync, a whole GRPO step timed part by part, step memory.
+"""The precision ladder on one CUDA GPU at LLaDA-8B's (or Dream-7B's, or LLaDA2.0-mini's) shape: rollout throughput
+per notch and engine (eager or compiled), engine sync, a whole GRPO step timed part by part, step memory.
 
     dllm-ais bench precision                   # CUDA: LLaDA-8B shape, random weights, gen 256; no CUDA: --tiny
     dllm-ais bench precision --precisions bf16,fp8 --batch 8,64 --parts rollouts,step
     dllm-ais bench precision --tiny            # the same code at a tiny shape (CPU or GPU): a code-path check
     dllm-ais bench precision --shape dream-7b --steps 128   # Dream-7B's shape, 128 denoising steps
+    dllm-ais bench precision --shape llada2-mini --precisions bf16,fp8 --batch 8,64 --parts rollouts
+                                               # LLaDA2.0-mini's (MoE, blocks of --block-length; FP8 experts too)
 
 The model is `LLaDAModelLM` with LLaDA-8B's config (d_model 4096, 32 layers, 32 heads, MLP 12288, vocabulary 126464;
-`LLaDAConfig`'s defaults; `--shape dream-7b`: `DreamModel` with `DreamConfig`'s, Qwen2.5-7B's) and random weights in bfloat16 (nothing is downloaded), wrapped as the trainer is: LoRA
-(rank --lora-r) on every block linear. Figures, each printed beside the device, torch and torchao versions, the
-engine (eager, or compiled: `RolloutEngine(compile=True)`, `dllm_ais.sampling.forwards`) and the kernel path
+`LLaDAConfig`'s defaults; `--shape dream-7b`: `DreamModel` with `DreamConfig`'s, Qwen2.5-7B's; `--shape llada2-mini`:
+`LLaDA2MoeModelLM` with `LLaDA2MoeConfig`'s, LLaDA2.0-mini's, its attention blocks of --block-length) and random
+weights in bfloat16 (nothing is downloaded), wrapped as the trainer is: LoRA (rank --lora-r) on every block linear
+(and, for LLaDA2, every routed expert; the unified flow, which does not quantize experts, is left out of its step).
+Figures, each printed beside the device, torch and torchao versions, the engine (eager, or compiled:
+`RolloutEngine(compile=True)`, `dllm_ais.sampling.forwards`) and the kernel path
 that ran it (`RolloutEngine.kernel_path`):
 
   rollout tokens/s   completion tokens per second of `MaskedDiffusionSampler.sample` (gen --gen-length, block
@@ -43,11 +48,12 @@ import time
 
 import torch
 
-from dllm_ais.bench.common import describe_device, random_dream, random_llada, resolve_device, synchronize
+from dllm_ais.bench.common import (describe_device, random_dream, random_llada, random_llada2, resolve_device,
+                                   synchronize)
 from dllm_ais.choices import PRECISIONS
 
 TINY = {"d_model": 64, "n_layers": 2, "n_heads": 4, "mlp_hidden_size": 128, "vocab": 128}
-SHAPES = ("llada-8b", "dream-7b")
+SHAPES = ("llada-8b", "dream-7b", "llada2-mini")
 ESTIMATORS = ("one_step", "trajectory")
 CACHES = (("none", "none"), ("dual", "none"), ("dual", "fp8"))  # (cache, cache_dtype); the FP8 KV cache with bf16 only
 
@@ -56,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dllm-ais bench precision", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=SHAPES, default="llada-8b",
-                        help="the model's shape: LLaDA-8B (LLaDAConfig's defaults) or Dream-7B (DreamConfig's)")
+                        help="the model's shape: LLaDA-8B (LLaDAConfig's defaults), Dream-7B (DreamConfig's) or "
+                             "LLaDA2.0-mini (LLaDA2MoeConfig's)")
     parser.add_argument("--tiny", action="store_true", help="a tiny model of --shape's family (automatic "
                                                             "without CUDA)")
     parser.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cuda or cpu")
@@ -99,12 +106,12 @@ def device_line(device: torch.device) -> str:
 
 
 def build_trainer(args: argparse.Namespace, device: torch.device):
-    """The LoRA-wrapped random model of --shape (LLaDA-8B's or Dream-7B's, or TINY LLaDA with --tiny) in bfloat16 on
-    `device`, built there."""
+    """The LoRA-wrapped random model of --shape (LLaDA-8B's, Dream-7B's or LLaDA2.0-mini's; a tiny one of its family
+    with --tiny) in bfloat16 on `device`, built there, with the family's LoRA preset."""
     from peft import LoraConfig, get_peft_model
 
     from dllm_ais.models import LLaDAConfig
-    from dllm_ais.policy import lora_target_modules
+    from dllm_ais.policy import lora_target_modules, lora_target_parameters
 
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
@@ -112,6 +119,8 @@ def build_trainer(args: argparse.Namespace, device: torch.device):
         with torch.device(device):
             if args.shape == "dream-7b":
                 model = random_dream(args.prompt_length + args.gen_length, tiny=args.tiny)
+            elif args.shape == "llada2-mini":
+                model = random_llada2(args.block_length, tiny=args.tiny)
             else:
                 shape = TINY if args.tiny else {
                     "d_model": LLaDAConfig.d_model, "n_layers": LLaDAConfig.n_layers, "n_heads": LLaDAConfig.n_heads,
@@ -124,7 +133,8 @@ def build_trainer(args: argparse.Namespace, device: torch.device):
     print(f"model: {type(model).__name__} hidden={config.hidden_size} layers={config.num_hidden_layers} "
           f"heads={config.num_attention_heads} vocab={config.vocab_size}, random weights, bfloat16, LoRA r={args.lora_r}")
     return get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r,
-                                            target_modules=lora_target_modules(config.model_type)))
+                                            target_modules=lora_target_modules(config.model_type),
+                                            target_parameters=lora_target_parameters(config.model_type) or None))
 
 
 def sampler_config(args: argparse.Namespace, model_config, cache: str, cache_dtype: str = "none",
@@ -177,10 +187,12 @@ def bench_rollouts(args: argparse.Namespace, trainer, device: torch.device) -> N
     """Rollout tokens/s per notch, engine (eager, compiled), batch and cache, each against bf16 on the same engine,
     batch and cache, and the compiled engine against the eager one; the engine's sync seconds; how far a compiled
     engine's greedy rollout is from the eager one's (tokens equal, largest log-prob gap). One line each."""
+    from dllm_ais.models.families import is_block_causal
     from dllm_ais.quantization import kernel_path
     from dllm_ais.sampling.diffusion import MaskedDiffusionSampler
 
     tokens_per_second: dict[tuple, float] = {}
+    fp8_cache = not is_block_causal(trainer)  # a block-causal model keeps its cache in its own dtype
     for precision in args.precisions.split(","):
         path = kernel_path(precision, device)
         if device.type == "cuda" and path.startswith("emulated"):
@@ -194,7 +206,8 @@ def bench_rollouts(args: argparse.Namespace, trainer, device: torch.device) -> N
                 sync = timed(lambda: engine.sync_from(trainer), device, args.repeats)
                 for batch in batch_sizes(args):
                     prompts = random_prompts(trainer, batch, args.prompt_length, device)
-                    for cache, cache_dtype in CACHES[:3 if precision == "bf16" and engine_kind == "eager" else 2]:
+                    for cache, cache_dtype in CACHES[:3 if precision == "bf16" and engine_kind == "eager" and fp8_cache
+                                                     else 2]:
                         if cache == "none" and batch > args.max_uncached_batch:
                             continue
                         sampler = MaskedDiffusionSampler(sampler_config(args, trainer.config, cache, cache_dtype))
@@ -397,7 +410,8 @@ def main(argv: list[str] | None = None) -> None:
         args.tiny = True
     args.engines = args.engines or ("eager,compiled" if device.type == "cuda" else "eager")
     args.step_engines = args.step_engines or ",".join([f"{precision}:{engine}" for precision in ("bf16", "fp8")
-                                                       for engine in args.engines.split(",")] + ["fp8:unified"])
+                                                       for engine in args.engines.split(",")]
+                                                      + ([] if args.shape == "llada2-mini" else ["fp8:unified"]))
     trainer = build_trainer(args, device)
     print(f"batch {args.batch}, prompt {args.prompt_length}, gen {args.gen_length}, block {args.block_length}, "
           f"steps {args.steps}" + ("" if args.threshold is None else f" (unused: threshold {args.threshold})")

@@ -9,7 +9,7 @@ family     model_type        policy      attention             logits predicting
 LLaDA      ``llada``         diffusion   bidirectional         position i           126336     d1 (its sampler)
 Dream      ``Dream``         diffusion   bidirectional         position i - 1       151666     dream
 SDAR       ``sdar``          diffusion   block-causal (4)      position i           151669     sdar
-LLaDA2.x   ``llada2_moe``    diffusion   block-causal (32)     position i           156895     none yet
+LLaDA2.x   ``llada2_moe``    diffusion   block-causal (32)     position i           156895     llada2
 Qwen3      ``qwen3`` (and    autoregr.   causal                position i - 1       none       none
            qwen2, llama)
 =========  ================  ==========  ====================  ===================  =========  =================
@@ -40,8 +40,8 @@ How each family's own decoder, as this library runs it, differs from its officia
   and when a step's quota exceeds the masks left in the block (only with fewer denoising steps than the block
   length), ``generate.py`` rewrites positions already filled, prompt tokens too, where ours caps the quota at the
   masks left.
-- LLaDA2.x: no protocol of its own yet; `dllm-ais eval` decodes it with SDAR's (its blocks, a step per position,
-  low_confidence_dynamic at 0.9); its official ``generate`` is not reproduced.
+- LLaDA2.x (inclusionAI's ``generate``): SDAR's rule (its blocks, a step per position, low_confidence_dynamic) at
+  its default threshold 0.95; its ``minimal_topk`` and its early stop at EOS are not the sampler's.
 
 A new family: its model module under ``dllm_ais/models/`` (with ``register_with_auto_classes``), its record in
 `FAMILIES`, its tests (`tests/test_families.py` checks every record against its module); plus, with a decoding
@@ -69,7 +69,8 @@ class ModelFamily:
     it with. `attention`: ``bidirectional``, ``block-causal`` (blocks of the config's ``block_size``, from each row's
     first real token) or ``causal``. `shifted_logits`: whether the logits at position i - 1 predict the token at i
     (a diffusion family; `position_logits`). `mask_token_id`: the released checkpoints' mask token (the config class's
-    default). `lora_targets`: the LoRA preset (module names, or a regex; None: no preset). `exported_files`: the files
+    default). `lora_targets`: the LoRA preset (module names, or a regex; None: no preset), `lora_target_parameters`
+    the parameters LoRA adapts directly (peft's ``target_parameters``, by name suffix: stacked experts). `exported_files`: the files
     an export writes so that transformers alone loads it (exported name -> module under ``dllm_ais/models``) and
     `auto_map` the config.json entry naming them. `protocol`: its own decoder as a ``dllm-ais eval --protocol`` name
     (None: none yet), `protocol_rollout` that decoder's rollout settings over d1's, `protocol_blocks` its block length
@@ -87,6 +88,7 @@ class ModelFamily:
     shifted_logits: bool = False
     mask_token_id: int | None = None
     lora_targets: str | tuple[str, ...] | None = None
+    lora_target_parameters: tuple[str, ...] = ()
     exported_files: Mapping[str, str] = field(default_factory=lambda: NO_SETTINGS)
     auto_map: Mapping[str, str] = field(default_factory=lambda: NO_SETTINGS)
     protocol: str | None = None
@@ -137,8 +139,19 @@ FAMILIES: tuple[ModelFamily, ...] = (
         protocol_rollout=MappingProxyType({"remasking": "maskgit_plus", "threshold": 0.9, "cache": "dual"}),
         protocol_blocks="block_size", eval_protocol="sdar", converts_from=("qwen3",), name_hints=("sdar",)),
     ModelFamily(
+        # LLaDA2's fused attention projections, the dense layers' MLP and the shared experts; the routed experts are
+        # stacked parameters (LoRA through peft's target_parameters); never the router (mlp.gate) or the LM head.
+        # The official checkpoints ship inclusionAI's configuration_llada2_moe.py and modeling_llada2_moe.py; an
+        # export ships ours under the modeling file's name (the official per-expert keys and config fields).
         "LLaDA2.x", ("llada2_moe",), "llada2", "diffusion", "block-causal", mask_token_id=156895,
-        eval_protocol="sdar"),
+        lora_targets=("query_key_value", "dense", "gate_proj", "up_proj", "down_proj"),
+        lora_target_parameters=("experts.gate_up_proj", "experts.down_proj"),
+        exported_files=MappingProxyType({"modeling_llada2_moe.py": "llada2", "sdar.py": "sdar", "dream.py": "dream",
+                                         "llada.py": "llada", "families.py": "families"}),
+        auto_map=_auto_map("modeling_llada2_moe", "LLaDA2MoeConfig", "LLaDA2MoeModel", "LLaDA2MoeModelLM"),
+        protocol="llada2",
+        protocol_rollout=MappingProxyType({"remasking": "maskgit_plus", "threshold": 0.95, "cache": "dual"}),
+        protocol_blocks="block_size", eval_protocol="llada2", name_hints=("llada2",)),
     ModelFamily(
         "Qwen3", ("qwen3", "qwen2", "llama"), None, "autoregressive", "causal", lora_targets=QWEN_LINEARS),
 )

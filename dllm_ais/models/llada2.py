@@ -52,10 +52,12 @@ into the trainer and cut the router off from the loss.
 
 Experts (`LLaDA2MoeExperts`): the (token, choice) pairs are sorted by expert and each expert's rows multiply its own
 weights in one grouped matmul per projection (``torch.nn.functional.grouped_mm``: one kernel on CUDA, no loop over
-experts in Python). Each expert's slice of the stacked weights is an ``nn.Linear`` weight [out, in]: FP8 experts
-quantize each expert's rows as ``dllm_ais.quantization`` does a Linear's (per-row scales, [E, out]) and run the same
-sorted rows through ``torch._scaled_grouped_mm`` with the activation rows quantized per row. The router stays in
-float32 (a plain parameter, never a Linear to quantize).
+experts in Python). Each expert's slice of the stacked weights is an ``nn.Linear`` weight [out, in]: an FP8 rollout
+engine quantizes each expert's rows as it does a Linear's (per-row scales [E, out, 1]) and swaps the experts'
+`grouped_mm` for one that quantizes the activation rows per row and runs the same sorted rows through
+``torch._scaled_grouped_mm`` (`dllm_ais.quantization.quantize_stacked_experts_`); LoRA adapts the stacks through
+peft's ``target_parameters`` (one adapter per expert). The router stays in float32 (a plain parameter, never a Linear
+to quantize or a LoRA target unless named).
 
 Differences from the official code, none of them on the logits of a forward: ``attention_dropout`` defaults to 0.0
 (the official class says 0.1 and applies it in train mode; a config.json that sets it is followed); the logits keep
@@ -83,8 +85,8 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from .llada import RMSNorm, apply_rotary, unsupported_config_message, write_into_layer_cache
 from .sdar import KeyValueCache, block_causal_hidden_states, kept_logits
 
-__all__ = ["LLaDA2MoeConfig", "LLaDA2MoeModel", "LLaDA2MoeModelLM", "expert_weights", "grouped_expert_swiglu", "route",
-           "router_scores", "select_experts"]
+__all__ = ["LLaDA2MoeConfig", "LLaDA2MoeExperts", "LLaDA2MoeModel", "LLaDA2MoeModelLM", "expert_weights",
+           "grouped_expert_swiglu", "plain_grouped_mm", "route", "router_scores", "select_experts"]
 
 
 @dataclass(repr=False)
@@ -235,20 +237,28 @@ def route(hidden: torch.Tensor, router_weight: torch.Tensor, expert_bias: torch.
     return experts, expert_weights(scores, experts, routed_scaling_factor)
 
 
+def plain_grouped_mm(rows: torch.Tensor, stacked: torch.Tensor, group_ends: torch.Tensor) -> torch.Tensor:
+    """rows [N, in] sorted by expert times their experts' weights: group g (rows group_ends[g-1]:group_ends[g]) by
+    ``stacked[g].T`` ([E, out, in], each slice an ``nn.Linear`` weight), one ``grouped_mm`` → [N, out]."""
+    return F.grouped_mm(rows, stacked.transpose(1, 2), offs=group_ends)
+
+
 def grouped_expert_swiglu(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-                          experts: torch.Tensor, weights: torch.Tensor, act_fn) -> torch.Tensor:
+                          experts: torch.Tensor, weights: torch.Tensor, act_fn,
+                          grouped_mm=plain_grouped_mm) -> torch.Tensor:
     """sum_k weights[n, k] · down_e(act(gate_e(x_n)) * up_e(x_n)) with e = experts[n, k], [N, d] in x's dtype, for
     tokens `x` [N, d], stacked experts `gate_up_proj` [E, 2I, d] (gate rows, then up rows) and `down_proj` [E, d, I].
 
     The N·top_k (token, choice) rows are sorted by expert, so each expert's rows are one contiguous group, and each
-    projection is one grouped matmul over the groups; the combination runs in `weights`' dtype (float32)."""
+    projection is one `grouped_mm(rows, stacked, group_ends)` over the groups (`plain_grouped_mm`, or a quantized
+    engine's); the combination runs in `weights`' dtype (float32)."""
     num_tokens, top_k = experts.shape
     choices = experts.flatten()
     order = choices.argsort(stable=True)
     group_ends = torch.bincount(choices, minlength=gate_up_proj.shape[0]).cumsum(0).to(torch.int32)
     rows = x[order // top_k]
-    gate, up = F.grouped_mm(rows, gate_up_proj.transpose(1, 2), offs=group_ends).chunk(2, dim=-1)
-    outputs = F.grouped_mm(act_fn(gate) * up, down_proj.transpose(1, 2), offs=group_ends)
+    gate, up = grouped_mm(rows, gate_up_proj, group_ends).chunk(2, dim=-1)
+    outputs = grouped_mm(act_fn(gate) * up, down_proj, group_ends)
     per_choice = torch.zeros_like(outputs).index_copy(0, order, outputs).view(num_tokens, top_k, -1)
     return (per_choice.to(weights.dtype) * weights[..., None]).sum(1).to(x.dtype)
 
@@ -292,7 +302,9 @@ class LLaDA2MoeGate(nn.Module):
 
 
 class LLaDA2MoeExperts(nn.Module):
-    """The routed experts, stacked: `gate_up_proj` [E, 2I, d] and `down_proj` [E, d, I] (`grouped_expert_swiglu`)."""
+    """The routed experts, stacked: `gate_up_proj` [E, 2I, d] and `down_proj` [E, d, I] (`grouped_expert_swiglu`).
+    `grouped_mm` is the grouped matmul they run through: `plain_grouped_mm`, or the one a quantized rollout engine
+    sets beside the quantized stacks it puts in their place (`dllm_ais.quantization.quantize_stacked_experts_`)."""
 
     def __init__(self, config: LLaDA2MoeConfig):
         super().__init__()
@@ -300,9 +312,11 @@ class LLaDA2MoeExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(config.num_experts, 2 * width, config.hidden_size))
         self.down_proj = nn.Parameter(torch.empty(config.num_experts, config.hidden_size, width))
         self.act_fn = ACT2FN[config.hidden_act]
+        self.grouped_mm = plain_grouped_mm
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return grouped_expert_swiglu(x, self.gate_up_proj, self.down_proj, experts, weights, self.act_fn)
+        return grouped_expert_swiglu(x, self.gate_up_proj, self.down_proj, experts, weights, self.act_fn,
+                                     self.grouped_mm)
 
 
 class LLaDA2MoeSparseMoeBlock(nn.Module):
@@ -532,9 +546,13 @@ def official_expert_conversions() -> list[WeightConverter]:
 
 
 def register_with_auto_classes() -> None:
-    """Make `AutoConfig`/`AutoModel`/`AutoModelForCausalLM` resolve model_type "llada2_moe" to this implementation,
-    with the official checkpoints' expert layout converted on load and save."""
+    """Make `AutoConfig`/`AutoModel`/`AutoModelForCausalLM` resolve model_type "llada2_moe" to this implementation
+    (the official checkpoints' expert layout is converted on load and save however the class is reached: below)."""
     AutoConfig.register(LLaDA2MoeConfig.model_type, LLaDA2MoeConfig, exist_ok=True)
     AutoModel.register(LLaDA2MoeConfig, LLaDA2MoeModel, exist_ok=True)
     AutoModelForCausalLM.register(LLaDA2MoeConfig, LLaDA2MoeModelLM, exist_ok=True)
-    register_checkpoint_conversion_mapping(LLaDA2MoeConfig.model_type, official_expert_conversions(), overwrite=True)
+
+
+# At import, not in `register_with_auto_classes`: an export ships this file as remote code, which transformers imports
+# without dllm_ais, and without the conversion it would leave the stacked experts at their initial values.
+register_checkpoint_conversion_mapping(LLaDA2MoeConfig.model_type, official_expert_conversions(), overwrite=True)
