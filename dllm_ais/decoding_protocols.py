@@ -1,4 +1,4 @@
-"""The families' own decoding protocols (`dllm-ais eval --protocol dream|sdar`), each a family record's decoder
+"""The families' own decoding protocols (`dllm-ais eval --protocol dream|sdar|llada2`), each a family record's decoder
 (`dllm_ais.models.families`: its rollout settings over d1's, its blocks) applied to a `GRPOConfig`, greedy, one
 denoising step per token. d1's protocol, every diffusion family's default and held-out validation's, is
 `config.with_d1_protocol`.

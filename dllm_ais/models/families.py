@@ -70,14 +70,15 @@ class ModelFamily:
     first real token) or ``causal``. `shifted_logits`: whether the logits at position i - 1 predict the token at i
     (a diffusion family; `position_logits`). `mask_token_id`: the released checkpoints' mask token (the config class's
     default). `lora_targets`: the LoRA preset (module names, or a regex; None: no preset), `lora_target_parameters`
-    the parameters LoRA adapts directly (peft's ``target_parameters``, by name suffix: stacked experts). `exported_files`: the files
-    an export writes so that transformers alone loads it (exported name -> module under ``dllm_ais/models``) and
-    `auto_map` the config.json entry naming them. `protocol`: its own decoder as a ``dllm-ais eval --protocol`` name
+    the parameters LoRA adapts directly (peft's ``target_parameters``, by name suffix: stacked experts).
+    `exported_files`: the files an export writes so that transformers alone loads it (exported name -> module under
+    ``dllm_ais/models``) and `auto_map` the config.json entry naming them. `protocol`: its own decoder as a ``dllm-ais eval --protocol`` name
     (None: none yet), `protocol_rollout` that decoder's rollout settings over d1's, `protocol_blocks` its block length
     (``completion``: the whole completion; ``block_size``: the model's blocks), one step per token either way.
     `eval_protocol`: what ``dllm-ais eval`` decodes it with by default. `converts_from`: the causal model_types
     ``dllm-ais sft --as_block_diffusion`` turns into this family. `name_hints`: words of a model name (any case)
-    that the dry run takes for this family when no config.json is reachable.
+    that the dry run takes for this family when no config.json is reachable (the longest one a name contains wins:
+    "llada2" over LLaDA's "llada").
     """
 
     name: str
