@@ -13,7 +13,9 @@ from safetensors.torch import load_file
 
 import dllm_ais  # noqa: F401  (registers "llada2_moe")
 from dllm_ais.decoding_protocols import llada2_generate_settings
-from dllm_ais.loading import load_model
+from dllm_ais.loading import SpecialTokens, load_model
+from dllm_ais.lm_eval_requests import block_protocol_sampler_config
+from dllm_ais.models.families import family_of
 from dllm_ais.sampling.diffusion import (DiffusionSamplerConfig, MaskedDiffusionSampler, completion_window,
                                          sampling_logprobs)
 
@@ -131,6 +133,20 @@ def test_recorded_logprobs_equal_the_trainers_replay(model, official, threshold)
         assert not replayed[~committed_positions].isfinite().any()
         torch.testing.assert_close(replayed[committed_positions], rollout.step_logprobs[committed_positions],
                                    atol=1e-5, rtol=0)
+
+
+def test_the_llada2_eval_protocol_decodes_the_official_defaults(model, official):
+    """LLaDA2's default eval protocol (a step per block position, threshold 0.95, the exact cache) gives the official
+    generate's tokens at those settings for a prompt of whole blocks (its last block then ends at gen_length)."""
+    tokens = SpecialTokens(mask_token_id=model.config.mask_token_id, eos_token_ids=(official["eos"],),
+                           pad_token_id=PAD)
+    config = block_protocol_sampler_config(family_of("llada2_moe"), 8, official["block_length"], tokens, 0.0)
+    assert (config.threshold, config.steps, config.cache) == (0.95, 8, "dual")
+    prompt = next(i for i, row in enumerate(official["prompts"]) if len(row) == official["block_length"])
+    rollout = MaskedDiffusionSampler(config).sample(model, official["prompts"][prompt][None])
+    index = next(i for i, row in enumerate(official["rows"]) if int(official["prompt_index"][i]) == prompt and row == {
+        "gen_length": 8.0, "steps": 4.0, "threshold": 0.95, "minimal_topk": 1.0, "eos_early_stop": 0.0})
+    assert torch.equal(rollout.completion_ids[0][rollout.completion_mask[0]], official["completions"][index])
 
 
 def test_completion_length_is_checked():
