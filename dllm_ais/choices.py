@@ -77,4 +77,4 @@ def block_fraction_problem(block_fraction: float, estimator: str) -> str | None:
             f"trajectory's blocks, which likelihood.estimator={estimator} does not replay: set likelihood.estimator to "
             f"{' or '.join(TRAJECTORY_ESTIMATORS)}, or experimental.likelihood_block_fraction=1")
 # dllm_ais.evaluation: `dllm-ais eval --protocol`: d1's, and each family record's own (models.families; a test checks)
-EVAL_PROTOCOLS = ("d1", "dream", "sdar")
+EVAL_PROTOCOLS = ("d1", "dream", "sdar", "llada2")

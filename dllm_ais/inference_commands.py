@@ -76,7 +76,7 @@ def block_diffusion_blocks(name_or_path: str) -> tuple[str, int] | None:
 
 def block_diffusion_decoding(model_type: str, block_size: int, values: dict) -> dict:
     """The decoding `eval` gives a block-diffusion model of `model_type` (its family record's `eval_protocol`: SDAR's
-    own for SDAR and LLaDA2.x) as rollout settings: the model's blocks of `block_size`, a step per completion position
+    own for SDAR, LLaDA2's for LLaDA2.x) as rollout settings: the model's blocks of `block_size`, a step per completion position
     (the `values`' max_completion_length, else the embedded recipe's)."""
     from dllm_ais.config import EMBEDDED_RECIPE, recipe_setting
     from dllm_ais.decoding_protocols import protocol_family, protocol_rollout

@@ -9,7 +9,7 @@ family     model_type        policy      attention             logits predicting
 LLaDA      ``llada``         diffusion   bidirectional         position i           126336     d1 (its sampler)
 Dream      ``Dream``         diffusion   bidirectional         position i - 1       151666     dream
 SDAR       ``sdar``          diffusion   block-causal (4)      position i           151669     sdar
-LLaDA2.x   ``llada2_moe``    diffusion   block-causal (32)     position i           156895     none yet
+LLaDA2.x   ``llada2_moe``    diffusion   block-causal (32)     position i           156895     llada2
 Qwen3      ``qwen3`` (and    autoregr.   causal                position i - 1       none       none
            qwen2, llama)
 =========  ================  ==========  ====================  ===================  =========  =================
@@ -40,8 +40,19 @@ How each family's own decoder, as this library runs it, differs from its officia
   and when a step's quota exceeds the masks left in the block (only with fewer denoising steps than the block
   length), ``generate.py`` rewrites positions already filled, prompt tokens too, where ours caps the quota at the
   masks left.
-- LLaDA2.x: no protocol of its own yet; `dllm-ais eval` decodes it with SDAR's (its blocks, a step per position,
-  low_confidence_dynamic at 0.9); its official ``generate`` is not reproduced.
+- LLaDA2.x (``generate`` of the official modeling_llada2_moe.py): `decoding_protocols.llada2_generate_settings`
+  maps its arguments to the sampler's settings, whose greedy tokens are the official ones, batched
+  (`tests/test_llada2_sampling.py`: a grid of its settings, with and without the cache). Its temperature 0 is not
+  greedy: its draw samples softmax(logits) by ``torch.multinomial`` (it divides by τ only when τ > 0 and takes no
+  argmax), so the parity check runs it with the draw replaced by the argmax and its probability, the sampler's
+  τ = 0. At τ > 0 the sampler draws by Gumbel-max from the caller's generator (the same distribution, other draws),
+  and with both top_k and top_p it keeps the nucleus first, then its top k, where ``generate`` keeps the top k,
+  then their nucleus. ``eos_early_stop`` returns within the block (prompt included), the sampler's stop comes at
+  the block's end: the same completion. A row whose last block ends before the batch's decodes its next block past
+  its end (outside its completion). An EOS id inside a prompt: ``generate``'s early stop would cut the prompt there,
+  the sampler reads completions only. The ``llada2`` protocol (the model's blocks, a step per position, threshold
+  0.95 as ``generate`` defaults) runs on the rollout settings, which have no ``completion_length`` or
+  ``stop_at_eos``: its last block is cut at gen_length (the sampler's default) and it decodes on after EOS.
 
 A new family: its model module under ``dllm_ais/models/`` (with ``register_with_auto_classes``), its record in
 `FAMILIES`, its tests (`tests/test_families.py` checks every record against its module); plus, with a decoding
@@ -138,7 +149,9 @@ FAMILIES: tuple[ModelFamily, ...] = (
         protocol_blocks="block_size", eval_protocol="sdar", converts_from=("qwen3",), name_hints=("sdar",)),
     ModelFamily(
         "LLaDA2.x", ("llada2_moe",), "llada2", "diffusion", "block-causal", mask_token_id=156895,
-        eval_protocol="sdar"),
+        protocol="llada2",
+        protocol_rollout=MappingProxyType({"remasking": "maskgit_plus", "threshold": 0.95, "cache": "dual"}),
+        protocol_blocks="block_size", eval_protocol="llada2"),
     ModelFamily(
         "Qwen3", ("qwen3", "qwen2", "llama"), None, "autoregressive", "causal", lora_targets=QWEN_LINEARS),
 )
