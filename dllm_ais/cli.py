@@ -115,8 +115,8 @@ def add_eval_command(commands, inference: argparse.ArgumentParser) -> None:
                           help="d1 (any diffusion model; the default), dream: Dream's own greedy decoding (one block, "
                                "a step per token, entropy rule, time-linear schedule), sdar: SDAR's own (the model's "
                                "blocks, a step per block position, low_confidence_dynamic at 0.9, exact cache; the "
-                               "default for an SDAR model), or llada2: LLaDA2's own (the same at 0.95; the default for "
-                               "a LLaDA2 model)")
+                               "default for an SDAR model), or llada2: LLaDA2's own (the same at threshold 0.95; the "
+                               "default for a LLaDA2 model)")
     evaluate.add_argument("--gen_lengths", type=comma_separated_ints,
                           help="comma-separated completion lengths (default: the task's, 128,256,512)")
     evaluate.add_argument("--block_length", type=int, help="diffusion block length (default: the task's, 32)")

@@ -1,7 +1,7 @@
-"""The families' own decoding protocols (`dllm-ais eval --protocol dream|sdar|llada2`), each a family record's decoder
-(`dllm_ais.models.families`: its rollout settings over d1's, its blocks) applied to a `GRPOConfig`, greedy, one
-denoising step per token. d1's protocol, every diffusion family's default and held-out validation's, is
-`config.with_d1_protocol`.
+"""The families' own decoding protocols (`dllm-ais eval --protocol dream|sdar|llada2`), each a family record's
+decoder (`dllm_ais.models.families`: its rollout settings over d1's, its blocks) applied to a `GRPOConfig`, greedy,
+one denoising step per token. d1's protocol, every diffusion family's default and held-out validation's, is
+`config.with_d1_protocol`. And LLaDA2's official ``generate`` as the sampler's settings (`llada2_generate_settings`).
 """
 
 from __future__ import annotations
@@ -51,3 +51,26 @@ def with_sdar_protocol(config: GRPOConfig, gen_length: int, block_size: int) -> 
     eval --protocol sdar`. Threshold 1.0 would be the static rule (low_confidence_static). Its differences from
     ``generate.py``: `dllm_ais.models.families`."""
     return with_family_protocol(config, family_of("sdar"), gen_length, block_size)
+
+
+def llada2_generate_settings(gen_length: int, block_length: int, steps: int, threshold: float,
+                             minimal_topk: int = 1) -> dict:
+    """The `DiffusionSamplerConfig` settings that decode as LLaDA2's official ``generate`` with these arguments
+    (``steps`` per block), batched; temperature, top_p and top_k carry over as they are, and any cache mode is the
+    exact cache.
+
+    ``generate`` runs ``min(steps, gen_length // minimal_topk)`` steps in each block (the even schedule of a whole
+    block), committing at each step every masked position whose confidence (the drawn token's probability:
+    ``maskgit_plus``) exceeds `threshold`, or, when fewer do, the step's scheduled count of top-confidence
+    positions: the parallel threshold rule with the block-causal floor. Its blocks are the model's, from the prompt's
+    first token, its last one decoded whole past `gen_length`: here the canvas holds enough blocks for every row's
+    last one (``gen_length + block_length − 1`` rounded up to whole blocks) and the completion ends at `gen_length`
+    (``completion_length``). It stops after the block holding EOS (``stop_at_eos``); ``eos_early_stop`` stops
+    within that block, which changes no token. The differences: `dllm_ais.models.families`."""
+    steps_per_block = min(steps, gen_length // minimal_topk)
+    if steps_per_block < 1:
+        raise ValueError(f"minimal_topk={minimal_topk} > gen_length={gen_length} leaves no step per block")
+    blocks = -(-(gen_length + block_length - 1) // block_length)
+    return {"gen_length": blocks * block_length, "block_length": block_length, "steps": steps_per_block * blocks,
+            "threshold": threshold, "remasking": "maskgit_plus", "completion_length": gen_length,
+            "stop_at_eos": True}

@@ -184,7 +184,7 @@ class EvalProtocol:
     def for_task(cls, task: Task, gen_lengths: tuple[int, ...] | None = None, block_length: int | None = None,
                  temperature: float = 0.0, name: str = "d1", block_size: int | None = None) -> "EvalProtocol":
         """The task's protocol (d1's for the real tasks; with another `name`, that family's own decoder,
-        `decoding_protocols.with_family_protocol`: "dream" Dream's, "sdar" SDAR's or "llada2" LLaDA2's in the
+        `decoding_protocols.with_family_protocol`: "dream" Dream's, "sdar" SDAR's and "llada2" LLaDA2's in the
         blocks of the model's `block_size`), with any of its settings replaced. ConfigError when a protocol decoding in the model's blocks
         meets a model without blocks or another block length."""
         if name != "d1" and protocol_family(name).protocol_blocks == "block_size":

@@ -25,9 +25,9 @@ Block-diffusion models (SDAR, LLaDA2: `families.is_block_causal`) take the same 
   weight, SDAR's block-diffusion ELBO, its own training loss — not an autoregressive score, which SDAR (bidirectional
   inside a block) does not define. The greedy flag: SDAR's decoder, one token per step by confidence in blocks of
   ``block_size`` (the continuation's length rounded up to whole blocks), reproduces the continuation.
-- `generate_until` decodes with the family's default protocol (its record's `eval_protocol`: SDAR's for SDAR,
-  LLaDA2's for LLaDA2.x; `decoding_protocols.with_family_protocol`: blocks of the model's ``block_size``, a step per
-  block position, low_confidence_dynamic at 0.9 for SDAR and 0.95 for LLaDA2, the exact cache), any sampler setting
+- `generate_until` decodes with the family's default protocol (its record's `eval_protocol`, SDAR's for SDAR,
+  LLaDA2's for LLaDA2.x, `decoding_protocols.with_family_protocol`: blocks of the model's ``block_size``, a step per
+  block position, low_confidence_dynamic at 0.9 (LLaDA2: 0.95), the exact cache), any sampler setting
   given in --model_args replacing its value; a block_length other than ``block_size`` is refused.
 
 Causal LMs (Qwen3, ...): teacher-forced log-probs and greedy flags as the harness's `hf` model computes them, and

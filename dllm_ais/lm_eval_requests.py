@@ -131,9 +131,9 @@ def d1_sampler_config(gen_length: int, block_length: int, tokens: SpecialTokens,
 
 def block_protocol_sampler_config(family: ModelFamily, gen_length: int, block_size: int, tokens: SpecialTokens,
                                   temperature: float, **settings: Any) -> DiffusionSamplerConfig:
-    """The sampler of a block-causal `family`'s default protocol (its record's `eval_protocol`; SDAR's for SDAR,
-    LLaDA2's for LLaDA2.x: blocks of the model's `block_size`, a step per block position, low_confidence_dynamic at 0.9
-    or 0.95, the exact cache) at `gen_length`, see `protocol_sampler_config`."""
+    """The sampler of a block-causal `family`'s default protocol (its record's `eval_protocol`: blocks of the model's
+    `block_size`, a step per block position, low_confidence_dynamic at 0.9 for SDAR, 0.95 for LLaDA2.x, the exact
+    cache) at `gen_length`, see `protocol_sampler_config`."""
     decoding = with_family_protocol(GRPOConfig(policy="diffusion"), protocol_family(family.eval_protocol), gen_length,
                                     block_size)
     return protocol_sampler_config(decoding, tokens, temperature, **settings)

@@ -40,8 +40,19 @@ How each family's own decoder, as this library runs it, differs from its officia
   and when a step's quota exceeds the masks left in the block (only with fewer denoising steps than the block
   length), ``generate.py`` rewrites positions already filled, prompt tokens too, where ours caps the quota at the
   masks left.
-- LLaDA2.x (inclusionAI's ``generate``): SDAR's rule (its blocks, a step per position, low_confidence_dynamic) at
-  its default threshold 0.95; its ``minimal_topk`` and its early stop at EOS are not the sampler's.
+- LLaDA2.x (``generate`` of the official modeling_llada2_moe.py): `decoding_protocols.llada2_generate_settings`
+  maps its arguments to the sampler's settings, whose greedy tokens are the official ones, batched
+  (`tests/test_llada2_sampling.py`: a grid of its settings, with and without the cache). Its temperature 0 is not
+  greedy: its draw samples softmax(logits) by ``torch.multinomial`` (it divides by τ only when τ > 0 and takes no
+  argmax), so the parity check runs it with the draw replaced by the argmax and its probability, the sampler's
+  τ = 0. At τ > 0 the sampler draws by Gumbel-max from the caller's generator (the same distribution, other draws),
+  and with both top_k and top_p it keeps the nucleus first, then its top k, where ``generate`` keeps the top k,
+  then their nucleus. ``eos_early_stop`` returns within the block (prompt included), the sampler's stop comes at
+  the block's end: the same completion. A row whose last block ends before the batch's decodes its next block past
+  its end (outside its completion). An EOS id inside a prompt: ``generate``'s early stop would cut the prompt there,
+  the sampler reads completions only. The ``llada2`` protocol (the model's blocks, a step per position, threshold
+  0.95 as ``generate`` defaults) runs on the rollout settings, which have no ``completion_length`` or
+  ``stop_at_eos``: its last block is cut at gen_length (the sampler's default) and it decodes on after EOS.
 
 A new family: its model module under ``dllm_ais/models/`` (with ``register_with_auto_classes``), its record in
 `FAMILIES`, its tests (`tests/test_families.py` checks every record against its module); plus, with a decoding

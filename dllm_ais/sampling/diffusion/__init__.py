@@ -40,11 +40,15 @@ blocks of ``config.block_size`` positions counted from each row's first real tok
 decode the model's own blocks in turn against the cache of the finished blocks. The sampler does the same for a
 batch on a block-aligned canvas (`canvas.block_aligned_layout`: each prompt moved right by whole blocks, so that one
 slice is every row's current block); where a row's completion starts mid-block, its first block holds the prompt's
-tail and its last one is cut at ``gen_length`` (the official decoder would fill it past ``gen_length``). SDAR's
-settings here: ``block_length`` = its ``block_size``; ``steps`` = its ``denoising_steps`` × the blocks;
-``maskgit_plus`` its ``low_confidence_static``, ``left_to_right`` its ``sequential``, ``maskgit_plus`` with
-``threshold`` its ``low_confidence_dynamic``. Any cache mode is the exact cache; a stop token ends the completion but
-not the decoding.
+tail and its last one is cut at ``gen_length``, unless ``completion_length`` ends the completion before the canvas
+does (the positions past it decoded, outside the completion mask). SDAR's settings here: ``block_length`` = its
+``block_size``; ``steps`` = its ``denoising_steps`` × the blocks; ``maskgit_plus`` its ``low_confidence_static``,
+``left_to_right`` its ``sequential``, ``maskgit_plus`` with ``threshold`` its ``low_confidence_dynamic`` (every
+position above the threshold, at least the even schedule's count of the step). LLaDA2's ``generate`` is the same
+dynamic rule, its last block decoded whole past its ``gen_length`` and its stop after the block holding EOS
+(``stop_at_eos``): `dllm_ais.decoding_protocols.llada2_generate_settings` maps its arguments. Any cache mode is the
+exact cache; without ``stop_at_eos`` a stop token ends the completion but not the decoding. Each official decoder's
+differences: `dllm_ais.models.families`.
 
 Besides the tokens, every committed token's step and log-probability under the distribution it was drawn from are
 recorded in the `Rollout` (``commit_step``, ``step_logprobs``): the behaviour policy the correction compares with the

@@ -248,19 +248,34 @@ class MaskedDiffusionSampler:
                 budget = self._denoise_block_in_parallel(state, block, budget)
             else:
                 self._denoise_block_on_schedule(state, block, masked_left)
+            if config.stop_at_eos and self.completions_final(layout.completion(layout.canvas), token_ids):
+                break
         completion = layout.completion(layout.canvas)
         sequences = torch.cat([input_ids, completion], dim=1)
         return Rollout(
             sequences=sequences,
             attention_mask=(torch.ones_like(sequences) if prompt_attention is None else
                             torch.cat([prompt_attention, prompt_attention.new_ones(completion.shape)], dim=1)),
-            completion_mask=completion_mask_through_first_eos(completion, token_ids.eos),
+            completion_mask=self.completion_mask(completion, token_ids),
             step_logprobs=layout.completion(state.step_logprobs),
             commit_step=layout.completion(state.commit_step),
             prompt_length=input_ids.shape[1],
             num_steps=state.num_steps,
             records={} if state.choice is None else {COMMIT_CHOICE: state.choice.record(layout)},
         )
+
+    def completion_mask(self, completion: torch.LongTensor, token_ids: SpecialTokenIds) -> torch.Tensor:
+        """[B, L] bool: each completion position up to its first stop token (inclusive) and before
+        `config.completion_length`."""
+        mask = completion_mask_through_first_eos(completion, token_ids.eos)
+        if self.config.completion_length is not None:
+            mask[:, self.config.completion_length:] = False
+        return mask
+
+    def completions_final(self, completion: torch.LongTensor, token_ids: SpecialTokenIds) -> bool:
+        """Whether every row of `completion` [B, L] (the canvas so far) is final: no mask id in its completion mask
+        (`stop_at_eos`). One host read."""
+        return not bool(((completion == token_ids.mask) & self.completion_mask(completion, token_ids)).any())
 
     def _denoise_block_on_schedule(self, state: _Denoising, block: slice, masked_left: list[int]) -> None:
         """Fill `block` in the fixed schedule's steps (`_scheduled_counts`), the counts known on the host; a step at

@@ -86,6 +86,13 @@ class DiffusionSamplerConfig:
             None = from ``model.config.model_type`` (`dllm_ais.models.families`).
         block_causal: whether the model attends causally across blocks of ``model.config.block_size`` positions
             (SDAR: module docstring, "Block-causal models"); None = from ``model.config.model_type``.
+        completion_length: the completion ends after this many positions (None = `gen_length`): the positions past
+            it are decoded with the rest but lie outside ``completion_mask`` (LLaDA2's ``generate`` decodes its last
+            block whole past its ``gen_length``: `dllm_ais.decoding_protocols.llada2_generate_settings`).
+        stop_at_eos: stop after the first block at whose end every row's completion is final: each position before
+            its first stop token (or before `completion_length`) committed (LLaDA2's ``generate`` stops after the
+            block holding EOS). The blocks after stay masked, outside ``completion_mask`` (commit_step −1); the
+            completion's tokens are those of decoding on, as committed tokens never change. One host read per block.
 
     The cache and parallel decoding change the behaviour policy; the recorded log-probs stay those of the
     distribution each token was drawn from, and the correction treats the change like quantization.
@@ -113,6 +120,8 @@ class DiffusionSamplerConfig:
     commit_choice_as_set: bool = False
     logits_shifted: bool | None = None
     block_causal: bool | None = None
+    completion_length: int | None = None
+    stop_at_eos: bool = False
 
     @property
     def steps_per_block(self) -> int:
@@ -205,6 +214,11 @@ class DiffusionSamplerConfig:
             if self.cache_refresh_interval is not None:
                 problems.append("remasking='origin' may commit nothing in a row for several steps, which a cache "
                                 "refreshed every cache_refresh_interval steps cannot replay: leave the interval unset")
+        if self.completion_length is not None and not (
+                isinstance(self.completion_length, int) and not isinstance(self.completion_length, bool)
+                and 0 < self.completion_length <= self.gen_length):
+            problems.append(f"completion_length={self.completion_length!r} must be an int in [1, gen_length="
+                            f"{self.gen_length}] (None = gen_length)")
         pad_problem = pad_equals_mask_problem(self.pad_token_id, self.mask_token_id)
         if pad_problem:
             problems.append(pad_problem)
