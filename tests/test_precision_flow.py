@@ -20,7 +20,7 @@ from dllm_ais.choices import BATCH_SCALED_PRECISIONS
 from dllm_ais.bench.mismatch import RECIPES, measure_notch, validation_prompts
 from dllm_ais.components import check_unified_flow_launch
 from dllm_ais.config import EMBEDDED_RECIPE, ConfigError, load_config
-from dllm_ais.engine import RolloutEngine, adapter_host
+from dllm_ais.engine import RolloutEngine
 from dllm_ais.loading import load_model, load_tokenizer
 from dllm_ais.policy import LORA_TARGET_PRESETS, build_policy
 from dllm_ais.quantization import (MX_BLOCK_SIZE, PRECISIONS, StraightThroughQuantizedLinear, _mx_round_trip,
@@ -156,7 +156,7 @@ def test_with_lora_the_engine_is_the_trainers_model_holding_one_quantized_base()
                                                                      target_modules=LORA_TARGET_PRESETS["llada"]))
     bytes_before = sum(p.numel() * p.element_size() for p in trainer.parameters())
     engine = RolloutEngine(trainer, precision="fp8", precision_flow="unified")
-    assert engine.model is adapter_host(trainer) and engine.shares_trainer_model
+    assert engine.model is trainer and engine.shares_trainer_model
     quantized = [module for module in trainer.modules() if isinstance(module, StraightThroughQuantizedLinear)]
     assert len(quantized) == len(engine.quantized_modules) == 14  # 7 block linears × 2 layers; the LM head stays
     assert all(module.weight is None for module in quantized)
@@ -280,14 +280,29 @@ def test_the_unified_flow_trains_fully_fine_tuned_and_scores_the_high_precision_
     assert not any(key.startswith("eval/high_precision_base/") for key in split.history[-1])
 
 
-def test_the_settings_and_launches_the_unified_flow_refuses():
+def test_the_settings_and_launches_the_unified_flow_refuses(tokenizer):
+    """DeepSpeed is refused; FSDP only where every process samples with the same forwards (each forward of the
+    sharded trainer gathers its weights on every process): a diffusion policy on the fixed schedule, not block-causal."""
     with pytest.raises(ConfigError, match="rollout.compile=true compiles the split engine's own copy"):
         config_of(rollout={"precision_flow": "unified", "compile": True}).validate()
     config_of(rollout={"precision_flow": "unified", "compile": None}).validate()
-    for launcher in ("FSDP", "DEEPSPEED"):
-        with pytest.raises(ConfigError, match=f"not under {launcher}: launch with recipes/accelerate/ddp.yaml"):
-            check_unified_flow_launch(SimpleNamespace(distributed_type=DistributedType[launcher]))
-    check_unified_flow_launch(SimpleNamespace(distributed_type=DistributedType.MULTI_CPU))
+    deepspeed, fsdp, ddp = (SimpleNamespace(distributed_type=DistributedType[name])
+                            for name in ("DEEPSPEED", "FSDP", "MULTI_CPU"))
+    llada, qwen3, sdar = (load_model(name, torch.float32) for name in ("embedded", "embedded-qwen3", "embedded-sdar"))
+
+    def policy(model, **rollout):
+        return build_policy(config_of(model_name_or_path="embedded", rollout=rollout), model.config, tokenizer)
+
+    fixed_schedule = policy(llada, threshold=None)
+    with pytest.raises(ConfigError, match="not under DeepSpeed: launch with recipes/accelerate/ddp.yaml"):
+        check_unified_flow_launch(deepspeed, fixed_schedule, llada)
+    check_unified_flow_launch(fsdp, fixed_schedule, llada)
+    for model, sampling in ((llada, policy(llada, threshold=0.9)), (sdar, policy(sdar, threshold=None, block_length=4)),
+                            (qwen3, build_policy(config_of(model_name_or_path="embedded-qwen3", policy="autoregressive"),
+                                                 qwen3.config, load_tokenizer("embedded-qwen3")))):
+        with pytest.raises(ConfigError, match="under FSDP samples with the sharded trainer, so every process must"):
+            check_unified_flow_launch(fsdp, sampling, model)
+        check_unified_flow_launch(ddp, sampling, model)
 
 
 @pytest.mark.parametrize("use_peft", [True, False], ids=["lora", "full-fine-tuning"])
