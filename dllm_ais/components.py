@@ -127,10 +127,10 @@ def check_unified_flow_launch(accelerator: Accelerator, policy: Policy, model: t
     if launch == DistributedType.FSDP and not (isinstance(policy, DiffusionPolicy)
                                                and not policy.sampler_config.parallel_decoding
                                                and not is_block_causal(model)):
-        raise ConfigError("rollout.precision_flow=unified under FSDP samples with the sharded trainer, so every process "
-                          "must run the same forwards: a diffusion policy, not block-causal, with rollout.threshold=null "
-                          "(and no experimental.rollout_factor); else launch with recipes/accelerate/ddp.yaml, or set "
-                          "rollout.precision_flow=split")
+        raise ConfigError("rollout.precision_flow=unified under FSDP samples with the sharded trainer, so every "
+                          "process must run the same forwards: a diffusion policy, not block-causal, with "
+                          "rollout.threshold=null (and no experimental.rollout_factor); else launch with "
+                          "recipes/accelerate/ddp.yaml, or set rollout.precision_flow=split")
 
 
 def build_components(config: GRPOConfig, tokenizer, accelerator: Accelerator, model=None,

@@ -217,9 +217,9 @@ class StraightThroughQuantizedLinear(nn.Linear):
     in place (an optimizer step bumps its version), so the forward always quantizes the current weight (QAT).
 
     MX modes on torchao's emulated kernel (`emulated_mx`) compute that kernel's matmul directly
-    (`_emulated_mx_linear`): deq(W_q), the emulated kernel's weight operand, is kept beside `quantized` (one
-    high-precision copy) instead of being dequantized again by every forward, and the activations take the
-    vectorised round trip `_mx_round_trip`; the logits and gradients are the same bits as through torchao.
+    (`_emulated_mx_linear`): the activations take the vectorised round trip `_mx_round_trip` in place of torchao's
+    bitwise encode and decode; the logits and gradients are the same bits as through torchao. deq(W_q) is made by
+    each forward, as torchao's kernel makes it, and not kept: the layer holds no high-precision copy.
     """
 
     def __init__(self, linear: nn.Linear, precision: str):
@@ -229,7 +229,6 @@ class StraightThroughQuantizedLinear(nn.Linear):
         self.round_trip_input = _rounds_input_trip(precision, linear.weight.device)
         self.emulated_mx = precision in MX_ELEMENT_DTYPES and not native_mx_available(linear.weight.device)
         self.quantized = quantized_weight(precision, linear.weight.detach())
-        self.dequantized = self.dequantized_of = None
         if linear.weight.requires_grad:
             self.weight = linear.weight
             self.quantized_version = linear.weight._version
@@ -244,13 +243,6 @@ class StraightThroughQuantizedLinear(nn.Linear):
             self.quantized_version = self.weight._version
         return self.quantized
 
-    def dequantized_weight(self) -> torch.Tensor:
-        """deq(W_q) of the current quantized weight in its original dtype, dequantized once per quantization."""
-        quantized = self.current_quantized_weight()
-        if self.dequantized_of is not quantized:
-            self.dequantized, self.dequantized_of = quantized.dequantize(quantized.dtype), quantized
-        return self.dequantized
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _StraightThroughLinear.apply(x, self.weight, self.bias, self)
 
@@ -264,11 +256,11 @@ class _StraightThroughLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, layer):
         quantized = layer.current_quantized_weight()
+        ctx.quantized = quantized
         ctx.save_for_backward(x if weight is not None and weight.requires_grad else None)
         if layer.emulated_mx:
-            ctx.weight_operand = layer.dequantized_weight()
-            return _emulated_mx_linear(x, ctx.weight_operand, bias, MX_ELEMENT_DTYPES[layer.precision])
-        ctx.weight_operand = quantized
+            dequantized = quantized.dequantize(quantized.dtype)
+            return _emulated_mx_linear(x, dequantized, bias, MX_ELEMENT_DTYPES[layer.precision])
         return torch.nn.functional.linear(_nvfp4_round_trip(x) if layer.round_trip_input else x, quantized, bias)
 
     @staticmethod
@@ -277,9 +269,7 @@ class _StraightThroughLinear(torch.autograd.Function):
         rows = grad_output.reshape(-1, grad_output.shape[-1])
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
-            operand = ctx.weight_operand
-            dequantized = operand.dequantize() if isinstance(operand, TorchAOBaseTensor) else operand
-            grad_x = grad_output @ dequantized.to(grad_output.dtype)
+            grad_x = grad_output @ ctx.quantized.dequantize().to(grad_output.dtype)
         if ctx.needs_input_grad[1]:
             grad_weight = rows.T @ x.reshape(-1, x.shape[-1]).to(grad_output.dtype)
         if ctx.needs_input_grad[2]:

@@ -120,7 +120,8 @@ def test_the_unified_flow_samples_with_the_sharded_trainer_and_scores_the_high_p
     output_dir = tmp_path / "unified"
     process = start([*LAUNCH, "-m", "dllm_ais.cli", "train", "--max_steps=2", "--eval_size=4", "--num_iterations=1",
                      "--per_device_train_batch_size=8", "--rollout.precision=mxfp4", "--rollout.precision_flow=unified",
-                     "--rollout.threshold=null", "--temperature=3.0", *training, f"--output_dir={output_dir}"], tmp_path)
+                     "--rollout.threshold=null", "--temperature=3.0", *training, f"--output_dir={output_dir}"],
+                    tmp_path)
     assert process.wait(timeout=600) == 0, output_of(process)[-5000:]
     assert "distributed run: 2 processes (FSDP) on cpu" in output_of(process)
     steps = [record for record in metrics(output_dir) if "loss" in record]
