@@ -13,12 +13,14 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from peft import LoraConfig, PeftModel, get_peft_model
+from torch.distributed.tensor import DTensor
 from transformers import get_scheduler
 
 from dllm_ais.config import ConfigError, GRPOConfig
 from dllm_ais.engine import RolloutEngine, adapter_host, quantize_trainer_model_
 from dllm_ais.loading import keep_freed_host_memory, load_model, resolve_dtype
 from dllm_ais.models.routing import EngineRouting, routed_layers
+from dllm_ais.models.families import is_block_causal
 from dllm_ais.validation import problem_list
 from dllm_ais.policy import (CustomSampler, DiffusionPolicy, Policy, build_policy,
                              custom_policy_problems, is_diffusion, lora_target_modules,
@@ -113,20 +115,30 @@ def with_trained_weights_(model: torch.nn.Module, trained: torch.nn.Module) -> t
     quantized base layers `trained` holds outside its state dict stay `model`'s high-precision ones."""
     if isinstance(trained, PeftModel):
         model = get_peft_model(model, copy.deepcopy(trained.peft_config[trained.active_adapter]))
-    state = trained.state_dict()
+    state = {name: value.full_tensor() if isinstance(value, DTensor) else value  # FSDP2: gathered on every process
+             for name, value in trained.state_dict().items()}
     result = model.load_state_dict(state, strict=False)
     if result.unexpected_keys:
         raise ValueError(f"the trained model holds weights the high-precision base lacks: {result.unexpected_keys[:3]}")
     return model.eval().requires_grad_(False)
 
 
-def check_unified_flow_launch(accelerator: Accelerator) -> None:
-    """Refuse, in one line, a launch the unified precision flow does not run under (FSDP, DeepSpeed: they shard or
-    own the parameters the engine would sample with)."""
-    if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
-        raise ConfigError(f"rollout.precision_flow=unified runs single-process or under DDP, not under "
-                          f"{accelerator.distributed_type.value}: launch with recipes/accelerate/ddp.yaml, or set "
-                          "rollout.precision_flow=split")
+def check_unified_flow_launch(accelerator: Accelerator, policy: Policy, model: torch.nn.Module) -> None:
+    """Refuse, in one line, a launch the unified precision flow does not run under: DeepSpeed (it owns the parameters
+    the engine would sample with), and FSDP where the processes may sample with different numbers of forwards — each
+    forward of the sharded trainer gathers its weights on every process at once, so only a diffusion policy on the
+    fixed step schedule (no parallel decoding) of a model that is not block-causal samples in step."""
+    launch = accelerator.distributed_type
+    if launch == DistributedType.DEEPSPEED:
+        raise ConfigError("rollout.precision_flow=unified runs single-process, under DDP or under FSDP, not under "
+                          "DeepSpeed: launch with recipes/accelerate/ddp.yaml, or set rollout.precision_flow=split")
+    if launch == DistributedType.FSDP and not (isinstance(policy, DiffusionPolicy)
+                                               and not policy.sampler_config.parallel_decoding
+                                               and not is_block_causal(model)):
+        raise ConfigError("rollout.precision_flow=unified under FSDP samples with the sharded trainer, so every "
+                          "process must run the same forwards: a diffusion policy, not block-causal, with "
+                          "rollout.threshold=null (and no experimental.rollout_factor); else launch with "
+                          "recipes/accelerate/ddp.yaml, or set rollout.precision_flow=split")
 
 
 def lora_config(config: GRPOConfig, model_type: str) -> LoraConfig:
@@ -162,7 +174,7 @@ def build_components(config: GRPOConfig, tokenizer, accelerator: Accelerator, mo
         reference_model = copy.deepcopy(model).eval().requires_grad_(False)
     flow = config.rollout.precision_flow
     if flow == "unified":
-        check_unified_flow_launch(accelerator)
+        check_unified_flow_launch(accelerator, policy, model)
         if reference_model is not None:
             quantize_trainer_model_(reference_model, config.rollout.precision)
     engine = RolloutEngine(model, precision=config.rollout.precision, compile=config.rollout.compile,

@@ -13,7 +13,8 @@ Two precision flows (`rollout.precision_flow`):
   quantized base; `sync_from` copies nothing.
 
 Works for any transformers model (LLaDA, causal LMs such as Qwen3), trained with LoRA through peft or
-fully fine-tuned, bare or wrapped by DDP / DataParallel / DeepSpeed / torch.compile (the unified flow: bare or DDP).
+fully fine-tuned, bare or wrapped by DDP / DataParallel / DeepSpeed / torch.compile (the unified flow: bare, DDP or
+FSDP2, `components.check_unified_flow_launch`).
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ class RolloutEngine:
     Attributes:
         model: the engine's model (a transformers model; call it like the trainer's model to sample rollouts and
             compute rollout-side log-probs): with the split flow its own copy (eval mode, no gradients), with the
-            unified flow the trainer's model itself (its adapters in place).
+            unified flow the trainer's model itself (a peft model as such, its adapters in place).
         forwards: the sampling forwards the engine hands to the samplers (``sample(..., forwards=engine.forwards)``,
             `dllm_ais.sampling.forwards`): `EagerForwards` of `model`, or, compiled, its `StaticForwards` (key/value
             buffers and CUDA graphs owned here).
@@ -87,7 +88,8 @@ class RolloutEngine:
             if compile:
                 raise ValueError("rollout.compile=true compiles the split engine's own copy of the model; the unified "
                                  "precision flow samples with the trainer's model: set rollout.compile=false (or null)")
-            self.model = adapter_host(trainer_model)
+            # The trainer's outermost module short of DDP: under FSDP2 its forward gathers the root's sharded weights.
+            self.model = extract_model_from_parallel(trainer_model, keep_torch_compile=False)
             self.quantized_modules = quantize_trainer_model_(trainer_model, precision)
             self.holds_trainer_weights = False
             self.execution_path = "eager, the trainer's own model (unified precision flow)"

@@ -50,8 +50,8 @@ float rounding aside the same numerics). In the other modes the experts keep the
 says so): torchao has no grouped kernel for them.
 
 The torchao imports below are partly semi-internal (``QuantizeTensorToFloat8Kwargs``,
-``KernelPreference``, ``Float8MMConfig``, the config handler registry); they are pinned by the
-project's ``torchao==0.18.0``.
+``KernelPreference``, ``Float8MMConfig``, the config handler registry, the MX scale functions ``_to_mx_rceil`` and
+``get_fp_scale``); they are pinned by the project's ``torchao==0.18.0``.
 """
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ from torchao.prototype.mx_formats import (
     NVFP4WeightOnlyConfig,
 )
 from torchao.prototype.mx_formats.config import ScaleCalculationMode
-from torchao.prototype.mx_formats.mx_tensor import MXTensor, QuantizeTensorToMXKwargs
+from torchao.prototype.mx_formats.mx_tensor import MXTensor, QuantizeTensorToMXKwargs, _to_mx_rceil, get_fp_scale
 from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
 from torchao.quantization import (
     Float8DynamicActivationFloat8WeightConfig,
@@ -103,6 +103,8 @@ DIM_MULTIPLE = 16
 INT4_GROUP_SIZES = {"int4": 32, "int4_g128": 128}
 MX_ELEMENT_DTYPES = {"mxfp8": torch.float8_e4m3fn, "mxfp4": torch.float4_e2m1fn_x2}
 MX_BLOCK_SIZE = 32
+E2M1_MAX = 6.0  # the largest e2m1 (FP4) number
+FLOAT32_EXPONENT_BITS = 0x7F800000
 NVFP4_BLOCK_SIZE = 16
 NVFP4_MODES = ("nvfp4", "nvfp4_weight_only")
 INPUT_MULTIPLES = {**INT4_GROUP_SIZES, **dict.fromkeys(MX_ELEMENT_DTYPES, MX_BLOCK_SIZE),
@@ -275,6 +277,11 @@ class StraightThroughQuantizedLinear(nn.Linear):
     `parameters()`, so optimizers, DDP and checkpoints see only what trains). A trainable weight (full fine-tuning)
     stays the high-precision master `weight`; `quantized` is its quantization, redone whenever the weight changed
     in place (an optimizer step bumps its version), so the forward always quantizes the current weight (QAT).
+
+    MX modes on torchao's emulated kernel (`emulated_mx`) compute that kernel's matmul directly
+    (`_emulated_mx_linear`): the activations take the vectorised round trip `_mx_round_trip` in place of torchao's
+    bitwise encode and decode; the logits and gradients are the same bits as through torchao. deq(W_q) is made by
+    each forward, as torchao's kernel makes it, and not kept: the layer holds no high-precision copy.
     """
 
     def __init__(self, linear: nn.Linear, precision: str):
@@ -282,6 +289,7 @@ class StraightThroughQuantizedLinear(nn.Linear):
         self.precision = precision
         self.bias = linear.bias
         self.round_trip_input = _rounds_input_trip(precision, linear.weight.device)
+        self.emulated_mx = precision in MX_ELEMENT_DTYPES and not native_mx_available(linear.weight.device)
         self.quantized = quantized_weight(precision, linear.weight.detach())
         if linear.weight.requires_grad:
             self.weight = linear.weight
@@ -312,6 +320,9 @@ class _StraightThroughLinear(torch.autograd.Function):
         quantized = layer.current_quantized_weight()
         ctx.quantized = quantized
         ctx.save_for_backward(x if weight is not None and weight.requires_grad else None)
+        if layer.emulated_mx:
+            dequantized = quantized.dequantize(quantized.dtype)
+            return _emulated_mx_linear(x, dequantized, bias, MX_ELEMENT_DTYPES[layer.precision])
         return torch.nn.functional.linear(_nvfp4_round_trip(x) if layer.round_trip_input else x, quantized, bias)
 
     @staticmethod
@@ -326,6 +337,40 @@ class _StraightThroughLinear(torch.autograd.Function):
         if ctx.needs_input_grad[2]:
             grad_bias = rows.sum(0)
         return grad_x, grad_weight, grad_bias, None
+
+
+def _emulated_mx_linear(x: torch.Tensor, dequantized_weight: torch.Tensor, bias: torch.Tensor | None,
+                        element_dtype: torch.dtype) -> torch.Tensor:
+    """torchao's emulated MX linear (its `mx_linear` with KernelPreference.EMULATED) given deq(W_q): the input's
+    rows round-tripped through MX (`_mx_round_trip`), then the same addmm (mm without bias) on the same operands."""
+    rows = _mx_round_trip(x.reshape(-1, x.shape[-1]), element_dtype)
+    weight = dequantized_weight.t()
+    out = torch.mm(rows, weight) if bias is None else torch.addmm(bias, rows, weight)
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _mx_round_trip(x: torch.Tensor, element_dtype: torch.dtype) -> torch.Tensor:
+    """deq(MX(x)) in x's dtype, bit for bit torchao's `MXTensor.to_mx(x, ..., RCEIL)` then `dequantize`: per block of
+    32 features the same E8M0 scale and scaled values (torchao's `_to_mx_rceil`), the values rounded to the element
+    format — e4m3 by a cast, e2m1 by `_round_to_e2m1` in place of torchao's bitwise encode, pack and decode."""
+    blocks = x.reshape(*x.shape[:-1], -1, MX_BLOCK_SIZE)
+    max_abs = torch.amax(torch.abs(blocks), -1, keepdim=True).to(torch.float32)
+    max_element = torch.finfo(torch.float8_e4m3fn).max if element_dtype == torch.float8_e4m3fn else E2M1_MAX
+    exponent, scaled = _to_mx_rceil(blocks.to(torch.float32), max_abs, max_element)
+    elements = scaled.to(torch.float8_e4m3fn) if element_dtype == torch.float8_e4m3fn else _round_to_e2m1(scaled)
+    return (elements.to(x.dtype) * get_fp_scale(exponent).to(x.dtype)).reshape(x.shape)
+
+
+def _round_to_e2m1(values: torch.Tensor) -> torch.Tensor:
+    """`values` (float32, |v| ≤ 6) rounded to the nearest e2m1 number (0, 0.5, 1, 1.5, 2, 3, 4, 6, signed), ties to
+    the even code, as torchao's `f32_to_f4_unpacked` encodes them. The grid's spacing is 0.5 below 2, 1 below 4 and 2
+    up to 6 — the float32 spacing between 2^22 and 2^23, 2^23 and 2^24, 2^24 and 2^25 — so (|v| + c) − c with
+    c = 2^22 · max(1, 2^⌊log2 |v|⌋) is |v| rounded half to even on it by float32's own addition; the sign is then put
+    back (-0.0 for negatives that round to 0)."""
+    magnitude = values.abs()
+    power_of_two = (magnitude.view(torch.int32) & FLOAT32_EXPONENT_BITS).view(torch.float32)
+    offset = power_of_two.clamp_(min=1.0).mul_(2.0 ** 22)
+    return torch.copysign((magnitude + offset).sub_(offset), values)
 
 
 def quantized_weight(precision: str, weight: torch.Tensor) -> TorchAOBaseTensor:

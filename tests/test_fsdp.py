@@ -109,3 +109,22 @@ def test_sigterm_to_the_launcher_checkpoints_and_the_resumed_run_matches_the_uni
     resumed = start([*LAUNCH, "-m", "dllm_ais.cli", *shlex.split(command), "--max_steps=4"], tmp_path)
     assert resumed.wait(timeout=600) == 0, output_of(resumed)[-5000:]
     assert comparable(metrics(output_dir)) == comparable(metrics(root / "lora"))
+
+
+@pytest.mark.parametrize("training", [(), ("--use_peft=false",)], ids=["lora", "full-fine-tuning"])
+def test_the_unified_flow_samples_with_the_sharded_trainer_and_scores_the_high_precision_base(tmp_path, training):
+    """rollout.precision_flow=unified under FSDP2 (MXFP4): the engine is the sharded trainer itself, each sampling
+    forward gathering its weights on both processes, in step on the fixed schedule (rollout.threshold=null); the ratio
+    is exactly 1, gradients flow (temperature 3 so that rewards differ within groups), and the trained weights reach
+    the high-precision base's evaluation gathered from their shards."""
+    output_dir = tmp_path / "unified"
+    process = start([*LAUNCH, "-m", "dllm_ais.cli", "train", "--max_steps=2", "--eval_size=4", "--num_iterations=1",
+                     "--per_device_train_batch_size=8", "--rollout.precision=mxfp4", "--rollout.precision_flow=unified",
+                     "--rollout.threshold=null", "--temperature=3.0", *training, f"--output_dir={output_dir}"],
+                    tmp_path)
+    assert process.wait(timeout=600) == 0, output_of(process)[-5000:]
+    assert "distributed run: 2 processes (FSDP) on cpu" in output_of(process)
+    steps = [record for record in metrics(output_dir) if "loss" in record]
+    assert [record["step"] for record in steps] == [1, 2]
+    assert all(record["rollout_corr/k3_kl"] == 0.0 and record["grad_norm"] > 0 for record in steps)
+    assert "eval/high_precision_base/accuracy" in metrics(output_dir)[-1]

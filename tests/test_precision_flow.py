@@ -10,6 +10,9 @@ import torch
 from accelerate.utils import DistributedType
 from peft import LoraConfig, get_peft_model
 from torch import nn
+from torchao.prototype.mx_formats.config import ScaleCalculationMode
+from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, f32_to_f4_unpacked
+from torchao.prototype.mx_formats.mx_tensor import MXTensor
 
 from conftest import bare_tiny_llada, config_of
 from dllm_ais import grpo
@@ -17,10 +20,11 @@ from dllm_ais.choices import BATCH_SCALED_PRECISIONS
 from dllm_ais.bench.mismatch import RECIPES, measure_notch, validation_prompts
 from dllm_ais.components import check_unified_flow_launch
 from dllm_ais.config import EMBEDDED_RECIPE, ConfigError, load_config
-from dllm_ais.engine import RolloutEngine, adapter_host
+from dllm_ais.engine import RolloutEngine
 from dllm_ais.loading import load_model, load_tokenizer
 from dllm_ais.policy import build_policy, lora_target_modules
-from dllm_ais.quantization import PRECISIONS, StraightThroughQuantizedLinear, quantize_model_
+from dllm_ais.quantization import (MX_BLOCK_SIZE, PRECISIONS, StraightThroughQuantizedLinear, _mx_round_trip,
+                                   _round_to_e2m1, quantize_model_)
 from dllm_ais.sampling.diffusion import DiffusionSamplerConfig, MaskedDiffusionSampler
 from dllm_ais.trainer import GRPOTrainer
 from dllm_ais.sampling.diffusion.choice import recorded_choice
@@ -55,6 +59,73 @@ def test_the_trainers_layer_is_the_engines_forward_with_gradients_straight_throu
         assert layer.weight is None and "weight" not in layer.state_dict()
 
 
+MX_ELEMENTS = {"mxfp4": torch.float4_e2m1fn_x2, "mxfp8": torch.float8_e4m3fn}
+
+
+def bits(tensor):
+    """The raw bits of a float tensor (so that -0.0 and 0.0, or two NaN payloads, tell apart)."""
+    return tensor.view({torch.float32: torch.int32, torch.bfloat16: torch.int16}[tensor.dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("precision", list(MX_ELEMENTS))
+def test_the_emulated_mx_activation_round_trip_is_torchaos_bit_for_bit(precision, dtype):
+    """`_mx_round_trip` = torchao's `MXTensor.to_mx(x, RCEIL).dequantize()`, to the bit, on rows from 1e-40 to 1e38,
+    blocks holding every e2m1 tie, zeros of both signs, subnormals, an infinity and a NaN."""
+    torch.manual_seed(0)
+    x = torch.randn(48, 256) * torch.logspace(-40, 38, 48).unsqueeze(1)
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 5.5, 4.5, 2.25, 2.75, 3.25, 3.75, 0.1, 0.0])
+    x[0, :32] = torch.cat([ties, -ties])
+    x[1, :32], x[1, 32:64], x[2] = 0.0, -0.0, torch.randn(256) * 1e-42
+    x[3, 5], x[4, 40], x[5, 70] = float("inf"), float("nan"), -float("inf")
+    x = x.to(dtype)
+    expected = MXTensor.to_mx(x, MX_ELEMENTS[precision], MX_BLOCK_SIZE,
+                              scaling_mode=ScaleCalculationMode.RCEIL).dequantize(dtype)
+    got = _mx_round_trip(x, MX_ELEMENTS[precision])
+    nan = expected.isnan()
+    assert nan.any() and torch.equal(got.isnan(), nan)
+    assert torch.equal(bits(got)[~nan], bits(expected)[~nan])
+
+
+def test_e2m1_rounding_is_torchaos_encoding_on_every_bfloat16_value_and_beside_every_tie():
+    """`_round_to_e2m1` = torchao's e2m1 encode then decode, to the bit, on every float32 that is a bfloat16 in
+    [-6, 6] and on the float32 neighbours of every midpoint between two e2m1 numbers (ties to the even code)."""
+    every_bfloat16 = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    midpoints = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    below, above = torch.nextafter(midpoints, torch.zeros(7)), torch.nextafter(midpoints, torch.full((7,), 6.0))
+    neighbours = torch.cat([midpoints, below, above])
+    values = torch.cat([every_bfloat16[every_bfloat16.abs() <= 6], neighbours, -neighbours])
+    expected = f4_unpacked_to_f32(f32_to_f4_unpacked(values))
+    assert torch.equal(bits(_round_to_e2m1(values)), bits(expected))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("trainable", [False, True], ids=["frozen", "trainable"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("precision", list(MX_ELEMENTS))
+def test_the_emulated_mx_layer_computes_torchaos_logits_and_gradients_bit_for_bit(precision, bias, trainable,
+                                                                                   dtype):
+    """The unified flow's emulated MX layer (activations by `_mx_round_trip`) against the same layer through
+    torchao's emulated kernel (`emulated_mx` off): the same output and the same gradients for the input, the weight
+    and the bias, to the bit."""
+    torch.manual_seed(0)
+    layer = StraightThroughQuantizedLinear(nn.Linear(128, 64, bias=bias, dtype=dtype).requires_grad_(trainable),
+                                           precision)
+    assert layer.emulated_mx
+    x = torch.randn(3, 5, 128, dtype=dtype)
+    grad_y = torch.randn(3, 5, 64, dtype=dtype)
+    results = []
+    for emulated_mx in (True, False):
+        layer.emulated_mx = emulated_mx
+        layer.zero_grad(set_to_none=True)
+        inputs = x.clone().requires_grad_()
+        y = layer(inputs)
+        y.backward(grad_y)
+        results.append([y, inputs.grad] + [param.grad for param in layer.parameters() if param.requires_grad])
+    for fast, torchao in zip(*results):
+        assert torch.equal(bits(fast), bits(torchao))
+
+
 def test_a_trained_weight_is_quantized_again_after_each_step_as_the_split_engine_syncs_it():
     """Full fine-tuning (QAT): the unified model after an optimizer step computes what a split engine synced from the
     same high-precision weights computes — bit for bit, before and after."""
@@ -84,7 +155,7 @@ def test_with_lora_the_engine_is_the_trainers_model_holding_one_quantized_base()
                                                                      target_modules=lora_target_modules("llada")))
     bytes_before = sum(p.numel() * p.element_size() for p in trainer.parameters())
     engine = RolloutEngine(trainer, precision="fp8", precision_flow="unified")
-    assert engine.model is adapter_host(trainer) and engine.shares_trainer_model
+    assert engine.model is trainer and engine.shares_trainer_model
     quantized = [module for module in trainer.modules() if isinstance(module, StraightThroughQuantizedLinear)]
     assert len(quantized) == len(engine.quantized_modules) == 14  # 7 block linears × 2 layers; the LM head stays
     assert all(module.weight is None for module in quantized)
@@ -208,14 +279,29 @@ def test_the_unified_flow_trains_fully_fine_tuned_and_scores_the_high_precision_
     assert not any(key.startswith("eval/high_precision_base/") for key in split.history[-1])
 
 
-def test_the_settings_and_launches_the_unified_flow_refuses():
+def test_the_settings_and_launches_the_unified_flow_refuses(tokenizer):
+    """DeepSpeed is refused; FSDP only where every process samples with the same forwards (each forward of the
+    sharded trainer gathers its weights on every process): a diffusion policy on the fixed schedule, not block-causal."""
     with pytest.raises(ConfigError, match="rollout.compile=true compiles the split engine's own copy"):
         config_of(rollout={"precision_flow": "unified", "compile": True}).validate()
     config_of(rollout={"precision_flow": "unified", "compile": None}).validate()
-    for launcher in ("FSDP", "DEEPSPEED"):
-        with pytest.raises(ConfigError, match=f"not under {launcher}: launch with recipes/accelerate/ddp.yaml"):
-            check_unified_flow_launch(SimpleNamespace(distributed_type=DistributedType[launcher]))
-    check_unified_flow_launch(SimpleNamespace(distributed_type=DistributedType.MULTI_CPU))
+    deepspeed, fsdp, ddp = (SimpleNamespace(distributed_type=DistributedType[name])
+                            for name in ("DEEPSPEED", "FSDP", "MULTI_CPU"))
+    llada, qwen3, sdar = (load_model(name, torch.float32) for name in ("embedded", "embedded-qwen3", "embedded-sdar"))
+
+    def policy(model, **rollout):
+        return build_policy(config_of(model_name_or_path="embedded", rollout=rollout), model.config, tokenizer)
+
+    fixed_schedule = policy(llada, threshold=None)
+    with pytest.raises(ConfigError, match="not under DeepSpeed: launch with recipes/accelerate/ddp.yaml"):
+        check_unified_flow_launch(deepspeed, fixed_schedule, llada)
+    check_unified_flow_launch(fsdp, fixed_schedule, llada)
+    for model, sampling in ((llada, policy(llada, threshold=0.9)), (sdar, policy(sdar, threshold=None, block_length=4)),
+                            (qwen3, build_policy(config_of(model_name_or_path="embedded-qwen3", policy="autoregressive"),
+                                                 qwen3.config, load_tokenizer("embedded-qwen3")))):
+        with pytest.raises(ConfigError, match="under FSDP samples with the sharded trainer, so every process must"):
+            check_unified_flow_launch(fsdp, sampling, model)
+        check_unified_flow_launch(ddp, sampling, model)
 
 
 @pytest.mark.parametrize("use_peft", [True, False], ids=["lora", "full-fine-tuning"])
