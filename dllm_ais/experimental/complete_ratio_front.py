@@ -11,7 +11,7 @@ precision (another decoder, another draw) are not notches and are left out.
 
 - A notch's mismatch: the complete ratio's k3 per scored position as training logged it (`rollout_corr/k3_kl` of
   the notch's arms that logged the commit part, `rollout_corr/commit_k3_kl`, i.e. ran with
-  `correction.complete_ratio`; the mean over their steps and seeds), with the commit part's share. It is the
+  `experimental.complete_ratio`; the mean over their steps and seeds), with the commit part's share. It is the
   engine's distance from the trainer over everything the engine drew, tokens and commit choice, at the weights
   being trained. A notch with no such arm has no measured complete-ratio mismatch and is left out.
 - Δ: each arm's held-out metric minus the baseline's, per seed over the same prompts, then the mean over seeds ±
