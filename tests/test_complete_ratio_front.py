@@ -108,5 +108,5 @@ def test_every_arm_of_the_complete_ratio_studies_resolves_and_only_a_drawn_choic
             config = resolved_config(run)
             assert config is not None, f"{path.name}: arm {run.arm!r} does not resolve"
             temperature = config.experimental.rollout_position_temperature
-            assert not config.correction.complete_ratio or temperature > 0
+            assert not config.experimental.complete_ratio or temperature > 0
             assert run.arm != study.baseline or config.rollout.precision == "bf16"

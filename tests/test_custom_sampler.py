@@ -176,9 +176,9 @@ def test_validation_decodes_exactly_and_the_custom_sampler_is_scored_on_its_own(
 def test_the_custom_sampler_example_trains_end_to_end(tmp_path, monkeypatch):
     """examples/custom_sampler.py: a registered remasking rule and a biased logit stage, two GRPO steps through
     GRPOTrainer(sampler=...), exact validation before and after, and the custom sampler's own score."""
-    from dllm_ais.sampling import diffusion
+    from dllm_ais.sampling.diffusion import rules
 
-    monkeypatch.setattr(diffusion, "REMASKING_RULES", dict(diffusion.REMASKING_RULES))  # the example registers one
+    monkeypatch.setattr(rules, "REMASKING_RULES", dict(rules.REMASKING_RULES))  # the example registers one
     path = Path(__file__).parents[1] / "examples" / "custom_sampler.py"
     spec = importlib.util.spec_from_file_location("custom_sampler_example", path)
     example = importlib.util.module_from_spec(spec)
