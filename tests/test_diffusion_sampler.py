@@ -598,29 +598,6 @@ def test_choose_positions_breaks_ties_as_a_topk_of_each_rows_own_count():
         assert torch.equal(chosen[row], expected)
 
 
-@contextlib.contextmanager
-def host_reads():
-    """Counts the tensor values read on the host (``item``, ``tolist``, ``bool``, ``int``, ``float`` of a tensor) while
-    the block runs: each one waits for the device on a GPU."""
-    counter = {"reads": 0}
-    names = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
-    originals = {name: getattr(torch.Tensor, name) for name in names}
-
-    def counted(original):
-        def read(self, *args, **kwargs):
-            counter["reads"] += 1
-            return original(self, *args, **kwargs)
-        return read
-
-    for name, original in originals.items():
-        setattr(torch.Tensor, name, counted(original))
-    try:
-        yield counter
-    finally:
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
-
-
 @pytest.mark.parametrize("steps", [16, 64])
 @pytest.mark.parametrize("cache", ["none", "dual"])
 def test_threshold_decoding_reads_the_device_about_once_per_block(steps, cache):
@@ -630,6 +607,7 @@ def test_threshold_decoding_reads_the_device_about_once_per_block(steps, cache):
     and, greedy, the tokens are those of a decoder that reads at every step (`_denoise_block_in_parallel` with a
     budget of one step, which stops each block as soon as it is filled). (Sampled, the forwards of a budget past a
     block's last commit draw noise too, so a seed gives other draws of the same distribution.)"""
+    from dllm_ais.bench.common import host_reads
     from dllm_ais.bench.mismatch import validation_prompts
     from dllm_ais.config import EMBEDDED_RECIPE, load_config
     from dllm_ais.loading import load_model, load_tokenizer

@@ -10,7 +10,8 @@ import resource
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -98,3 +99,29 @@ def run_child(module: str, arguments: list[str], env: dict[str, str] | None = No
     result = subprocess.run([sys.executable, "-m", module, "--child", *arguments], check=True, capture_output=True,
                             text=True, env={**os.environ, **(env or {})})
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
+"""The tensor methods that read a value on the host (on a GPU, each waits for the device)."""
+
+
+@contextlib.contextmanager
+def host_reads() -> Iterator[dict[str, int]]:
+    """Counts the tensor values read on the host (`HOST_READS`) while the block runs, into the yielded
+    ``{"reads": n}``."""
+    counter = {"reads": 0}
+    originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+
+    def counted(original):
+        def read(self, *args, **kwargs):
+            counter["reads"] += 1
+            return original(self, *args, **kwargs)
+        return read
+
+    for name, original in originals.items():
+        setattr(torch.Tensor, name, counted(original))
+    try:
+        yield counter
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)

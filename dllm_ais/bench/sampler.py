@@ -18,6 +18,11 @@ Section 3 — one model against two (`rollout.precision_flow`): per precision, t
 hold together (parameters, buffers and the quantized weights, each storage counted once) and the sync's seconds, for
 the split flow (a LoRA trainer in high precision beside a quantized, merged copy) and the unified one (one model: the
 quantized base with the adapter beside it, nothing to sync).
+
+Section 4 — host reads of threshold decoding: on the embedded LLaDA and its digits prompts (`rollout.threshold`
+0.9, greedy), the tensor values a `sample` call reads on the host (each a wait for the device on a GPU) against its
+blocks, and its forwards against those of a decoder that stops each block as soon as it is filled (reading the device
+every step, as the sampler did before its counts stayed on the device).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import statistics
 
 import torch
 
-from dllm_ais.bench.common import describe_device, random_llada, resolve_device, wall_and_cpu_seconds
+from dllm_ais.bench.common import describe_device, host_reads, random_llada, resolve_device, wall_and_cpu_seconds
 from dllm_ais.choices import PRECISIONS
 from dllm_ais.models import LLaDAConfig, LLaDAModelLM
 from dllm_ais.sampling.diffusion import DiffusionSamplerConfig, MaskedDiffusionSampler
@@ -234,6 +239,43 @@ def bench_engine_sync(args: argparse.Namespace) -> dict[str, float]:
     return results
 
 
+def steps_to_fill(commit_step: torch.Tensor, block_length: int) -> int:
+    """The forwards a decoder that stops each block of `block_length` completion positions as soon as every row filled
+    it runs: per block, the most distinct commit steps a row has there, summed over the blocks."""
+    blocks = commit_step.reshape(commit_step.shape[0], -1, block_length)
+    return sum(max(len(row.unique()) for row in blocks[:, block]) for block in range(blocks.shape[1]))
+
+
+def bench_threshold_reads(args: argparse.Namespace) -> dict[tuple[int, str], tuple[int, int, int]]:
+    """Section 4: per (gen length, cache), (host reads, forwards, forwards of a decoder stopping each block when
+    filled) of one greedy `sample` call with threshold 0.9 on the embedded LLaDA's digits prompts."""
+    from dllm_ais.bench.mismatch import validation_prompts
+    from dllm_ais.config import EMBEDDED_RECIPE, load_config
+    from dllm_ais.loading import load_model, load_tokenizer
+
+    config = load_config(EMBEDDED_RECIPE, ["--output_dir=unused"])
+    model = load_model(config.model_name_or_path, torch.float32).eval()
+    prompts = validation_prompts(config, load_tokenizer(config.model_name_or_path), args.batch * 2, seed=0)
+    forwards = []
+    hook = model.register_forward_pre_hook(lambda module, inputs: forwards.append(1))
+    print("== host reads of threshold decoding (embedded LLaDA, digits prompts, threshold 0.9, greedy) ==")
+    results = {}
+    for gen_length in (16, 64):
+        for cache in ("none", "dual"):
+            sampler = MaskedDiffusionSampler(DiffusionSamplerConfig(gen_length=gen_length, block_length=16,
+                                                                    steps=gen_length, cache=cache, threshold=0.9))
+            forwards.clear()
+            with host_reads() as counter:
+                rollout = sampler.sample(model, *prompts)
+            results[gen_length, cache] = counter["reads"], len(forwards), steps_to_fill(rollout.commit_step, 16)
+            reads, ran, needed = results[gen_length, cache]
+            print(f"gen {gen_length:>3} ({gen_length // 16} blocks of 16), cache {cache:<4} | batch {args.batch * 2}: "
+                  f"host reads {reads} | forwards {ran}, a decoder stopping each block when filled {needed} | "
+                  f"{describe_device(torch.device('cpu'))}")
+    hook.remove()
+    return results
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.threads > 0:
@@ -241,6 +283,7 @@ def main(argv: list[str] | None = None) -> None:
     bench_sampler_vs_forwards(args)
     bench_engine_sync(args)
     bench_one_model(args)
+    bench_threshold_reads(args)
 
 
 if __name__ == "__main__":
