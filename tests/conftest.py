@@ -95,3 +95,39 @@ def official_llada2_dir(tmp_path_factory, tokenizer):
     tokenizer."""
     return official_fixture_with_tokenizer("llada2_official", tmp_path_factory, tokenizer)
 
+
+def embedded_block_model_answers(name: str, recipe, model_class):
+    """Check that the embedded block-diffusion model `name` loads through the Auto classes as `model_class` with
+    blocks of 4 and the tokenizer's mask token, and that greedy rollouts with its recipe's decoder (prefix cache,
+    blocks of 4) answer digits prompts (mean reward above a broken model's ~0: > 0.4); returns (model, config)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dllm_ais.config import EMBEDDED_MODELS, load_config
+    from dllm_ais.data import tokenize_prompts
+    from dllm_ais.loading import load_tokenizer
+    from dllm_ais.policy import DiffusionPolicy, build_policy
+    from dllm_ais.tasks.digits import digits_reward, make_digits_dataset
+
+    path = EMBEDDED_MODELS[name]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert AutoConfig.from_pretrained(path).model_type == model.config.model_type
+    assert isinstance(model, model_class) and model.config.block_size == 4
+    tokenizer = load_tokenizer(name)
+    assert model.config.mask_token_id == tokenizer.mask_token_id == tokenizer.convert_tokens_to_ids("<|mdm_mask|>")
+    config = load_config(recipe)
+    assert config.model_name_or_path == name
+    policy = build_policy(config, model.config, tokenizer, temperature=0.0)
+    assert isinstance(policy, DiffusionPolicy)
+    assert (policy.sampler_config.cache, policy.sampler_config.block_length) == ("prefix", 4)
+    rows = make_digits_dataset(32, seed=7)
+    ids, attention = tokenize_prompts(tokenizer, rows["prompt"], config.max_prompt_length)
+    with torch.no_grad():
+        completions = policy.sample(model, ids, attention, None).completion_ids
+    assert completions.shape == (len(rows), config.max_completion_length)
+    assert not (completions == tokenizer.mask_token_id).any()  # every position committed
+    texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
+    rewards = digits_reward(rows["prompt"], [[{"role": "assistant", "content": text}] for text in texts],
+                            answer=rows["answer"])
+    # the warm start's greedy reward is well above a broken model's ~0 (its sort-order noise leaves the rest)
+    assert sum(rewards) / len(rewards) > 0.4, texts
+    return model, config

@@ -5,17 +5,11 @@ SDAR, greedy rollouts with the recipe's decoder settings answer the digits task,
 import tempfile
 from pathlib import Path
 
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM
-
+from conftest import embedded_block_model_answers
 import dllm_ais  # noqa: F401  (registers "sdar")
 from dllm_ais.cli import main
-from dllm_ais.config import EMBEDDED_MODELS, load_config
-from dllm_ais.data import tokenize_prompts
-from dllm_ais.loading import load_tokenizer
+from dllm_ais.config import EMBEDDED_MODELS
 from dllm_ais.models import SDARForCausalLM
-from dllm_ais.policy import DiffusionPolicy, build_policy
-from dllm_ais.tasks.digits import digits_reward, make_digits_dataset
 
 RECIPE = Path(__file__).parents[1] / "recipes" / "tiny_sdar_digits.yaml"
 
@@ -25,31 +19,7 @@ def test_the_asset_ships_the_recipe():
 
 
 def test_embedded_sdar_loads_as_sdar_and_a_greedy_rollout_with_the_recipes_settings_answers():
-    path = EMBEDDED_MODELS["embedded-sdar"]
-    assert AutoConfig.from_pretrained(path).model_type == "sdar"
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    assert isinstance(model, SDARForCausalLM) and model.config.block_size == 4
-    tokenizer = load_tokenizer("embedded-sdar")
-    assert model.config.mask_token_id == tokenizer.mask_token_id == tokenizer.convert_tokens_to_ids("<|mdm_mask|>")
-
-    config = load_config(RECIPE)
-    assert config.model_name_or_path == "embedded-sdar"
-    policy = build_policy(config, model.config, tokenizer, temperature=0.0)
-    assert isinstance(policy, DiffusionPolicy)
-    assert (policy.sampler_config.cache, policy.sampler_config.block_length) == ("prefix", 4)
-
-    rows = make_digits_dataset(32, seed=7)
-    ids, attention = tokenize_prompts(tokenizer, rows["prompt"], config.max_prompt_length)
-    with torch.no_grad():
-        rollout = policy.sample(model, ids, attention, None)
-    completions = rollout.completion_ids
-    assert completions.shape == (len(rows), config.max_completion_length)
-    assert not (completions == tokenizer.mask_token_id).any()  # every position committed
-    texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
-    rewards = digits_reward(rows["prompt"], [[{"role": "assistant", "content": text}] for text in texts],
-                            answer=rows["answer"])
-    # the warm start's greedy reward is well above a broken model's ~0 (its sort-order noise leaves the rest)
-    assert sum(rewards) / len(rewards) > 0.4, texts
+    embedded_block_model_answers("embedded-sdar", RECIPE, SDARForCausalLM)
 
 
 def test_the_recipes_dry_run_passes(capsys, monkeypatch, tmp_path):
