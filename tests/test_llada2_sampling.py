@@ -28,18 +28,24 @@ def model():
     return load_model(str(OFFICIAL), torch.float32).eval()
 
 
-@pytest.fixture(scope="module")
-def official() -> dict:
-    """The fixture's prompts (1-D rows), EOS id, block length and per grid row its settings, prompt and completion."""
-    path = OFFICIAL / "official_generate.safetensors"
+def read_official_generate(name: str) -> dict:
+    """The official generate fixture OFFICIAL/`name` (official_generate.safetensors, or LLaDA2.1's
+    official_generate_21.safetensors): its prompts (1-D rows), EOS id, block length, metadata and per grid row its
+    settings, prompt and completion."""
+    path = OFFICIAL / name
     with safe_open(path, "pt") as handle:
         metadata = handle.metadata()
     tensors = load_file(path)
     names = metadata["settings"].split(",")
     rows = [dict(zip(names, values)) for values in tensors["settings"].tolist()]
     return {"prompts": [row[row >= 0] for row in tensors["prompts"]], "eos": int(metadata["eos_id"]),
-            "block_length": int(metadata["block_length"]), "rows": rows, "prompt_index": tensors["prompt_index"],
-            "completions": [row[row >= 0] for row in tensors["completions"]]}
+            "block_length": int(metadata["block_length"]), "metadata": metadata, "rows": rows,
+            "prompt_index": tensors["prompt_index"], "completions": [row[row >= 0] for row in tensors["completions"]]}
+
+
+@pytest.fixture(scope="module")
+def official() -> dict:
+    return read_official_generate("official_generate.safetensors")
 
 
 def left_padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,6 +75,13 @@ def decoder_settings(official: dict) -> list[dict]:
     return seen
 
 
+def twin(official: dict, index: int, **change) -> int:
+    """The grid row of row `index`'s prompt whose settings are `index`'s with `change`."""
+    wanted = {**official["rows"][index], **change}
+    prompt = official["prompt_index"][index]
+    return next(i for i, row in enumerate(official["rows"]) if official["prompt_index"][i] == prompt and row == wanted)
+
+
 def test_the_grid_covers_stops_at_eos_and_early_stop_changes_no_token(official):
     """The fixture exercises the EOS stop and the last block past gen_length; eos_early_stop's return within the
     block holds the tokens of the stop after it."""
@@ -78,9 +91,7 @@ def test_the_grid_covers_stops_at_eos_and_early_stop_changes_no_token(official):
     assert {len(prompt) % official["block_length"] for prompt in official["prompts"]} == {0, 2, 3}
     for index, row in enumerate(rows):
         if row["eos_early_stop"]:
-            twin = next(i for i, other in enumerate(rows) if official["prompt_index"][i] == official["prompt_index"][
-                index] and other == {**row, "eos_early_stop": 0.0})
-            assert torch.equal(completions[index], completions[twin])
+            assert torch.equal(completions[index], completions[twin(official, index, eos_early_stop=0.0)])
 
 
 @pytest.mark.parametrize("cache", ["none", "dual"])

@@ -49,14 +49,15 @@ BLOCK_SIZE = TINY_CONFIG["block_size"]
 MASK_ID = TINY_CONFIG["mask_token_id"]
 
 
-def import_official(official_dir: Path) -> tuple[types.ModuleType, types.ModuleType]:
-    """(configuration_llada2_moe, modeling_llada2_moe) imported from `official_dir` as one package."""
-    package = "llada2_official"
+def import_official(official_dir: Path, name: str = "llada2_moe") -> tuple[types.ModuleType, types.ModuleType]:
+    """(configuration_<name>, modeling_<name>) imported from `official_dir` as one package (its relative import of
+    the configuration resolves there): LLaDA2.0's files, or LLaDA2.1's with name="llada21_moe"."""
+    package = f"{name}_official"
     module = types.ModuleType(package)
     module.__path__ = [str(official_dir)]
     sys.modules[package] = module
-    return (importlib.import_module(f"{package}.configuration_llada2_moe"),
-            importlib.import_module(f"{package}.modeling_llada2_moe"))
+    return (importlib.import_module(f"{package}.configuration_{name}"),
+            importlib.import_module(f"{package}.modeling_{name}"))
 
 
 def official_mask(attention_mask: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
