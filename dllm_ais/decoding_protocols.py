@@ -74,3 +74,28 @@ def llada2_generate_settings(gen_length: int, block_length: int, steps: int, thr
     return {"gen_length": blocks * block_length, "block_length": block_length, "steps": steps_per_block * blocks,
             "threshold": threshold, "remasking": "maskgit_plus", "completion_length": gen_length,
             "stop_at_eos": True}
+
+
+def llada21_generate_settings(gen_length: int, block_length: int, threshold: float, editing_threshold: float | None,
+                              max_post_steps: int, num_to_transfer: int = 1) -> dict:
+    """The `DiffusionSamplerConfig` settings that decode as LLaDA2.1's official ``generate`` with these arguments,
+    batched (`llada2_generate_settings` for what it shares with 2.0: the canvas past `gen_length`, maskgit_plus).
+
+    Each iteration of a block commits the masked positions whose confidence exceeds `threshold`, at least
+    `num_to_transfer` of them (the even schedule of ``block_length / num_to_transfer`` steps per block, whose every
+    count is `num_to_transfer`), and edits the filled ones above `editing_threshold` (None: no editing, the decoder
+    of 2.0 with that floor); a block ends on an iteration that began with no mask and edited nothing, or after
+    `max_post_steps` iterations without a mask (`dllm_ais.sampling.diffusion.editing`). Its ``steps`` and
+    ``minimal_topk`` decode nothing. It stops after a block only with ``eos_early_stop`` (when the completion so far
+    holds no mask and an EOS), 2.0 after any block holding EOS: both return the completion through its first EOS,
+    which the blocks after it do not change, so the sampler stops at it either way (``stop_at_eos``). The differences
+    from the official code: `dllm_ais.models.families`."""
+    if num_to_transfer < 1 or block_length % num_to_transfer:
+        raise ValueError(f"num_to_transfer={num_to_transfer} must be a positive divisor of block_length={block_length}")
+    blocks = -(-(gen_length + block_length - 1) // block_length)
+    settings = {"gen_length": blocks * block_length, "block_length": block_length,
+                "steps": block_length // num_to_transfer * blocks, "threshold": threshold, "remasking": "maskgit_plus",
+                "completion_length": gen_length, "stop_at_eos": True}
+    if editing_threshold is not None:
+        settings.update(editing_threshold=editing_threshold, max_post_steps=max_post_steps)
+    return settings

@@ -28,7 +28,8 @@ class Rollout:
         attention_mask: [B, P + L] 1 for real tokens, 0 for left padding of the prompt.
         completion_mask: [B, L] True for completion tokens that count: up to and including the first EOS.
         step_logprobs: [B, L] float32 log-probability of each completion token under the sampling
-            distribution at the moment it was committed (after temperature and any other processing).
+            distribution at the moment it was committed (after temperature and any other processing); with a
+            token-editing decoder, the sum over the position's writes (its commit and each edit).
         commit_step: [B, L] index of the denoising step (diffusion) or decoding step (autoregressive)
             at which each completion token was committed.
         prompt_length: P.
@@ -37,7 +38,8 @@ class Rollout:
             decoding it varies per row; None when the sampler does not record it.
         records: what a sampler's recorders (experimental plug-ins) recorded beside the tokens, by name: each a
             dataclass whose tensor fields have the batch first (e.g. the complete ratio's "commit_choice",
-            `dllm_ais.sampling.diffusion.choice.CommitChoiceRecord`); `select`, `to` and `concatenate` carry them.
+            `dllm_ais.sampling.diffusion.choice.CommitChoiceRecord`; a token-editing decoder's "edits",
+            `dllm_ais.sampling.diffusion.editing.EditRecord`); `select`, `to` and `concatenate` carry them.
     """
 
     sequences: torch.LongTensor
@@ -97,7 +99,10 @@ def _joined(values: list):
 
 
 def _joined_records(records: list) -> Any:
-    """The parts' records of one recorder, field by field (`_joined`)."""
+    """The parts' records of one recorder: by its own ``joined(parts)`` when it has one (a record whose width varies
+    per call, e.g. padded to its most edits), else field by field (`_joined`)."""
+    if hasattr(records[0], "joined"):
+        return records[0].joined(records)
     return dataclasses.replace(records[0], **{f.name: _joined([getattr(r, f.name) for r in records])
                                               for f in fields(records[0])})
 

@@ -136,7 +136,7 @@ def test_recorded_logprobs_equal_the_trainers_replay(model, official, threshold)
     committed_positions = rollout.commit_step >= 0
     for replay in (sampler, sampler.with_config(dataclasses.replace(sampler.config, cache="none"))):
         replayed = torch.full(rollout.step_logprobs.shape, float("nan"))
-        for window, committed, logits in replay.decoder_logits(model, rollout):
+        for window, committed, logits, _ in replay.decoder_logits(model, rollout):
             logprobs = sampling_logprobs(logits, completion_window(rollout.completion_ids, window), 1.0)
             for row, position in committed.nonzero().tolist():
                 index = window.start + position if isinstance(window, slice) else int(window[row, position])

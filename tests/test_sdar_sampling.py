@@ -104,7 +104,7 @@ def test_recorded_logprobs_equal_a_teacher_forced_replay_without_cache(model, of
                        rollout.sequences)  # the same draws from the same logits
     replayed = torch.full(rollout.step_logprobs.shape, float("nan"))
     for replay in (uncached, sampler):
-        for window, committed, logits in replay.decoder_logits(model, rollout):
+        for window, committed, logits, _ in replay.decoder_logits(model, rollout):
             logits = filter_top_p_top_k(logits, sampler.config.temperature, sampler.config.top_p, sampler.config.top_k)
             logprobs = sampling_logprobs(logits, completion_window(rollout.completion_ids, window),
                                          sampler.config.temperature)

@@ -222,11 +222,13 @@ def trajectory_logprobs(
                                         compute_entropy, logits_fn), compute_entropy)
 
 
-DecoderLogitsFn = Callable[[nn.Module, "Rollout", "Tensor | None"], Iterable[tuple[slice, Tensor, Tensor]]]
-"""`decoder_logits(model, rollout, positions)` yields, step by step and block by block, ``(block, committed [B, Lb],
-logits [B, Lb, V])``: the logits the rollout's decoder drew the block's tokens committed at that step from,
-recomputed by `model` (`MaskedDiffusionSampler.decoder_logits`: its block cache included), for the blocks holding
-one of `positions` [B, L] (None: every block)."""
+DecoderLogitsFn = Callable[[nn.Module, "Rollout", "Tensor | None"],
+                           Iterable[tuple[slice | Tensor, Tensor, Tensor, Tensor]]]
+"""`decoder_logits(model, rollout, positions)` yields, step by step and block by block, ``(window, written [B, Lb],
+logits [B, Lb, V], tokens [B, Lb])`` (`dllm_ais.sampling.diffusion.step.DecoderStep`): the logits the rollout's
+decoder drew the tokens it wrote at that step from (committed, or edited by a token-editing decoder), recomputed by
+`model` (`MaskedDiffusionSampler.decoder_logits`: its block cache included), and the block's tokens after the step,
+for the blocks holding one of `positions` [B, L] (None: every block)."""
 
 ChoiceReplayFn = Callable[["Rollout"], Callable[[slice | Tensor, Tensor, Tensor], Tensor]]
 """`choice_replay(rollout)` returns a scorer that, called with each step `decoder_logits` yields, in order, returns
@@ -251,7 +253,9 @@ def decoder_trajectory_pieces(
     committed it — with a block KV cache, attending to the keys/values of the block's last refresh, as sampling did.
     On the engine this is exactly what the sampler recorded (`Rollout.step_logprobs`), so the ratio against the
     trainer's value sees the precision alone, and the policy being trained is the cached decoder itself. One piece
-    per block: a block's steps share the graph of its cache. With `choice_replay`, each position's log-prob also holds
+    per block: a block's steps share the graph of its cache. A token-editing decoder writes a position more than once:
+    its value is then the sum over its writes, each scored at its own step (the recorded value's sum likewise). With
+    `choice_replay`, each position's log-prob also holds
     the commit choice's terms scored from the same logits (a stochastic commit rule's log P(choice), split over the
     block's positions as the rollout's commit-choice record is): the log-probability of the whole step, commit choice
     included, whose gradient is the commit order's score function.
@@ -265,18 +269,18 @@ def decoder_trajectory_pieces(
     for _, steps in groupby(decoder_logits(model, rollout, positions), key=lambda step: _block_key(step[0])):
         logprobs = entropy = 0
         piece_positions = torch.zeros_like(completion, dtype=torch.bool)
-        for window, step_committed, logits in steps:
+        for window, step_written, logits, tokens in steps:
             index = _window_index(window, completion)
-            committed = step_committed & (index >= 0) & wanted.gather(1, index.clamp_min(0))
-            values = selective_log_softmax(logits[committed], completion.gather(1, index.clamp_min(0))[committed],
-                                           chunk_size, process_logits=scale, compute_entropy=compute_entropy)
+            written = step_written & (index >= 0) & wanted.gather(1, index.clamp_min(0))
+            values = selective_log_softmax(logits[written], tokens[written], chunk_size, process_logits=scale,
+                                           compute_entropy=compute_entropy)
             step_logprobs, step_entropy = values if compute_entropy else (values, None)
             placed = torch.zeros_like(completion, dtype=torch.bool)
-            placed[committed.nonzero(as_tuple=True)[0], index[committed]] = True
+            placed[written.nonzero(as_tuple=True)[0], index[written]] = True
             piece_positions |= placed
             logprobs = logprobs + _scatter_to_positions(placed, step_logprobs)
             if choices is not None:
-                logprobs = logprobs + torch.where(wanted, choices(window, step_committed, logits), 0.0)
+                logprobs = logprobs + torch.where(wanted, choices(window, step_written, logits), 0.0)
             if compute_entropy:
                 entropy = entropy + _scatter_to_positions(placed, step_entropy)
         yield LogprobPiece(piece_positions, logprobs, entropy if compute_entropy else None)

@@ -6,13 +6,59 @@ canvas positions: the package docstring, "Block-causal models")."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from dllm_ais.rollout import padding_or_none
+from dllm_ais.rollout import PromptError, padding_or_none
+from dllm_ais.sampling.diffusion.sampler_config import SpecialTokenIds
 
-__all__ = ["CanvasLayout", "block_aligned_layout", "completion_layout", "completion_window"]
+__all__ = ["CanvasLayout", "block_aligned_layout", "check_sampling_inputs", "completion_layout", "completion_window",
+           "max_canvas_length"]
+
+
+def max_canvas_length(model: Any) -> float:
+    """The longest canvas the model takes (its config's max_sequence_length or max_position_embeddings; inf when it
+    names neither)."""
+    model_config = getattr(model, "config", None)
+    return (getattr(model_config, "max_sequence_length", None) or getattr(model_config, "max_position_embeddings", None)
+            or math.inf)
+
+
+def check_sampling_inputs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                          generator: torch.Generator | None, token_ids: SpecialTokenIds, canvas_length: int) -> None:
+    """Raise ValueError (`PromptError` for the prompts' content), before any forward pass, for prompts a sampling call
+    on a canvas of `canvas_length` positions cannot complete."""
+    if input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
+        raise ValueError(f"input_ids must be a [batch, prompt_length] integer tensor, got {tuple(input_ids.shape)} "
+                         f"{input_ids.dtype}.")
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has {tuple(input_ids.shape)}: "
+            "pass the mask the tokenizer returned with the left-padded prompts."
+        )
+    max_length = max_canvas_length(model)
+    if canvas_length > max_length:
+        raise PromptError(
+            f"prompt length {input_ids.shape[1]} + its completion (a canvas of {canvas_length} positions) exceeds "
+            f"the model's max_sequence_length={max_length}: truncate the prompts or lower gen_length."
+        )
+    if token_ids.block_causal and attention_mask is not None and bool((attention_mask.diff(dim=1) < 0).any()):
+        raise ValueError("A block-causal model's prompts must be left-padded (attention_mask 0…0 1…1 per row): "
+                         "tokenize them with padding_side='left'.")
+    rows_with_mask = (input_ids == token_ids.mask).any(dim=1).nonzero().flatten().tolist()
+    if rows_with_mask:
+        raise PromptError(
+            f"Prompts {rows_with_mask} contain the mask token id {token_ids.mask}, which the sampler would overwrite: "
+            "remove it from the prompt text or check that mask_token_id is the model's mask token."
+        )
+    if generator is not None and generator.device.type != input_ids.device.type:
+        raise ValueError(
+            f"The generator is on {generator.device} but the prompts are on {input_ids.device}: create it with "
+            f"torch.Generator(device={input_ids.device.type!r})."
+        )
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -13,35 +12,28 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dllm_ais.rollout import PromptError, Rollout, completion_mask_through_first_eos, padding_or_none
+from dllm_ais.rollout import Rollout, completion_mask_through_first_eos, padding_or_none
 from dllm_ais.sampling.diffusion.cache import BLOCK_CAUSAL_CACHE, BlockCache, forward_logits
-from dllm_ais.sampling.diffusion.canvas import (CanvasLayout, block_aligned_layout, completion_layout,
-                                                completion_window)
+from dllm_ais.sampling.diffusion.canvas import (CanvasLayout, block_aligned_layout, check_sampling_inputs,
+                                                completion_layout, completion_window, max_canvas_length)
 from dllm_ais.sampling.diffusion.choice import COMMIT_CHOICE, ChoiceRecord, CommitChoiceReplay
 from dllm_ais.sampling.diffusion.draw import gumbel_argmax, sampling_logprobs
+from dllm_ais.sampling.diffusion.editing import EDITS, EditLog, ReplayedWrites, token_edits
 from dllm_ais.sampling.diffusion.rules import checked_scores, resolve_remasking_rule
 from dllm_ais.sampling.diffusion.sampler_config import DiffusionSamplerConfig, SpecialTokenIds, resolve_special_tokens
 from dllm_ais.sampling.diffusion.schedule import origin_commit_counts, time_linear_commit_count, transfer_schedule
-from dllm_ais.sampling.diffusion.step import DenoiseStep, denoise_step, top_ranked_positions
+from dllm_ais.sampling.diffusion.step import DecoderStep, DenoiseStep, denoise_step, top_ranked_positions
 from dllm_ais.sampling.forwards import EagerForwards, bucketed_prompt_length
 
 __all__ = ["MaskedDiffusionSampler"]
 
 
-def _max_canvas_length(model: Any) -> float:
-    """The longest canvas the model takes (its config's max_sequence_length or max_position_embeddings; inf when it
-    names neither)."""
-    model_config = getattr(model, "config", None)
-    return (getattr(model_config, "max_sequence_length", None) or getattr(model_config, "max_position_embeddings", None)
-            or math.inf)
-
-
 @dataclass
 class _Denoising:
     """The state of one denoising call: the canvas and its records [B, T] (each committed position's step and
-    log-prob), the rows' step counts, the global step index (the rows step in lockstep), the block cache and the
-    commit-choice record (a stochastic commit rule's, else None), and the even schedule's counts for a whole block
-    (`transfer_schedule`)."""
+    log-prob), the rows' step counts, the global step index (the rows step in lockstep), the block cache, the
+    commit-choice record (a stochastic commit rule's, else None) and the edits (a token-editing decoder's, else None),
+    and the even schedule's counts for a whole block (`transfer_schedule`)."""
 
     forwards: EagerForwards
     layout: CanvasLayout
@@ -53,6 +45,7 @@ class _Denoising:
     num_steps: torch.LongTensor
     cache: BlockCache | None
     choice: ChoiceRecord | None
+    edits: EditLog | None
     block_schedule: list[int]
     step: int = 0
 
@@ -82,44 +75,12 @@ class MaskedDiffusionSampler:
         """The token ids and family facts of a call on `model` (`resolve_special_tokens`)."""
         return resolve_special_tokens(self.config, model)
 
-    def check_inputs(
-        self,
-        model: Any,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        generator: torch.Generator | None,
-        token_ids: SpecialTokenIds,
-    ) -> None:
-        """Raise ValueError, before any forward pass, for prompts this sampler cannot complete."""
-        if input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
-            raise ValueError(f"input_ids must be a [batch, prompt_length] integer tensor, got {tuple(input_ids.shape)} {input_ids.dtype}.")
-        if attention_mask is not None and attention_mask.shape != input_ids.shape:
-            raise ValueError(
-                f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has {tuple(input_ids.shape)}: "
-                "pass the mask the tokenizer returned with the left-padded prompts."
-            )
-        max_length = _max_canvas_length(model)
-        canvas_length = self.canvas_length(input_ids.shape[1], token_ids)
-        if canvas_length > max_length:
-            raise PromptError(
-                f"prompt length {input_ids.shape[1]} + gen_length {self.config.gen_length} (a canvas of {canvas_length} "
-                f"positions) exceeds the model's max_sequence_length={max_length}: truncate the prompts or lower "
-                "gen_length."
-            )
-        if token_ids.block_causal and attention_mask is not None and bool((attention_mask.diff(dim=1) < 0).any()):
-            raise ValueError("A block-causal model's prompts must be left-padded (attention_mask 0…0 1…1 per row): "
-                             "tokenize them with padding_side='left'.")
-        rows_with_mask = (input_ids == token_ids.mask).any(dim=1).nonzero().flatten().tolist()
-        if rows_with_mask:
-            raise PromptError(
-                f"Prompts {rows_with_mask} contain the mask token id {token_ids.mask}, which the sampler would overwrite: "
-                "remove it from the prompt text or check that mask_token_id is the model's mask token."
-            )
-        if generator is not None and generator.device.type != input_ids.device.type:
-            raise ValueError(
-                f"The generator is on {generator.device} but the prompts are on {input_ids.device}: create it with "
-                f"torch.Generator(device={input_ids.device.type!r})."
-            )
+    def check_inputs(self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                     generator: torch.Generator | None, token_ids: SpecialTokenIds) -> None:
+        """Raise ValueError, before any forward pass, for prompts this sampler cannot complete
+        (`check_sampling_inputs`)."""
+        check_sampling_inputs(model, input_ids, attention_mask, generator, token_ids,
+                              self.canvas_length(input_ids.shape[1], token_ids))
 
     @torch.no_grad()
     def sample(
@@ -150,6 +111,10 @@ class MaskedDiffusionSampler:
         ``steps`` commits on its fixed schedule), so a trajectory-type estimator trains at the canvas states that
         decoder visits.
         """
+        if self.config.editing_threshold is not None:
+            raise ValueError("replay teacher-forces one token per position, but a token-editing decoder "
+                             "(editing_threshold) writes a position more than once: score its rollouts along "
+                             "decoder_logits (the trajectory estimator's decoder replay)")
         attention_mask = rollout.attention_mask[:, :rollout.prompt_length]
         replayed = self._denoise(EagerForwards(model), rollout.prompt_ids, attention_mask, generator, rollout.completion_ids)
         return dataclasses.replace(replayed, completion_mask=rollout.completion_mask)
@@ -171,7 +136,7 @@ class MaskedDiffusionSampler:
         bucket_padding = 0
         if forwards.static_shapes:
             bucket_padding = bucketed_prompt_length(input_ids.shape[1]) - input_ids.shape[1]
-            if self.canvas_length(input_ids.shape[1] + bucket_padding, token_ids) > _max_canvas_length(model):
+            if self.canvas_length(input_ids.shape[1] + bucket_padding, token_ids) > max_canvas_length(model):
                 bucket_padding = 0
             if bucket_padding:
                 real = torch.ones_like(input_ids) if attention_mask is None else attention_mask
@@ -233,6 +198,7 @@ class MaskedDiffusionSampler:
                                                                                 device=device),
             torch.zeros(shape[0], dtype=torch.long, device=device), self.block_cache(token_ids),
             ChoiceRecord.empty(shape, self, device) if config.position_temperature > 0 else None,
+            None if config.editing_threshold is None else EditLog(),
             transfer_schedule(torch.tensor([config.block_length]), config.steps_per_block)[0].tolist())
         # Per block, per row, its masked positions (fewer than block_length in a block-causal model's first and last
         # blocks): read once, before the loop, so that no block waits on the device for them.
@@ -244,7 +210,9 @@ class MaskedDiffusionSampler:
         for block, masked_left in zip(layout.blocks, masked_per_block):
             if max(masked_left) == 0:  # a block past every row's completion: no forward
                 continue
-            if config.parallel_decoding:
+            if config.editing_threshold is not None:
+                self._denoise_block_with_edits(state, block)
+            elif config.parallel_decoding:
                 budget = self._denoise_block_in_parallel(state, block, budget)
             else:
                 self._denoise_block_on_schedule(state, block, masked_left)
@@ -261,7 +229,8 @@ class MaskedDiffusionSampler:
             commit_step=layout.completion(state.commit_step),
             prompt_length=input_ids.shape[1],
             num_steps=state.num_steps,
-            records={} if state.choice is None else {COMMIT_CHOICE: state.choice.record(layout)},
+            records={**({} if state.choice is None else {COMMIT_CHOICE: state.choice.record(layout)}),
+                     **({} if state.edits is None else {EDITS: state.edits.record(layout.completion_index, shape[1])})},
         )
 
     def completion_mask(self, completion: torch.LongTensor, token_ids: SpecialTokenIds) -> torch.Tensor:
@@ -321,6 +290,59 @@ class MaskedDiffusionSampler:
             left, needed = torch.stack([still_masked.sum(dim=1).max(), steps_needed]).tolist()  # the host read
             run = self._next_run(left, budget)
         return needed
+
+    def _denoise_block_with_edits(self, state: _Denoising, block: slice) -> None:
+        """Decode `block` with token editing (`dllm_ais.sampling.diffusion.editing`): each step fills masks by the
+        threshold rule (at least the schedule's floor) and edits the filled completion positions, each row until its
+        block ends (a step that began with no mask and edited nothing, or `max_post_steps` steps without a mask, or
+        `editing_step_limit` steps); a finished row's steps write nothing. A position holding the mask id is masked,
+        as in LLaDA2.1's code: an edit (or a commit) that writes the mask id leaves it to be committed again, that
+        write recorded with the edits. One host read per run of steps: as many as the slowest row's masks left, then
+        one step at a time while rows only edit."""
+        config, mask = self.config, state.token_ids.mask
+        editable = state.layout.on_canvas(torch.ones_like(state.layout.completion_index, dtype=torch.bool),
+                                          False)[:, block]
+        post_steps = torch.zeros(state.canvas.shape[0], dtype=torch.long, device=state.canvas.device)
+        done = torch.zeros_like(post_steps, dtype=torch.bool)
+        forwards_in_block, run = 0, 1
+        while run > 0:
+            for _ in range(run):
+                before = state.canvas[:, block].clone()
+                still_masked = before == mask
+                had_mask = still_masked.any(dim=1)
+                post_steps += ~had_mask & ~done
+                done |= post_steps > config.max_post_steps
+                rewritten = still_masked & (state.commit_step[:, block] >= 0)  # committed before, masked again
+                commit_step, logprobs = state.commit_step[:, block].clone(), state.step_logprobs[:, block].clone()
+                scheduled = (state.block_schedule[forwards_in_block] if forwards_in_block < len(state.block_schedule)
+                             else 0)
+                step = self._denoise_step(state, block, still_masked & ~done[:, None], forwards_in_block,
+                                          width=config.block_length,
+                                          floor=self._scheduled_floor(still_masked, scheduled, forwards_in_block))
+                forwards_in_block += 1
+                rewrite = step.commit & rewritten
+                state.commit_step[:, block] = torch.where(rewrite, commit_step, state.commit_step[:, block])
+                state.step_logprobs[:, block] = torch.where(rewrite, logprobs + step.logprobs,
+                                                            state.step_logprobs[:, block])
+                drawn, drawn_logprobs = self.propose_tokens(step.logits, state.generator)
+                edit = token_edits(before, drawn, drawn_logprobs, editable & ~still_masked & ~done[:, None],
+                                   config.editing_threshold)
+                state.canvas[:, block] = torch.where(edit, drawn, state.canvas[:, block])
+                state.step_logprobs[:, block] += torch.where(edit, drawn_logprobs, 0.0)
+                state.num_steps += edit.any(dim=1) & ~step.commit.any(dim=1)
+                state.edits.add(state.step - 1, block, edit | rewrite, before, torch.where(edit, drawn, step.candidates),
+                                torch.where(edit, drawn_logprobs, step.logprobs))
+                done |= (~had_mask & ~edit.any(dim=1)) | (forwards_in_block >= self.editing_step_limit)
+            masked = state.canvas[:, block] == mask
+            ends_next = done | (~masked.any(dim=1) & (post_steps + 1 > config.max_post_steps))
+            left, finished = torch.stack([masked.sum(dim=1).max(), ends_next.all()]).tolist()  # the host read
+            run = 0 if finished else max(left, 1)
+
+    @property
+    def editing_step_limit(self) -> int:
+        """The most steps a block runs with token editing: LLaDA2.1's loop runs on while edits keep writing the mask
+        id; here a block ends after 4 × (block_length + max_post_steps + 1) steps whatever is left."""
+        return 4 * (self.config.block_length + self.config.max_post_steps + 1)
 
     @staticmethod
     def _next_run(left: int, budget: int | None) -> int:
@@ -399,8 +421,8 @@ class MaskedDiffusionSampler:
         the trajectory estimator's token log-probs it completes the ratio of the two samplers."""
         replay = self.commit_choice_replay(rollout)
         result = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=rollout.completion_ids.device)
-        for window, committed, logits in self.decoder_logits(model, rollout):
-            result = result + replay(window, committed, logits)
+        for step in self.decoder_logits(model, rollout):
+            result = result + replay(step.window, step.written, step.logits)
         return result
 
     def commit_choice_replay(self, rollout: Rollout) -> CommitChoiceReplay:
@@ -409,17 +431,19 @@ class MaskedDiffusionSampler:
         return CommitChoiceReplay(self, rollout)
 
     def decoder_logits(self, model: Any, rollout: Rollout, positions: torch.Tensor | None = None
-                       ) -> Iterator[tuple[slice | torch.LongTensor, torch.Tensor, torch.Tensor]]:
+                       ) -> Iterator[DecoderStep]:
         """The logits each completion token of `rollout` was drawn from, recomputed as this sampler computed them
         while sampling: step by step along `rollout.commit_step`, by `block_logits` with this sampler's block cache
         rebuilt at the steps where sampling rebuilt it (`DiffusionSamplerConfig.refreshes_cache`), so a cached
         step attends to the keys/values of the canvas at its block's last refresh. Under grad when grad is enabled.
 
-        Yields, for each step that commits a token or refreshes the cache, ``(block, committed, logits)``: `block`
-        the completion positions of the current block (a slice; for a block-causal model whose rows' completions
-        start at different offsets in their blocks, [B, Lb] indices with −1 where a row's block position is no
-        completion position: `CanvasLayout.completion_window`, read with `completion_window`), `committed` [B, Lb]
-        the block positions committed at that step, `logits` [B, Lb, V] of the block. The steps of a block come in
+        Yields, for each step that writes a token or refreshes the cache, a `DecoderStep` ``(window, written, logits,
+        tokens)``: `window` the completion positions of the current block (a slice; for a block-causal model whose
+        rows' completions start at different offsets in their blocks, [B, Lb] indices with −1 where a row's block
+        position is no completion position: `CanvasLayout.completion_window`, read with `completion_window`),
+        `written` [B, Lb] the block positions committed (or, with token editing, edited) at that step, `logits`
+        [B, Lb, V] of the block, `tokens` [B, Lb] the block after the step. With token editing the canvas of a step
+        holds each position's first commit and its edits before the step (`ReplayedWrites`). The steps of a block come in
         order, and a block's steps share its cache (a caller that backpropagates block by block keeps one block's
         graph at a time). Lazy: a forward runs when its step is asked for.
 
@@ -443,10 +467,8 @@ class MaskedDiffusionSampler:
                              f"gen_length={self.config.gen_length}")
         prompt_attention = padding_or_none(rollout.attention_mask[:, :rollout.prompt_length])
         layout = self.canvas_layout(rollout.prompt_ids, prompt_attention, token_ids)
-        final_canvas = layout.canvas.scatter(1, layout.completion_index, rollout.completion_ids)
-        commit_step = layout.on_canvas(rollout.commit_step, -1)  # -1 off the completion
+        writes = ReplayedWrites(layout, rollout)
         in_completion = layout.on_canvas(torch.ones_like(rollout.commit_step, dtype=torch.bool), False)
-        not_in_block = commit_step.max() + 1  # a row with no completion position in a block: steps from here
         cache = self.block_cache(token_ids, sampling=False)
         forwards = EagerForwards(model)
         for block in layout.blocks:
@@ -456,19 +478,17 @@ class MaskedDiffusionSampler:
                 continue
             if cache is not None and token_ids.block_causal and torch.is_grad_enabled():
                 cache = self.block_cache(token_ids, sampling=False)  # rebuilt by this block: its own graph
-            block_steps = commit_step[:, block]
-            first = torch.where(block_steps >= 0, block_steps, not_in_block).amin(dim=1, keepdim=True)
-            step_in_block = commit_step - first  # [B, T]: < 0 before the block and off the completion
-            for step in range(int(step_in_block[:, block].max()) + 1):
-                committed = step_in_block[:, block] == step
+            writes.start_block(block)
+            for step in range(writes.steps_in_block):
+                written = writes.written_at(step)
                 refresh = cache is not None and self.config.refreshes_cache(step)
-                if not (refresh or bool(committed.any())):
+                if not (refresh or bool(written.any())):
                     continue
                 if cache is not None:
                     cache.refresh = refresh
-                canvas = torch.where((step_in_block >= step) & in_completion, token_ids.mask, final_canvas)
-                yield window, committed, self.block_logits(forwards, canvas, layout.attention, layout.prompt_length,
-                                                           block, token_ids, cache)
+                logits = self.block_logits(forwards, writes.canvas_before(step, token_ids.mask), layout.attention,
+                                           layout.prompt_length, block, token_ids, cache)
+                yield DecoderStep(window, written, logits, writes.canvas_before(step + 1, token_ids.mask)[:, block])
 
     def block_logits(
         self,

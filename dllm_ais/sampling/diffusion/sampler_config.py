@@ -92,7 +92,13 @@ class DiffusionSamplerConfig:
         stop_at_eos: stop after the first block at whose end every row's completion is final: each position before
             its first stop token (or before `completion_length`) committed (LLaDA2's ``generate`` stops after the
             block holding EOS). The blocks after stay masked, outside ``completion_mask`` (commit_step −1); the
-            completion's tokens are those of decoding on, as committed tokens never change. One host read per block.
+            completion's tokens are those of decoding on, as finished blocks never change. One host read per block.
+        editing_threshold: token editing (LLaDA2.1's T2T; None = off): at each step of a block, every filled completion
+            position of the block draws a token too and is overwritten by it when it differs and its probability
+            exceeds this; a row's block ends on a step that began with no mask and edited nothing, or after
+            `max_post_steps` such steps (`dllm_ais.sampling.diffusion.editing`). A block-causal model with
+            `threshold` only (the masks commit by the threshold rule meanwhile).
+        max_post_steps: with editing, the most steps a row's block runs after its last mask is filled.
 
     The cache and parallel decoding change the behaviour policy; the recorded log-probs stay those of the
     distribution each token was drawn from, and the correction treats the change like quantization.
@@ -122,6 +128,8 @@ class DiffusionSamplerConfig:
     block_causal: bool | None = None
     completion_length: int | None = None
     stop_at_eos: bool = False
+    editing_threshold: float | None = None
+    max_post_steps: int = 16
 
     @property
     def steps_per_block(self) -> int:
@@ -219,6 +227,7 @@ class DiffusionSamplerConfig:
                 and 0 < self.completion_length <= self.gen_length):
             problems.append(f"completion_length={self.completion_length!r} must be an int in [1, gen_length="
                             f"{self.gen_length}] (None = gen_length)")
+        problems.extend(self.editing_problems())
         pad_problem = pad_equals_mask_problem(self.pad_token_id, self.mask_token_id)
         if pad_problem:
             problems.append(pad_problem)
@@ -227,6 +236,27 @@ class DiffusionSamplerConfig:
         if problems:
             raise ValueError("Invalid DiffusionSamplerConfig: " + "; ".join(problems) + ".")
         resolve_remasking_rule(self.remasking)
+
+    def editing_problems(self) -> list[str]:
+        """What token editing (`editing_threshold`) does not take."""
+        if self.editing_threshold is None:
+            return []
+        problems = []
+        if isinstance(self.editing_threshold, bool) or not 0 <= self.editing_threshold <= 1:
+            problems.append(f"editing_threshold={self.editing_threshold!r} must be a probability in [0, 1] (LLaDA2.1 "
+                            "uses 0.5 in its quality mode; None = no editing)")
+        if isinstance(self.max_post_steps, bool) or not isinstance(self.max_post_steps, int) or self.max_post_steps < 0:
+            problems.append(f"max_post_steps={self.max_post_steps!r} must be an int >= 0")
+        if self.threshold is None:
+            problems.append("editing_threshold edits while the threshold rule fills the masks: set threshold too "
+                            "(LLaDA2.1 uses 0.7)")
+        if self.position_temperature > 0:
+            problems.append("editing_threshold with position_temperature > 0: a drawn commit choice is not defined "
+                            "for edits")
+        if self.block_causal is False:
+            problems.append("editing_threshold needs a block-causal model (LLaDA2.1), whose finished blocks are "
+                            "never re-read from a cache that an edit would make stale")
+        return problems
 
     def block_causal_problems(self) -> list[str]:
         """The settings a block-causal model's decoding does not take (module docstring, "Block-causal models")."""
@@ -285,6 +315,9 @@ def resolve_special_tokens(config: "DiffusionSamplerConfig", model: Any) -> Spec
         raise ValueError(pad_problem)
     shifted = config.logits_shifted
     block_causal = is_block_causal(model) if config.block_causal is None else config.block_causal
+    if config.editing_threshold is not None and not block_causal:
+        raise ValueError("editing_threshold (token editing) needs a block-causal model such as LLaDA2.1; "
+                         f"{type(model).__name__} is not one: leave editing_threshold unset.")
     if block_causal:
         block_size = getattr(model_config, "block_size", None)
         problems = config.block_causal_problems()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -21,7 +21,7 @@ from dllm_ais.sampling.diffusion.sampler_config import DiffusionSamplerConfig
 from dllm_ais.sampling.diffusion.schedule import parallel_commit_counts
 
 
-__all__ = ["DenoiseStep", "StepStages", "denoise_step", "draw_ranks", "forced_commit_scores", "threshold_commits",
+__all__ = ["DecoderStep", "DenoiseStep", "StepStages", "denoise_step", "draw_ranks", "forced_commit_scores", "threshold_commits",
            "top_ranked_positions"]
 
 
@@ -63,6 +63,22 @@ class DenoiseStep:
     scores: torch.Tensor | None
     commit: torch.Tensor
     commit_rank: torch.LongTensor | None = None
+
+
+class DecoderStep(NamedTuple):
+    """One step of a block as the decoder replay (`MaskedDiffusionSampler.decoder_logits`) recomputes it.
+
+    window: the block's completion positions (a slice, or [B, Lb] indices with −1 where a row's block position is no
+    completion position: `CanvasLayout.completion_window`); written [B, Lb] bool: the block positions the step wrote
+    (committed, or edited by a token-editing decoder); logits [B, Lb, V]: the block's logits at the step; tokens
+    [B, Lb]: the block's tokens after the step, so the tokens written where `written` (an edited position's final
+    token may be a later write's).
+    """
+
+    window: slice | torch.LongTensor
+    written: torch.Tensor
+    logits: torch.Tensor
+    tokens: torch.LongTensor
 
 
 def denoise_step(sampler: StepStages, logits: torch.Tensor, block_tokens: torch.LongTensor,
