@@ -40,7 +40,7 @@ How each family's own decoder, as this library runs it, differs from its officia
   and when a step's quota exceeds the masks left in the block (only with fewer denoising steps than the block
   length), ``generate.py`` rewrites positions already filled, prompt tokens too, where ours caps the quota at the
   masks left.
-- LLaDA2.x (``generate`` of the official modeling_llada2_moe.py): `decoding_protocols.llada2_generate_settings`
+- LLaDA2.0 (``generate`` of the official modeling_llada2_moe.py): `decoding_protocols.llada2_generate_settings`
   maps its arguments to the sampler's settings, whose greedy tokens are the official ones, batched
   (`tests/test_llada2_sampling.py`: a grid of its settings, with and without the cache). Its temperature 0 is not
   greedy: its draw samples softmax(logits) by ``torch.multinomial`` (it divides by τ only when τ > 0 and takes no
@@ -53,6 +53,17 @@ How each family's own decoder, as this library runs it, differs from its officia
   the sampler reads completions only. The ``llada2`` protocol (the model's blocks, a step per position, threshold
   0.95 as ``generate`` defaults) runs on the rollout settings, which have no ``completion_length`` or
   ``stop_at_eos``: its last block is cut at gen_length (the sampler's default) and it decodes on after EOS.
+- LLaDA2.1 (its ``generate`` with token editing; source: the copy the dllm project vendors,
+  ``dllm/pipelines/llada21/models/modeling_llada21_moe.py``, the Hub file not in hand):
+  `decoding_protocols.llada21_generate_settings` maps its arguments; greedy tokens equal the official ones, batched,
+  with and without the cache (`tests/test_llada21_sampling.py`: a grid over thresholds, editing thresholds and
+  post steps, most of its rows edited). Its ``generate`` hands the forward a 0/1 block mask in bfloat16, which that
+  forward adds to the attention scores (a soft mask: the next blocks attended at e⁻¹ of the weight); the parity
+  check and the sampler use the block-causal mask the model was trained with. Its loop runs on while masks remain,
+  so a draw of the mask id (committed or written by an edit) can keep a block going forever; the sampler writes it
+  and commits the position again as ``generate`` does, but ends a block after
+  `MaskedDiffusionSampler.editing_step_limit` steps. ``num_to_transfer`` must divide the block length (the even
+  schedule's counts).
 
 A new family: its model module under ``dllm_ais/models/`` (with ``register_with_auto_classes``), its record in
 `FAMILIES`, its tests (`tests/test_families.py` checks every record against its module); plus, with a decoding
