@@ -13,6 +13,8 @@ Formulas: docs/algorithms.md, section "Masked-diffusion sampling". The package, 
 - `cache` — the block KV cache of one call (prefix, dual, a block-causal model's exact cache), through the sampling
   forwards the caller hands in (`dllm_ais.sampling.forwards`: eager, or the compiled engine's static ones);
 - `choice` — the experimental complete ratio: a stochastic commit rule's recorded choice probability and its replay;
+- `editing` — LLaDA2.1's token editing (``editing_threshold``): the edit rule, the rollout's edit record and the
+  replay's canvases rebuilt from a rollout's writes (`ReplayedWrites`);
 - `sampler_config` — `DiffusionSamplerConfig`, each setting checked where it is declared;
 - `sampler` — `MaskedDiffusionSampler`: the loop over blocks, `replay`, `decoder_logits` (the trainer's replay of the
   decoder), `scoring_logits` (the estimators' forward).
@@ -46,7 +48,8 @@ does (the positions past it decoded, outside the completion mask). SDAR's settin
 ``left_to_right`` its ``sequential``, ``maskgit_plus`` with ``threshold`` its ``low_confidence_dynamic`` (every
 position above the threshold, at least the even schedule's count of the step). LLaDA2's ``generate`` is the same
 dynamic rule, its last block decoded whole past its ``gen_length`` and its stop after the block holding EOS
-(``stop_at_eos``): `dllm_ais.decoding_protocols.llada2_generate_settings` maps its arguments. Any cache mode is the
+(``stop_at_eos``): `dllm_ais.decoding_protocols.llada2_generate_settings` maps its arguments; LLaDA2.1's adds token
+editing (`editing`; `llada21_generate_settings`). Any cache mode is the
 exact cache; without ``stop_at_eos`` a stop token ends the completion but not the decoding. Each official decoder's
 differences: `dllm_ais.models.families`.
 
