@@ -13,7 +13,7 @@ from dllm_ais.decoding_protocols import llada21_generate_settings
 from dllm_ais.sampling.diffusion import DiffusionSamplerConfig, MaskedDiffusionSampler
 from test_llada2_sampling import (  # tests/ is on sys.path
     PAD,
-    decoder_settings,
+    assert_every_official_row,
     left_padded,
     model,  # noqa: F401  (the fixture: the tiny checkpoint in float32)
     read_official_generate,
@@ -72,16 +72,8 @@ def test_the_grid_covers_edits_post_steps_and_stops_at_eos(official):
 @pytest.mark.parametrize("cache", ["none", "dual"])
 def test_batched_greedy_editing_decoding_reproduces_every_official_row(model, official, cache):  # noqa: F811
     """Per setting of the grid, the three prompts (3, 4 and 6 tokens: blocks of 4 from each row's first token) as one
-    left-padded batch: each row's completion (through its first EOS, at most gen_length tokens) is the official one."""
-    ids, mask = left_padded(official["prompts"])
-    for setting in decoder_settings(official):
-        rollout = llada21_sampler(official, setting, cache=cache).sample(model, ids, mask)
-        for index, row in enumerate(official["rows"]):
-            if {key: value for key, value in row.items() if key != "eos_early_stop"} != setting:
-                continue
-            prompt = int(official["prompt_index"][index])
-            got = rollout.completion_ids[prompt][rollout.completion_mask[prompt]]
-            assert torch.equal(got, official["completions"][index]), (setting, prompt)
+    left-padded batch: each row's completion is the official one (`assert_every_official_row`)."""
+    assert_every_official_row(model, official, llada21_sampler, cache)
 
 
 def test_decoding_without_editing_misses_the_official_edits(model, official):  # noqa: F811

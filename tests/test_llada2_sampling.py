@@ -94,19 +94,25 @@ def test_the_grid_covers_stops_at_eos_and_early_stop_changes_no_token(official):
             assert torch.equal(completions[index], completions[twin(official, index, eos_early_stop=0.0)])
 
 
-@pytest.mark.parametrize("cache", ["none", "dual"])
-def test_batched_greedy_decoding_reproduces_every_official_row(model, official, cache):
-    """Per setting of the grid, the three prompts (3, 4 and 6 tokens: blocks of 4 from each row's first token) as one
-    left-padded batch: each row's completion (through its first EOS, at most gen_length tokens) is the official one."""
+def assert_every_official_row(model, official: dict, sampler_of, cache: str) -> None:
+    """Per setting of the grid, the three prompts as one left-padded batch decoded by ``sampler_of(official, setting,
+    cache=cache)``: each row's completion (through its first EOS, at most gen_length tokens) is the official one."""
     ids, mask = left_padded(official["prompts"])
     for setting in decoder_settings(official):
-        rollout = llada2_sampler(official, setting, cache=cache).sample(model, ids, mask)
+        rollout = sampler_of(official, setting, cache=cache).sample(model, ids, mask)
         for index, row in enumerate(official["rows"]):
             if {key: value for key, value in row.items() if key != "eos_early_stop"} != setting:
                 continue
             prompt = int(official["prompt_index"][index])
             got = rollout.completion_ids[prompt][rollout.completion_mask[prompt]]
             assert torch.equal(got, official["completions"][index]), (setting, prompt)
+
+
+@pytest.mark.parametrize("cache", ["none", "dual"])
+def test_batched_greedy_decoding_reproduces_every_official_row(model, official, cache):
+    """Per setting of the grid, the three prompts (3, 4 and 6 tokens: blocks of 4 from each row's first token) as one
+    left-padded batch: each row's completion is the official one (`assert_every_official_row`)."""
+    assert_every_official_row(model, official, llada2_sampler, cache)
 
 
 def test_stop_at_eos_leaves_the_blocks_after_masked(model, official):

@@ -49,7 +49,6 @@ EOS, or if an edit candidate's probability lies within 1e-6 of its row's editing
 
 from __future__ import annotations
 
-import argparse
 import collections
 import itertools
 import sys
@@ -60,6 +59,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from make_llada2_generate_fixture import generate_fixture_arguments  # noqa: E402
 from make_llada2_parity_fixture import MASK_ID, TINY_CONFIG, import_official, official_mask  # noqa: E402
 
 PROMPT_LENGTHS = (3, 4, 6)
@@ -191,11 +191,7 @@ def twin(rows: list[dict], row: dict, **change) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("official_dir", type=Path)
-    parser.add_argument("--checkpoint", type=Path,
-                        default=Path(__file__).resolve().parents[1] / "tests/data/llada2_official")
-    args = parser.parse_args()
+    args = generate_fixture_arguments(__doc__)
     _, modeling = import_official(args.official_dir.resolve(), "llada21_moe")
 
     def load():

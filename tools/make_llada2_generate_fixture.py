@@ -65,12 +65,18 @@ def official_completion(model, prompt: torch.Tensor, settings: dict, eos_id: int
     return output
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def generate_fixture_arguments(doc: str) -> argparse.Namespace:
+    """The command line of a ``generate`` fixture tool (its `doc`'s first line as the description): the official
+    code's directory and the tiny checkpoint (default tests/data/llada2_official)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("official_dir", type=Path)
     parser.add_argument("--checkpoint", type=Path,
                         default=Path(__file__).resolve().parents[1] / "tests/data/llada2_official")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = generate_fixture_arguments(__doc__)
     _, modeling = import_official(args.official_dir.resolve())
     model = modeling.LLaDA2MoeModelLM.from_pretrained(args.checkpoint, torch_dtype=torch.float32,
                                                       attn_implementation="sdpa").eval()
