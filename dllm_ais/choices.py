@@ -34,13 +34,31 @@ REWARD_SCALINGS = ("none", "group", "batch")
 SFT_MASKINGS = ("random", "prefix")  # dllm_ais.sft: masked-diffusion SFT masks
 
 
-def replays_decoder(estimator: str, likelihood_order: str, likelihood_decoder: str, cache: str) -> bool:
+def replays_decoder(estimator: str, likelihood_order: str, likelihood_decoder: str, cache: str,
+                    editing: bool = False) -> bool:
     """Whether the trajectory estimator scores the rollout decoder's own logits: `likelihood_decoder=rollout` with a
-    block cache, along the rollout's commit order. The trainer then replays the cached decoder, so the ratio sees the
-    precision only and the fast decoder is the policy trained. Without a cache the decoder's logits are the exact
-    model's and the trajectory replay is the same thing."""
+    block cache or token editing (`editing`: rollout.editing_threshold set), along the rollout's commit order. The
+    trainer then replays the cached decoder, so the ratio sees the precision only and the fast decoder is the policy
+    trained. Without a cache the decoder's logits are the exact model's and the trajectory replay is the same thing,
+    but for token editing: only the decoder replay rebuilds the canvases its edits wrote and scores every write."""
     return (estimator == "trajectory" and likelihood_order == "rollout" and likelihood_decoder == "rollout"
-            and cache != "none")
+            and (cache != "none" or editing))
+
+
+def editing_estimator_problem(estimator: str) -> str:
+    """Why token editing (rollout.editing_threshold) cannot go with `estimator` (a trajectory-type one) unless it
+    replays the rollout's decoder: only `replays_decoder` rebuilds the canvases the edits wrote and scores every
+    write; the exact replay scores each final token once at its commit step."""
+    return (f"rollout.editing_threshold overwrites tokens, and likelihood.estimator={estimator} here replays the exact "
+            "decoder, which cannot reproduce the edits: set likelihood.estimator=trajectory with "
+            "experimental.likelihood_order=rollout and experimental.likelihood_decoder=rollout, a one-step estimator "
+            "(one_step, elbo, spg), or rollout.editing_threshold=null")
+
+
+def editing_family_problem(model_type: str | None) -> str:
+    """Why token editing cannot decode a model of `model_type`, which is not block-causal."""
+    return (f"rollout.editing_threshold needs a block-causal family (LLaDA2.x), and model_type {model_type!r} is not "
+            "one: set rollout.editing_threshold=null, or use a LLaDA2 model")
 
 
 def routing_replay_problem(estimator: str, likelihood_order: str, replays_cached_decoder: bool, precision_flow: str,

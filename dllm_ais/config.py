@@ -55,9 +55,10 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 
 
-# d1's evaluation decoder, whatever the length: LLaDA's own sampler, no block cache, no parallel commits, no guidance
+# d1's evaluation decoder, whatever the length: LLaDA's own sampler, no block cache, no parallel commits, no guidance,
+# no token editing (held-out validation decodes exactly; eval/rollout_sampler/* scores the rollout's editing decoder)
 D1_ROLLOUT = {"remasking": "low_confidence", "schedule": "even", "cache": "none", "cache_dtype": "none",
-              "threshold": None, "cache_refresh_interval": None, "cfg_scale": 0.0}
+              "threshold": None, "cache_refresh_interval": None, "cfg_scale": 0.0, "editing_threshold": None}
 
 
 def exact_decoding(config: "GRPOConfig", gen_length: int, rollout: dict) -> "GRPOConfig":
@@ -261,7 +262,8 @@ class GRPOConfig:
         """Whether the trajectory estimator scores the rollout decoder's own (cached) logits
         (`dllm_ais.choices.replays_decoder`)."""
         return replays_decoder(self.likelihood.estimator, self.experimental.likelihood_order,
-                               self.experimental.likelihood_decoder, self.rollout.cache)
+                               self.experimental.likelihood_decoder, self.rollout.cache,
+                               self.rollout.editing_threshold is not None)
 
     def decoding(self, exact: bool) -> "GRPOConfig":
         """This config as an evaluation decodes: `exact` = d1's protocol at this completion and block length

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from dllm_ais.choices import (BATCH_SCALED_PRECISIONS, SEQUENCE_ESTIMATORS, TRAJECTORY_ESTIMATORS, block_fraction_problem,
+                              editing_estimator_problem,
                               routing_replay_problem)
 from dllm_ais.trackers import TRACKERS
 from dllm_ais.validation import model_path_problem, path_kind, show
@@ -25,7 +26,7 @@ def broken(rules: list[Rule]) -> list[str]:
 
 def cross_field_problems(config: Any) -> list[str]:
     """Every rule across fields and groups that `config` (well-typed field by field) breaks, stage by stage."""
-    return [problem for stage_rules in (loss_rules, decoding_rules, likelihood_rules, precision_rules,
+    return [problem for stage_rules in (loss_rules, decoding_rules, editing_rules, likelihood_rules, precision_rules,
                                         mixed_fidelity_rules, complete_ratio_rules, run_rules)
             for problem in stage_rules(config)]
 
@@ -63,6 +64,27 @@ def decoding_rules(config: Any) -> list[str]:
         (not diffusion or rollout.steps <= config.max_completion_length,
          f"rollout.steps={rollout.steps} must be <= max_completion_length={config.max_completion_length} "
          "(at most one denoising step per token)"),
+    ])
+
+
+def editing_rules(config: Any) -> list[str]:
+    """Token editing (rollout.editing_threshold, LLaDA2.1's decoder): no drawn commit choice, and a trajectory-type
+    estimator only as the rollout decoder's replay, the one replay that scores every write. (rollout.threshold is the
+    rollout group's own rule; the block-causal family is checked against the model when the run builds its policy.)"""
+    rollout = config.rollout
+    experimental = config.experimental
+    estimator = config.likelihood.estimator
+    if rollout.editing_threshold is None or config.policy == "autoregressive":
+        return []
+    return broken([
+        (experimental.rollout_position_temperature == 0,
+         f"rollout.editing_threshold with experimental.rollout_position_temperature="
+         f"{experimental.rollout_position_temperature}: a drawn commit choice is not defined for edits: set "
+         "experimental.rollout_position_temperature=0, or rollout.editing_threshold=null"),
+        (not experimental.complete_ratio,
+         "rollout.editing_threshold with experimental.complete_ratio: the commit ratio has no term for edits: set "
+         "experimental.complete_ratio=false, or rollout.editing_threshold=null"),
+        (estimator not in TRAJECTORY_ESTIMATORS or config.replays_decoder, editing_estimator_problem(estimator)),
     ])
 
 

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
 import torch
 from torch import nn
 
-from dllm_ais.choices import SEQUENCE_ESTIMATORS, TRAJECTORY_ESTIMATORS, block_fraction_problem, replays_decoder
+from dllm_ais.choices import (SEQUENCE_ESTIMATORS, TRAJECTORY_ESTIMATORS, block_fraction_problem,
+                              editing_estimator_problem, editing_family_problem, replays_decoder)
 from dllm_ais.data import tokenize_prompts
 from dllm_ais.likelihood import (
     DIFFUSION_ESTIMATORS, BlockSubset, BoundSettings, EstimatorSettings, LogprobPiece, causal_logprobs,
@@ -139,6 +140,9 @@ class DiffusionPolicy:
         problem = block_fraction_problem(self.likelihood_block_fraction, self.estimator)
         if problem:
             raise ValueError(problem)
+        if (self.sampler_config.editing_threshold is not None and self.estimator in TRAJECTORY_ESTIMATORS
+                and not self.replays_decoder):
+            raise ValueError(editing_estimator_problem(self.estimator))
         block_subset = None if self.likelihood_block_fraction == 1 else BlockSubset(
             self.likelihood_block_fraction, self.sampler_config.block_length)
         if self.scorer.recorded_by_sampler and overrides(self.sampler, "token_logprobs"):
@@ -174,7 +178,8 @@ class DiffusionPolicy:
     def replays_decoder(self) -> bool:
         """Whether the trajectory estimator scores the decoder's own (cached) logits
         (`dllm_ais.choices.replays_decoder`)."""
-        return replays_decoder(self.estimator, self.likelihood_order, self.likelihood_decoder, self.sampler_config.cache)
+        return replays_decoder(self.estimator, self.likelihood_order, self.likelihood_decoder, self.sampler_config.cache,
+                               self.sampler_config.editing_threshold is not None)
 
     def with_decoder(self, sampler_config: DiffusionSamplerConfig) -> "DiffusionPolicy":
         """This policy (its sampler's class and stages, its estimator) decoding with other sampler settings; the
@@ -293,7 +298,8 @@ CONFIG_FIELD_OF_SAMPLER_SETTING = {
     "cache_refresh_interval": "rollout.cache_refresh_interval", "cache_dtype": "rollout.cache_dtype",
     "threshold": "rollout.threshold", "factor": "experimental.rollout_factor", "schedule": "rollout.schedule",
     "position_temperature": "experimental.rollout_position_temperature",
-    "commit_choice_as_set": "experimental.commit_choice_as_set", "top_p": "top_p", "top_k": "top_k"}
+    "commit_choice_as_set": "experimental.commit_choice_as_set", "top_p": "top_p", "top_k": "top_k",
+    "editing_threshold": "rollout.editing_threshold", "max_post_steps": "rollout.max_post_steps"}
 """The `GRPOConfig` field behind each `DiffusionSamplerConfig` setting the config sets (temperature and the special
 token ids come from elsewhere)."""
 
@@ -348,6 +354,8 @@ def build_policy(config: "GRPOConfig", model_config, tokenizer, temperature: flo
     temperature = config.temperature if temperature is None else temperature
     if diffusion:
         sampler_config = diffusion_sampler_config(config, tokens, temperature)
+        if sampler_config.editing_threshold is not None and not is_block_causal(getattr(model_config, "model_type", None)):
+            raise ConfigError(editing_family_problem(getattr(model_config, "model_type", None)))
         problems = block_causal_setting_problems(sampler_config, model_config)
         if problems:
             raise ConfigError(f"model_type {model_config.model_type!r} decodes block by block and cannot run with these "

@@ -94,6 +94,13 @@ class RolloutSettings(SettingsGroup):
     threshold: float | None = field(default=None, metadata={"range": "[0, 1]",
         "help": "Parallel decoding: commit every block position with confidence > this (>= 1 per step; Fast-dLLM: "
                 "0.9); steps then no longer applies. null = the fixed step schedule."})
+    editing_threshold: float | None = field(default=None, metadata={"range": "[0, 1]",
+        "help": "LLaDA2.1's token-to-token editing: a filled position of the block is overwritten when the model's "
+                "token there differs with probability above this (LLaDA2.1: 0.5). Needs a block-causal family "
+                "(LLaDA2) and rollout.threshold. null = off."})
+    max_post_steps: int = field(default=16, metadata={"range": f"[0, {MAX_TOKENS}]",
+        "help": "With rollout.editing_threshold: the most steps a block runs after its last mask is filled (a block "
+                "also ends on a step that edits nothing)."})
     schedule: str = field(default="even", metadata={**choice(*COMMIT_SCHEDULES),
         "help": "Tokens committed per step: even = LLaDA's split of each block over its steps; time_linear = "
                 "Dream's floor(n (1 - s/t)) of the n still masked, t = linspace(1, 1e-3, steps + 1)."})
@@ -109,6 +116,9 @@ class RolloutSettings(SettingsGroup):
         if self.cache_dtype != "none" and self.cache == "none":
             problems.append(f"rollout.cache_dtype={self.cache_dtype} stores the block KV cache, and rollout.cache=none "
                             "keeps none: set rollout.cache to prefix or dual, or rollout.cache_dtype=none")
+        if self.editing_threshold is not None and self.threshold is None:
+            problems.append(f"rollout.editing_threshold={self.editing_threshold} edits while the threshold rule fills "
+                            "the masks: set rollout.threshold (LLaDA2.1: 0.7), or rollout.editing_threshold=null")
         if self.precision_flow == "unified" and self.compile:
             problems.append("rollout.compile=true compiles the split engine's own copy of the model, and "
                             "rollout.precision_flow=unified samples with the trainer's model: set rollout.compile=false "

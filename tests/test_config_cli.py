@@ -242,6 +242,64 @@ def test_a_llada2_recipe_gets_a_llada2_moe_stand_in_in_the_models_blocks():
     assert (config.rollout.block_length, config.rollout.threshold, config.lora_dropout) == (32, 0.95, 0.0)
 
 
+TINY_LLADA2 = ROOT / "recipes" / "tiny_llada2_digits.yaml"
+EDITING = ["--rollout.editing_threshold=0.5", "--rollout.threshold=0.7"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--rollout.editing_threshold=0.5"],
+     "rollout.editing_threshold=0.5 edits while the threshold rule fills the masks: set rollout.threshold"),
+    ([*EDITING, "--experimental.rollout_position_temperature=0.5"],
+     "rollout.editing_threshold with experimental.rollout_position_temperature=0.5: a drawn commit choice is not "
+     "defined for edits"),
+    ([*EDITING, "--experimental.complete_ratio=true", "--likelihood.estimator=trajectory"],
+     "rollout.editing_threshold with experimental.complete_ratio: the commit ratio has no term for edits"),
+    ([*EDITING, "--likelihood.estimator=trajectory", "--experimental.likelihood_decoder=exact"],
+     "likelihood.estimator=trajectory here replays the exact decoder, which cannot reproduce the edits"),
+    ([*EDITING, "--likelihood.estimator=trajectory", "--experimental.likelihood_order=exact"],
+     "likelihood.estimator=trajectory here replays the exact decoder"),
+    ([*EDITING, "--likelihood.estimator=step_merge"], "likelihood.estimator=step_merge here replays the exact decoder"),
+])
+def test_token_editing_refusals_are_one_line_naming_the_setting_and_the_fix(overrides, message):
+    with pytest.raises(ConfigError) as error:
+        load_config(TINY_LLADA2, overrides)
+    lines = [line for line in str(error.value).splitlines() if message in line]
+    assert len(lines) == 1 and "rollout.editing_threshold" in lines[0], str(error.value)
+
+
+def test_token_editing_settings_reach_the_sampler_and_held_out_validation_decodes_without_them():
+    """LLaDA2.1's editing decoder as run settings on the tiny LLaDA2 recipe: the rollouts' sampler edits, the trajectory
+    estimator replays that decoder (even without a cache), held-out validation (d1's exact decoder) and the exact
+    sampler do not edit, the greedy copy of the rollout sampler (eval/rollout_sampler/*) does; a family that is not
+    block-causal is refused when the policy is built."""
+    from transformers import AutoConfig
+
+    from dllm_ais.config import EMBEDDED_MODELS
+    from dllm_ais.loading import load_tokenizer
+    from dllm_ais.policy import build_policy
+
+    config = load_config(TINY_LLADA2, [*EDITING, "--rollout.max_post_steps=3"])
+    assert (config.rollout.editing_threshold, config.rollout.max_post_steps) == (0.5, 3)
+    tokenizer = load_tokenizer("embedded-llada2")
+    model_config = AutoConfig.from_pretrained(EMBEDDED_MODELS["embedded-llada2"])
+    sampler_config = build_policy(config, model_config, tokenizer).sampler_config
+    assert (sampler_config.editing_threshold, sampler_config.max_post_steps, sampler_config.threshold) == (0.5, 3, 0.7)
+    assert sampler_config.exact().editing_threshold is None
+    assert build_policy(config.decoding(exact=True), model_config, tokenizer).sampler_config.editing_threshold is None
+    assert build_policy(config.decoding(exact=False), model_config, tokenizer,
+                        temperature=0.0).sampler_config.editing_threshold == 0.5
+    uncached = load_config(TINY_LLADA2, [*EDITING, "--rollout.cache=none", "--likelihood.estimator=trajectory"])
+    assert uncached.replays_decoder
+    assert build_policy(uncached, model_config, tokenizer).replays_decoder
+    from dllm_ais.policy import DiffusionPolicy
+    with pytest.raises(ValueError, match="here replays the exact decoder"):  # the library's policy refuses it too
+        DiffusionPolicy(sampler_config, likelihood=uncached.likelihood, likelihood_decoder="exact")
+    llada = dataclasses.replace(config, model_name_or_path="embedded")
+    with pytest.raises(ConfigError, match=r"rollout.editing_threshold needs a block-causal family \(LLaDA2.x\), and "
+                                          "model_type 'llada' is not one"):
+        build_policy(llada, AutoConfig.from_pretrained(EMBEDDED_MODELS["embedded"]), load_tokenizer("embedded"))
+
+
 def test_cli_trains_the_tiny_qwen3_through_the_shared_loop(tmp_path, capsys):
     out = tmp_path / "qwen3"
     assert main(["train", str(ROOT / "recipes" / "tiny_qwen3_digits_fp8_ais.yaml"), f"--output_dir={out}",

@@ -153,9 +153,10 @@ class DiffusionSamplerConfig:
         return step_in_block == 0 or (interval is not None and step_in_block % interval == 0)
 
     def exact(self) -> "DiffusionSamplerConfig":
-        """These settings without the approximations: no cache, no parallel commits (the fixed schedule of `steps`)."""
+        """These settings without the approximations: no cache, no parallel commits (the fixed schedule of `steps`),
+        and so no token editing (`editing_threshold` None), which edits only beside the threshold rule."""
         return dataclasses.replace(self, cache="none", cache_refresh_interval=None, cache_dtype="none", threshold=None,
-                                   factor=None)
+                                   factor=None, editing_threshold=None)
 
     def __post_init__(self) -> None:
         self.eos_token_ids = token_id_tuple(self.eos_token_ids)
