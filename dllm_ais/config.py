@@ -235,17 +235,18 @@ class GRPOConfig:
         sees everything (exact rollouts). What each costs is measured in BENCHMARKS.md, "Fast rollouts"."""
         if not self.fast_rollouts or self.policy == "autoregressive":
             return None
+        parts = "the cache, parallel commits and token edits" if self.rollout.editing_threshold is not None else (
+            "the cache and parallel commits")
         if self.replays_decoder:
             return ("the trajectory estimator replays the fast decoder itself (experimental.likelihood_decoder="
-                    "rollout): the cache and parallel commits are part of the policy trained, and the ratio sees the "
-                    "precision alone; held-out evaluation decodes exactly (what that costs: BENCHMARKS.md, \"Fast "
-                    "rollouts\")")
+                    f"rollout): {parts} are part of the policy trained, and the ratio sees the precision alone; "
+                    "held-out evaluation decodes exactly (what that costs: BENCHMARKS.md, \"Fast rollouts\")")
         if self.ratio_sees_decoder:
             return ("the trajectory estimator scores the fast sampler's own order: its ratio sees the cache's logit "
                     "error but not the shift of the visited canvas states (what that costs: BENCHMARKS.md, \"Fast "
                     "rollouts\"; experimental.likelihood_decoder=rollout trains the fast decoder itself instead)")
-        return ("the fast decoder's approximation (cache, parallel commits) is not seen by the importance ratio, "
-                "which compares the engine and the trainer on the same canvases; only the rollout precision is")
+        return (f"the fast decoder's approximation ({parts}) is not seen by the importance ratio, which compares "
+                "the engine and the trainer on the same canvases; only the rollout precision is")
 
     @property
     def ratio_sees_decoder(self) -> bool:

@@ -41,6 +41,7 @@ from dllm_ais.loss import TokenLoss, group_advantages, zero_std_groups
 from dllm_ais.metrics import completion_metrics, distinct_completions, ends_with_eos, reward_metrics
 from dllm_ais.ops import masked_mean
 from dllm_ais.sampling.diffusion.choice import recorded_choice
+from dllm_ais.sampling.diffusion.editing import recorded_edits
 from dllm_ais.policy import sample_prompts, scores_rollout_by_forward
 from dllm_ais.rewards import NonFiniteRewardError, RewardTable, completion_texts, score_rollout_table
 from dllm_ais.sampling.rollout import Rollout
@@ -263,17 +264,21 @@ def _score(config: GRPOConfig, parts: StepComponents, tokenizer, reward_funcs: l
 
 
 def _rollout_metrics(config: GRPOConfig, parts: StepComponents, rollout: Rollout, scored: _Scored) -> dict[str, float]:
-    """The batch's reward statistics, completion lengths and endings, distinct completions per group and mean
-    denoising steps, over every process."""
+    """The batch's reward statistics, completion lengths and endings, distinct completions per group, mean
+    denoising steps and, with token editing, mean edits per completion, over every process."""
     gather = parts.accelerator.gather
     lengths = gather(rollout.completion_mask.sum(1))
     terminated = gather(ends_with_eos(rollout.completion_ids, parts.policy.sampler_config.eos_token_ids).long())
     distinct = distinct_completions(rollout.completion_ids, rollout.completion_mask, config.num_generations)
+    edits = recorded_edits(rollout)
     return {
         **scored.statistics, **completion_metrics(lengths, terminated),
         "completions/distinct_per_group": gather(distinct.to(parts.accelerator.device)).mean().item(),
         **({} if rollout.num_steps is None else {"completions/mean_steps": rollout.num_steps.float().mean().item()}),
+        **({} if edits is None else {"completions/mean_edits": gather(edits.counts(rollout.completion_mask)).float()
+                                     .mean().item()}),
     }
+
 
 
 def _logprobs(config: GRPOConfig, parts: StepComponents, rollout: Rollout, seeds: list[int],

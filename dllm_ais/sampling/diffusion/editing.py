@@ -55,6 +55,11 @@ class EditRecord:
     token: torch.LongTensor
     logprob: torch.Tensor
 
+    def counts(self, completion_mask: torch.Tensor) -> torch.LongTensor:
+        """[B] each row's edits at the positions of `completion_mask` [B, L] (its completion through its first EOS)."""
+        inside = completion_mask.gather(1, self.position.clamp_min(0)) & (self.position >= 0)
+        return inside.sum(dim=1)
+
     @staticmethod
     def joined(parts: list["EditRecord"]) -> "EditRecord":
         """The parts' records as one (rows in order), each padded to the most edits of any row."""
