@@ -293,7 +293,8 @@ CONFIG_FIELD_OF_SAMPLER_SETTING = {
     "cache_refresh_interval": "rollout.cache_refresh_interval", "cache_dtype": "rollout.cache_dtype",
     "threshold": "rollout.threshold", "factor": "experimental.rollout_factor", "schedule": "rollout.schedule",
     "position_temperature": "experimental.rollout_position_temperature",
-    "commit_choice_as_set": "experimental.commit_choice_as_set", "top_p": "top_p", "top_k": "top_k"}
+    "commit_choice_as_set": "experimental.commit_choice_as_set", "top_p": "top_p", "top_k": "top_k",
+    "record_routing": "experimental.routing_record"}
 """The `GRPOConfig` field behind each `DiffusionSamplerConfig` setting the config sets (temperature and the special
 token ids come from elsewhere)."""
 
