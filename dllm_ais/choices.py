@@ -86,6 +86,30 @@ def routing_replay_problem(estimator: str, likelihood_order: str, replays_cached
     return "experimental.routing_replay needs " + "; ".join(needs) + ", or set experimental.routing_replay=false"
 
 
+def routing_record_problem(replays_cached_decoder: bool, routing_replay: bool, compile: bool | None,
+                           gradient_checkpointing: bool, cfg_scale: float) -> str | None:
+    """Why `experimental.routing_record` cannot go with these settings (None when it can): the record is forced by
+    the trajectory estimator's replay of the cached decoder (`MaskedDiffusionSampler.decoder_logits`), and recorded
+    by a Python hook in the eager engine's forwards."""
+    needs = []
+    if not replays_cached_decoder:
+        needs.append("likelihood.estimator=trajectory with experimental.likelihood_decoder=rollout, "
+                     "experimental.likelihood_order=rollout and a rollout.cache (the decoder replay, which forces the "
+                     "record; the other estimators' canvases were never routed while sampling)")
+    if routing_replay:
+        needs.append("experimental.routing_replay=false (one routing replay at a time: the record, or the engine's "
+                     "recomputation)")
+    if compile is not False:
+        needs.append("rollout.compile=false (a compiled engine's captured graphs run no recording hook)")
+    if gradient_checkpointing:
+        needs.append("gradient_checkpointing=false (its recomputation would route by the trainer's own router)")
+    if cfg_scale > 0:
+        needs.append("rollout.cfg_scale=0 (the record holds the conditional rows only)")
+    if not needs:
+        return None
+    return "experimental.routing_record needs " + "; ".join(needs) + ", or set experimental.routing_record=false"
+
+
 def block_fraction_problem(block_fraction: float, estimator: str) -> str | None:
     """Why `likelihood_block_fraction` cannot go with `estimator` (None when it can): drawing blocks of the
     denoising trajectory is for the estimators that replay it."""

@@ -196,12 +196,17 @@ def build_components(config: GRPOConfig, tokenizer, accelerator: Accelerator, mo
 def engine_routing_replay(config: GRPOConfig, model: torch.nn.Module,
                           engine: RolloutEngine) -> Callable[[], AbstractContextManager]:
     """The trainer's likelihood passes' context: with `experimental.routing_replay`, the prepared `model`'s forwards
-    route by the rollout engine's expert selection (`EngineRouting`); ConfigError when the model has no experts."""
-    if not config.experimental.routing_replay:
+    route by the rollout engine's expert selection (`EngineRouting`); with `experimental.routing_record` nothing (the
+    decoder replay forces the rollout's record: `dllm_ais.sampling.diffusion.routing_record`); ConfigError when the
+    model has no experts."""
+    setting = next((name for name in ("routing_replay", "routing_record") if getattr(config.experimental, name)), None)
+    if setting is None:
         return nullcontext
     host = adapter_host(model)
     if not routed_layers(host):
-        raise ConfigError(f"experimental.routing_replay replays a mixture of experts' routing, and "
+        raise ConfigError(f"experimental.{setting} replays a mixture of experts' routing, and "
                           f"{config.model_name_or_path} ({host.config.model_type}) has none: set "
-                          "experimental.routing_replay=false")
+                          f"experimental.{setting}=false")
+    if setting == "routing_record":  # recorded while sampling, forced by the decoder replay itself
+        return nullcontext
     return partial(EngineRouting, host, engine.model)

@@ -66,7 +66,7 @@ def exact_decoding(config: "GRPOConfig", gen_length: int, rollout: dict) -> "GRP
     the top-scored positions and the rollout's own commit order (no commit choice to score or differentiate)."""
     experimental = dataclasses.replace(config.experimental, rollout_factor=None, rollout_position_temperature=0.0,
                                        likelihood_order="rollout", commit_choice_gradient=False,
-                                       commit_choice_as_set=False)
+                                       commit_choice_as_set=False, routing_record=False)
     return dataclasses.replace(config, max_completion_length=gen_length, top_p=1.0, top_k=0, experimental=experimental,
                                rollout=dataclasses.replace(config.rollout, **rollout))
 
@@ -269,10 +269,11 @@ class GRPOConfig:
     def decoding(self, exact: bool) -> "GRPOConfig":
         """This config as an evaluation decodes: `exact` = d1's protocol at this completion and block length
         (`with_d1_protocol`), whatever the rollouts use (order, steps, cache, parallel commits, guidance), else the
-        rollout sampler; either way without the trajectory estimator's order replay."""
+        rollout sampler; either way without the trajectory estimator's order replay or a routing record."""
         if exact:
             return with_d1_protocol(self, self.max_completion_length)
-        return dataclasses.replace(self, experimental=dataclasses.replace(self.experimental, likelihood_order="rollout"))
+        return dataclasses.replace(self, experimental=dataclasses.replace(self.experimental, likelihood_order="rollout",
+                                                                          routing_record=False))
 
     @property
     def eval_batch_size(self) -> int:

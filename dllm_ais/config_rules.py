@@ -11,8 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from dllm_ais.choices import (BATCH_SCALED_PRECISIONS, SEQUENCE_ESTIMATORS, TRAJECTORY_ESTIMATORS, block_fraction_problem,
-                              editing_estimator_problem,
-                              routing_replay_problem)
+                              editing_estimator_problem, routing_record_problem, routing_replay_problem)
 from dllm_ais.trackers import TRACKERS
 from dllm_ais.validation import model_path_problem, path_kind, show
 
@@ -96,6 +95,9 @@ def likelihood_rules(config: Any) -> list[str]:
     routing = None if not experimental.routing_replay else routing_replay_problem(
         likelihood.estimator, experimental.likelihood_order, config.replays_decoder, config.rollout.precision_flow,
         config.rollout.precision, config.gradient_checkpointing, config.policy != "autoregressive")
+    record = None if not experimental.routing_record else routing_record_problem(
+        config.replays_decoder and config.policy != "autoregressive", experimental.routing_replay,
+        config.rollout.compile, config.gradient_checkpointing, config.rollout.cfg_scale)
     return broken([
         (experimental.ratio_type != "ctpo" or likelihood.estimator not in SEQUENCE_ESTIMATORS,
          f"likelihood.estimator={likelihood.estimator} is sequence-level (one ratio per completion): set "
@@ -113,6 +115,7 @@ def likelihood_rules(config: Any) -> list[str]:
          f"replay: set likelihood.estimator to one of {', '.join(TRAJECTORY_ESTIMATORS)}, or "
          "experimental.likelihood_order=rollout"),
         (routing is None, routing),
+        (record is None, record),
     ])
 
 

@@ -299,7 +299,8 @@ CONFIG_FIELD_OF_SAMPLER_SETTING = {
     "threshold": "rollout.threshold", "factor": "experimental.rollout_factor", "schedule": "rollout.schedule",
     "position_temperature": "experimental.rollout_position_temperature",
     "commit_choice_as_set": "experimental.commit_choice_as_set", "top_p": "top_p", "top_k": "top_k",
-    "editing_threshold": "rollout.editing_threshold", "max_post_steps": "rollout.max_post_steps"}
+    "editing_threshold": "rollout.editing_threshold", "max_post_steps": "rollout.max_post_steps",
+    "record_routing": "experimental.routing_record"}
 """The `GRPOConfig` field behind each `DiffusionSamplerConfig` setting the config sets (temperature and the special
 token ids come from elsewhere)."""
 

@@ -272,6 +272,12 @@ class ExperimentalSettings(SettingsGroup):
                 "the rollout engine chooses on the same forward (rollout routing replay; weights from the trainer's own "
                 "router). Needs likelihood.estimator=trajectory along the rollout's order, no cached-decoder replay, "
                 "the split precision flow, a notch not scaled over the batch, no gradient checkpointing."})
+    routing_record: bool = field(default=False, metadata={
+        "help": "Mixture-of-experts models (LLaDA2.x): the rollout engine records the experts every (position, step, "
+                "layer) used while sampling, and the trajectory estimator's decoder replay forces them on every "
+                "forward (the sampled routing exactly, block cache and batch-scaled notches included). Needs "
+                "likelihood.estimator=trajectory with likelihood_decoder=rollout and a rollout.cache, "
+                "rollout.compile=false, no gradient checkpointing, routing_replay=false."})
     elbo_coupled: bool = field(default=False, metadata={
         "help": "elbo and spg without block masking: pair each draw (rate t) with its complement (rate 1 - t), so "
                 "every token is scored once per pair (coupled-GRPO); doubles the forwards."})

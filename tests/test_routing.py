@@ -217,3 +217,194 @@ def test_bench_routing_prints_one_row_per_arm_and_zero_for_bf16(capsys):
     cells = [row.removesuffix(" |").split(" | ") for row in rows]
     assert all(cell in ("0.0000", "0.00e+00", "0.000") for row in cells for cell in row[3:-2] + row[-1:])
     assert all(float(row[-2]) < 1e-4 for row in cells)  # the engine's replay of its own trajectory, to rounding
+
+
+# --- The engine's routing recorded while sampling, forced by the decoder replay (experimental.routing_record) ---
+
+RECORDED = ["--likelihood.estimator=trajectory", "--experimental.likelihood_decoder=rollout", "--rollout.cache=prefix",
+            "--rollout.compile=false", "--experimental.routing_record=true"]
+
+
+@pytest.fixture(scope="module")
+def recorded_rollouts(tokenizer):
+    """(model, sampler, {precision: (engine, rollout)}): 8 prompts sampled by the engine with the routing record and
+    LLaDA2's exact block cache, at nvfp4 (activation scales over the batch) and bf16 (the model itself)."""
+    model = random_llada2(tokenizer, seed=0)
+    config = load_config("recipes/tiny_sdar_digits.yaml", ["--output_dir=/tmp/unused", *RECORDED])
+    sampler = build_policy(config, model.config, tokenizer, temperature=1.0).sampler
+    input_ids, attention_mask = validation_prompts(config, tokenizer, 8, 0)
+    sampled = {}
+    for precision in ("nvfp4", "bf16"):
+        engine = RolloutEngine(model, precision=precision).model
+        sampled[precision] = engine, sampler.sample(engine, input_ids, attention_mask, torch.Generator().manual_seed(0))
+    return model, sampler, sampled
+
+
+def replayed_routing(sampler, model, rollout, grad: bool):
+    """(log-probs [B, L] of the written tokens along `decoder_logits`, the `RecordedRouting` that forced the record,
+    its tapes kept)."""
+    from dllm_ais.sampling.diffusion.routing_record import ROUTING, RecordedRouting
+
+    routing = RecordedRouting(model, rollout.records[ROUTING], keep_tapes=True)
+    replaying = copy.copy(sampler)
+    replaying.routing_replay = lambda replayed_model, replayed: routing
+    batch, length = rollout.completion_ids.shape
+    logprobs = torch.zeros(batch, length + 1)  # the last column takes a block's positions off the completion
+    with torch.set_grad_enabled(grad):
+        for step in replaying.decoder_logits(model, rollout):
+            scored = torch.where(step.written, replaying.token_logprobs(step.logits, step.tokens).detach(), 0.0)
+            window = step.window
+            if isinstance(window, slice):
+                window = torch.arange(window.start, window.stop).expand(batch, -1)
+            logprobs.scatter_add_(1, torch.where(window >= 0, window, length), scored)
+    return logprobs[:, :length], routing
+
+
+def tape_selections(tape):
+    """(own, used) [B, n, layers, top_k] of one replay forward's tape."""
+    rows = len(tape.steps)
+    return tuple(torch.stack(calls, dim=1).view(rows, len(tape.positions), len(calls), -1)
+                 for calls in (tape.own, tape.used))
+
+
+def assert_record_used(routing, record):
+    """Every replay forward used, at each (row, position, layer), the record's experts for that position at the
+    row's step: a position of the forward's block its step's sampling selection, an earlier one its final
+    selection; no token unrecorded."""
+    assert routing.unrecorded.item() == 0 and routing.tapes
+    for tape in routing.tapes:
+        _, used = tape_selections(tape)
+        for row, step in enumerate(tape.steps.tolist()):
+            for index, position in enumerate(tape.positions.tolist()):
+                expected = (record.step_selection[row, step, position - tape.block.start]
+                            if position >= tape.block.start else record.final_selection[row, position])
+                assert (expected >= 0).all() and torch.equal(used[row, index], expected.long())
+
+
+def test_the_record_keys_the_engines_own_replay_of_its_forwards(recorded_rollouts):
+    """The engine's no-grad replay of its full batch runs sampling's forwards one for one: forced by the record
+    (the keying of every token of every forward), its own router agrees everywhere and its log-probs are the
+    recorded ones bit for bit, at nvfp4 too."""
+    from dllm_ais.sampling.diffusion.routing_record import ROUTING
+
+    _, sampler, sampled = recorded_rollouts
+    engine, rollout = sampled["nvfp4"]
+    record = rollout.records[ROUTING]
+    assert record.step_selection.dtype == torch.int16 and record.step_selection.shape[:3] == (
+        8, int(rollout.commit_step.max()) + 1, sampler.config.block_length)
+    logprobs, routing = replayed_routing(sampler, engine, rollout, grad=False)
+    assert_record_used(routing, record)
+    assert all(torch.equal(*tape_selections(tape)) for tape in routing.tapes)
+    assert torch.equal(logprobs[rollout.completion_mask], rollout.step_logprobs[rollout.completion_mask])
+
+
+def test_the_rebuild_under_grad_routes_finished_blocks_as_their_final_forward(recorded_rollouts):
+    """Under grad the replay rebuilds the cache at each block's first step with one forward of [0, block.stop),
+    which sampling never ran: at bf16 (no batch-scaled activations) the engine's own router, on every token of
+    those forwards, agrees with the record (prompt and finished blocks: their final forward's selection) and the
+    log-probs are the recorded ones to rounding; at nvfp4 its own router differs somewhere, the record is used."""
+    from dllm_ais.sampling.diffusion.routing_record import ROUTING
+
+    _, sampler, sampled = recorded_rollouts
+    engine, rollout = sampled["bf16"]
+    logprobs, routing = replayed_routing(sampler, engine, rollout, grad=True)
+    assert_record_used(routing, rollout.records[ROUTING])
+    assert any(tape.positions[0] == 0 and tape.block.start > 0 for tape in routing.tapes[1:])  # a rebuild
+    assert all(torch.equal(*tape_selections(tape)) for tape in routing.tapes)
+    torch.testing.assert_close(logprobs[rollout.completion_mask], rollout.step_logprobs[rollout.completion_mask],
+                               atol=1e-5, rtol=0)
+    engine, rollout = sampled["nvfp4"]
+    forced, routing = replayed_routing(sampler, engine, rollout, grad=True)
+    assert_record_used(routing, rollout.records[ROUTING])
+    assert not all(torch.equal(*tape_selections(tape)) for tape in routing.tapes)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_the_trainers_decoder_replay_uses_the_recorded_selection_at_every_token(recorded_rollouts, grad):
+    """ℓ_old (no grad: the cache written as sampled) and ℓ_θ (grad: the rebuild at each block's first step) of the
+    float32 trainer on the nvfp4 engine's rollout: every (position, step, layer) routed to the recorded experts,
+    where the trainer's own router chose others at some."""
+    from dllm_ais.sampling.diffusion.routing_record import ROUTING
+
+    model, sampler, sampled = recorded_rollouts
+    _, rollout = sampled["nvfp4"]
+    _, routing = replayed_routing(sampler, model, rollout, grad=grad)
+    assert_record_used(routing, rollout.records[ROUTING])
+    assert not all(torch.equal(*tape_selections(tape)) for tape in routing.tapes)
+
+
+def test_routing_records_survive_select_and_concatenate(recorded_rollouts):
+    from dllm_ais.rollout import Rollout
+    from dllm_ais.sampling.diffusion.routing_record import ROUTING, RoutingRecord
+
+    _, _, sampled = recorded_rollouts
+    _, rollout = sampled["nvfp4"]
+    record = rollout.records[ROUTING]
+    shorter = rollout.select(slice(2, 4))
+    cut = RoutingRecord(shorter.records[ROUTING].step_selection[:, :-1], shorter.records[ROUTING].final_selection,
+                        shorter.records[ROUTING].block_first_step)  # a call with a step fewer
+    shorter.records[ROUTING] = cut
+    joined = Rollout.concatenate([rollout.select(slice(0, 2)), shorter]).records[ROUTING]
+    assert torch.equal(joined.step_selection[:2], record.step_selection[:2])
+    assert torch.equal(joined.step_selection[2:, :-1], record.step_selection[2:4, :-1])
+    assert (joined.step_selection[2:, -1] == -1).all()
+    assert torch.equal(joined.final_selection, record.final_selection[:4])
+    assert torch.equal(joined.block_first_step, record.block_first_step[:4])
+
+
+def test_a_sampler_refuses_to_record_without_the_block_cache(recorded_rollouts):
+    import dataclasses
+
+    _, sampler, sampled = recorded_rollouts
+    engine, rollout = sampled["bf16"]
+    uncached = sampler.with_config(dataclasses.replace(sampler.config, cache="none"))
+    with pytest.raises(ValueError, match="exact block cache"):
+        uncached.sample(engine, rollout.prompt_ids[:1])
+
+
+@pytest.mark.parametrize("overrides, needed", [
+    (("--experimental.likelihood_decoder=exact",), "experimental.likelihood_decoder=rollout"),
+    (("--rollout.cache=none",), "a rollout.cache"),
+    (("--likelihood.estimator=one_step",), "likelihood.estimator=trajectory"),
+    (("--rollout.compile=true",), "rollout.compile=false"),
+    (("--experimental.routing_replay=true",), "experimental.routing_replay=false"),
+    (("--gradient_checkpointing=true",), "gradient_checkpointing=false"),
+])
+def test_routing_record_is_refused_outside_the_eager_engine_and_the_decoder_replay(overrides, needed):
+    with pytest.raises(ConfigError) as error:
+        load_config("recipes/tiny_sdar_digits.yaml", ["--output_dir=/tmp/unused", *RECORDED, *overrides])
+    assert needed in str(error.value) and "routing_record=false" in str(error.value)
+
+
+def test_routing_record_is_accepted_with_the_block_cache_at_a_batch_scaled_notch():
+    config = load_config("recipes/tiny_sdar_digits.yaml", ["--output_dir=/tmp/unused", *RECORDED,
+                                                           "--rollout.precision=nvfp4"])
+    assert config.experimental.routing_record and config.replays_decoder
+    assert not config.decoding(exact=False).experimental.routing_record
+
+
+def test_a_training_step_forces_the_recorded_routing_in_its_decoder_replays(tokenizer, tmp_path):
+    """`experimental.routing_record` on a GRPO step of the tiny random LLaDA2 at nvfp4 with the block cache: the
+    rollout carries the record, and ℓ_old's and ℓ_θ's decoder replays route every token to it."""
+    from dllm_ais.sampling.diffusion.routing_record import ROUTING, RecordedRouting
+    from dllm_ais.tasks.digits import make_digits_dataset
+    from dllm_ais.trainer import GRPOTrainer
+
+    config = GRPOConfig(task="digits", eval_size=0, num_generations=2, per_device_train_batch_size=2,
+                        max_completion_length=8, num_iterations=1, use_peft=False, beta=0.0, max_prompt_length=64,
+                        dtype="float32",
+                        output_dir=str(tmp_path),
+                        rollout={"block_length": 4, "steps": 4, "precision": "nvfp4", "cache": "prefix",
+                                 "compile": False},
+                        likelihood={"estimator": "trajectory"}, experimental={"routing_record": True})
+    config.validate()
+    trainer = GRPOTrainer(config, model=random_llada2(tokenizer, seed=0), tokenizer=tokenizer,
+                          train_dataset=make_digits_dataset(4, seed=1))
+    sampler, replays = trainer.parts.policy.sampler, []
+    sampler.routing_replay = lambda model, rollout: replays.append(
+        RecordedRouting(model, rollout.records[ROUTING], keep_tapes=True)) or replays[-1]
+    batch = trainer.make_generation_batch()
+    assert ROUTING in batch.rollout.records
+    trainer.optimisation_pass(batch, 0)
+    assert len(replays) >= 2 and all(replay.tapes and replay.unrecorded.item() == 0 for replay in replays)
+    assert any(not torch.equal(*tape_selections(tape)) for replay in replays for tape in replay.tapes)

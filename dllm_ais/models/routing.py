@@ -13,21 +13,27 @@ expert ids the tape returns. The weights stay the layer's own: its unbiased rout
   router (split routing, measured). Each forward's disagreement — whether a (token, layer)'s expert SET differs
   between the engine and the trainer's own router — is kept in `forwards`.
 
-The engine's forward is recomputed on the trainer's inputs, not recorded while sampling (that needs a sampler hook),
-so the replayed routing is the sampled one only where that forward computes what sampling computed: the trajectory
-estimator's replay of the decoder's own canvases, without a block cache, at a notch whose activation scales do not
-span the batch (`choices.routing_replay_problem`; measured by `dllm-ais bench routing`).
+- `PositionedRouting(model, tape_for, done)`: each forward of `model` inside it routes through a tape made for the
+  canvas positions it computes (`forward_positions`): the hook the sampler's routing record and its forced replay
+  sit on (`dllm_ais.sampling.diffusion.routing_record`).
+
+`EngineRouting`'s engine forward is recomputed on the trainer's inputs, so the replayed routing is the sampled one only
+where that forward computes what sampling computed: the trajectory estimator's replay of the decoder's own canvases,
+without a block cache, at a notch whose activation scales do not span the batch (`choices.routing_replay_problem`;
+measured by `dllm-ais bench routing`). The recorded routing (`experimental.routing_record`) has the engine record its
+selection while sampling and the decoder replay force it: exact with the block cache and at any notch.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["EngineRouting", "ReplayedForward", "RoutingTape", "routed_layers", "routing_tape", "selection_differs"]
+__all__ = ["EngineRouting", "PositionedRouting", "ReplayedForward", "RoutingTape", "forward_positions", "routed_layers",
+           "routing_tape", "selection_differs"]
 
 
 class RoutingTape:
@@ -186,3 +192,50 @@ class EngineRouting:
 
         self.forwards.append(ReplayedForward(input_ids, kwargs.get("position_ids"), differs(tape.own),
                                              differs(tape.used)))
+
+
+def forward_positions(args: tuple, kwargs: dict) -> Tensor:
+    """The canvas positions [n] a model forward computes: its `cache_position`, else 0..n−1 of its input."""
+    if kwargs.get("cache_position") is not None:
+        return kwargs["cache_position"]
+    inputs = kwargs.get("input_ids", args[0] if args else None)
+    inputs = kwargs["inputs_embeds"] if inputs is None else inputs
+    return torch.arange(inputs.shape[1], device=inputs.device)
+
+
+class PositionedRouting:
+    """A context manager: each forward of `model` inside it routes through the tape ``tape_for(positions, rows)``
+    returns (positions [n]: `forward_positions`; rows: the forward's batch), set on every routed layer for that forward
+    only (`routing_tape`: a forced tape must be used up), and ``done(tape, positions, rows)`` is called after it. The
+    hooks are registered on entry and removed on exit, so a forward of the model outside the block is untouched."""
+
+    def __init__(self, model: nn.Module, tape_for: Callable[[Tensor, int], RoutingTape],
+                 done: Callable[[RoutingTape, Tensor, int], None] | None = None):
+        self.model, self.tape_for, self.done = model, tape_for, done
+        self._hooks, self._pending = [], []
+
+    def __enter__(self) -> "PositionedRouting":
+        self._hooks = [self.model.register_forward_pre_hook(self._before, with_kwargs=True),
+                       self.model.register_forward_hook(self._after, with_kwargs=True)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        while self._pending:  # a forward that raised between the hooks
+            self._pending.pop()[0].__exit__(*exc)
+
+    def _before(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        positions = forward_positions(args, kwargs)
+        inputs = kwargs.get("input_ids", args[0] if args else None)
+        rows = (kwargs["inputs_embeds"] if inputs is None else inputs).shape[0]
+        tape = self.tape_for(positions, rows)
+        context = routing_tape(self.model, tape)
+        context.__enter__()
+        self._pending.append((context, tape, positions, rows))
+
+    def _after(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+        context, tape, positions, rows = self._pending.pop()
+        context.__exit__(None, None, None)
+        if self.done is not None:
+            self.done(tape, positions, rows)

@@ -181,6 +181,7 @@ class ReplayedWrites:
         there), so that rollouts sampled in separate calls replay together."""
         block_steps = self.commit_step[:, block]
         first = torch.where(block_steps >= 0, block_steps, self.not_in_block).amin(dim=1, keepdim=True)
+        self.first, self.started = first[:, 0], first[:, 0] < self.not_in_block  # a row's first commit in the block
         self.block, self.step_in_block = block, self.commit_step - first  # [B, T]: < 0 before the block
         steps = int(self.step_in_block[:, block].max()) + 1
         if self.edits is not None:

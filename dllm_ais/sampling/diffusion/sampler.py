@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from contextlib import nullcontext
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,7 @@ from dllm_ais.sampling.diffusion.canvas import (CanvasLayout, block_aligned_layo
 from dllm_ais.sampling.diffusion.choice import COMMIT_CHOICE, ChoiceRecord, CommitChoiceReplay
 from dllm_ais.sampling.diffusion.draw import gumbel_argmax, sampling_logprobs
 from dllm_ais.sampling.diffusion.editing import EDITS, EditLog, ReplayedWrites, token_edits
+from dllm_ais.sampling.diffusion.routing_record import ROUTING, RecordedRouting, RoutingLog
 from dllm_ais.sampling.diffusion.rules import checked_scores, resolve_remasking_rule
 from dllm_ais.sampling.diffusion.sampler_config import DiffusionSamplerConfig, SpecialTokenIds, resolve_special_tokens
 from dllm_ais.sampling.diffusion.schedule import origin_commit_counts, time_linear_commit_count, transfer_schedule
@@ -32,8 +34,9 @@ __all__ = ["MaskedDiffusionSampler"]
 class _Denoising:
     """The state of one denoising call: the canvas and its records [B, T] (each committed position's step and
     log-prob), the rows' step counts, the global step index (the rows step in lockstep), the block cache, the
-    commit-choice record (a stochastic commit rule's, else None) and the edits (a token-editing decoder's, else None),
-    and the even schedule's counts for a whole block (`transfer_schedule`)."""
+    commit-choice record (a stochastic commit rule's, else None), the edits (a token-editing decoder's, else None),
+    the even schedule's counts for a whole block (`transfer_schedule`) and the routing log (`record_routing`, else
+    None)."""
 
     forwards: EagerForwards
     layout: CanvasLayout
@@ -47,6 +50,7 @@ class _Denoising:
     choice: ChoiceRecord | None
     edits: EditLog | None
     block_schedule: list[int]
+    routing: RoutingLog | None = None
     step: int = 0
 
     @property
@@ -167,6 +171,28 @@ class MaskedDiffusionSampler:
                                         token_ids.mask, token_ids.eos[0])
         return completion_layout(input_ids, attention_mask, config.gen_length, config.block_length, token_ids.mask)
 
+    def routing_log(self, forwards: EagerForwards, layout: CanvasLayout,
+                    token_ids: SpecialTokenIds) -> RoutingLog | None:
+        """The log of a sampling call's expert selection with `config.record_routing` (`routing_record`), else None.
+        ValueError where the record would not key the replay's forwards: a model that is not block-causal or no block
+        cache (the record is keyed for the block-causal exact cache's forwards), guidance (a doubled batch), static
+        shapes (the compiled engine's graphs run no Python hook)."""
+        if not self.config.record_routing:
+            return None
+        if not token_ids.block_causal or self.config.cache == "none" or self.config.cfg_scale > 0:
+            raise ValueError("record_routing records a block-causal model's (LLaDA2's) routing along its exact block "
+                             "cache, without guidance: set rollout.cache, cfg_scale=0, or record_routing=false")
+        if forwards.static_shapes:
+            raise ValueError("record_routing hooks every routed layer's call, which a compiled engine's captured "
+                             "graphs never make: set rollout.compile=false")
+        return RoutingLog(forwards.model, layout.blocks, layout.canvas.shape[1])
+
+    def routing_replay(self, model: Any, rollout: Rollout) -> RecordedRouting | None:
+        """What `decoder_logits` forces on `model`'s forwards: `rollout`'s routing record (`routing_record`), None
+        when it holds none."""
+        record = rollout.records.get(ROUTING)
+        return None if record is None else RecordedRouting(model, record)
+
     def block_cache(self, token_ids: SpecialTokenIds, sampling: bool = True) -> BlockCache | None:
         """A fresh cache for one sampling call (`sampling`, in `config.cache_dtype`) or replay (in the model's dtype):
         a block-causal model's exact cache whatever the mode, none with ``cache="none"``."""
@@ -199,7 +225,8 @@ class MaskedDiffusionSampler:
             torch.zeros(shape[0], dtype=torch.long, device=device), self.block_cache(token_ids),
             ChoiceRecord.empty(shape, self, device) if config.position_temperature > 0 else None,
             None if config.editing_threshold is None else EditLog(),
-            transfer_schedule(torch.tensor([config.block_length]), config.steps_per_block)[0].tolist())
+            transfer_schedule(torch.tensor([config.block_length]), config.steps_per_block)[0].tolist(),
+            self.routing_log(forwards, layout, token_ids))
         # Per block, per row, its masked positions (fewer than block_length in a block-causal model's first and last
         # blocks): read once, before the loop, so that no block waits on the device for them.
         masked_per_block = ([[config.block_length] * shape[0]] * len(layout.blocks) if not token_ids.block_causal
@@ -230,7 +257,8 @@ class MaskedDiffusionSampler:
             prompt_length=input_ids.shape[1],
             num_steps=state.num_steps,
             records={**({} if state.choice is None else {COMMIT_CHOICE: state.choice.record(layout)}),
-                     **({} if state.edits is None else {EDITS: state.edits.record(layout.completion_index, shape[1])})},
+                     **({} if state.edits is None else {EDITS: state.edits.record(layout.completion_index, shape[1])}),
+                     **({} if state.routing is None else {ROUTING: state.routing.record(shape[0], device)})},
         )
 
     def completion_mask(self, completion: torch.LongTensor, token_ids: SpecialTokenIds) -> torch.Tensor:
@@ -369,8 +397,9 @@ class MaskedDiffusionSampler:
         config, canvas = self.config, state.canvas
         if state.cache is not None:
             state.cache.refresh = config.refreshes_cache(forwards_in_block)
-        logits = self.block_logits(state.forwards, canvas, state.layout.attention, state.layout.prompt_length, block,
-                                   state.token_ids, state.cache)
+        with nullcontext() if state.routing is None else state.routing.forward(state.step, block):
+            logits = self.block_logits(state.forwards, canvas, state.layout.attention, state.layout.prompt_length,
+                                       block, state.token_ids, state.cache)
         forced = None if state.forced_canvas is None else state.forced_canvas[:, block]
         step = denoise_step(self, logits, canvas[:, block], still_masked, state.generator, forced_tokens=forced,
                             row=(canvas.shape[1], block), rank=state.choice is not None, **commit_rule)
@@ -457,6 +486,11 @@ class MaskedDiffusionSampler:
         block: the same logits to rounding), so that each block's graph holds its own cache and a caller that
         backpropagates block by block never reaches into a freed one.
 
+        A rollout holding a routing record (`record_routing`) has every forward here route each token to the experts
+        sampling used for it (`routing_replay`, `dllm_ais.sampling.diffusion.routing_record`): a block position at its
+        step, an earlier position at the forward that wrote its final keys/values, so the rebuild under grad routes
+        as sampling's forwards did.
+
         The replay keeps its cache in the model's dtype whatever `cache_dtype` says: FP8 storage is an approximation
         of the rollout engine, which the importance ratio (the sampler's recorded log-probs against this replay)
         sees like the engine's weight precision; the trainer's ℓ_old and ℓ_θ are the same replay.
@@ -471,7 +505,8 @@ class MaskedDiffusionSampler:
         in_completion = layout.on_canvas(torch.ones_like(rollout.commit_step, dtype=torch.bool), False)
         cache = self.block_cache(token_ids, sampling=False)
         forwards = EagerForwards(model)
-        for block in layout.blocks:
+        routing = self.routing_replay(model, rollout)
+        for block_index, block in enumerate(layout.blocks):
             window = layout.completion_window(block)
             if positions is not None and not bool((completion_window(positions, window)
                                                    & in_completion[:, block]).any()):
@@ -486,8 +521,10 @@ class MaskedDiffusionSampler:
                     continue
                 if cache is not None:
                     cache.refresh = refresh
-                logits = self.block_logits(forwards, writes.canvas_before(step, token_ids.mask), layout.attention,
-                                           layout.prompt_length, block, token_ids, cache)
+                with (nullcontext() if routing is None
+                      else routing.forward(block_index, block, step, writes.first, writes.started)):
+                    logits = self.block_logits(forwards, writes.canvas_before(step, token_ids.mask), layout.attention,
+                                               layout.prompt_length, block, token_ids, cache)
                 yield DecoderStep(window, written, logits, writes.canvas_before(step + 1, token_ids.mask)[:, block])
 
     def block_logits(

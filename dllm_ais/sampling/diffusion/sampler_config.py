@@ -99,6 +99,9 @@ class DiffusionSamplerConfig:
             `max_post_steps` such steps (`dllm_ais.sampling.diffusion.editing`). A block-causal model with
             `threshold` only (the masks commit by the threshold rule meanwhile).
         max_post_steps: with editing, the most steps a row's block runs after its last mask is filled.
+        record_routing: record the experts each (position, step, layer) of a mixture-of-experts model used while
+            sampling (`Rollout.records["routing"]`: `dllm_ais.sampling.diffusion.routing_record`), which the decoder
+            replay (`decoder_logits`) then forces; a block-causal model with its block cache, eager forwards.
 
     The cache and parallel decoding change the behaviour policy; the recorded log-probs stay those of the
     distribution each token was drawn from, and the correction treats the change like quantization.
@@ -130,6 +133,7 @@ class DiffusionSamplerConfig:
     stop_at_eos: bool = False
     editing_threshold: float | None = None
     max_post_steps: int = 16
+    record_routing: bool = False
 
     @property
     def steps_per_block(self) -> int:
