@@ -62,7 +62,7 @@ How each family's own decoder, as this library runs it, differs from its officia
   check and the sampler use the block-causal mask the model was trained with. Its loop runs on while masks remain,
   so a draw of the mask id (committed or written by an edit) can keep a block going forever; the sampler writes it
   and commits the position again as ``generate`` does, but ends a block after
-  `MaskedDiffusionSampler.editing_step_limit` steps. ``num_to_transfer`` must divide the block length (the even
+  `sampling.diffusion.editing.editing_step_limit` steps. ``num_to_transfer`` must divide the block length (the even
   schedule's counts).
 
 A new family: its model module under ``dllm_ais/models/`` (with ``register_with_auto_classes``), its record in

@@ -29,8 +29,10 @@ import torch
 
 from dllm_ais.rollout import Rollout
 from dllm_ais.sampling.diffusion.canvas import CanvasLayout
+from dllm_ais.sampling.diffusion.sampler_config import DiffusionSamplerConfig
 
-__all__ = ["EDITS", "EditLog", "EditRecord", "ReplayedWrites", "canvas_before_step", "first_commit_tokens",
+__all__ = ["EDITS", "EditLog", "EditRecord", "ReplayedWrites", "canvas_before_step", "editing_step_limit",
+           "first_commit_tokens",
            "recorded_edits", "token_edits"]
 
 EDITS = "edits"
@@ -74,6 +76,12 @@ class EditRecord:
 def recorded_edits(rollout: Rollout) -> EditRecord | None:
     """`rollout`'s edit record, None when its sampler does not edit."""
     return rollout.records.get(EDITS)
+
+
+def editing_step_limit(config: DiffusionSamplerConfig) -> int:
+    """The most steps a block runs with token editing: LLaDA2.1's loop runs on while edits keep writing the mask id;
+    the sampler ends a block after 4 × (block_length + max_post_steps + 1) steps whatever is left."""
+    return 4 * (config.block_length + config.max_post_steps + 1)
 
 
 def token_edits(block_tokens: torch.LongTensor, drawn: torch.LongTensor, drawn_logprobs: torch.Tensor,

@@ -40,8 +40,11 @@ import torch
 from torch import Tensor, nn
 
 from dllm_ais.models.routing import PositionedRouting, RoutingTape, routed_layers
+from dllm_ais.sampling.diffusion.canvas import CanvasLayout
+from dllm_ais.sampling.diffusion.sampler_config import DiffusionSamplerConfig, SpecialTokenIds
+from dllm_ais.sampling.forwards import EagerForwards
 
-__all__ = ["ROUTING", "RecordedRouting", "RoutingLog", "RoutingRecord"]
+__all__ = ["ROUTING", "RecordedRouting", "RoutingLog", "RoutingRecord", "routing_log"]
 
 ROUTING = "routing"
 """The name of the routing record in `Rollout.records`."""
@@ -189,3 +192,20 @@ class RecordedRouting:
         self.unrecorded = self.unrecorded + tape.unrecorded
         if self.keep_tapes:
             self.tapes.append(tape)
+
+
+def routing_log(config: DiffusionSamplerConfig, forwards: EagerForwards, layout: CanvasLayout,
+                token_ids: SpecialTokenIds) -> RoutingLog | None:
+    """The log of a sampling call's expert selection with `config.record_routing`, else None. ValueError where the
+    record would not key the replay's forwards: a model that is not block-causal or no block cache (the record is
+    keyed for the block-causal exact cache's forwards), guidance (a doubled batch), static shapes (the compiled
+    engine's graphs run no Python hook)."""
+    if not config.record_routing:
+        return None
+    if not token_ids.block_causal or config.cache == "none" or config.cfg_scale > 0:
+        raise ValueError("record_routing records a block-causal model's (LLaDA2's) routing along its exact block "
+                         "cache, without guidance: set rollout.cache, cfg_scale=0, or record_routing=false")
+    if forwards.static_shapes:
+        raise ValueError("record_routing hooks every routed layer's call, which a compiled engine's captured "
+                         "graphs never make: set rollout.compile=false")
+    return RoutingLog(forwards.model, layout.blocks, layout.canvas.shape[1])

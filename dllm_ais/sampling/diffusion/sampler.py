@@ -19,11 +19,11 @@ from dllm_ais.sampling.diffusion.canvas import (CanvasLayout, block_aligned_layo
                                                 completion_layout, completion_window, max_canvas_length)
 from dllm_ais.sampling.diffusion.choice import COMMIT_CHOICE, ChoiceRecord, CommitChoiceReplay
 from dllm_ais.sampling.diffusion.draw import gumbel_argmax, sampling_logprobs
-from dllm_ais.sampling.diffusion.editing import EDITS, EditLog, ReplayedWrites, token_edits
-from dllm_ais.sampling.diffusion.routing_record import ROUTING, RecordedRouting, RoutingLog
+from dllm_ais.sampling.diffusion.editing import EDITS, EditLog, ReplayedWrites, editing_step_limit, token_edits
+from dllm_ais.sampling.diffusion.routing_record import ROUTING, RecordedRouting, RoutingLog, routing_log
 from dllm_ais.sampling.diffusion.rules import checked_scores, resolve_remasking_rule
 from dllm_ais.sampling.diffusion.sampler_config import DiffusionSamplerConfig, SpecialTokenIds, resolve_special_tokens
-from dllm_ais.sampling.diffusion.schedule import origin_commit_counts, time_linear_commit_count, transfer_schedule
+from dllm_ais.sampling.diffusion.schedule import scheduled_counts, scheduled_floor, transfer_schedule
 from dllm_ais.sampling.diffusion.step import DecoderStep, DenoiseStep, denoise_step, top_ranked_positions
 from dllm_ais.sampling.forwards import EagerForwards, bucketed_prompt_length
 
@@ -171,22 +171,6 @@ class MaskedDiffusionSampler:
                                         token_ids.mask, token_ids.eos[0])
         return completion_layout(input_ids, attention_mask, config.gen_length, config.block_length, token_ids.mask)
 
-    def routing_log(self, forwards: EagerForwards, layout: CanvasLayout,
-                    token_ids: SpecialTokenIds) -> RoutingLog | None:
-        """The log of a sampling call's expert selection with `config.record_routing` (`routing_record`), else None.
-        ValueError where the record would not key the replay's forwards: a model that is not block-causal or no block
-        cache (the record is keyed for the block-causal exact cache's forwards), guidance (a doubled batch), static
-        shapes (the compiled engine's graphs run no Python hook)."""
-        if not self.config.record_routing:
-            return None
-        if not token_ids.block_causal or self.config.cache == "none" or self.config.cfg_scale > 0:
-            raise ValueError("record_routing records a block-causal model's (LLaDA2's) routing along its exact block "
-                             "cache, without guidance: set rollout.cache, cfg_scale=0, or record_routing=false")
-        if forwards.static_shapes:
-            raise ValueError("record_routing hooks every routed layer's call, which a compiled engine's captured "
-                             "graphs never make: set rollout.compile=false")
-        return RoutingLog(forwards.model, layout.blocks, layout.canvas.shape[1])
-
     def routing_replay(self, model: Any, rollout: Rollout) -> RecordedRouting | None:
         """What `decoder_logits` forces on `model`'s forwards: `rollout`'s routing record (`routing_record`), None
         when it holds none."""
@@ -226,7 +210,7 @@ class MaskedDiffusionSampler:
             ChoiceRecord.empty(shape, self, device) if config.position_temperature > 0 else None,
             None if config.editing_threshold is None else EditLog(),
             transfer_schedule(torch.tensor([config.block_length]), config.steps_per_block)[0].tolist(),
-            self.routing_log(forwards, layout, token_ids))
+            routing_log(config, forwards, layout, token_ids))
         # Per block, per row, its masked positions (fewer than block_length in a block-causal model's first and last
         # blocks): read once, before the loop, so that no block waits on the device for them.
         masked_per_block = ([[config.block_length] * shape[0]] * len(layout.blocks) if not token_ids.block_causal
@@ -275,14 +259,13 @@ class MaskedDiffusionSampler:
         return not bool(((completion == token_ids.mask) & self.completion_mask(completion, token_ids)).any())
 
     def _denoise_block_on_schedule(self, state: _Denoising, block: slice, masked_left: list[int]) -> None:
-        """Fill `block` in the fixed schedule's steps (`_scheduled_counts`), the counts known on the host; a step at
+        """Fill `block` in the fixed schedule's steps (`schedule.scheduled_counts`), the counts known on the host; a step at
         which no row commits runs no forward (the official loops run one that commits nothing)."""
         config = self.config
         still_masked = state.canvas[:, block] == state.token_ids.mask
         forwards_in_block = 0
         for step_in_block in range(config.steps_per_block):
-            counts = self._scheduled_counts(masked_left, state.block_schedule, step_in_block, config.steps_per_block,
-                                            state.generator)
+            counts = scheduled_counts(config, masked_left, state.block_schedule, step_in_block, state.generator)
             if max(counts) == 0:
                 continue
             step = self._denoise_step(state, block, still_masked, forwards_in_block, width=max(masked_left),
@@ -309,7 +292,7 @@ class MaskedDiffusionSampler:
                 floor = None
                 if state.token_ids.block_causal:  # SDAR's low_confidence_dynamic: at least the schedule's count
                     scheduled = block_schedule[forwards_in_block] if forwards_in_block < len(block_schedule) else 0
-                    floor = self._scheduled_floor(still_masked, scheduled, forwards_in_block)
+                    floor = scheduled_floor(config, still_masked, scheduled, forwards_in_block)
                 steps_needed = steps_needed + still_masked.any()
                 step = self._denoise_step(state, block, still_masked, forwards_in_block, width=config.block_length,
                                           floor=floor)
@@ -323,7 +306,7 @@ class MaskedDiffusionSampler:
         """Decode `block` with token editing (`dllm_ais.sampling.diffusion.editing`): each step fills masks by the
         threshold rule (at least the schedule's floor) and edits the filled completion positions, each row until its
         block ends (a step that began with no mask and edited nothing, or `max_post_steps` steps without a mask, or
-        `editing_step_limit` steps); a finished row's steps write nothing. A position holding the mask id is masked,
+        `editing.editing_step_limit` steps); a finished row's steps write nothing. A position holding the mask id is masked,
         as in LLaDA2.1's code: an edit (or a commit) that writes the mask id leaves it to be committed again, that
         write recorded with the edits. One host read per run of steps: as many as the slowest row's masks left, then
         one step at a time while rows only edit."""
@@ -346,7 +329,7 @@ class MaskedDiffusionSampler:
                              else 0)
                 step = self._denoise_step(state, block, still_masked & ~done[:, None], forwards_in_block,
                                           width=config.block_length,
-                                          floor=self._scheduled_floor(still_masked, scheduled, forwards_in_block))
+                                          floor=scheduled_floor(config, still_masked, scheduled, forwards_in_block))
                 forwards_in_block += 1
                 rewrite = step.commit & rewritten
                 state.commit_step[:, block] = torch.where(rewrite, commit_step, state.commit_step[:, block])
@@ -360,35 +343,17 @@ class MaskedDiffusionSampler:
                 state.num_steps += edit.any(dim=1) & ~step.commit.any(dim=1)
                 state.edits.add(state.step - 1, block, edit | rewrite, before, torch.where(edit, drawn, step.candidates),
                                 torch.where(edit, drawn_logprobs, step.logprobs))
-                done |= (~had_mask & ~edit.any(dim=1)) | (forwards_in_block >= self.editing_step_limit)
+                done |= (~had_mask & ~edit.any(dim=1)) | (forwards_in_block >= editing_step_limit(config))
             masked = state.canvas[:, block] == mask
             ends_next = done | (~masked.any(dim=1) & (post_steps + 1 > config.max_post_steps))
             left, finished = torch.stack([masked.sum(dim=1).max(), ends_next.all()]).tolist()  # the host read
             run = 0 if finished else max(left, 1)
-
-    @property
-    def editing_step_limit(self) -> int:
-        """The most steps a block runs with token editing: LLaDA2.1's loop runs on while edits keep writing the mask
-        id; here a block ends after 4 × (block_length + max_post_steps + 1) steps whatever is left."""
-        return 4 * (self.config.block_length + self.config.max_post_steps + 1)
 
     @staticmethod
     def _next_run(left: int, budget: int | None) -> int:
         """The steps of a block's next run, `left` masked positions in its slowest row: all of them after a budget
         (the block before it says its pace), half of them (rounded up) in the first block. 0 once it is filled."""
         return left if budget else -(-left // 2)
-
-    def _scheduled_floor(self, still_masked: torch.Tensor, scheduled: int, step_in_block: int) -> torch.Tensor:
-        """[B] on the device: the fixed schedule's count at this step of a block-causal model's parallel decoding,
-        of each row's masked positions left (`_scheduled_counts` without a host read)."""
-        left = still_masked.sum(dim=1)
-        if self.config.schedule == "time_linear":
-            steps = self.config.steps_per_block
-            if step_in_block >= steps - 1:
-                return left
-            times = torch.linspace(1, self.config.schedule_eps, steps + 1)
-            return (left.float() * (1 - times[step_in_block + 1] / times[step_in_block]).to(left.device)).long()
-        return left.clamp(max=scheduled)
 
     def _denoise_step(self, state: _Denoising, block: slice, still_masked: torch.Tensor, forwards_in_block: int,
                       **commit_rule: Any) -> DenoiseStep:
@@ -412,22 +377,6 @@ class MaskedDiffusionSampler:
         state.num_steps += commit.any(dim=1)
         state.step += 1
         return step
-
-    def _scheduled_counts(self, masked_left: list[int], block_schedule: list[int], step_in_block: int,
-                          steps_per_block: int, generator: torch.Generator | None) -> list[int]:
-        """Per row, the tokens the fixed schedule commits at this step of the block: Binomial for ``origin``
-        (`origin_commit_counts`), else the `config.schedule`'s count: ``time_linear``'s of the masked positions left,
-        or the even split of a whole block over its steps (`block_schedule`, `transfer_schedule`), at most the masked
-        positions left (a block-causal model's first and last blocks hold fewer than block_length)."""
-        config = self.config
-        if config.remasking == "origin":
-            return origin_commit_counts(masked_left, step_in_block, steps_per_block, config.schedule_eps, generator)
-        if config.schedule == "time_linear":
-            return [time_linear_commit_count(left, step_in_block, steps_per_block, config.schedule_eps)
-                    for left in masked_left]
-        if step_in_block >= steps_per_block:  # parallel decoding past the schedule's steps
-            return [0] * len(masked_left)
-        return [min(block_schedule[step_in_block], left) for left in masked_left]
 
     def rule_scores(self, logits: torch.Tensor, candidates: torch.Tensor,
                     generator: torch.Generator | None) -> torch.Tensor:

@@ -4,10 +4,15 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
-__all__ = ["origin_commit_counts", "parallel_commit_counts", "time_linear_commit_count", "transfer_schedule"]
+if TYPE_CHECKING:
+    from dllm_ais.sampling.diffusion.sampler_config import DiffusionSamplerConfig
+
+__all__ = ["origin_commit_counts", "parallel_commit_counts", "scheduled_counts", "scheduled_floor",
+           "time_linear_commit_count", "transfer_schedule"]
 
 
 def transfer_schedule(masked_counts: torch.Tensor, steps: int) -> torch.LongTensor:
@@ -66,3 +71,34 @@ def parallel_commit_counts(
     largest = (passes * rank).amax(dim=1)
     return torch.minimum(largest.clamp(min=1), masked_counts)
 
+
+
+def scheduled_counts(config: "DiffusionSamplerConfig", masked_left: list[int], block_schedule: list[int],
+                     step_in_block: int, generator: torch.Generator | None) -> list[int]:
+    """Per row, the tokens `config`'s fixed schedule commits at this step of a block: Binomial for ``origin``
+    (`origin_commit_counts`), else the schedule's count: ``time_linear``'s of the masked positions left
+    `masked_left`, or the even split of a whole block over its steps (`block_schedule`, `transfer_schedule`), at most
+    the masked positions left (a block-causal model's first and last blocks hold fewer than block_length)."""
+    steps_per_block = config.steps_per_block
+    if config.remasking == "origin":
+        return origin_commit_counts(masked_left, step_in_block, steps_per_block, config.schedule_eps, generator)
+    if config.schedule == "time_linear":
+        return [time_linear_commit_count(left, step_in_block, steps_per_block, config.schedule_eps)
+                for left in masked_left]
+    if step_in_block >= steps_per_block:  # parallel decoding past the schedule's steps
+        return [0] * len(masked_left)
+    return [min(block_schedule[step_in_block], left) for left in masked_left]
+
+
+def scheduled_floor(config: "DiffusionSamplerConfig", still_masked: torch.Tensor, scheduled: int,
+                    step_in_block: int) -> torch.Tensor:
+    """[B] on the device: `config`'s fixed-schedule count at this step of a block-causal model's parallel decoding
+    (`scheduled` the even schedule's), of each row's masked positions left (`scheduled_counts` without a host read)."""
+    left = still_masked.sum(dim=1)
+    if config.schedule == "time_linear":
+        steps = config.steps_per_block
+        if step_in_block >= steps - 1:
+            return left
+        times = torch.linspace(1, config.schedule_eps, steps + 1)
+        return (left.float() * (1 - times[step_in_block + 1] / times[step_in_block]).to(left.device)).long()
+    return left.clamp(max=scheduled)
