@@ -69,7 +69,7 @@ def test_the_protocol_is_d1s_for_real_tasks_and_the_embedded_recipes_for_digits(
     gsm8k, digits = EvalProtocol.for_task(get_task("gsm8k")), EvalProtocol.for_task(get_task("digits"))
     assert gsm8k == EvalProtocol((128, 256, 512), 32, 0.0)
     d1_sampler = {"remasking": "low_confidence", "schedule": "even", "cache": "none", "cache_dtype": "none",
-                  "threshold": None, "cache_refresh_interval": None, "cfg_scale": 0.0}
+                  "threshold": None, "cache_refresh_interval": None, "cfg_scale": 0.0, "editing_threshold": None}
     # a model trained with fast rollouts (AR order, cache, threshold, factor) or Dream's decoding is still scored by
     # LLaDA's own sampler
     trained_fast = GRPOConfig(max_completion_length=32, top_p=0.9,
@@ -84,7 +84,8 @@ def test_the_protocol_is_d1s_for_real_tasks_and_the_embedded_recipes_for_digits(
                                                         "steps": gen_length // 2,
                                                         "block_length": block_length, **d1_sampler,
                                                         "compile": config.rollout.compile,  # how, not what, it decodes
-                                                        "batch_size": config.rollout.batch_size}
+                                                        "batch_size": config.rollout.batch_size,
+                                                        "max_post_steps": config.rollout.max_post_steps}
     llada = AutoConfig.from_pretrained(EMBEDDED_MODELS["embedded"])
     sampler = build_policy(digits.decoding(trained_fast, 16), llada,
                            load_tokenizer("embedded"), temperature=0.0).sampler.config
@@ -109,7 +110,7 @@ def test_eval_on_the_embedded_digits_task_writes_the_report_and_table(tmp_path, 
     assert report["protocol"] == {"name": "d1", "gen_lengths": [16], "block_length": 16, "temperature": 0.0,
                                   "remasking": "low_confidence", "schedule": "even", "cache": "none", "cache_dtype": "none",
                                   "threshold": None, "cache_refresh_interval": None, "cfg_scale": 0.0,
-                                  "steps": "gen_length / 2", "batch_size": 128}
+                                  "editing_threshold": None, "steps": "gen_length / 2", "batch_size": 128}
     (entry,) = report["results"]
     assert entry["num_prompts"] == len(load_task_dataset("digits", "test")) == 500
     accuracy = torch.tensor(entry["per_prompt"]["accuracy"])
