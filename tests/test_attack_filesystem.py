@@ -100,6 +100,7 @@ def test_export_and_sft_overwrite_never_replace_a_runs_checkpoint_final_or_the_s
     assert snapshot(tmp_path) == before
 
 
+@pytest.mark.slow
 def test_a_resume_from_an_earlier_checkpoint_keeps_the_branch_it_leaves_and_never_resumes_it(tokenizer, tmp_path,
                                                                                                capsys):
     """A 6-step run saving every 2 steps, resumed from checkpoint-2 up to step 4, then `resume_from_checkpoint=true`
@@ -156,6 +157,7 @@ def test_a_damaged_newest_checkpoint_is_kept_aside_and_the_resumed_run_goes_on(t
     assert [path.name for _, path in run_checkpoints(run)] == [f"checkpoint-{step}" for step in (1, 2, 3, 4)]
 
 
+@pytest.mark.slow
 def test_no_removal_follows_a_link(tokenizer, tmp_path, capsys):
     """A symbolic link planted at every path dllm-ais removes or replaces — leftovers `.tmp-`/`.old-`/`.trash-`,
     an export's or an SFT model's destination, anywhere inside a checkpoint that `save_total_limit` prunes or that
@@ -269,6 +271,7 @@ def test_a_run_file_swapped_for_a_link_during_the_run_is_never_written_through(t
     assert not [entry.name for entry in run.iterdir() if entry.name.startswith(".tmp-")]  # no staged file left
 
 
+@pytest.mark.slow
 def test_planted_staging_files_are_never_written_through(tokenizer, tmp_path):
     """The attack: `.tmp-held_out.json` (and every other fixed name a write used to stage at) planted as a link in
     a run folder before the run finishes. The run stages under fresh names of its own: every target keeps its

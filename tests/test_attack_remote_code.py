@@ -116,6 +116,7 @@ SLOW = pytest.mark.slow  # one child process (a few seconds) each: the first cas
 
 @pytest.mark.parametrize("command", ["eval"] + [pytest.param(command, marks=SLOW)
                                                 for command in ("generate", "export", "train", "sft", "lm-eval")])
+@pytest.mark.slow
 def test_a_tokenizer_naming_its_own_code_is_refused_though_the_terminal_says_yes(tmp_path, command):
     directory, named_in = evil_model(tmp_path, "tokenizer_config.json")
     result = run_cli(commands(directory, tmp_path)[command], tmp_path)
@@ -124,6 +125,7 @@ def test_a_tokenizer_naming_its_own_code_is_refused_though_the_terminal_says_yes
 
 
 @pytest.mark.parametrize("command", ["eval", pytest.param("lm-eval", marks=SLOW)])
+@pytest.mark.slow
 def test_an_unknown_architecture_naming_its_own_code_is_refused_before_anything_runs(tmp_path, command):
     directory, named_in = evil_model(tmp_path, "config.json")
     result = run_cli(commands(directory, tmp_path)[command], tmp_path)
@@ -142,6 +144,7 @@ def test_lm_eval_trust_remote_code_no_is_false(tmp_path):
     assert_refused_in_one_line(result, named_in)
 
 
+@pytest.mark.slow
 def test_the_users_own_flag_runs_the_code(tmp_path):
     """Control: the payload is live, and the user's own --trust_remote_code=true is what runs it."""
     directory, _ = evil_model(tmp_path, "tokenizer_config.json")
@@ -169,6 +172,7 @@ def test_lm_eval_booleans_parse_strictly(word, value):
         ("temperature=0.5", "unknown argument 'temperature'"),
         (f"device_map=cuda:{max(3, torch.cuda.device_count())}", "device_map="))],
 ])
+@pytest.mark.slow
 def test_a_bad_lm_eval_argument_is_one_line_before_any_model_loads(tmp_path, monkeypatch, capsys, model_args,
                                                                    named):
     pytest.importorskip("lm_eval")

@@ -83,6 +83,7 @@ def write_study(path: Path, arms: dict) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_compare_runs_arms_by_seeds_then_reuses_them(tmp_path, monkeypatch, capsys):
     study = write_study(tmp_path / "tiny.yaml", {"none": {"correction": "none"}, "ais": {"correction": "ais"}})
     folder = tmp_path / "study"
@@ -138,6 +139,7 @@ def test_compare_runs_arms_by_seeds_then_reuses_them(tmp_path, monkeypatch, caps
     assert "is a symbolic link" in capsys.readouterr().err and user_file.read_text() == "a user's notes\n"
 
 
+@pytest.mark.slow
 def test_failed_runs_are_named_with_their_logs(tmp_path, capsys):
     study = write_study(tmp_path / "bad.yaml", {"none": {"corection": "none"}, "typo": {"corection": "ais"},
                                                 "left out": {}})

@@ -300,6 +300,7 @@ def test_token_editing_settings_reach_the_sampler_and_held_out_validation_decode
         build_policy(llada, AutoConfig.from_pretrained(EMBEDDED_MODELS["embedded"]), load_tokenizer("embedded"))
 
 
+@pytest.mark.slow
 def test_cli_trains_the_tiny_qwen3_through_the_shared_loop(tmp_path, capsys):
     out = tmp_path / "qwen3"
     assert main(["train", str(ROOT / "recipes" / "tiny_qwen3_digits_fp8_ais.yaml"), f"--output_dir={out}",

@@ -302,6 +302,7 @@ if model.rank == 0:
 """
 
 
+@pytest.mark.slow
 def test_data_parallel_processes_share_the_requests(task_dir, tmp_path):
     """Two processes (torchrun; gloo on a CPU-only machine, as `accelerate launch` on GPUs) split the requests and
     report what one process reports."""
@@ -349,6 +350,7 @@ def test_data_parallel_processes_share_the_requests(task_dir, tmp_path):
                        "dllm_ais_gen": single["dllm_ais_gen"]["exact_match,none"]}
 
 
+@pytest.mark.slow
 def test_cli_forwards_to_the_harness(task_dir, capsys):
     assert main(["lm-eval", "--model_args", "pretrained=embedded-qwen3", "--tasks", "dllm_ais_mc",
                  "--include_path", str(task_dir), "--limit", "2", "--batch_size", "2"]) == 0
@@ -356,6 +358,7 @@ def test_cli_forwards_to_the_harness(task_dir, capsys):
     assert "dllm_ais_mc" in output and "acc" in output
 
 
+@pytest.mark.slow
 def test_device_and_batch_size_in_model_args_win_over_the_harness_defaults(task_dir, capsys):
     """The harness passes its own --device and --batch_size (defaults included) beside --model_args: naming them
     there too was a TypeError (multiple values for keyword argument 'device')."""

@@ -193,6 +193,7 @@ def test_probe_decodes_with_d1s_protocol_and_counts_the_planted_mistake(monkeypa
     assert len(counts) == 3 and sum(counts) == 16 and counts[0] > counts[2]
 
 
+@pytest.mark.slow
 def test_learning_diagnostics_samples_the_recipes_own_task(monkeypatch, capsys):
     """The gradient diagnostic draws its batch from the recipe's task with its task_args (chain sums), the rewards
     then score completions of those prompts."""

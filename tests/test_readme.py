@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parents[1]
 README = ROOT / "README.md"
 MAX_LINES = 250
@@ -25,6 +27,7 @@ def test_readme_is_at_most_250_lines():
     assert lines <= MAX_LINES, f"README.md has {lines} lines; keep it to {MAX_LINES} (details go to docs/)"
 
 
+@pytest.mark.slow
 def test_readme_python_example_trains(tmp_path):
     code = python_example(README.read_text())
     (tmp_path / "example.py").write_text(code)

@@ -149,6 +149,7 @@ def test_reward_preset_is_the_verifier_and_the_format_reward():
     assert names == ["gym_correctness_reward", "soft_format_reward"]
 
 
+@pytest.mark.slow
 def test_two_training_steps_on_the_embedded_model(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["train", "--task=reasoning_gym", "--task_args.dataset=chain_sum", "--task_args.max_digits=2",
@@ -189,6 +190,7 @@ def own_score(dataset, answer: str, entry: dict) -> float:
         return 0.0
 
 
+@pytest.mark.slow
 def test_every_offered_dataset_scores_its_own_entries_as_reasoning_gym_does(capsys):
     """Our reward (rows rebuilt from an entry's columns, scored in the bounded worker) equals the dataset's own
     `score_answer` on the original entry, for the reference answer and for a wrong one, on every offered dataset.

@@ -274,6 +274,7 @@ def test_help_shows_ranges(capsys):
 
 
 @pytest.mark.parametrize("verbose", [False, True])
+@pytest.mark.slow
 def test_library_noise_only_with_verbose(tmp_path, verbose):
     command = [sys.executable, "-m", "dllm_ais.cli", "train", "--max_steps=1", "--eval_size=0", "--num_iterations=1",
                "--dataset_size=8", "--per_device_train_batch_size=8", f"--output_dir={tmp_path}",
