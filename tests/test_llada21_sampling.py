@@ -14,6 +14,7 @@ from dllm_ais.sampling.diffusion import DiffusionSamplerConfig, MaskedDiffusionS
 from test_llada2_sampling import (  # tests/ is on sys.path
     PAD,
     assert_every_official_row,
+    assert_grid_stops_at_eos,
     left_padded,
     model,  # noqa: F401  (the fixture: the tiny checkpoint in float32)
     read_official_generate,
@@ -59,12 +60,8 @@ def test_the_grid_covers_edits_post_steps_and_stops_at_eos(official):
         assert any(row["max_post_steps"] == fewer and not torch.equal(
             completions[index], completions[twin(official, index, max_post_steps=more)])
             for index, row in enumerate(rows))
-    stopped = [bool((completion == official["eos"]).any()) for completion in completions]
-    assert 0 < sum(stopped) < len(stopped)
-    assert {len(prompt) % official["block_length"] for prompt in official["prompts"]} == {0, 2, 3}
+    assert_grid_stops_at_eos(official)
     for index, row in enumerate(rows):
-        if row["eos_early_stop"]:
-            assert torch.equal(completions[index], completions[twin(official, index, eos_early_stop=0.0)])
         if row["editing_threshold"] == off and row["max_post_steps"]:
             assert torch.equal(completions[index], completions[twin(official, index, max_post_steps=0.0)])
 

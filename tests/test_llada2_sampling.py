@@ -82,9 +82,9 @@ def twin(official: dict, index: int, **change) -> int:
     return next(i for i, row in enumerate(official["rows"]) if official["prompt_index"][i] == prompt and row == wanted)
 
 
-def test_the_grid_covers_stops_at_eos_and_early_stop_changes_no_token(official):
-    """The fixture exercises the EOS stop and the last block past gen_length; eos_early_stop's return within the
-    block holds the tokens of the stop after it."""
+def assert_grid_stops_at_eos(official: dict) -> None:
+    """The fixture's rows stop at EOS (some, not all), its prompts end a block's 0, 2 and 3 positions in, and
+    eos_early_stop changes no row's tokens."""
     completions, rows = official["completions"], official["rows"]
     stopped = [bool((completion == official["eos"]).any()) for completion in completions]
     assert 0 < sum(stopped) < len(stopped)
@@ -92,6 +92,12 @@ def test_the_grid_covers_stops_at_eos_and_early_stop_changes_no_token(official):
     for index, row in enumerate(rows):
         if row["eos_early_stop"]:
             assert torch.equal(completions[index], completions[twin(official, index, eos_early_stop=0.0)])
+
+
+def test_the_grid_covers_stops_at_eos_and_early_stop_changes_no_token(official):
+    """The fixture exercises the EOS stop and the last block past gen_length; eos_early_stop's return within the
+    block holds the tokens of the stop after it."""
+    assert_grid_stops_at_eos(official)
 
 
 def assert_every_official_row(model, official: dict, sampler_of, cache: str) -> None:

@@ -59,7 +59,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_llada2_generate_fixture import generate_fixture_arguments  # noqa: E402
+from make_llada2_generate_fixture import fixture_tensors, generate_fixture_arguments  # noqa: E402
 from make_llada2_parity_fixture import MASK_ID, TINY_CONFIG, import_official, official_mask  # noqa: E402
 
 PROMPT_LENGTHS = (3, 4, 6)
@@ -244,17 +244,8 @@ def main() -> None:
                             for row, other in zip(rows, published))
     assert edited and changed_by_editing and post_matters and 0 < stopped < len(rows) and margin > 1e-6
 
-    width = max(len(completion) for completion in completions)
-    padded_prompts = torch.full((len(prompts), max(PROMPT_LENGTHS)), -1, dtype=torch.long)
-    for index, prompt in enumerate(prompts):
-        padded_prompts[index, :len(prompt)] = prompt
-    outputs = {
-        "prompts": padded_prompts,
-        "settings": torch.tensor([[float(value) for value in row["settings"].values()] for row in rows],
-                                 dtype=torch.float64),
-        "prompt_index": torch.tensor([row["prompt"] for row in rows]),
-        "completions": torch.stack([torch.nn.functional.pad(c, (0, width - len(c)), value=-1) for c in completions]),
-    }
+    outputs = fixture_tensors(prompts, [[float(value) for value in row["settings"].values()] for row in rows],
+                              [row["prompt"] for row in rows], completions)
     save_file(outputs, args.checkpoint / "official_generate_21.safetensors",
               metadata={"settings": ",".join(grid), "eos_id": str(eos_id), "block_length": str(BLOCK_LENGTH),
                         "editing_off": str(EDITING_OFF), "padding": "-1 after each prompt and completion",

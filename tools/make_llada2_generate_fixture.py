@@ -65,6 +65,19 @@ def official_completion(model, prompt: torch.Tensor, settings: dict, eos_id: int
     return output
 
 
+def fixture_tensors(prompts: list[torch.Tensor], settings: list[list[float]], prompt_index: list[int],
+                    completions: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A ``generate`` fixture's tensors: the prompts and completions padded with −1, each row's settings (float64) and
+    its prompt's index."""
+    width = max(len(completion) for completion in completions)
+    padded_prompts = torch.full((len(prompts), max(len(prompt) for prompt in prompts)), -1, dtype=torch.long)
+    for index, prompt in enumerate(prompts):
+        padded_prompts[index, :len(prompt)] = prompt
+    return {"prompts": padded_prompts, "settings": torch.tensor(settings, dtype=torch.float64),
+            "prompt_index": torch.tensor(prompt_index),
+            "completions": torch.stack([torch.nn.functional.pad(c, (0, width - len(c)), value=-1) for c in completions])}
+
+
 def generate_fixture_arguments(doc: str) -> argparse.Namespace:
     """The command line of a ``generate`` fixture tool (its `doc`'s first line as the description): the official
     code's directory and the tiny checkpoint (default tests/data/llada2_official)."""
@@ -100,16 +113,7 @@ def main() -> None:
             rows.append([float(value) for value in values])
             prompt_index.append(index)
             completions.append(completion)
-    width = max(len(completion) for completion in completions)
-    padded_prompts = torch.full((len(prompts), max(PROMPT_LENGTHS)), -1, dtype=torch.long)
-    for index, prompt in enumerate(prompts):
-        padded_prompts[index, :len(prompt)] = prompt
-    outputs = {
-        "prompts": padded_prompts,
-        "settings": torch.tensor(rows, dtype=torch.float64),
-        "prompt_index": torch.tensor(prompt_index),
-        "completions": torch.stack([torch.nn.functional.pad(c, (0, width - len(c)), value=-1) for c in completions]),
-    }
+    outputs = fixture_tensors(prompts, rows, prompt_index, completions)
     save_file(outputs, args.checkpoint / "official_generate.safetensors",
               metadata={"settings": ",".join(GRID), "eos_id": str(eos_id), "block_length": str(BLOCK_LENGTH),
                         "padding": "-1 after each prompt and completion"})
