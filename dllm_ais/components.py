@@ -133,24 +133,25 @@ def check_unified_flow_launch(accelerator: Accelerator, policy: Policy, model: t
     run the same forwards. The samplers see to it for sampling (every host read that decides how many forwards run is
     agreed across the processes: `dllm_ais.sampling.forwards.EagerForwards.agreed`), for parallel decoding,
     block-causal models and autoregressive decoding alike, and so does the decoder replay
-    (`MaskedDiffusionSampler.decoder_logits`). The trajectory-type estimators' exact replay (`trajectory`,
-    `step_merge`, not the decoder replay nor the exact order's) runs one forward per distinct commit step (per step
-    rank of a block-causal model's blocks), which parallel decoding or a block-causal model makes differ per process:
-    refused there."""
+    (`MaskedDiffusionSampler.decoder_logits`) for its forwards. The trajectory-type estimators (`trajectory`,
+    `step_merge`) along the rollout's order are refused there with parallel decoding or a block-causal model: their
+    exact replay runs one forward per distinct commit step (per step rank of a block-causal model's blocks), which
+    differs per process, and the decoder replay, whose forwards agree, stalls in the backward of its pieces of
+    several sharded forwards (seen on 2 CPU processes); the order `experimental.likelihood_order=exact` replays is
+    the fixed schedule's."""
     launch = accelerator.distributed_type
     if launch == DistributedType.DEEPSPEED:
         raise ConfigError("rollout.precision_flow=unified runs single-process, under DDP or under FSDP, not under "
                           "DeepSpeed: launch with recipes/accelerate/ddp.yaml, or set rollout.precision_flow=split")
     if (launch == DistributedType.FSDP and isinstance(policy, DiffusionPolicy)
             and policy.estimator in TRAJECTORY_ESTIMATORS and policy.likelihood_order != "exact"
-            and not policy.replays_decoder
             and (policy.sampler_config.parallel_decoding or is_block_causal(model))):
         raise ConfigError(f"rollout.precision_flow=unified under FSDP scores with the sharded trainer, so every process "
-                          f"must run the same forwards, and likelihood.estimator={policy.estimator} replays one forward "
-                          "per distinct commit step, which parallel decoding or a block-causal model makes differ "
-                          "between processes: use likelihood.estimator=one_step, a rollout.cache with "
-                          "likelihood.estimator=trajectory (the decoder replay), or experimental.likelihood_order="
-                          "exact; else launch with recipes/accelerate/ddp.yaml, or set rollout.precision_flow=split")
+                          f"must run the same forwards, and likelihood.estimator={policy.estimator} replays the "
+                          "commit steps, which parallel decoding or a block-causal model makes differ between "
+                          "processes: use likelihood.estimator=one_step (or elbo, spg), or experimental."
+                          "likelihood_order=exact; else launch with recipes/accelerate/ddp.yaml, or set "
+                          "rollout.precision_flow=split")
 
 
 def lora_config(config: GRPOConfig, model_type: str) -> LoraConfig:

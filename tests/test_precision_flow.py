@@ -282,7 +282,8 @@ def test_the_unified_flow_trains_fully_fine_tuned_and_scores_the_high_precision_
 def test_the_settings_and_launches_the_unified_flow_refuses(tokenizer):
     """DeepSpeed is refused; FSDP takes every sampler (each forward of the sharded trainer gathers its weights on every
     process, and the samplers agree on their forwards: tests/test_forward_agreement.py), but not a trajectory-type
-    estimator's exact replay where the processes' commit steps differ (parallel decoding, a block-causal model)."""
+    estimator along the rollout's order where the processes' commit steps differ (parallel decoding, a block-causal
+    model): its exact replay runs one forward per distinct step, its decoder replay stalls in the backward."""
     with pytest.raises(ConfigError, match="rollout.compile=true compiles the split engine's own copy"):
         config_of(rollout={"precision_flow": "unified", "compile": True}).validate()
     config_of(rollout={"precision_flow": "unified", "compile": None}).validate()
@@ -301,13 +302,13 @@ def test_the_settings_and_launches_the_unified_flow_refuses(tokenizer):
     for model, sampling in ((llada, fixed_schedule), (llada, policy(llada, threshold=0.9)),
                             (sdar, policy(sdar, threshold=None, block_length=4)),
                             (llada, policy(llada, trajectory, threshold=None)),
-                            (llada, policy(llada, trajectory, threshold=0.9, cache="dual")),  # the decoder replay
                             (llada, policy(llada, trajectory, {"likelihood_order": "exact"}, threshold=0.9)),
                             (qwen3, build_policy(config_of(model_name_or_path="embedded-qwen3", policy="autoregressive"),
                                                  qwen3.config, load_tokenizer("embedded-qwen3")))):
         check_unified_flow_launch(fsdp, sampling, model)
     for model, sampling in ((llada, policy(llada, trajectory, threshold=0.9)),
                             (llada, policy(llada, {"estimator": "step_merge"}, threshold=0.9)),
+                            (llada, policy(llada, trajectory, threshold=0.9, cache="dual")),  # the decoder replay
                             (sdar, policy(sdar, trajectory, threshold=None, block_length=4))):
         with pytest.raises(ConfigError, match="under FSDP scores with the sharded trainer, so every process must"):
             check_unified_flow_launch(fsdp, sampling, model)
