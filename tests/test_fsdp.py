@@ -133,7 +133,7 @@ def test_the_unified_flow_samples_with_the_sharded_trainer_and_scores_the_high_p
 
 @pytest.mark.parametrize("recipe", [
     [],  # the embedded recipe: dual cache, threshold 0.9, the one-step estimator
-    [str(ROOT / "recipes" / "tiny_sdar_digits.yaml"), "--max_prompt_length=32"],
+    [str(ROOT / "recipes" / "tiny_sdar_digits.yaml")],
 ], ids=["llada-parallel-decoding", "sdar-block-causal"])
 def test_the_unified_flow_under_fsdp_samples_in_step_whatever_each_process_needs(tmp_path, recipe):
     """rollout.precision_flow=unified under FSDP2 with a sampler whose forwards depend on each process's prompts:
