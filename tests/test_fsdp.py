@@ -12,6 +12,7 @@ trainer's own dtype) so that the rollout engine can be compared with the saved m
 and the FP8 engine also run sharded on CPU, but are not compared here.
 """
 
+import math
 import re
 import shlex
 import signal
@@ -128,3 +129,25 @@ def test_the_unified_flow_samples_with_the_sharded_trainer_and_scores_the_high_p
     assert [record["step"] for record in steps] == [1, 2]
     assert all(record["rollout_corr/k3_kl"] == 0.0 and record["grad_norm"] > 0 for record in steps)
     assert "eval/high_precision_base/accuracy" in metrics(output_dir)[-1]
+
+
+@pytest.mark.parametrize("recipe", [
+    [],  # the embedded recipe: dual cache, threshold 0.9, the one-step estimator
+    [str(ROOT / "recipes" / "tiny_sdar_digits.yaml")],
+], ids=["llada-parallel-decoding", "sdar-block-causal"])
+def test_the_unified_flow_under_fsdp_samples_in_step_whatever_each_process_needs(tmp_path, recipe):
+    """rollout.precision_flow=unified under FSDP2 with a sampler whose forwards depend on each process's prompts:
+    parallel decoding (the embedded recipe's threshold: each process's blocks need the steps their confidences allow)
+    and SDAR's blocks (its rows' masked positions
+    per block differ with their prompts' lengths). The processes agree on every host read that decides how many
+    forwards run (`EagerForwards.agreed`), so the sharded forwards stay in step and the run completes; the ratio is
+    exactly 1."""
+    output_dir = tmp_path / "unified"
+    process = start([*LAUNCH, "-m", "dllm_ais.cli", "train", *recipe, "--max_steps=2", "--eval_size=0",
+                     "--num_iterations=1", "--per_device_train_batch_size=8", "--rollout.precision=mxfp4",
+                     "--rollout.precision_flow=unified", "--temperature=3.0", f"--output_dir={output_dir}"], tmp_path)
+    assert process.wait(timeout=600) == 0, output_of(process)[-5000:]
+    assert "distributed run: 2 processes (FSDP) on cpu" in output_of(process)
+    steps = [record for record in metrics(output_dir) if "loss" in record]
+    assert [record["step"] for record in steps] == [1, 2]
+    assert all(record["rollout_corr/k3_kl"] == 0.0 and math.isfinite(record["grad_norm"]) for record in steps)

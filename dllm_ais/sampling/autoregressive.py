@@ -153,8 +153,9 @@ class AutoregressiveSampler:
         `torch.multinomial(generator=generator)` (argmax for τ = 0); step_logprobs[:, k] = log softmax(s)[token];
         commit_step[:, k] = k; num_steps = the steps through the row's first EOS. Rows that have emitted an EOS emit
         `pad` (log-prob 0) from then on; decoding stops when every row has finished (checked every step, or every
-        STOP_CHECK_INTERVAL steps when the model decodes at static shapes), and the completion is padded to exactly
-        max_new_tokens.
+        STOP_CHECK_INTERVAL steps when the model decodes at static shapes) — with a model sharded by FSDP2, when every
+        process's rows have (`EagerForwards.agreed`), so that all run the same forwards — and the completion is padded
+        to exactly max_new_tokens.
         Draws happen on the generator's device (pass one on the model's device to avoid a copy per step).
         """
         require_causal_lm(model, "AutoregressiveSampler")
@@ -169,6 +170,7 @@ class AutoregressiveSampler:
         decode = (_StaticDecode(forwards, attention_mask, cfg.max_new_tokens) if static
                   else _DynamicDecode(model, attention_mask))
         stop_check_interval = STOP_CHECK_INTERVAL if static else 1
+        stop = forwards or EagerForwards(model)  # agreed: sharded (FSDP2), all processes stop together
         tokens, logprobs = [], []
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
         logits = decode.prefill(input_ids)
@@ -180,7 +182,8 @@ class AutoregressiveSampler:
             tokens.append(token)
             logprobs.append(logprob.masked_fill(finished, 0.0))
             finished |= torch.isin(token, eos)
-            if step == cfg.max_new_tokens or (step % stop_check_interval == 0 and bool(finished.all())):
+            if step == cfg.max_new_tokens or (step % stop_check_interval == 0
+                                              and bool(stop.agreed(finished.all().reshape(1), "min")[0])):
                 break
             logits = decode.step(token)
 

@@ -29,10 +29,19 @@ attention mask of the cache's whole length, so that every step of every call has
 write offset in place, inside the graph.
 
 Sampling only: the trainer's scoring forwards (with gradients, varying shapes) run the model as it is (`EagerForwards`).
+
+Sharded forwards (`EagerForwards.shared`): a model sharded by FSDP2 (``fully_shard``: the unified precision flow's
+engine, or the trainer's model in the decoder replay) gathers its weights on every process at each forward, so every
+process must run the same number of forwards. The samplers decide that number from a few host reads of device values
+(masked positions left, steps a block needed, whether every row has finished); each such read goes through
+`EagerForwards.agreed` first, which makes it the same on every process: a count the maximum over the processes, a
+"finished" flag their AND. A process whose rows are done runs the remaining forwards and commits nothing. Unsharded
+(one process, DDP, the split engine's own copy), `agreed` is the identity and costs nothing.
 """
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -42,7 +51,8 @@ from transformers import StaticCache
 
 from dllm_ais.sampling.fp8_cache import FP8KeyValueCache, FP8KeyValueCacheRefresh
 
-__all__ = ["PROMPT_BUCKET", "EagerForwards", "StaticForwards", "bucketed_prompt_length", "compile_blocks"]
+__all__ = ["PROMPT_BUCKET", "EagerForwards", "StaticForwards", "agreed_across_processes", "bucketed_prompt_length",
+           "compile_blocks", "is_sharded"]
 
 PROMPT_BUCKET = 64  # prompts are left-padded to a multiple of this many tokens: one set of graphs per bucket
 RECOMPILE_LIMIT = 64  # compiled variants of the block code torch keeps before falling back to eager
@@ -74,15 +84,63 @@ def compile_blocks(model: nn.Module) -> int:
     return len(blocks)
 
 
+def is_sharded(model: nn.Module) -> bool:
+    """Whether `model` (or a module inside it: the trainer's wrappers put the sharded root anywhere) is sharded by
+    FSDP2 (``fully_shard``) in a torch.distributed run of more than one process: each of its forwards then gathers
+    weights on every process at once."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    from torch.distributed.fsdp import FSDPModule
+    return isinstance(model, FSDPModule) or any(isinstance(module, FSDPModule) for module in model.modules())
+
+
+def agreed_across_processes(values: torch.Tensor, op: str | Sequence[str] = "max",
+                            group: Any = None) -> torch.Tensor:
+    """`values` (integers or bools, on the device the process group communicates on) made the same on every process
+    of `group` (None: the default group) by one all-reduce: each element its maximum over the processes (`op`
+    "max": a count) or its minimum ("min": over bools, their AND); `op` one name for every element or one per element
+    of a 1-D `values`. Returns a tensor of `values`' shape and dtype."""
+    import torch.distributed as dist
+    ops = [op] * values.numel() if isinstance(op, str) else list(op)
+    if len(ops) != values.numel() or set(ops) - {"max", "min"}:
+        raise ValueError(f"agreed_across_processes takes op 'max' or 'min', one or one per value; got {op!r} for "
+                         f"{values.numel()} values")
+    signs = torch.tensor([1 if name == "max" else -1 for name in ops], dtype=torch.long, device=values.device)
+    work = values.reshape(-1).long() * signs  # a minimum is the negated maximum of the negated values: one all-reduce
+    dist.all_reduce(work, op=dist.ReduceOp.MAX, group=group)
+    return (work * signs).reshape(values.shape).to(values.dtype)
+
+
 class EagerForwards:
     """A model's sampling forwards, run as the model is: `logits` one forward, `key_value_buffers` a forward that
     returns the keys/values it computed (a cache refresh). No static shapes: prompts are not bucketed, and a
-    block-causal model's cache grows with the blocks decoded."""
+    block-causal model's cache grows with the blocks decoded.
+
+    `shared`: whether every process runs each forward together (None: whether the model is sharded, `is_sharded`,
+    looked up at the first `agreed`, i.e. after the trainer has sharded it); the samplers' host reads that decide how
+    many forwards run then go through `agreed` (the module docstring: sharded forwards)."""
 
     static_shapes = False
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, shared: bool | None = None):
         self.model = model
+        self._shared = shared
+
+    @property
+    def shared(self) -> bool:
+        """Whether the processes run every forward of this model together (an FSDP2-sharded model's)."""
+        if self._shared is None:
+            self._shared = is_sharded(self.model)
+        return self._shared
+
+    def agreed(self, values: torch.Tensor, op: str | Sequence[str] = "max") -> torch.Tensor:
+        """`values` [N] (device integers or bools about to be read on the host to decide how many forwards run) as
+        every process sharing the forwards reads them: with `shared`, the maximum over the processes of each count
+        (`op` "max") and the AND of each flag ("min"), one name or one per value (`agreed_across_processes`: one
+        all-reduce over the default process group); `values` themselves otherwise. Every process calls it at the same
+        point of its loop, as it runs the same forwards."""
+        return agreed_across_processes(values, op) if self.shared else values
 
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                logits_to_keep: torch.Tensor | int, past_key_values: Any = None,

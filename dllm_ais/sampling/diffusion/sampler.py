@@ -196,7 +196,12 @@ class MaskedDiffusionSampler:
         `block_length` masked positions, so the counts are known on the host), except ``origin``'s random counts;
         with parallel decoding, one per block, and one per step a block runs past its budget (the steps of the
         block before it: `_denoise_block_in_parallel`); one per call for a block-causal model (its rows' masked
-        positions per block)."""
+        positions per block).
+
+        Sharded forwards (`EagerForwards.shared`, FSDP2): each of those reads goes through `EagerForwards.agreed`, so
+        that every process runs the same forwards (a block none of a process's rows needs, or steps past its rows'
+        last commits, run there and commit nothing); a block-causal model's fixed schedule (or ``origin``'s random
+        counts) then also reads, per step, whether any process commits."""
         config, device = self.config, input_ids.device
         prompt_attention = padding_or_none(attention_mask)
         layout = self.canvas_layout(input_ids, prompt_attention, token_ids)
@@ -212,14 +217,20 @@ class MaskedDiffusionSampler:
             transfer_schedule(torch.tensor([config.block_length]), config.steps_per_block)[0].tolist(),
             routing_log(config, forwards, layout, token_ids))
         # Per block, per row, its masked positions (fewer than block_length in a block-causal model's first and last
-        # blocks): read once, before the loop, so that no block waits on the device for them.
-        masked_per_block = ([[config.block_length] * shape[0]] * len(layout.blocks) if not token_ids.block_causal
-                            else torch.stack([layout.canvas[:, block] == token_ids.mask for block in layout.blocks],
-                                             dim=1).sum(dim=2).T.tolist())
+        # blocks), and per block the most a row of any process holds: read once, before the loop, so that no block
+        # waits on the device for them.
+        if not token_ids.block_causal:
+            masked_per_block = [[config.block_length] * shape[0]] * len(layout.blocks)
+            busiest = [config.block_length] * len(layout.blocks)
+        else:
+            masked = torch.stack([layout.canvas[:, block] == token_ids.mask for block in layout.blocks],
+                                 dim=1).sum(dim=2)  # [B, blocks]
+            per_block = torch.cat([masked.T, forwards.agreed(masked.amax(dim=0))[:, None]], dim=1).tolist()
+            masked_per_block, busiest = [row[:-1] for row in per_block], [row[-1] for row in per_block]
         budget = None  # parallel decoding's steps before a block's first read: the steps the block before needed
 
-        for block, masked_left in zip(layout.blocks, masked_per_block):
-            if max(masked_left) == 0:  # a block past every row's completion: no forward
+        for block, masked_left, most_masked in zip(layout.blocks, masked_per_block, busiest):
+            if most_masked == 0:  # a block past every row's completion (on every process): no forward
                 continue
             if config.editing_threshold is not None:
                 self._denoise_block_with_edits(state, block)
@@ -227,7 +238,7 @@ class MaskedDiffusionSampler:
                 budget = self._denoise_block_in_parallel(state, block, budget)
             else:
                 self._denoise_block_on_schedule(state, block, masked_left)
-            if config.stop_at_eos and self.completions_final(layout.completion(layout.canvas), token_ids):
+            if config.stop_at_eos and self.completions_final(layout.completion(layout.canvas), token_ids, forwards):
                 break
         completion = layout.completion(layout.canvas)
         sequences = torch.cat([input_ids, completion], dim=1)
@@ -253,22 +264,35 @@ class MaskedDiffusionSampler:
             mask[:, self.config.completion_length:] = False
         return mask
 
-    def completions_final(self, completion: torch.LongTensor, token_ids: SpecialTokenIds) -> bool:
+    def completions_final(self, completion: torch.LongTensor, token_ids: SpecialTokenIds,
+                          forwards: EagerForwards | None = None) -> bool:
         """Whether every row of `completion` [B, L] (the canvas so far) is final: no mask id in its completion mask
-        (`stop_at_eos`). One host read."""
-        return not bool(((completion == token_ids.mask) & self.completion_mask(completion, token_ids)).any())
+        (`stop_at_eos`); with sharded `forwards`, every row of every process (`EagerForwards.agreed`). One host
+        read."""
+        final = ~((completion == token_ids.mask) & self.completion_mask(completion, token_ids)).any().reshape(1)
+        return bool((final if forwards is None else forwards.agreed(final, "min"))[0])
 
     def _denoise_block_on_schedule(self, state: _Denoising, block: slice, masked_left: list[int]) -> None:
         """Fill `block` in the fixed schedule's steps (`schedule.scheduled_counts`), the counts known on the host; a step at
-        which no row commits runs no forward (the official loops run one that commits nothing)."""
+        which no row commits runs no forward (the official loops run one that commits nothing). Sharded forwards
+        (`EagerForwards.shared`): where another process's rows commit, the step runs its forward here too
+        (`_idle_forward`), uncounted, so this process's steps, draws and records are those it makes alone."""
         config = self.config
         still_masked = state.canvas[:, block] == state.token_ids.mask
         forwards_in_block = 0
+        # Every process's rows hold block_length masked positions and commit the same counts, but a block-causal
+        # model's (its first and last blocks) or origin's random counts: sharded, each step asks every process.
+        counts_differ = state.token_ids.block_causal or config.remasking == "origin"
         for step_in_block in range(config.steps_per_block):
             counts = scheduled_counts(config, masked_left, state.block_schedule, step_in_block, state.generator)
-            if max(counts) == 0:
+            most = busiest = max(counts)
+            if counts_differ and state.forwards.shared:
+                busiest = int(state.forwards.agreed(torch.tensor([most], device=still_masked.device))[0])
+            if most == 0:
+                if busiest > 0:
+                    self._idle_forward(state, block, forwards_in_block)
                 continue
-            step = self._denoise_step(state, block, still_masked, forwards_in_block, width=max(masked_left),
+            step = self._denoise_step(state, block, still_masked, forwards_in_block, width=max([*masked_left, 1]),
                                       counts=counts)
             forwards_in_block += 1
             still_masked &= ~step.commit
@@ -298,7 +322,8 @@ class MaskedDiffusionSampler:
                                           floor=floor)
                 forwards_in_block += 1
                 still_masked &= ~step.commit
-            left, needed = torch.stack([still_masked.sum(dim=1).max(), steps_needed]).tolist()  # the host read
+            left, needed = state.forwards.agreed(  # the host read
+                torch.stack([still_masked.sum(dim=1).max(), steps_needed])).tolist()
             run = self._next_run(left, budget)
         return needed
 
@@ -346,8 +371,18 @@ class MaskedDiffusionSampler:
                 done |= (~had_mask & ~edit.any(dim=1)) | (forwards_in_block >= editing_step_limit(config))
             masked = state.canvas[:, block] == mask
             ends_next = done | (~masked.any(dim=1) & (post_steps + 1 > config.max_post_steps))
-            left, finished = torch.stack([masked.sum(dim=1).max(), ends_next.all()]).tolist()  # the host read
+            left, finished = state.forwards.agreed(  # the host read
+                torch.stack([masked.sum(dim=1).max(), ends_next.all()]), ("max", "min")).tolist()
             run = 0 if finished else max(left, 1)
+
+    def _idle_forward(self, state: _Denoising, block: slice, forwards_in_block: int) -> None:
+        """The forward of `block` a step of sharded forwards runs where none of this process's rows commits (another
+        process's do): the logits discarded, nothing committed, the step not counted. Its cache refresh (the step's
+        own) reads the canvas the next counted step reads, so that step's cache is what it would be without it."""
+        if state.cache is not None:
+            state.cache.refresh = self.config.refreshes_cache(forwards_in_block)
+        self.block_logits(state.forwards, state.canvas, state.layout.attention, state.layout.prompt_length, block,
+                          state.token_ids, state.cache)
 
     @staticmethod
     def _next_run(left: int, budget: int | None) -> int:
@@ -443,6 +478,11 @@ class MaskedDiffusionSampler:
         The replay keeps its cache in the model's dtype whatever `cache_dtype` says: FP8 storage is an approximation
         of the rollout engine, which the importance ratio (the sampler's recorded log-probs against this replay)
         sees like the engine's weight precision; the trainer's ℓ_old and ℓ_θ are the same replay.
+
+        A model sharded by FSDP2 (`EagerForwards.shared`) replays on every process the same forwards: a block's steps
+        the most any process's rows need, a step wherever a row of any process writes (or the cache refreshes), a
+        block wherever any process holds one of `positions`; a step writing nothing on this process yields
+        `written` all False.
         """
         token_ids = self.resolve_token_ids(model)
         if rollout.gen_length != self.config.gen_length:
@@ -457,16 +497,22 @@ class MaskedDiffusionSampler:
         routing = self.routing_replay(model, rollout)
         for block_index, block in enumerate(layout.blocks):
             window = layout.completion_window(block)
-            if positions is not None and not bool((completion_window(positions, window)
-                                                   & in_completion[:, block]).any()):
+            if positions is not None and not bool(forwards.agreed(
+                    (completion_window(positions, window) & in_completion[:, block]).any().reshape(1))[0]):
                 continue
             if cache is not None and token_ids.block_causal and torch.is_grad_enabled():
                 cache = self.block_cache(token_ids, sampling=False)  # rebuilt by this block: its own graph
             writes.start_block(block)
-            for step in range(writes.steps_in_block):
+            steps_in_block, writes_anywhere = writes.steps_in_block, None
+            if forwards.shared:  # every process replays the same steps: the most any needs, each one any writes at
+                steps_in_block = int(forwards.agreed(torch.tensor([steps_in_block], device=layout.canvas.device))[0])
+                writes_anywhere = forwards.agreed(torch.stack(
+                    [writes.written_at(step).any() for step in range(steps_in_block)]
+                    or [torch.zeros((), dtype=torch.bool, device=layout.canvas.device)])).tolist()
+            for step in range(steps_in_block):
                 written = writes.written_at(step)
                 refresh = cache is not None and self.config.refreshes_cache(step)
-                if not (refresh or bool(written.any())):
+                if not (refresh or (bool(written.any()) if writes_anywhere is None else writes_anywhere[step])):
                     continue
                 if cache is not None:
                     cache.refresh = refresh
