@@ -24,14 +24,17 @@ trajectory of a tiny model to check both parts).
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
 from dllm_ais.rollout import Rollout
 from dllm_ais.sampling.diffusion.canvas import CanvasLayout
 from dllm_ais.sampling.diffusion.sampler_config import DiffusionSamplerConfig
+from dllm_ais.sampling.diffusion.schedule import scheduled_floor
 
-__all__ = ["EDITS", "EditLog", "EditRecord", "ReplayedWrites", "canvas_before_step", "editing_step_limit",
+__all__ = ["EDITS", "EditLog", "EditRecord", "ReplayedWrites", "canvas_before_step", "denoise_block_with_edits",
+           "editing_step_limit",
            "first_commit_tokens",
            "recorded_edits", "token_edits"]
 
@@ -76,6 +79,56 @@ class EditRecord:
 def recorded_edits(rollout: Rollout) -> EditRecord | None:
     """`rollout`'s edit record, None when its sampler does not edit."""
     return rollout.records.get(EDITS)
+
+
+def denoise_block_with_edits(sampler: Any, state: Any, block: slice) -> None:
+    """Decode `block` of a sampling call (`state`: `MaskedDiffusionSampler`'s denoising state) by `sampler` with token
+    editing, each step through `sampler.write_step`: each step fills masks by the threshold rule (at least the
+    schedule's floor) and edits the filled completion positions, each row until its block ends (a step that began
+    with no mask and edited nothing, or `max_post_steps` steps without a mask, or `editing_step_limit` steps); a
+    finished row's steps write nothing. A position holding the mask id is masked, as in LLaDA2.1's code: an edit (or
+    a commit) that writes the mask id leaves it to be committed again, that write recorded with the edits. One host
+    read per run of steps (agreed across the processes of a sharded engine): as many as the slowest row's masks
+    left, then one step at a time while rows only edit."""
+    config, mask = sampler.config, state.token_ids.mask
+    editable = state.layout.on_canvas(torch.ones_like(state.layout.completion_index, dtype=torch.bool),
+                                      False)[:, block]
+    post_steps = torch.zeros(state.canvas.shape[0], dtype=torch.long, device=state.canvas.device)
+    done = torch.zeros_like(post_steps, dtype=torch.bool)
+    forwards_in_block, run = 0, 1
+    while run > 0:
+        for _ in range(run):
+            before = state.canvas[:, block].clone()
+            still_masked = before == mask
+            had_mask = still_masked.any(dim=1)
+            post_steps += ~had_mask & ~done
+            done |= post_steps > config.max_post_steps
+            rewritten = still_masked & (state.commit_step[:, block] >= 0)  # committed before, masked again
+            commit_step, logprobs = state.commit_step[:, block].clone(), state.step_logprobs[:, block].clone()
+            scheduled = (state.block_schedule[forwards_in_block] if forwards_in_block < len(state.block_schedule)
+                         else 0)
+            step = sampler.write_step(state, block, still_masked & ~done[:, None], forwards_in_block,
+                                      width=config.block_length,
+                                      floor=scheduled_floor(config, still_masked, scheduled, forwards_in_block))
+            forwards_in_block += 1
+            rewrite = step.commit & rewritten
+            state.commit_step[:, block] = torch.where(rewrite, commit_step, state.commit_step[:, block])
+            state.step_logprobs[:, block] = torch.where(rewrite, logprobs + step.logprobs,
+                                                        state.step_logprobs[:, block])
+            drawn, drawn_logprobs = sampler.propose_tokens(step.logits, state.generator)
+            edit = token_edits(before, drawn, drawn_logprobs, editable & ~still_masked & ~done[:, None],
+                               config.editing_threshold)
+            state.canvas[:, block] = torch.where(edit, drawn, state.canvas[:, block])
+            state.step_logprobs[:, block] += torch.where(edit, drawn_logprobs, 0.0)
+            state.num_steps += edit.any(dim=1) & ~step.commit.any(dim=1)
+            state.edits.add(state.step - 1, block, edit | rewrite, before, torch.where(edit, drawn, step.candidates),
+                            torch.where(edit, drawn_logprobs, step.logprobs))
+            done |= (~had_mask & ~edit.any(dim=1)) | (forwards_in_block >= editing_step_limit(config))
+        masked = state.canvas[:, block] == mask
+        ends_next = done | (~masked.any(dim=1) & (post_steps + 1 > config.max_post_steps))
+        left, finished = state.forwards.agreed(  # the host read
+            torch.stack([masked.sum(dim=1).max(), ends_next.all()]), ("max", "min")).tolist()
+        run = 0 if finished else max(left, 1)
 
 
 def editing_step_limit(config: DiffusionSamplerConfig) -> int:

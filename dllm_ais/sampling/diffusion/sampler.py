@@ -19,7 +19,7 @@ from dllm_ais.sampling.diffusion.canvas import (CanvasLayout, block_aligned_layo
                                                 completion_layout, completion_window, max_canvas_length)
 from dllm_ais.sampling.diffusion.choice import COMMIT_CHOICE, ChoiceRecord, CommitChoiceReplay
 from dllm_ais.sampling.diffusion.draw import gumbel_argmax, sampling_logprobs
-from dllm_ais.sampling.diffusion.editing import EDITS, EditLog, ReplayedWrites, editing_step_limit, token_edits
+from dllm_ais.sampling.diffusion.editing import EDITS, EditLog, ReplayedWrites, denoise_block_with_edits
 from dllm_ais.sampling.diffusion.routing_record import ROUTING, RecordedRouting, RoutingLog, routing_log
 from dllm_ais.sampling.diffusion.rules import checked_scores, resolve_remasking_rule
 from dllm_ais.sampling.diffusion.sampler_config import DiffusionSamplerConfig, SpecialTokenIds, resolve_special_tokens
@@ -233,7 +233,7 @@ class MaskedDiffusionSampler:
             if most_masked == 0:  # a block past every row's completion (on every process): no forward
                 continue
             if config.editing_threshold is not None:
-                self._denoise_block_with_edits(state, block)
+                denoise_block_with_edits(self, state, block)
             elif config.parallel_decoding:
                 budget = self._denoise_block_in_parallel(state, block, budget)
             else:
@@ -292,7 +292,7 @@ class MaskedDiffusionSampler:
                 if busiest > 0:
                     self._idle_forward(state, block, forwards_in_block)
                 continue
-            step = self._denoise_step(state, block, still_masked, forwards_in_block, width=max([*masked_left, 1]),
+            step = self.write_step(state, block, still_masked, forwards_in_block, width=max([*masked_left, 1]),
                                       counts=counts)
             forwards_in_block += 1
             still_masked &= ~step.commit
@@ -318,7 +318,7 @@ class MaskedDiffusionSampler:
                     scheduled = block_schedule[forwards_in_block] if forwards_in_block < len(block_schedule) else 0
                     floor = scheduled_floor(config, still_masked, scheduled, forwards_in_block)
                 steps_needed = steps_needed + still_masked.any()
-                step = self._denoise_step(state, block, still_masked, forwards_in_block, width=config.block_length,
+                step = self.write_step(state, block, still_masked, forwards_in_block, width=config.block_length,
                                           floor=floor)
                 forwards_in_block += 1
                 still_masked &= ~step.commit
@@ -326,54 +326,6 @@ class MaskedDiffusionSampler:
                 torch.stack([still_masked.sum(dim=1).max(), steps_needed])).tolist()
             run = self._next_run(left, budget)
         return needed
-
-    def _denoise_block_with_edits(self, state: _Denoising, block: slice) -> None:
-        """Decode `block` with token editing (`dllm_ais.sampling.diffusion.editing`): each step fills masks by the
-        threshold rule (at least the schedule's floor) and edits the filled completion positions, each row until its
-        block ends (a step that began with no mask and edited nothing, or `max_post_steps` steps without a mask, or
-        `editing.editing_step_limit` steps); a finished row's steps write nothing. A position holding the mask id is masked,
-        as in LLaDA2.1's code: an edit (or a commit) that writes the mask id leaves it to be committed again, that
-        write recorded with the edits. One host read per run of steps: as many as the slowest row's masks left, then
-        one step at a time while rows only edit."""
-        config, mask = self.config, state.token_ids.mask
-        editable = state.layout.on_canvas(torch.ones_like(state.layout.completion_index, dtype=torch.bool),
-                                          False)[:, block]
-        post_steps = torch.zeros(state.canvas.shape[0], dtype=torch.long, device=state.canvas.device)
-        done = torch.zeros_like(post_steps, dtype=torch.bool)
-        forwards_in_block, run = 0, 1
-        while run > 0:
-            for _ in range(run):
-                before = state.canvas[:, block].clone()
-                still_masked = before == mask
-                had_mask = still_masked.any(dim=1)
-                post_steps += ~had_mask & ~done
-                done |= post_steps > config.max_post_steps
-                rewritten = still_masked & (state.commit_step[:, block] >= 0)  # committed before, masked again
-                commit_step, logprobs = state.commit_step[:, block].clone(), state.step_logprobs[:, block].clone()
-                scheduled = (state.block_schedule[forwards_in_block] if forwards_in_block < len(state.block_schedule)
-                             else 0)
-                step = self._denoise_step(state, block, still_masked & ~done[:, None], forwards_in_block,
-                                          width=config.block_length,
-                                          floor=scheduled_floor(config, still_masked, scheduled, forwards_in_block))
-                forwards_in_block += 1
-                rewrite = step.commit & rewritten
-                state.commit_step[:, block] = torch.where(rewrite, commit_step, state.commit_step[:, block])
-                state.step_logprobs[:, block] = torch.where(rewrite, logprobs + step.logprobs,
-                                                            state.step_logprobs[:, block])
-                drawn, drawn_logprobs = self.propose_tokens(step.logits, state.generator)
-                edit = token_edits(before, drawn, drawn_logprobs, editable & ~still_masked & ~done[:, None],
-                                   config.editing_threshold)
-                state.canvas[:, block] = torch.where(edit, drawn, state.canvas[:, block])
-                state.step_logprobs[:, block] += torch.where(edit, drawn_logprobs, 0.0)
-                state.num_steps += edit.any(dim=1) & ~step.commit.any(dim=1)
-                state.edits.add(state.step - 1, block, edit | rewrite, before, torch.where(edit, drawn, step.candidates),
-                                torch.where(edit, drawn_logprobs, step.logprobs))
-                done |= (~had_mask & ~edit.any(dim=1)) | (forwards_in_block >= editing_step_limit(config))
-            masked = state.canvas[:, block] == mask
-            ends_next = done | (~masked.any(dim=1) & (post_steps + 1 > config.max_post_steps))
-            left, finished = state.forwards.agreed(  # the host read
-                torch.stack([masked.sum(dim=1).max(), ends_next.all()]), ("max", "min")).tolist()
-            run = 0 if finished else max(left, 1)
 
     def _idle_forward(self, state: _Denoising, block: slice, forwards_in_block: int) -> None:
         """The forward of `block` a step of sharded forwards runs where none of this process's rows commits (another
@@ -390,10 +342,11 @@ class MaskedDiffusionSampler:
         (the block before it says its pace), half of them (rounded up) in the first block. 0 once it is filled."""
         return left if budget else -(-left // 2)
 
-    def _denoise_step(self, state: _Denoising, block: slice, still_masked: torch.Tensor, forwards_in_block: int,
-                      **commit_rule: Any) -> DenoiseStep:
-        """One step of `block`: its forward (refreshing the cache where `refreshes_cache` says), `denoise_step`, and
-        the commits written to the canvas and its records (`commit_rule`: denoise_step's width, counts, floor)."""
+    def write_step(self, state: _Denoising, block: slice, still_masked: torch.Tensor, forwards_in_block: int,
+                   **commit_rule: Any) -> DenoiseStep:
+        """One step of `block` of a sampling call (`state`; the block loops and the editing decoder call it): its
+        forward (refreshing the cache where `refreshes_cache` says), `denoise_step`, and the commits written to the
+        canvas and its records (`commit_rule`: denoise_step's width, counts, floor)."""
         config, canvas = self.config, state.canvas
         if state.cache is not None:
             state.cache.refresh = config.refreshes_cache(forwards_in_block)
