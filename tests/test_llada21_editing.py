@@ -158,9 +158,7 @@ def test_the_write_ratio_leaves_out_the_decisions(sampled):
     _, _, _, trajectories, other_model = sampled
     other = enumerate_trajectories(other_model)
     complete = sum(math.exp(other[key][0]) for key in trajectories if key in other)
-    assert complete <= 1 + 1e-9
-    assert sum(math.exp(logprob) for key, (logprob, _) in other.items() if key not in trajectories) == pytest.approx(
-        1 - complete, abs=1e-9)
+    assert complete < 1 - 1e-3  # model 1's decoder cannot take some of model 0's trajectories
     writes_only = sum(math.exp(logprob + write_logprob(other_model, key) - writes)
                       for key, (logprob, writes) in trajectories.items())
     assert abs(writes_only - complete) > 1e-3

@@ -237,7 +237,7 @@ class MaskedDiffusionSampler:
             elif config.parallel_decoding:
                 budget = self._denoise_block_in_parallel(state, block, budget)
             else:
-                self._denoise_block_on_schedule(state, block, masked_left)
+                self._denoise_block_on_schedule(state, block, masked_left, most_masked)
             if config.stop_at_eos and self.completions_final(layout.completion(layout.canvas), token_ids, forwards):
                 break
         completion = layout.completion(layout.canvas)
@@ -272,7 +272,8 @@ class MaskedDiffusionSampler:
         final = ~((completion == token_ids.mask) & self.completion_mask(completion, token_ids)).any().reshape(1)
         return bool((final if forwards is None else forwards.agreed(final, "min"))[0])
 
-    def _denoise_block_on_schedule(self, state: _Denoising, block: slice, masked_left: list[int]) -> None:
+    def _denoise_block_on_schedule(self, state: _Denoising, block: slice, masked_left: list[int],
+                                   most_masked: int) -> None:
         """Fill `block` in the fixed schedule's steps (`schedule.scheduled_counts`), the counts known on the host; a step at
         which no row commits runs no forward (the official loops run one that commits nothing). Sharded forwards
         (`EagerForwards.shared`): where another process's rows commit, the step runs its forward here too
@@ -280,20 +281,25 @@ class MaskedDiffusionSampler:
         config = self.config
         still_masked = state.canvas[:, block] == state.token_ids.mask
         forwards_in_block = 0
-        # Every process's rows hold block_length masked positions and commit the same counts, but a block-causal
-        # model's (its first and last blocks) or origin's random counts: sharded, each step asks every process.
-        counts_differ = state.token_ids.block_causal or config.remasking == "origin"
+        # What any row of any process commits at a step: the count of a row holding `most_masked` (the block's most
+        # masked positions on every process; a schedule's count grows with the positions left), on the host; only
+        # origin's random counts ask every process, at each step, when sharded.
+        busiest_left = most_masked
         for step_in_block in range(config.steps_per_block):
             counts = scheduled_counts(config, masked_left, state.block_schedule, step_in_block, state.generator)
             most = busiest = max(counts)
-            if counts_differ and state.forwards.shared:
-                busiest = int(state.forwards.agreed(torch.tensor([most], device=still_masked.device))[0])
+            if config.remasking == "origin":
+                if state.forwards.shared:
+                    busiest = int(state.forwards.agreed(torch.tensor([most], device=still_masked.device))[0])
+            else:
+                busiest = scheduled_counts(config, [busiest_left], state.block_schedule, step_in_block, None)[0]
+                busiest_left -= busiest
             if most == 0:
                 if busiest > 0:
                     self._idle_forward(state, block, forwards_in_block)
                 continue
             step = self.write_step(state, block, still_masked, forwards_in_block, width=max([*masked_left, 1]),
-                                      counts=counts)
+                                   counts=counts)
             forwards_in_block += 1
             still_masked &= ~step.commit
             masked_left = [max(left - count, 0) for left, count in zip(masked_left, counts)]
@@ -319,7 +325,7 @@ class MaskedDiffusionSampler:
                     floor = scheduled_floor(config, still_masked, scheduled, forwards_in_block)
                 steps_needed = steps_needed + still_masked.any()
                 step = self.write_step(state, block, still_masked, forwards_in_block, width=config.block_length,
-                                          floor=floor)
+                                       floor=floor)
                 forwards_in_block += 1
                 still_masked &= ~step.commit
             left, needed = state.forwards.agreed(  # the host read
