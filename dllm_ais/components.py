@@ -16,12 +16,10 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from torch.distributed.tensor import DTensor
 from transformers import get_scheduler
 
-from dllm_ais.choices import TRAJECTORY_ESTIMATORS
 from dllm_ais.config import ConfigError, GRPOConfig
 from dllm_ais.engine import RolloutEngine, adapter_host, quantize_trainer_model_
 from dllm_ais.loading import keep_freed_host_memory, load_model, resolve_dtype
 from dllm_ais.models.routing import EngineRouting, routed_layers
-from dllm_ais.models.families import is_block_causal
 from dllm_ais.validation import problem_list
 from dllm_ais.policy import (CustomSampler, DiffusionPolicy, Policy, build_policy,
                              custom_policy_problems, is_diffusion, lora_target_modules,
@@ -124,34 +122,18 @@ def with_trained_weights_(model: torch.nn.Module, trained: torch.nn.Module) -> t
     return model.eval().requires_grad_(False)
 
 
-def check_unified_flow_launch(accelerator: Accelerator, policy: Policy, model: torch.nn.Module) -> None:
+def check_unified_flow_launch(accelerator: Accelerator) -> None:
     """Refuse, in one line, a launch the unified precision flow does not run under: DeepSpeed (it owns the parameters
-    the engine would sample with), and under FSDP a trainer whose likelihood passes run a number of forwards that
-    differs between processes.
+    the engine would sample with).
 
     Under FSDP each forward of the sharded trainer gathers its weights on every process at once, so every process must
     run the same forwards. The samplers see to it for sampling (every host read that decides how many forwards run is
     agreed across the processes: `dllm_ais.sampling.forwards.EagerForwards.agreed`), for parallel decoding,
-    block-causal models and autoregressive decoding alike, and so does the decoder replay
-    (`MaskedDiffusionSampler.decoder_logits`) for its forwards. The trajectory-type estimators (`trajectory`,
-    `step_merge`) along the rollout's order are refused there with parallel decoding or a block-causal model: their
-    exact replay runs one forward per distinct commit step (per step rank of a block-causal model's blocks), which
-    differs per process, and the decoder replay, whose forwards agree, stalls in the backward of its pieces of
-    several sharded forwards (seen on 2 CPU processes); the order `experimental.likelihood_order=exact` replays is
-    the fixed schedule's."""
-    launch = accelerator.distributed_type
-    if launch == DistributedType.DEEPSPEED:
+    block-causal models and autoregressive decoding alike; the likelihood passes do for theirs (the decoder replay's
+    steps, the exact trajectory replay's forwards: `dllm_ais.likelihood.trajectory`), in the backward too."""
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
         raise ConfigError("rollout.precision_flow=unified runs single-process, under DDP or under FSDP, not under "
                           "DeepSpeed: launch with recipes/accelerate/ddp.yaml, or set rollout.precision_flow=split")
-    if (launch == DistributedType.FSDP and isinstance(policy, DiffusionPolicy)
-            and policy.estimator in TRAJECTORY_ESTIMATORS and policy.likelihood_order != "exact"
-            and (policy.sampler_config.parallel_decoding or is_block_causal(model))):
-        raise ConfigError(f"rollout.precision_flow=unified under FSDP scores with the sharded trainer, so every process "
-                          f"must run the same forwards, and likelihood.estimator={policy.estimator} replays the "
-                          "commit steps, which parallel decoding or a block-causal model makes differ between "
-                          "processes: use likelihood.estimator=one_step (or elbo, spg), or experimental."
-                          "likelihood_order=exact; else launch with recipes/accelerate/ddp.yaml, or set "
-                          "rollout.precision_flow=split")
 
 
 def lora_config(config: GRPOConfig, model_type: str) -> LoraConfig:
@@ -187,7 +169,7 @@ def build_components(config: GRPOConfig, tokenizer, accelerator: Accelerator, mo
         reference_model = copy.deepcopy(model).eval().requires_grad_(False)
     flow = config.rollout.precision_flow
     if flow == "unified":
-        check_unified_flow_launch(accelerator, policy, model)
+        check_unified_flow_launch(accelerator)
         if reference_model is not None:
             quantize_trainer_model_(reference_model, config.rollout.precision)
     engine = RolloutEngine(model, precision=config.rollout.precision, compile=config.rollout.compile,

@@ -466,9 +466,11 @@ def optimisation_pass(config: GRPOConfig, parts: StepComponents, batch: Generati
     rows_of = micro_batches(len(batch.advantages), config.per_device_train_batch_size)
     ctpo_options = config.experimental.ctpo_loss_options()
     scale = len(rows_of) if config.loss_type == "dapo" else 1
-    # DeepSpeed takes one backward per micro-step; several processes need the same number of backwards (collectives).
+    # DeepSpeed takes one backward per micro-step; several processes need the same number of backwards (collectives),
+    # which a sharded (FSDP2) model's estimators see to: its forwards are agreed across the processes.
     piecewise = accelerator.distributed_type != DistributedType.DEEPSPEED and (
-        accelerator.num_processes == 1 or pieces_align_across_processes(config))
+        accelerator.num_processes == 1 or accelerator.distributed_type == DistributedType.FSDP
+        or pieces_align_across_processes(config))
     summed: dict[str, float] = dict(batch.diagnostics[k])
     first_pass = iteration == 0  # the policy's entropy on the batch: once, at θ_old (a full-vocabulary pass)
     losses, entropies, finite, logp_theta = [], [], [], []

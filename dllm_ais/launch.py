@@ -68,9 +68,22 @@ def check_run_environment(config: GRPOConfig) -> None:
         raise ConfigError(problem_list("Cannot start the run:", problems))
 
 
+def sharding_problems(accelerator: Any) -> list[str]:
+    """An FSDP launch of version 1: the trainer, its engine sync, checkpoints and the sharded estimators' agreed
+    forwards are written for FSDP2 (torch's `fully_shard`), and accelerate's FSDP plugin defaults to version 1."""
+    from accelerate.utils import DistributedType
+
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if accelerator.distributed_type != DistributedType.FSDP or getattr(plugin, "fsdp_version", 2) == 2:
+        return []
+    return [f"the accelerate config asks for FSDP version {plugin.fsdp_version}; dllm-ais shards with FSDP2: set "
+            "fsdp_version: 2 under fsdp_config (as recipes/accelerate/fsdp.yaml does)"]
+
+
 def check_processes(accelerator: Any) -> None:
-    """ConfigError unless accelerate runs every launched process; a run over several says so once."""
-    problems = process_problems(accelerator.num_processes)
+    """ConfigError unless accelerate runs every launched process, with FSDP2 where it shards; a run over several says
+    so once."""
+    problems = process_problems(accelerator.num_processes) + sharding_problems(accelerator)
     if problems:
         raise ConfigError(problem_list("Cannot start the run:", problems))
     if accelerator.num_processes > 1 and accelerator.is_main_process:

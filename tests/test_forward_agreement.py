@@ -19,7 +19,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from dllm_ais.sampling import forwards as forwards_module
 from dllm_ais.sampling.forwards import EagerForwards, agreed_across_processes, is_sharded
 
 
@@ -178,3 +177,82 @@ def test_sharded_processes_run_the_same_forwards_whatever_their_prompts_need(cas
         assert result["sequences"] == result["alone"]["sequences"]
     if "replay_forwards" in first:
         assert first["replay_forwards"] == second["replay_forwards"] > 0
+
+
+# --- the backward: a sharded trainer's likelihood pieces, whatever each process's commit steps ----------------------
+
+def gradients(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Each parameter's gradient, whole (a sharded one gathered from its shards)."""
+    return {name: (parameter.grad.full_tensor() if hasattr(parameter.grad, "full_tensor") else parameter.grad).clone()
+            for name, parameter in model.named_parameters() if parameter.grad is not None}
+
+
+def backpropagate_pieces(policy, model: nn.Module, rollout) -> int:
+    """Σ log-probs of the policy's likelihood pieces, backpropagated piece by piece as the trainer does; the number
+    of forwards that took."""
+    count = forward_counter(model)
+    for piece in policy.logprob_pieces(model, rollout, seed=0):
+        piece.logprobs.sum().backward()
+    return count[0]
+
+
+def backward_case(rank: int, name: str, rollout: dict) -> dict:
+    """The trajectory estimator's pieces of 2 prompts of process-specific lengths, backpropagated through the sharded
+    model and, on the same rollout, through an unsharded copy alone: the forwards each took and the gradients."""
+    from conftest import config_of
+    from torch.distributed.fsdp import fully_shard
+    from dllm_ais.loading import load_tokenizer
+    from dllm_ais.policy import build_policy
+
+    tokenizer = load_tokenizer(name)
+    model, alone = model_alone(name).requires_grad_(True), model_alone(name).requires_grad_(True)
+    fully_shard(model)
+    policy = build_policy(config_of(model_name_or_path=name, max_completion_length=16, rollout=rollout,
+                                    likelihood={"estimator": "trajectory"}, temperature=1.0), model.config, tokenizer)
+    texts = ["1 2 3", "4 5"] if rank == 0 else ["9 8 7 6 5 4 3 2 1 0 1 2 3 4 5", "0"]
+    prompts = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left")
+    with torch.no_grad():
+        rollout_ = policy.sample(model, prompts.input_ids, prompts.attention_mask, torch.Generator().manual_seed(rank))
+    return {"forwards": backpropagate_pieces(policy, model, rollout_), "gradients": gradients(model),
+            "alone": {"forwards": backpropagate_pieces(policy, alone, rollout_), "gradients": gradients(alone)}}
+
+
+BACKWARD_CASES = {
+    "llada-threshold-exact-replay": lambda rank: backward_case(
+        rank, "embedded", {"threshold": 0.5, "block_length": 8, "cache": "none"}),
+    "llada-threshold-dual-cache-decoder-replay": lambda rank: backward_case(
+        rank, "embedded", {"threshold": 0.5, "block_length": 8, "cache": "dual"}),
+    "sdar-threshold-exact-replay": lambda rank: backward_case(
+        rank, "embedded-sdar", {"block_length": 4, "steps": 16, "cache": "none", "threshold": 0.2}),
+}
+
+
+def backward_worker(rank: int, port: int, case: str, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        results[rank] = BACKWARD_CASES[case](rank)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(BACKWARD_CASES))
+def test_a_sharded_trainers_pieces_run_in_step_and_their_gradient_is_the_processes_mean(case):
+    """Alone, each process's trajectory replay takes a different number of forwards (its own commit steps); sharded,
+    both take the same — a process's extra forwards score nothing but are backpropagated, so every gathering of the
+    weights in the backward has its partner — and the reduced gradient is the mean of the two processes' gradients
+    alone."""
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(backward_worker, args=(free_port(), case, results), nprocs=2, join=True)
+        first, second = dict(results[0]), dict(results[1])
+    print(case, {rank: (result["forwards"], result["alone"]["forwards"]) for rank, result in enumerate((first, second))})
+    assert first["alone"]["forwards"] != second["alone"]["forwards"]
+    assert first["forwards"] == second["forwards"] == max(first["alone"]["forwards"], second["alone"]["forwards"])
+    assert first["gradients"].keys() == first["alone"]["gradients"].keys()
+    for name, gradient in first["gradients"].items():
+        mean_alone = (first["alone"]["gradients"][name] + second["alone"]["gradients"][name]) / 2
+        torch.testing.assert_close(gradient, second["gradients"][name])
+        torch.testing.assert_close(gradient, mean_alone, rtol=1e-4, atol=1e-5)

@@ -134,14 +134,17 @@ def test_the_unified_flow_samples_with_the_sharded_trainer_and_scores_the_high_p
 @pytest.mark.parametrize("recipe", [
     [],  # the embedded recipe: dual cache, threshold 0.9, the one-step estimator
     [str(ROOT / "recipes" / "tiny_sdar_digits.yaml")],
-], ids=["llada-parallel-decoding", "sdar-block-causal"])
+    ["--likelihood.estimator=trajectory"],  # the dual cache's decoder replay
+    ["--likelihood.estimator=trajectory", "--rollout.cache=none"],  # the exact replay of each commit step
+], ids=["llada-parallel-decoding", "sdar-block-causal", "llada-decoder-replay", "llada-exact-replay"])
 def test_the_unified_flow_under_fsdp_samples_in_step_whatever_each_process_needs(tmp_path, recipe):
     """rollout.precision_flow=unified under FSDP2 with a sampler whose forwards depend on each process's prompts:
     parallel decoding (the embedded recipe's threshold: each process's blocks need the steps their confidences allow)
     and SDAR's blocks (its rows' masked positions
-    per block differ with their prompts' lengths). The processes agree on every host read that decides how many
-    forwards run (`EagerForwards.agreed`), so the sharded forwards stay in step and the run completes; the ratio is
-    exactly 1."""
+    per block differ with their prompts' lengths), scored by the one-step estimator or by the trajectory replays of
+    those commit steps. The processes agree on every host read that decides how many forwards run
+    (`EagerForwards.agreed`) and on the replays' forwards, so the sharded forwards stay in step, forward and backward,
+    and the run completes; the ratio is exactly 1."""
     output_dir = tmp_path / "unified"
     process = start([*LAUNCH, "-m", "dllm_ais.cli", "train", *recipe, "--max_steps=2", "--eval_size=0",
                      "--num_iterations=1", "--per_device_train_batch_size=8", "--rollout.precision=mxfp4",

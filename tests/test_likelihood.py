@@ -92,6 +92,19 @@ def test_selective_log_softmax_gradient_equals_naive():
     torch.testing.assert_close(chunked.grad, naive.grad, atol=1e-5, rtol=0)
 
 
+def test_selective_log_softmax_of_no_rows_is_zeros_still_in_the_logits_graph():
+    """No rows to score (a step writing nothing on this process): zeros, float32, whose backward still reaches the
+    forward that made the logits (under FSDP2 every process must run that backward)."""
+    logits = torch.randn(2, 3, 7, requires_grad=True)
+    none = torch.zeros(2, 3, dtype=torch.bool)
+    values, entropy = selective_log_softmax(logits[none], torch.zeros(0, dtype=torch.long), compute_entropy=True)
+    assert values.shape == entropy.shape == (0,) and values.dtype == torch.float32 and not entropy.requires_grad
+    reached = []
+    logits.register_hook(reached.append)
+    values.sum().backward()
+    assert len(reached) == 1 and not reached[0].any()
+
+
 def test_selective_log_softmax_keeps_at_most_one_float32_chunk_for_backward():
     """Under grad, the tensors autograd keeps never include a float32 copy of all [N, V] logits."""
     logits = torch.randn(64, 200, dtype=torch.bfloat16, requires_grad=True)

@@ -13,11 +13,13 @@ import typing
 from types import SimpleNamespace
 
 import pytest
+from accelerate.utils import DistributedType
 
 from dllm_ais import trackers
 from dllm_ais.config import EMBEDDED_RECIPE, SETTINGS_GROUPS, ConfigError, GRPOConfig, load_config
 from dllm_ais.console import LIBRARY_SWITCHES
-from dllm_ais.launch import check_processes, check_prompt_lengths, check_run_environment, process_problems
+from dllm_ais.launch import (check_processes, check_prompt_lengths, check_run_environment, process_problems,
+                             sharding_problems)
 from dllm_ais.validation import FOREIGN_KEYS, MAX_PROBLEM_LENGTH, Interval, accepts_float, numeric_fields_without_range
 
 # Every field a recipe can set: the top level, and each settings group's as `group.field`
@@ -228,7 +230,20 @@ def test_a_launch_accelerate_did_not_initialise_is_refused(monkeypatch):
     assert "ACCELERATE_USE_CPU=true" in problem and "accelerate launch --cpu --num_processes 2" in problem
     assert process_problems(num_processes=2) == []
     with pytest.raises(ConfigError, match="WORLD_SIZE=2"):
-        check_processes(SimpleNamespace(num_processes=1, is_main_process=True))
+        check_processes(SimpleNamespace(num_processes=1, is_main_process=True, distributed_type=DistributedType.NO,
+                                        state=SimpleNamespace()))
+
+
+def test_an_fsdp_launch_of_version_1_is_refused_with_the_setting_that_fixes_it():
+    def launch(version):
+        return SimpleNamespace(num_processes=1, is_main_process=True, distributed_type=DistributedType.FSDP,
+                               state=SimpleNamespace(fsdp_plugin=SimpleNamespace(fsdp_version=version)))
+
+    (problem,) = sharding_problems(launch(1))
+    assert "FSDP version 1" in problem and "fsdp_version: 2" in problem
+    with pytest.raises(ConfigError, match="recipes/accelerate/fsdp.yaml"):
+        check_processes(launch(1))
+    check_processes(launch(2))
 
 
 def test_reward_functions_that_do_not_import_are_reported_with_the_field():

@@ -111,9 +111,9 @@ def selective_log_softmax(
     vocab = logits.shape[-1]
     rows = logits.reshape(-1, vocab)
     row_targets = targets.reshape(-1)
-    if rows.shape[0] == 0:
-        empty = torch.zeros(targets.shape, dtype=torch.float32, device=logits.device)
-        return (empty, empty.clone()) if compute_entropy else empty
+    if rows.shape[0] == 0:  # still a node of the logits' graph: a backward reaches their forward on every process
+        empty = rows.sum(dim=-1, dtype=torch.float32).reshape(targets.shape)
+        return (empty, torch.zeros_like(empty, requires_grad=False)) if compute_entropy else empty
     recompute_in_backward = torch.is_grad_enabled() and logits.requires_grad
     pieces, entropies = [], []
     for chunk, chunk_targets in zip(rows.split(chunk_size), row_targets.split(chunk_size)):

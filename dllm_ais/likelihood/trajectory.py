@@ -32,6 +32,7 @@ from dllm_ais.likelihood.logits import (
 from dllm_ais.models.families import is_block_causal
 from dllm_ais.models.sdar import block_size_of, canvas_blocks
 from dllm_ais.rollout import Rollout
+from dllm_ais.sampling.forwards import agreed_across_processes, is_sharded
 
 
 @dataclass(frozen=True)
@@ -101,17 +102,27 @@ def _staged_pieces(model: nn.Module, rollout: Rollout, stage: Tensor, mask_token
     forward, `stages_per_forward` canvases stacked along the batch; each forward computes logits only at the columns
     its stages score. Lazy: a forward runs when its piece is asked for. `positions` [B, L] bool (None: all) restricts
     the scoring to those tokens: a stage none of them is in takes no forward.
+
+    A model sharded by FSDP2 (`is_sharded`) runs on every process as many forwards as the process that needs the
+    most (`agreed_across_processes`): each forward gathers its weights on every process at once, in the backward too.
+    A process's extra forwards score nothing (a piece without positions, still in the graph: its backward runs).
     """
     completion = rollout.completion_ids
     attention_mask = _check_canvas(rollout.sequences, rollout.attention_mask, rollout.prompt_length)
     scale = partial(shape_logits, temperature=temperature)
     batch = completion.shape[0]
     wanted = torch.ones_like(completion, dtype=torch.bool) if positions is None else positions.bool()
-    for stages in torch.unique(stage[wanted]).split(stages_per_forward):
+    forwards = list(torch.unique(stage[wanted]).split(stages_per_forward))
+    if is_sharded(model):
+        most = int(agreed_across_processes(torch.tensor([len(forwards)], device=stage.device))[0])
+        forwards += [stage.new_full((1,), -1)] * (most - len(forwards))  # stage −1: every position masked, none scored
+    for stages in forwards:
         stage_index = stages.view(-1, 1, 1)  # [S, 1, 1]
         hidden = stage.unsqueeze(0) >= stage_index  # [S, B, L]: still masked at the stage's canvas
         scored = (stage.unsqueeze(0) == stage_index) & wanted  # [S, B, L]: scored at this stage
         columns = scored.any(dim=1).any(dim=0).nonzero().flatten()  # [C] the positions these stages score
+        if columns.numel() == 0:  # an extra forward of a sharded model: the logits of one position, none scored
+            columns = columns.new_zeros(1)
         canvases = torch.cat(
             [rollout.prompt_ids.expand(len(stages), -1, -1), torch.where(hidden, mask_token_id, completion)], dim=2
         )
