@@ -112,6 +112,34 @@ def selection_differs(first: Tensor, second: Tensor) -> Tensor:
     return (first.sort(dim=-1).values != second.sort(dim=-1).values).any(dim=-1)
 
 
+def forward_input(args: tuple, kwargs: dict) -> Tensor:
+    """A model forward's input: its `input_ids` [B, n], else its `inputs_embeds` [B, n, d]."""
+    inputs = kwargs.get("input_ids", args[0] if args else None)
+    return kwargs["inputs_embeds"] if inputs is None else inputs
+
+
+class AroundEachForward:
+    """A context manager calling `_before` and `_after` (a subclass's) around each forward of `model`: the hooks are
+    registered on entry and removed on exit, so a forward outside the block is untouched. `_before` opens a routing
+    tape's context and keeps it first in a `_pending` tuple, `_after` pops and closes it; on exit, the contexts a
+    forward that raised between its hooks left open are closed."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self._hooks, self._pending = [], []
+
+    def __enter__(self):
+        self._hooks = [self.model.register_forward_pre_hook(self._before, with_kwargs=True),
+                       self.model.register_forward_hook(self._after, with_kwargs=True)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        while self._pending:
+            self._pending.pop()[0].__exit__(*exc)
+
+
 @dataclass(frozen=True)
 class ReplayedForward:
     """One trainer forward under `EngineRouting`: its `input_ids` and `position_ids` (None when not passed), and per
@@ -125,7 +153,7 @@ class ReplayedForward:
     used_differs: Tensor
 
 
-class EngineRouting:
+class EngineRouting(AroundEachForward):
     """A context manager: while active, each forward of `trainer` is preceded by `engine`'s forward on the same
     inputs (no gradient), whose expert selection the trainer replays (`replay`) or is compared with only.
 
@@ -138,9 +166,10 @@ class EngineRouting:
         if not routed_layers(trainer):
             raise ValueError(f"experimental.routing_replay: {type(trainer).__name__} has no mixture-of-experts layer "
                              "to replay the routing of: set experimental.routing_replay=false")
+        super().__init__(trainer)
         self.trainer, self.engine, self.replay = trainer, engine, replay
         self.forwards: list[ReplayedForward] = []
-        self._hooks, self._pending, self._engine_running = [], [], False
+        self._engine_running = False
 
     def own_differs_share(self) -> float:
         """The share of (token, routed layer) pairs, over every forward so far (all their tokens), where the trainer's
@@ -148,17 +177,6 @@ class EngineRouting:
         if not self.forwards:
             return 0.0
         return torch.cat([forward.own_differs.flatten() for forward in self.forwards]).float().mean().item()
-
-    def __enter__(self) -> "EngineRouting":
-        self._hooks = [self.trainer.register_forward_pre_hook(self._before, with_kwargs=True),
-                       self.trainer.register_forward_hook(self._after, with_kwargs=True)]
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        while self._pending:  # a forward that raised between the hooks
-            self._pending.pop()[1].__exit__(*exc)
 
     def _before(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._engine_running:  # the engine's own forward, when the engine is the trainer
@@ -176,15 +194,15 @@ class EngineRouting:
         tape = RoutingTape(engine_tape.used if self.replay else None)
         context = routing_tape(self.trainer, tape)
         context.__enter__()
-        self._pending.append((engine_tape, context, tape))
+        self._pending.append((context, engine_tape, tape))
 
     def _after(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
         if self._engine_running:
             return
-        engine_tape, context, tape = self._pending.pop()
+        context, engine_tape, tape = self._pending.pop()
         context.__exit__(None, None, None)
         input_ids = kwargs.get("input_ids", args[0] if args else None)
-        shape = input_ids.shape if input_ids is not None else kwargs["inputs_embeds"].shape[:2]
+        shape = forward_input(args, kwargs).shape[:2]
 
         def differs(selections: list[Tensor]) -> Tensor:
             return torch.stack([selection_differs(a, b) for a, b in zip(engine_tape.used, selections)],
@@ -198,37 +216,23 @@ def forward_positions(args: tuple, kwargs: dict) -> Tensor:
     """The canvas positions [n] a model forward computes: its `cache_position`, else 0..n−1 of its input."""
     if kwargs.get("cache_position") is not None:
         return kwargs["cache_position"]
-    inputs = kwargs.get("input_ids", args[0] if args else None)
-    inputs = kwargs["inputs_embeds"] if inputs is None else inputs
+    inputs = forward_input(args, kwargs)
     return torch.arange(inputs.shape[1], device=inputs.device)
 
 
-class PositionedRouting:
+class PositionedRouting(AroundEachForward):
     """A context manager: each forward of `model` inside it routes through the tape ``tape_for(positions, rows)``
     returns (positions [n]: `forward_positions`; rows: the forward's batch), set on every routed layer for that forward
-    only (`routing_tape`: a forced tape must be used up), and ``done(tape, positions, rows)`` is called after it. The
-    hooks are registered on entry and removed on exit, so a forward of the model outside the block is untouched."""
+    only (`routing_tape`: a forced tape must be used up), and ``done(tape, positions, rows)`` is called after it."""
 
     def __init__(self, model: nn.Module, tape_for: Callable[[Tensor, int], RoutingTape],
                  done: Callable[[RoutingTape, Tensor, int], None] | None = None):
-        self.model, self.tape_for, self.done = model, tape_for, done
-        self._hooks, self._pending = [], []
-
-    def __enter__(self) -> "PositionedRouting":
-        self._hooks = [self.model.register_forward_pre_hook(self._before, with_kwargs=True),
-                       self.model.register_forward_hook(self._after, with_kwargs=True)]
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        while self._pending:  # a forward that raised between the hooks
-            self._pending.pop()[0].__exit__(*exc)
+        super().__init__(model)
+        self.tape_for, self.done = tape_for, done
 
     def _before(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         positions = forward_positions(args, kwargs)
-        inputs = kwargs.get("input_ids", args[0] if args else None)
-        rows = (kwargs["inputs_embeds"] if inputs is None else inputs).shape[0]
+        rows = forward_input(args, kwargs).shape[0]
         tape = self.tape_for(positions, rows)
         context = routing_tape(self.model, tape)
         context.__enter__()
