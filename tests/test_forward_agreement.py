@@ -19,7 +19,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from dllm_ais.sampling.forwards import EagerForwards, agreed_across_processes, is_sharded
+from dllm_ais.models.sharding import agreed_across_processes, is_sharded
+from dllm_ais.sampling.forwards import EagerForwards
 
 
 def other_process_holds(values: list[int]):

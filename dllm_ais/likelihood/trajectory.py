@@ -31,8 +31,8 @@ from dllm_ais.likelihood.logits import (
 )
 from dllm_ais.models.families import is_block_causal
 from dllm_ais.models.sdar import block_size_of, canvas_blocks
+from dllm_ais.models.sharding import agreed_across_processes, is_sharded
 from dllm_ais.rollout import Rollout
-from dllm_ais.sampling.forwards import agreed_across_processes, is_sharded
 
 
 @dataclass(frozen=True)
