@@ -156,9 +156,17 @@ def worker(rank: int, port: int, case: str, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        results[rank] = CASES[case](rank)
+        results[rank] = {**CASES, **BACKWARD_CASES}[case](rank)
     finally:
         dist.destroy_process_group()
+
+
+def on_two_processes(case: str) -> tuple[dict, dict]:
+    """What `case` returns on each of 2 gloo processes."""
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(worker, args=(free_port(), case, results), nprocs=2, join=True)
+        return dict(results[0]), dict(results[1])
 
 
 @pytest.mark.slow
@@ -166,10 +174,7 @@ def worker(rank: int, port: int, case: str, results) -> None:
 def test_sharded_processes_run_the_same_forwards_whatever_their_prompts_need(case):
     """Each process alone would run a different number of forwards; sharded, both run the same (the most either
     needs), and each process's completions are those it samples alone."""
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(worker, args=(free_port(), case, results), nprocs=2, join=True)
-        first, second = dict(results[0]), dict(results[1])
+    first, second = on_two_processes(case)
     print(case, {rank: {key: value for key, value in result.items() if key != "sequences"}
                  for rank, result in enumerate((first, second))})
     assert first["alone"]["forwards"] != second["alone"]["forwards"]  # the prompts need different numbers of steps
@@ -228,16 +233,6 @@ BACKWARD_CASES = {
 }
 
 
-def backward_worker(rank: int, port: int, case: str, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        results[rank] = BACKWARD_CASES[case](rank)
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(BACKWARD_CASES))
 def test_a_sharded_trainers_pieces_run_in_step_and_their_gradient_is_the_processes_mean(case):
@@ -245,10 +240,7 @@ def test_a_sharded_trainers_pieces_run_in_step_and_their_gradient_is_the_process
     both take the same — a process's extra forwards score nothing but are backpropagated, so every gathering of the
     weights in the backward has its partner — and the reduced gradient is the mean of the two processes' gradients
     alone."""
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(backward_worker, args=(free_port(), case, results), nprocs=2, join=True)
-        first, second = dict(results[0]), dict(results[1])
+    first, second = on_two_processes(case)
     print(case, {rank: (result["forwards"], result["alone"]["forwards"]) for rank, result in enumerate((first, second))})
     assert first["alone"]["forwards"] != second["alone"]["forwards"]
     assert first["forwards"] == second["forwards"] == max(first["alone"]["forwards"], second["alone"]["forwards"])
