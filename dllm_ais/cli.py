@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dllm_ais.choices import EVAL_PROTOCOLS, PRECISIONS, SFT_MASKINGS
+from dllm_ais.choices import EVAL_PROTOCOLS, PRECISION_FLOWS, PRECISIONS, SFT_MASKINGS
 from dllm_ais.commands import run_bench, run_compare, run_export, run_lm_eval, run_sft, run_train
 from dllm_ais.inference_commands import comma_separated_ints, run_eval, run_generate
 
@@ -86,12 +86,17 @@ def add_train_command(commands, common: argparse.ArgumentParser) -> None:
 
 
 def inference_options(common: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The options eval and generate share: a recipe, the model, its rollout precision and the temperature."""
+    """The options eval and generate share: a recipe, the model, its rollout precision and precision flow, and the
+    temperature."""
     inference = argparse.ArgumentParser(add_help=False, parents=[common])
     inference.add_argument("recipe", nargs="?", help="optional YAML recipe for task/sampler settings")
     inference.add_argument("--model", help="hub id, model dir or adapter dir (default: the recipe's or 'embedded')")
     inference.add_argument("--precision", default="bf16", choices=PRECISIONS,
                            help="run the model through the rollout engine at this precision")
+    inference.add_argument("--precision_flow", default="split", choices=PRECISION_FLOWS,
+                           help="split: an adapter merged in, the whole model quantized (a split run's engine); "
+                                "unified: the base quantized, an adapter beside it in high precision (as a unified run "
+                                "samples and evaluates)")
     inference.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the d1 eval protocol)")
     return inference
 

@@ -417,7 +417,8 @@ def markdown_table(report: dict[str, Any]) -> str:
         f"`{report['model']['id']}` · {report['protocol']['name']} protocol (temperature "
         f"{report['protocol']['temperature']}, block {report['protocol']['block_length']}, steps = "
         f"{report['protocol'].get('steps', 'gen_length / 2')}) · "
-        f"dtype {report['dtype']}, rollout {report['rollout_precision']} · {report['device']}",
+        f"dtype {report['dtype']}, rollout {report['rollout_precision']}"
+        f"{' (unified flow)' if report.get('precision_flow') == 'unified' else ''} · {report['device']}",
         "",
         "| gen length | accuracy (%) | ± SE | reward | " + " | ".join(names) + " |",
         "|---:|---:|---:|---:|" + "---:|" * len(names),

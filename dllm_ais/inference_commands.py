@@ -90,7 +90,8 @@ def block_diffusion_decoding(model_type: str, block_size: int, values: dict) -> 
 
 
 def load_for_inference(args: argparse.Namespace, config):
-    """Model (through the rollout engine at --precision) and tokenizer of `config` for eval/generate."""
+    """Model (through the rollout engine at --precision, in --precision_flow) and tokenizer of `config` for
+    eval/generate."""
     import torch
 
     from dllm_ais.loading import check_tokenizer_files
@@ -104,7 +105,7 @@ def load_for_inference(args: argparse.Namespace, config):
     model = load_model(config.model_name_or_path, resolve_dtype(config.dtype), config.trust_remote_code)
     model = model.to(device).eval()
     if args.precision != "bf16":
-        model = RolloutEngine(model, precision=args.precision).model
+        model = RolloutEngine(model, precision=args.precision, precision_flow=args.precision_flow).model
     return model, tokenizer
 
 
@@ -195,6 +196,7 @@ def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
                      "batch_size": batch_size},
         "seed": config.seed, "model": model_provenance(config.model_name_or_path, model),
         "dtype": str(resolve_dtype(config.dtype)).removeprefix("torch."), "rollout_precision": args.precision,
+        "precision_flow": args.precision_flow,
         "device": device_name(next(model.parameters()).device), "versions": library_versions(),
         "command": shlex.join(["dllm-ais", *args.argv]), "results": results,
     }

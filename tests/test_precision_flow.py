@@ -18,6 +18,7 @@ from conftest import bare_tiny_llada, config_of
 from dllm_ais import grpo
 from dllm_ais.choices import BATCH_SCALED_PRECISIONS
 from dllm_ais.bench.mismatch import RECIPES, measure_notch, validation_prompts
+from dllm_ais.inference_commands import load_for_inference
 from dllm_ais.components import check_unified_flow_launch
 from dllm_ais.config import EMBEDDED_RECIPE, ConfigError, load_config
 from dllm_ais.engine import RolloutEngine
@@ -277,6 +278,24 @@ def test_the_unified_flow_trains_fully_fine_tuned_and_scores_the_high_precision_
     assert unified["eval/high_precision_base/reward_before"] == split.history[-1]["eval/reward_before"]
     assert "eval/high_precision_base/reward_delta" in unified
     assert not any(key.startswith("eval/high_precision_base/") for key in split.history[-1])
+
+
+def test_eval_and_generate_in_the_unified_flow_compute_the_unified_trainers_logits(tmp_path):
+    """`dllm-ais eval/generate --precision mxfp4 --precision_flow unified` on a saved adapter compute what a unified
+    run's model computes (the base quantized, the adapter beside it in high precision: its held-out evaluation);
+    the split flow merges the adapter in and quantizes the sum, which computes otherwise."""
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=lora_target_modules("llada"), init_lora_weights=False)
+    adapter = get_peft_model(load_model("embedded", torch.float32), lora)
+    adapter.save_pretrained(tmp_path / "adapter")
+    load_tokenizer("embedded").save_pretrained(tmp_path / "adapter")
+    trainer = RolloutEngine(adapter, precision="mxfp4", precision_flow="unified").model
+    config = SimpleNamespace(model_name_or_path=str(tmp_path / "adapter"), dtype="float32", trust_remote_code=False)
+    tokens = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = {flow: load_for_inference(SimpleNamespace(precision="mxfp4", precision_flow=flow), config)[0](
+            tokens).logits for flow in ("unified", "split")}
+        assert torch.equal(logits["unified"], trainer(tokens).logits)
+    assert (logits["split"] - logits["unified"]).abs().max() > 1e-2
 
 
 def test_the_settings_and_launches_the_unified_flow_refuses():
