@@ -113,7 +113,7 @@ def selective_log_softmax(
     row_targets = targets.reshape(-1)
     if rows.shape[0] == 0:  # still a node of the logits' graph: a backward reaches their forward on every process
         empty = rows.sum(dim=-1, dtype=torch.float32).reshape(targets.shape)
-        return (empty, torch.zeros_like(empty, requires_grad=False)) if compute_entropy else empty
+        return (empty, torch.zeros_like(empty)) if compute_entropy else empty
     recompute_in_backward = torch.is_grad_enabled() and logits.requires_grad
     pieces, entropies = [], []
     for chunk, chunk_targets in zip(rows.split(chunk_size), row_targets.split(chunk_size)):
