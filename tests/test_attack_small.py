@@ -99,7 +99,8 @@ def test_a_reward_raising_keyboard_interrupt_is_its_error_not_a_users_ctrl_c(tmp
 
 
 def test_ctrl_c_while_a_reward_runs_is_still_the_users():
-    """A real SIGINT during a reward call keeps its meaning (Python's handler raises KeyboardInterrupt)."""
+    """A real SIGINT during a reward call keeps its meaning (Python's handler raises KeyboardInterrupt). Python's
+    handler is installed for the test: a run started in the background (nohup, `&`) inherits SIGINT ignored."""
     import os
 
     from dllm_ais.rewards import score_completions
@@ -108,9 +109,13 @@ def test_ctrl_c_while_a_reward_runs_is_still_the_users():
         os.kill(os.getpid(), signal.SIGINT)
         return [0.0] * len(completions)
 
-    with pytest.raises(KeyboardInterrupt):
-        score_completions([slow_reward], ["p"], ["c"], {})
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            score_completions([slow_reward], ["p"], ["c"], {})
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, inherited)
 
 
 def test_a_metrics_line_with_nan_is_not_a_runs_line_and_never_kept_on_resume(tmp_path, capsys):
