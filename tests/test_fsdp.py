@@ -154,3 +154,18 @@ def test_the_unified_flow_under_fsdp_samples_in_step_whatever_each_process_needs
     steps = [record for record in metrics(output_dir) if "loss" in record]
     assert [record["step"] for record in steps] == [1, 2]
     assert all(record["rollout_corr/k3_kl"] == 0.0 and math.isfinite(record["grad_norm"]) for record in steps)
+
+
+def test_the_split_flows_sharded_trainer_replays_each_processs_commit_steps_in_step(tmp_path):
+    """The split flow under FSDP2 with threshold decoding and the exact trajectory replay: each process's rollouts
+    commit at their own steps, so alone the processes' replays would take different numbers of forwards; the
+    sharded trainer runs as many on each (the extra ones scoring nothing, backpropagated too) and the run completes."""
+    output_dir = tmp_path / "split"
+    process = start([*LAUNCH, "-m", "dllm_ais.cli", "train", "--max_steps=2", "--eval_size=0", "--num_iterations=1",
+                     "--per_device_train_batch_size=8", "--rollout.precision=mxfp4", "--likelihood.estimator=trajectory",
+                     "--rollout.cache=none", "--temperature=3.0", f"--output_dir={output_dir}"], tmp_path)
+    assert process.wait(timeout=600) == 0, output_of(process)[-5000:]
+    assert "distributed run: 2 processes (FSDP) on cpu" in output_of(process)
+    steps = [record for record in metrics(output_dir) if "loss" in record]
+    assert [record["step"] for record in steps] == [1, 2]
+    assert all(math.isfinite(record["grad_norm"]) and record["rollout_corr/k3_kl"] > 0 for record in steps)
