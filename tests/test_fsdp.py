@@ -16,7 +16,6 @@ import math
 import re
 import shlex
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -112,21 +111,29 @@ def test_sigterm_to_the_launcher_checkpoints_and_the_resumed_run_matches_the_uni
     assert comparable(metrics(output_dir)) == comparable(metrics(root / "lora"))
 
 
+def two_sharded_steps(tmp_path, *arguments: str) -> tuple[list[dict], Path]:
+    """`dllm-ais train --max_steps=2 ... ARGUMENTS` (MXFP4 rollouts, 8 completions a process, temperature 3 so that
+    rewards differ within groups) launched as 2 FSDP processes: its two optimisation steps' records and its
+    directory."""
+    output_dir = tmp_path / "run"
+    process = start([*LAUNCH, "-m", "dllm_ais.cli", "train", "--max_steps=2", "--num_iterations=1",
+                     "--per_device_train_batch_size=8", "--rollout.precision=mxfp4", "--temperature=3.0", *arguments,
+                     f"--output_dir={output_dir}"], tmp_path)
+    assert process.wait(timeout=600) == 0, output_of(process)[-5000:]
+    assert "distributed run: 2 processes (FSDP) on cpu" in output_of(process)
+    steps = [record for record in metrics(output_dir) if "loss" in record]
+    assert [record["step"] for record in steps] == [1, 2]
+    return steps, output_dir
+
+
 @pytest.mark.parametrize("training", [(), ("--use_peft=false",)], ids=["lora", "full-fine-tuning"])
 def test_the_unified_flow_samples_with_the_sharded_trainer_and_scores_the_high_precision_base(tmp_path, training):
     """rollout.precision_flow=unified under FSDP2 (MXFP4): the engine is the sharded trainer itself, each sampling
     forward gathering its weights on both processes, in step on the fixed schedule (rollout.threshold=null); the ratio
     is exactly 1, gradients flow (temperature 3 so that rewards differ within groups), and the trained weights reach
     the high-precision base's evaluation gathered from their shards."""
-    output_dir = tmp_path / "unified"
-    process = start([*LAUNCH, "-m", "dllm_ais.cli", "train", "--max_steps=2", "--eval_size=4", "--num_iterations=1",
-                     "--per_device_train_batch_size=8", "--rollout.precision=mxfp4", "--rollout.precision_flow=unified",
-                     "--rollout.threshold=null", "--temperature=3.0", *training, f"--output_dir={output_dir}"],
-                    tmp_path)
-    assert process.wait(timeout=600) == 0, output_of(process)[-5000:]
-    assert "distributed run: 2 processes (FSDP) on cpu" in output_of(process)
-    steps = [record for record in metrics(output_dir) if "loss" in record]
-    assert [record["step"] for record in steps] == [1, 2]
+    steps, output_dir = two_sharded_steps(tmp_path, "--eval_size=4", "--rollout.precision_flow=unified",
+                                          "--rollout.threshold=null", *training)
     assert all(record["rollout_corr/k3_kl"] == 0.0 and record["grad_norm"] > 0 for record in steps)
     assert "eval/high_precision_base/accuracy" in metrics(output_dir)[-1]
 
@@ -145,14 +152,7 @@ def test_the_unified_flow_under_fsdp_samples_in_step_whatever_each_process_needs
     those commit steps. The processes agree on every host read that decides how many forwards run
     (`EagerForwards.agreed`) and on the replays' forwards, so the sharded forwards stay in step, forward and backward,
     and the run completes; the ratio is exactly 1."""
-    output_dir = tmp_path / "unified"
-    process = start([*LAUNCH, "-m", "dllm_ais.cli", "train", *recipe, "--max_steps=2", "--eval_size=0",
-                     "--num_iterations=1", "--per_device_train_batch_size=8", "--rollout.precision=mxfp4",
-                     "--rollout.precision_flow=unified", "--temperature=3.0", f"--output_dir={output_dir}"], tmp_path)
-    assert process.wait(timeout=600) == 0, output_of(process)[-5000:]
-    assert "distributed run: 2 processes (FSDP) on cpu" in output_of(process)
-    steps = [record for record in metrics(output_dir) if "loss" in record]
-    assert [record["step"] for record in steps] == [1, 2]
+    steps, _ = two_sharded_steps(tmp_path, *recipe, "--eval_size=0", "--rollout.precision_flow=unified")
     assert all(record["rollout_corr/k3_kl"] == 0.0 and math.isfinite(record["grad_norm"]) for record in steps)
 
 
@@ -160,12 +160,5 @@ def test_the_split_flows_sharded_trainer_replays_each_processs_commit_steps_in_s
     """The split flow under FSDP2 with threshold decoding and the exact trajectory replay: each process's rollouts
     commit at their own steps, so alone the processes' replays would take different numbers of forwards; the
     sharded trainer runs as many on each (the extra ones scoring nothing, backpropagated too) and the run completes."""
-    output_dir = tmp_path / "split"
-    process = start([*LAUNCH, "-m", "dllm_ais.cli", "train", "--max_steps=2", "--eval_size=0", "--num_iterations=1",
-                     "--per_device_train_batch_size=8", "--rollout.precision=mxfp4", "--likelihood.estimator=trajectory",
-                     "--rollout.cache=none", "--temperature=3.0", f"--output_dir={output_dir}"], tmp_path)
-    assert process.wait(timeout=600) == 0, output_of(process)[-5000:]
-    assert "distributed run: 2 processes (FSDP) on cpu" in output_of(process)
-    steps = [record for record in metrics(output_dir) if "loss" in record]
-    assert [record["step"] for record in steps] == [1, 2]
+    steps, _ = two_sharded_steps(tmp_path, "--eval_size=0", "--likelihood.estimator=trajectory", "--rollout.cache=none")
     assert all(math.isfinite(record["grad_norm"]) and record["rollout_corr/k3_kl"] > 0 for record in steps)
