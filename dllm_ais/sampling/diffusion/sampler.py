@@ -200,8 +200,8 @@ class MaskedDiffusionSampler:
 
         Sharded forwards (`EagerForwards.shared`, FSDP2): each of those reads goes through `EagerForwards.agreed`, so
         that every process runs the same forwards (a block none of a process's rows needs, or steps past its rows'
-        last commits, run there and commit nothing); a block-causal model's fixed schedule (or ``origin``'s random
-        counts) then also reads, per step, whether any process commits."""
+        last commits, run there and commit nothing); of the fixed schedule, only ``origin``'s random counts then
+        read, per step, the most any process commits (`_denoise_block_on_schedule`)."""
         config, device = self.config, input_ids.device
         prompt_attention = padding_or_none(attention_mask)
         layout = self.canvas_layout(input_ids, prompt_attention, token_ids)
